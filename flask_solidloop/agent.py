@@ -1,0 +1,308 @@
+"""The agent API: declare an agent as a class, then start, pause, resume, stop loops.
+
+::
+
+    @solidloop.agent("support")
+    class Support(Agent):
+        system_prompt = "You are a helpful assistant."
+        llm = {"base_url": "https://api.openai.com", "model": "gpt-4o",
+               "api_key_env": "OPENAI_API_KEY"}
+        mcps = [{"name": "search", "toolset": search}]
+
+    loop = Support.start(subject=user, message="Summarize this week")
+    Support(loop).pause()
+    Support(loop).resume(from_=("paused", "failed"))
+
+Options are class attributes (or methods, for values computed at run time).
+A public non-callable attribute that is not an option is an error, so a typo
+like ``streming = True`` fails at import instead of being ignored.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from flask import current_app
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from .errors import AgentDefinitionError, NotInitializedError
+from .llm.types import ProviderSettings
+from .mcp.registry import validate_entry
+from .models import RESUMABLE_STATUSES, Loop, Message, ToolCall
+
+if TYPE_CHECKING:
+    from .extension import SolidLoop, SolidLoopState
+    from .pipeline.builder import Builder
+
+OPTIONS: dict[str, str] = {
+    "system_prompt": "str, or a method returning one",
+    "llm": "dict of provider settings (base_url, model, api_key_env, read_timeout, ...)",
+    "mcps": "list of tool server entries, each a dict with a name",
+    "streaming": "bool: stream the LLM response",
+    "llm_params": "dict deep-merged over the request payload last",
+    "max_steps": "int: LLM turns before the loop pauses",
+    "max_duration": "int seconds: wall time before the loop pauses",
+    "sequential_tool_calls": "bool: run a turn's tool calls one after another",
+    "reasoning_effort": "str passed to the provider, or None",
+    "max_tokens": "int output cap, or None for the provider default",
+}
+HOOKS = ("configure_llm_middlewares", "configure_tool_middlewares")
+LIVE_STATUSES = ("queued", "running")
+
+
+def _subject_key(subject: Any) -> tuple[str | None, str | None]:
+    if subject is None:
+        return None, None
+    if isinstance(subject, tuple) and len(subject) == 2:
+        return str(subject[0]), str(subject[1])
+    ident = getattr(subject, "id", None)
+    if ident is None:
+        raise TypeError(
+            "subject must be a model instance with an id, a (type, id) tuple, or None; "
+            f"got {subject!r}"
+        )
+    return type(subject).__name__, str(ident)
+
+
+class Agent:
+    """Base class of every agent. Subclass it and register with ``@solidloop.agent(name)``."""
+
+    system_prompt: Any = "You are a helpful assistant."
+    llm: Any = None
+    mcps: Any = ()
+    streaming: Any = False
+    llm_params: Any = None
+    max_steps: Any = 50
+    max_duration: Any = None
+    sequential_tool_calls: Any = False
+    reasoning_effort: Any = None
+    max_tokens: Any = None
+
+    #: The stable registry name, stored on every loop of this agent.
+    agent_name: ClassVar[str | None] = None
+    _extension: ClassVar[SolidLoop | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name, value in vars(cls).items():
+            if name.startswith("_") or name in OPTIONS or name in HOOKS:
+                continue
+            if callable(value) or isinstance(value, property | classmethod | staticmethod):
+                continue
+            close = difflib.get_close_matches(name, list(OPTIONS), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise AgentDefinitionError(
+                f"agent class {cls.__name__}: unknown option {name!r}{hint}; "
+                f"options: {', '.join(OPTIONS)}"
+            )
+
+    def __init__(self, loop: Loop | int | None = None) -> None:
+        self._loop_id = loop.id if isinstance(loop, Loop) else loop
+        self._loop = loop if isinstance(loop, Loop) else None
+
+    # -- option access: attributes or zero-argument methods --------------------
+
+    def option(self, name: str) -> Any:
+        value = getattr(self, name)
+        return value() if callable(value) else value
+
+    @property
+    def loop(self) -> Loop | None:
+        if self._loop is None and self._loop_id is not None:
+            self._loop = _state().db.session.get(Loop, self._loop_id)
+        return self._loop
+
+    def provider(self) -> ProviderSettings:
+        data = self.option("llm")
+        if data is None:
+            raise AgentDefinitionError(
+                f"agent {self.agent_name!r} declares no llm settings; set llm = "
+                "{'base_url': ..., 'model': ..., 'api_key_env': ...}"
+            )
+        return ProviderSettings.from_dict(data, agent=str(self.agent_name))
+
+    def tool_entries(self) -> list[dict[str, Any]]:
+        entries = list(self.option("mcps") or [])
+        for entry in entries:
+            validate_entry(entry, str(self.agent_name))
+        return entries
+
+    def effective_max_duration(self, default: int) -> int:
+        value = self.option("max_duration")
+        return int(value) if value else default
+
+    def validate(self) -> None:
+        """Check every option now; raise AgentDefinitionError naming the first bad one."""
+        name = self.agent_name
+        self.provider() if self.option("llm") is not None else None
+        self.tool_entries()
+        for option in ("max_steps", "max_duration", "max_tokens"):
+            value = self.option(option)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value <= 0):
+                raise AgentDefinitionError(
+                    f"agent {name!r}: {option} must be a positive int or None, got {value!r}"
+                )
+        for option in ("streaming", "sequential_tool_calls"):
+            if not isinstance(self.option(option), bool):
+                raise AgentDefinitionError(f"agent {name!r}: {option} must be a bool")
+        params = self.option("llm_params")
+        if params is not None and not isinstance(params, dict):
+            raise AgentDefinitionError(f"agent {name!r}: llm_params must be a dict or None")
+        if self.option("streaming"):
+            raise AgentDefinitionError(
+                f"agent {name!r}: streaming=True is not supported by this version yet; "
+                "set streaming = False"
+            )
+
+    def render_system_prompt(self) -> str:
+        return str(self.option("system_prompt") or "")
+
+    # -- middleware hooks ---------------------------------------------------------
+
+    def configure_llm_middlewares(self, builder: Builder) -> None:
+        """Edit this agent's LLM stack (insert_before/after, replace, delete)."""
+
+    def configure_tool_middlewares(self, builder: Builder) -> None:
+        """Edit this agent's tool stack."""
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    @classmethod
+    def start(
+        cls,
+        *,
+        message: str,
+        subject: Any = None,
+        session: Session | None = None,
+        commit: bool = True,
+        state: dict[str, Any] | None = None,
+    ) -> Loop:
+        """Create a queued loop with its system and user messages and its first job.
+
+        Everything is written in one transaction on ``session`` (the app's
+        ``db.session`` by default). With ``commit=False`` the caller commits,
+        so the loop can start atomically with the caller's own writes.
+        """
+        ext_state = _state()
+        name = cls._registered_name()
+        agent = cls()
+        agent.validate()
+        if not isinstance(message, str) or not message.strip():
+            raise ValueError("message must be a non-empty string")
+        session = session or ext_state.db.session
+        subject_type, subject_id = _subject_key(subject)
+        loop = Loop(
+            agent_name=name,
+            subject_type=subject_type,
+            subject_id=subject_id,
+            status="queued",
+            state=dict(state or {}),
+        )
+        session.add(loop)
+        session.flush()
+        prompt = agent.render_system_prompt()
+        if prompt:
+            session.add(Message(loop_id=loop.id, role="system", content=prompt))
+        session.add(Message(loop_id=loop.id, role="user", content=message))
+        session.flush()
+        ext_state.dispatch.llm_turn(session, loop.id)
+        if commit:
+            session.commit()
+        return loop
+
+    @classmethod
+    def _registered_name(cls) -> str:
+        if not cls.agent_name or cls._extension is None:
+            raise AgentDefinitionError(
+                f"{cls.__name__} is not registered; decorate it with @solidloop.agent('name')"
+            )
+        return cls.agent_name
+
+    def _require_loop(self) -> int:
+        if self._loop_id is None:
+            raise ValueError(f"{type(self).__name__}() was created without a loop")
+        return self._loop_id
+
+    def pause(self, *, session: Session | None = None) -> bool:
+        """Pause a queued or running loop. Pending jobs of the old generation no-op.
+
+        Returns False when the loop was not live.
+        """
+        from .loops.control import pause_loop
+
+        session = session or _state().db.session
+        return pause_loop(session, self._require_loop())
+
+    def stop(self, *, reason: str = "stopped by request", session: Session | None = None) -> bool:
+        """End a loop for good (status failed, with ``reason``). False if already terminal."""
+        from .loops.control import stop_loop
+
+        session = session or _state().db.session
+        return stop_loop(session, self._require_loop(), reason=reason)
+
+    def resume(
+        self,
+        *,
+        from_: Iterable[str] = RESUMABLE_STATUSES,
+        message: str | None = None,
+        session: Session | None = None,
+    ) -> bool:
+        """Re-enter the loop when its status is in ``from_``.
+
+        ``from_`` defaults to every resumable status, completed included;
+        narrow it (``from_=("paused", "failed")``) where a finished loop has
+        already reported its result. A status that can never be resumed
+        (queued, running) raises ValueError. ``message`` appends a user message
+        first. Returns False when the loop's status is not in ``from_``.
+        """
+        from .loops.control import resume_loop
+
+        allowed = (from_,) if isinstance(from_, str) else tuple(from_)
+        bad = [s for s in allowed if s not in RESUMABLE_STATUSES]
+        if bad:
+            raise ValueError(
+                f"status(es) {', '.join(map(repr, bad))} can never be resumed; "
+                f"resumable statuses: {', '.join(RESUMABLE_STATUSES)}"
+            )
+        session = session or _state().db.session
+        return resume_loop(session, self._require_loop(), allowed, message=message)
+
+    def history(self, *, include_hidden: bool = False) -> list[Message]:
+        session = _state().db.session
+        query = select(Message).where(Message.loop_id == self._require_loop())
+        if not include_hidden:
+            query = query.where(Message.is_hidden.is_(False))
+        return list(session.scalars(query.order_by(Message.id)))
+
+    def tool_calls(self) -> list[ToolCall]:
+        session = _state().db.session
+        return list(
+            session.scalars(
+                select(ToolCall).where(ToolCall.loop_id == self._require_loop())
+                .order_by(ToolCall.id)
+            )
+        )
+
+
+def _state() -> SolidLoopState:
+    try:
+        return current_app.extensions["solidloop"]
+    except (RuntimeError, KeyError):
+        raise NotInitializedError(
+            "flask-solidloop is not initialised for the current app (or there is no app "
+            "context). Did you forget solidloop.init_app(app, db=db) or `with app.app_context()`?"
+        ) from None
+
+
+def hide_processing_shells(session: Session, loop_id: int) -> int:
+    """Mark orphaned streaming shells failed and hidden, so a partial never enters history."""
+    result = session.execute(
+        update(Message)
+        .where(Message.loop_id == loop_id, Message.status == "processing")
+        .values(status="failed", is_hidden=True)
+    )
+    return int(getattr(result, "rowcount", 0) or 0)

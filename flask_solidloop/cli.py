@@ -1,0 +1,247 @@
+"""``flask solidloop ...``: thin click commands over plain functions."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import click
+from flask import current_app
+from flask.cli import ScriptInfo, with_appcontext
+from sqlalchemy import select
+
+from .config import QUEUES
+from .errors import DatabaseUnavailableError, SolidLoopError
+
+
+@click.group("solidloop")
+def solidloop_cli() -> None:
+    """Durable LLM agent loops: workers, migrations, loops."""
+
+
+def _state():
+    return current_app.extensions["solidloop"]
+
+
+# -- database -------------------------------------------------------------------
+
+
+@solidloop_cli.group("db")
+def db_group() -> None:
+    """Migrate the solidloop_* tables (own Alembic version table)."""
+
+
+@db_group.command("upgrade")
+@click.option("--revision", default="heads", show_default=True, help="Target revision.")
+@click.option("--create-database/--no-create-database", default=False,
+              help="Create the database first if it does not exist.")
+@with_appcontext
+def db_upgrade(revision: str, create_database: bool) -> None:
+    """Create or upgrade the solidloop tables in the configured database."""
+    from .database import ensure_database, upgrade_database
+
+    url = _state().database_url
+    try:
+        if create_database:
+            ensure_database(url)
+        upgrade_database(url, revision)
+    except DatabaseUnavailableError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"solidloop tables are at revision {revision}")
+
+
+@db_group.command("downgrade")
+@click.argument("revision")
+@with_appcontext
+def db_downgrade(revision: str) -> None:
+    """Downgrade the solidloop tables to REVISION ('base' drops them all)."""
+    from .migrations import downgrade
+
+    downgrade(_state().database_url, revision)
+    click.echo(f"solidloop tables are at revision {revision}")
+
+
+@db_group.command("current")
+@with_appcontext
+def db_current() -> None:
+    """Show the applied and the latest revision."""
+    from .migrations import current_revision, head_revision
+
+    click.echo(f"applied: {current_revision(_state().database_url) or 'none'}")
+    click.echo(f"latest:  {head_revision()}")
+
+
+# -- workers --------------------------------------------------------------------
+
+
+def worker_command(
+    app_import_path: str | None,
+    *,
+    processes: int,
+    threads: int,
+    queues: tuple[str, ...],
+    extra: tuple[str, ...] = (),
+) -> list[str]:
+    """The dramatiq command line that runs workers for this app."""
+    cmd = [sys.executable, "-m", "dramatiq", "flask_solidloop.worker",
+           "--processes", str(processes), "--threads", str(threads)]
+    if queues:
+        cmd += ["--queues", *queues]
+    return [*cmd, *extra]
+
+
+def worker_env(app_import_path: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    if app_import_path:
+        env["FLASK_APP"] = app_import_path
+    if not env.get("FLASK_APP"):
+        raise click.ClickException(
+            "cannot tell workers which app to load: run with `flask --app yourapp solidloop "
+            "worker` or set FLASK_APP"
+        )
+    return env
+
+
+@solidloop_cli.command("worker", context_settings={"ignore_unknown_options": True})
+@click.option("-p", "--processes", default=2, show_default=True, help="Worker processes.")
+@click.option("-t", "--threads", default=4, show_default=True, help="Threads per process.")
+@click.option("-Q", "--queue", "queues", multiple=True, type=click.Choice(QUEUES),
+              help="Consume only these queues (repeatable). Default: all three.")
+@click.argument("dramatiq_args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def worker(ctx: click.Context, processes: int, threads: int, queues: tuple[str, ...],
+           dramatiq_args: tuple[str, ...]) -> None:
+    """Run dramatiq workers for this app's loops (extra args go to dramatiq).
+
+    Size the database pool as threads + 1 per process. A worker that consumes
+    an explicit queue list must include all three solidloop queues somewhere
+    in the fleet, or loops stall.
+    """
+    info = ctx.find_object(ScriptInfo)
+    import_path = info.app_import_path if info else None
+    cmd = worker_command(import_path, processes=processes, threads=threads, queues=queues,
+                         extra=dramatiq_args)
+    env = worker_env(import_path)
+    click.echo(f"starting: FLASK_APP={env['FLASK_APP']} {' '.join(cmd[1:])}", err=True)
+    try:
+        completed = subprocess.run(cmd, env=env, check=False)
+    except KeyboardInterrupt:
+        return
+    sys.exit(completed.returncode)
+
+
+# -- loops ----------------------------------------------------------------------
+
+
+@solidloop_cli.command("start")
+@click.argument("agent")
+@click.argument("message")
+@with_appcontext
+def start(agent: str, message: str) -> None:
+    """Start a loop of AGENT with MESSAGE; prints the loop id."""
+    state = _state()
+    try:
+        cls = state.agent_class(agent)
+        loop = cls.start(message=message)
+    except SolidLoopError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"loop {loop.id} queued (agent {agent!r}); watch it with "
+               f"`flask solidloop status {loop.id}`")
+
+
+@solidloop_cli.command("status")
+@click.argument("loop_id", type=int)
+@with_appcontext
+def status(loop_id: int) -> None:
+    """Show a loop, its messages and its tool calls."""
+    from .models import Loop, Message, ToolCall
+    from .render import format_loop, format_message
+
+    session = _state().db.session
+    loop = session.get(Loop, loop_id)
+    if loop is None:
+        raise click.ClickException(f"no loop with id {loop_id}")
+    click.echo(format_loop(loop))
+    calls = {c.id: c for c in session.scalars(
+        select(ToolCall).where(ToolCall.loop_id == loop_id))}
+    for message in session.scalars(
+        select(Message).where(Message.loop_id == loop_id).order_by(Message.id)
+    ):
+        click.echo(format_message(message, calls, show_hidden=True))
+
+
+def _control(loop_id: int, action: str, **kwargs) -> None:
+    from .models import Loop
+
+    state = _state()
+    loop = state.db.session.get(Loop, loop_id)
+    if loop is None:
+        raise click.ClickException(f"no loop with id {loop_id}")
+    try:
+        agent = state.agent_for(loop.agent_name, loop)
+    except SolidLoopError as exc:
+        raise click.ClickException(str(exc)) from exc
+    changed = getattr(agent, action)(**kwargs)
+    state.db.session.refresh(loop)
+    verb = {"pause": "paused", "resume": "resumed", "stop": "stopped"}[action]
+    if changed:
+        click.echo(f"loop {loop_id} {verb}; status is now {loop.status}")
+    else:
+        raise click.ClickException(f"loop {loop_id} is {loop.status}; nothing was {verb}")
+
+
+@solidloop_cli.command("pause")
+@click.argument("loop_id", type=int)
+@with_appcontext
+def pause(loop_id: int) -> None:
+    """Pause a queued or running loop."""
+    _control(loop_id, "pause")
+
+
+@solidloop_cli.command("resume")
+@click.argument("loop_id", type=int)
+@click.option("--from", "from_", multiple=True,
+              type=click.Choice(["init", "paused", "failed", "completed"]),
+              help="Resume only from these statuses (repeatable). Default: all four.")
+@click.option("--message", default=None, help="Append this user message first.")
+@with_appcontext
+def resume(loop_id: int, from_: tuple[str, ...], message: str | None) -> None:
+    """Resume a paused, failed, completed or init loop."""
+    kwargs: dict = {"message": message}
+    if from_:
+        kwargs["from_"] = from_
+    _control(loop_id, "resume", **kwargs)
+
+
+@solidloop_cli.command("stop")
+@click.argument("loop_id", type=int)
+@click.option("--reason", default="stopped from the command line", show_default=True)
+@with_appcontext
+def stop(loop_id: int, reason: str) -> None:
+    """Stop a loop for good (it ends failed, with the reason)."""
+    _control(loop_id, "stop", reason=reason)
+
+
+@solidloop_cli.command("demo")
+@click.option("--agent", default=None, help="Agent to run (default: the only one registered).")
+@click.option("--message", default="What's the weather in Paris right now?", show_default=True)
+@click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait.")
+@click.option("--processes", default=1, show_default=True)
+@click.option("--threads", default=4, show_default=True)
+@click.pass_context
+def demo(ctx: click.Context, agent: str | None, message: str, timeout: float,
+         processes: int, threads: int) -> None:
+    """Migrate, start workers, run one loop and print it as it happens.
+
+    With no provider configured the agent talks to the built-in offline
+    model, so this needs no API key and no network.
+    """
+    from .demo import run_demo
+
+    info = ctx.find_object(ScriptInfo)
+    app = info.load_app() if info else current_app
+    import_path = info.app_import_path if info else None
+    code = run_demo(app, import_path, agent=agent, message=message, timeout=timeout,
+                    processes=processes, threads=threads)
+    sys.exit(code)

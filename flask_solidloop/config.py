@@ -1,0 +1,182 @@
+"""The SOLIDLOOP_* settings: their names, defaults and validation rules.
+
+One table (:data:`SETTINGS`) is the single source of truth; docs/configuration.md
+documents every entry and a test checks the two agree. Values are read once, at
+``init_app``, into an immutable :class:`Config`; an invalid value raises
+:class:`~flask_solidloop.errors.ConfigurationError` naming the key and the rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .errors import ConfigurationError
+
+QUEUE_LLM = "solidloop_llm"
+QUEUE_TOOL = "solidloop_tool"
+QUEUE_MAINTENANCE = "solidloop_maintenance"
+QUEUES = (QUEUE_LLM, QUEUE_TOOL, QUEUE_MAINTENANCE)
+
+
+def _positive_int(key: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ConfigurationError(key, value, "must be a positive integer (seconds), not a bool")
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ConfigurationError(key, value, "must be a positive integer (seconds)") from None
+    if number != float(value) or number <= 0:
+        raise ConfigurationError(key, value, "must be a positive integer (seconds), > 0")
+    return number
+
+
+def _non_negative_int(key: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ConfigurationError(key, value, "must be an integer >= 0, not a bool")
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ConfigurationError(key, value, "must be an integer >= 0") from None
+    if number != float(value) or number < 0:
+        raise ConfigurationError(key, value, "must be an integer >= 0")
+    return number
+
+
+def _positive_float(key: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise ConfigurationError(key, value, "must be a positive number, not a bool")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigurationError(key, value, "must be a positive number") from None
+    if number <= 0:
+        raise ConfigurationError(key, value, "must be a positive number, > 0")
+    return number
+
+
+def _status_list(key: str, value: Any) -> tuple[int, ...]:
+    if isinstance(value, str):
+        value = [part for part in value.replace(",", " ").split() if part]
+    try:
+        statuses = tuple(int(v) for v in value)
+    except (TypeError, ValueError):
+        raise ConfigurationError(key, value, "must be a list of HTTP status codes") from None
+    bad = [s for s in statuses if not 100 <= s <= 599]
+    if bad:
+        raise ConfigurationError(key, value, f"HTTP status codes lie in 100..599; got {bad}")
+    return statuses
+
+
+def _optional_positive_int(key: str, value: Any) -> int | None:
+    if value is None or value == "":
+        return None
+    return _positive_int(key, value)
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str
+    default: Any
+    parse: Callable[[str, Any], Any]
+    doc: str
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("SOLIDLOOP_LEASE_MARGIN", 60, _positive_int,
+            "Seconds added to the read timeout (LLM) or tool timeout when a lease is derived. "
+            "Must be > 0 so a lease always outlives the client timeout."),
+    Setting("SOLIDLOOP_QUEUED_REAP_THRESHOLD", 300, _positive_int,
+            "A loop queued longer than this with no live job is re-enqueued by the reaper."),
+    Setting("SOLIDLOOP_DEFAULT_READ_TIMEOUT", 600, _positive_int,
+            "Read timeout (silence allowed between reads) for agents whose llm config sets none; "
+            "also the base of their lease."),
+    Setting("SOLIDLOOP_DEFAULT_TOOL_TIMEOUT", 600, _positive_int,
+            "Ceiling for an in-process or custom tool; the base of the per-tool lease."),
+    Setting("SOLIDLOOP_LEASE_LEAK_GRACE", 300, _positive_int,
+            "Grace added to an agent's max_duration to form the lease renewer's leak ceiling."),
+    Setting("SOLIDLOOP_DEFAULT_MAX_DURATION", 7200, _positive_int,
+            "max_duration (seconds) for agents that declare none."),
+    Setting("SOLIDLOOP_LLM_RETRIES", 2, _non_negative_int,
+            "Re-sends of a transient LLM failure on top of the first attempt; 0 disables."),
+    Setting("SOLIDLOOP_LLM_RETRY_BASE_DELAY", 1.0, _positive_float,
+            "Backoff base in seconds: attempt N waits base * 2**(N-1)."),
+    Setting("SOLIDLOOP_LLM_RETRY_MAX_DELAY", 60.0, _positive_float,
+            "Ceiling on any single retry wait, a server's Retry-After included."),
+    Setting("SOLIDLOOP_LLM_RETRY_STATUSES", (408, 409, 429, 500, 502, 503, 504, 529), _status_list,
+            "HTTP statuses that count as transient and are retried."),
+    Setting("SOLIDLOOP_JOB_LEASE", 60, _positive_int,
+            "Seconds a claimed job may stay unacknowledged before the broker redelivers it; "
+            "renewed while the worker holds it."),
+    Setting("SOLIDLOOP_JOB_MAX_RETRIES", 3, _non_negative_int,
+            "dramatiq retries of a job whose actor raised, before it is dead-lettered."),
+    Setting("SOLIDLOOP_POLL_INTERVAL", 1.0, _positive_float,
+            "Seconds a consumer waits for a NOTIFY before polling the job table anyway."),
+    Setting("SOLIDLOOP_DATABASE_URL", None, lambda _k, v: v,
+            "Database for loops and jobs; defaults to SQLALCHEMY_DATABASE_URI."),
+    Setting("SOLIDLOOP_TOOL_OUTPUT_LIMIT", 20000, _positive_int,
+            "Characters of a tool result shown to the model; the full result is kept."),
+    Setting("SOLIDLOOP_FINISHED_JOB_RETENTION", None, _optional_positive_int,
+            "Seconds to keep done jobs in the job table; unset keeps them until pruned."),
+)
+
+_BY_KEY = {s.key: s for s in SETTINGS}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Validated settings of one app. Field names are the keys without the prefix."""
+
+    lease_margin: int
+    queued_reap_threshold: int
+    default_read_timeout: int
+    default_tool_timeout: int
+    lease_leak_grace: int
+    default_max_duration: int
+    llm_retries: int
+    llm_retry_base_delay: float
+    llm_retry_max_delay: float
+    llm_retry_statuses: tuple[int, ...]
+    job_lease: int
+    job_max_retries: int
+    poll_interval: float
+    database_url: str | None
+    tool_output_limit: int
+    finished_job_retention: int | None
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any]) -> Config:
+        values = {}
+        for setting in SETTINGS:
+            raw = mapping.get(setting.key, setting.default)
+            values[setting.key.removeprefix("SOLIDLOOP_").lower()] = setting.parse(setting.key, raw)
+        unknown = sorted(k for k in mapping if k.startswith("SOLIDLOOP_") and k not in _BY_KEY)
+        if unknown:
+            import difflib
+
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(key, list(_BY_KEY), n=1)
+                hints.append(f"{key} (did you mean {close[0]}?)" if close else key)
+            raise ConfigurationError(
+                unknown[0], mapping[unknown[0]],
+                "unknown setting: " + ", ".join(hints) + f"; known settings: {', '.join(_BY_KEY)}",
+            )
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> Config:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data.update(changes)
+        return Config(**data)
+
+    # Lease arithmetic lives here so the lease and the client timeout share one source.
+
+    def llm_lease_seconds(self, read_timeout: float | None) -> float:
+        if not read_timeout or read_timeout <= 0:
+            read_timeout = self.default_read_timeout
+        return float(read_timeout) + self.lease_margin
+
+    def tool_lease_seconds(self, http_timeouts: list[float] | None = None) -> float:
+        slowest = max([self.default_tool_timeout, *(http_timeouts or [])])
+        return float(slowest) + self.lease_margin

@@ -1,0 +1,134 @@
+"""``flask solidloop demo``: one loop end to end, printed as it happens.
+
+Creates the database if missing, migrates it, serves the built-in offline
+model on 127.0.0.1 (exporting its URL as ``SOLIDLOOP_OFFLINE_LLM_URL`` so an
+agent can fall back to it when no provider is configured), starts real
+dramatiq worker processes, starts a loop and follows it until it ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import tempfile
+import time
+
+import click
+from flask import Flask
+from sqlalchemy import select
+
+from .cli import worker_command, worker_env
+from .database import ensure_database, upgrade_database
+from .errors import SolidLoopError
+from .models import Loop, Message, ToolCall
+from .render import format_message
+
+OFFLINE_URL_ENV = "SOLIDLOOP_OFFLINE_LLM_URL"
+
+
+def _pick_agent(app: Flask, name: str | None) -> str:
+    agents = app.extensions["solidloop"].extension.agents
+    if name:
+        return name
+    if len(agents) == 1:
+        return next(iter(agents))
+    raise click.ClickException(
+        f"pass --agent; registered agents: {', '.join(sorted(agents)) or 'none'}"
+    )
+
+
+def run_demo(app: Flask, import_path: str | None, *, agent: str | None, message: str,
+             timeout: float, processes: int = 1, threads: int = 4) -> int:
+    from .testing.llm_emulator import LLMEmulator
+
+    state = app.extensions["solidloop"]
+    url = state.database_url
+    try:
+        if ensure_database(url):
+            click.echo(f"created database {url.rsplit('/', 1)[-1]}")
+        upgrade_database(url)
+    except SolidLoopError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo("database migrated")
+
+    emulator = LLMEmulator(offline_model=True).start()
+    os.environ.setdefault(OFFLINE_URL_ENV, emulator.base_url)
+    env = worker_env(import_path)
+    cmd = worker_command(import_path, processes=processes, threads=threads, queues=())
+    log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - outlives this block: workers write it
+        prefix="solidloop-demo-workers-", suffix=".log",
+        delete=False)
+    workers = subprocess.Popen(cmd, env=env, start_new_session=True,
+                               stdout=log, stderr=subprocess.STDOUT)
+    click.echo(f"started {processes} worker process(es) x {threads} threads "
+               f"(log: {log.name})")
+    try:
+        with app.app_context():
+            name = _pick_agent(app, agent)
+            agent_cls = state.agent_class(name)
+            provider = agent_cls().provider()
+            using_offline = provider.base_url == os.environ.get(OFFLINE_URL_ENV)
+            click.echo(f"model: {'built-in offline model' if using_offline else provider.base_url}"
+                       f" ({provider.model})")
+            loop = agent_cls.start(message=message)
+            click.echo(f"loop {loop.id} started (agent {name!r})\n")
+            return _follow(app, loop.id, timeout, workers, log.name)
+    finally:
+        _stop(workers)
+        log.close()
+        emulator.stop()
+
+
+def _follow(app: Flask, loop_id: int, timeout: float, workers: subprocess.Popen,
+            log_path: str) -> int:
+    state = app.extensions["solidloop"]
+    session = state.db.session
+    printed: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while True:
+        session.expire_all()
+        loop = session.get(Loop, loop_id)
+        assert loop is not None
+        calls = {c.id: c for c in session.scalars(
+            select(ToolCall).where(ToolCall.loop_id == loop_id))}
+        for message in session.scalars(
+            select(Message).where(Message.loop_id == loop_id, Message.is_hidden.is_(False),
+                                  Message.status == "completed").order_by(Message.id)
+        ):
+            if message.id not in printed and message.role != "system":
+                printed.add(message.id)
+                click.echo(format_message(message, calls))
+        status = loop.status
+        used_tool = any(c.executed_at for c in calls.values())
+        session.rollback()
+        if status == "completed":
+            click.echo(f"\nloop {loop_id} completed in {loop.step_count} LLM turns, "
+                       f"{len(calls)} tool call(s)")
+            return 0 if used_tool else 1
+        if status in ("failed", "paused"):
+            click.echo(f"\nloop {loop_id} ended {status}: {loop.error_message}", err=True)
+            return 1
+        if workers.poll() is not None:
+            with open(log_path, errors="replace") as handle:
+                err = handle.read()
+            click.echo(f"\nworkers exited with code {workers.returncode}:\n{err[-3000:]}",
+                       err=True)
+            return 1
+        if time.monotonic() > deadline:
+            click.echo(f"\nloop {loop_id} still {status} after {timeout:.0f}s", err=True)
+            return 1
+        time.sleep(0.2)
+
+
+def _stop(workers: subprocess.Popen) -> None:
+    if workers.poll() is not None:
+        return
+    try:
+        os.killpg(workers.pid, signal.SIGTERM)
+        workers.wait(timeout=15)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(workers.pid, signal.SIGKILL)
+        workers.wait()

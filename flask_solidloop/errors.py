@@ -1,0 +1,110 @@
+"""The one exception tree of flask-solidloop.
+
+Every error the package raises on purpose derives from :class:`SolidLoopError`,
+so a host can catch the whole family in one clause::
+
+    SolidLoopError
+    ├── ConfigurationError        a SOLIDLOOP_* value broke its rule
+    ├── NotInitializedError       the extension was used before init_app
+    ├── DatabaseUnavailableError  PostgreSQL did not answer at the URL tried
+    ├── AgentError
+    │   ├── AgentDefinitionError  an agent class declared something invalid
+    │   └── UnknownAgentError     a loop names an agent nobody registered
+    ├── UnknownMiddlewareError    a pipeline edit named a middleware not in the stack
+    ├── ProviderError             the LLM provider failed the turn
+    │   ├── ProviderHTTPError     ... with a non-2xx status
+    │   └── ProviderResponseError ... with a body we could not understand
+    ├── ToolDefinitionError       a tool was declared with an invalid name or schema
+    ├── LimitExceededError        max_steps / max_duration reached (the loop pauses)
+    ├── LostLeaseError            this worker no longer owns the turn; write nothing
+    └── BrokerError               the Postgres job queue could not do what was asked
+
+Errors carry what the user needs to act: the key, the value, the rule, the
+names that would have worked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SolidLoopError(Exception):
+    """Base class of every error raised by flask-solidloop."""
+
+
+class ConfigurationError(SolidLoopError, ValueError):
+    """A ``SOLIDLOOP_*`` setting has a value that breaks its rule."""
+
+    def __init__(self, key: str, value: Any, rule: str) -> None:
+        self.key = key
+        self.value = value
+        self.rule = rule
+        super().__init__(f"{key}={value!r} is invalid: {rule}")
+
+
+class NotInitializedError(SolidLoopError, RuntimeError):
+    """The extension was used on an app it was never initialised for."""
+
+
+class DatabaseUnavailableError(SolidLoopError):
+    """PostgreSQL could not be reached; the message names the URL tried."""
+
+
+class AgentError(SolidLoopError):
+    """Base class for agent registration and lookup problems."""
+
+
+class AgentDefinitionError(AgentError, TypeError):
+    """An agent class declares an unknown option or an invalid value."""
+
+
+class UnknownAgentError(AgentError, LookupError):
+    """A loop names an agent that is not registered in this process."""
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        self.name = name
+        self.known = known
+        listing = ", ".join(sorted(known)) or "none"
+        super().__init__(
+            f"agent {name!r} is not registered; known agents: {listing}. "
+            "Was it renamed, or is the module that declares it not imported by the worker?"
+        )
+
+
+class UnknownMiddlewareError(SolidLoopError, LookupError):
+    """insert_before / insert_after / replace named a middleware not in the stack."""
+
+
+class ProviderError(SolidLoopError):
+    """The LLM provider failed the turn."""
+
+
+class ProviderHTTPError(ProviderError):
+    """The provider answered with a non-2xx status."""
+
+    def __init__(self, status: int, body: str, url: str) -> None:
+        self.status = status
+        self.body = body
+        self.url = url
+        excerpt = body if len(body) <= 500 else body[:500] + "..."
+        super().__init__(f"HTTP {status} from {url}: {excerpt}")
+
+
+class ProviderResponseError(ProviderError):
+    """The provider answered 2xx with a body we could not interpret."""
+
+
+class ToolDefinitionError(SolidLoopError, ValueError):
+    """A tool was declared with an invalid name, schema or signature."""
+
+
+class LimitExceededError(SolidLoopError):
+    """The agent reached max_steps or max_duration; the loop is paused."""
+
+
+class LostLeaseError(SolidLoopError):
+    """This worker's generation no longer owns the loop; it must write nothing."""
+
+
+class BrokerError(SolidLoopError):
+    """The Postgres job queue could not complete an operation."""

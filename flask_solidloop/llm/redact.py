@@ -1,0 +1,28 @@
+"""Scrub secrets from anything headed for the wire log."""
+
+from __future__ import annotations
+
+from typing import Any
+
+SECRET_HEADERS = {"authorization", "x-api-key", "x-goog-api-key", "api-key", "proxy-authorization"}
+REDACTED = "[redacted]"
+
+
+def redact_headers(headers: dict[str, str]) -> dict[str, str]:
+    return {k: (REDACTED if k.lower() in SECRET_HEADERS else v) for k, v in headers.items()}
+
+
+def redact_secrets(value: Any, secrets: list[str]) -> Any:
+    """Replace every occurrence of each secret string anywhere inside ``value``."""
+    secrets = [s for s in secrets if s]
+    if not secrets:
+        return value
+    if isinstance(value, str):
+        for secret in secrets:
+            value = value.replace(secret, REDACTED)
+        return value
+    if isinstance(value, dict):
+        return {k: redact_secrets(v, secrets) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact_secrets(v, secrets) for v in value]
+    return value

@@ -1,0 +1,164 @@
+"""Provider-neutral shapes that dialects translate to and from the wire."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import AgentDefinitionError, ConfigurationError
+
+PROVIDER_KEYS = {
+    "dialect": "wire format: 'openai' (any OpenAI-compatible server)",
+    "base_url": "origin of the server, e.g. https://api.openai.com (no /v1)",
+    "model": "model name sent in the payload",
+    "api_key": "the key itself (prefer api_key_env; never stored)",
+    "api_key_env": "name of the environment variable holding the key, read at run time",
+    "read_timeout": "seconds of silence allowed between reads",
+    "connect_timeout": "seconds allowed to open the connection",
+    "headers": "extra HTTP headers sent on every request",
+    "max_tokens_param": "'max_tokens' or 'max_completion_tokens'",
+}
+
+DIALECTS = ("openai",)
+
+
+@dataclass(frozen=True)
+class ProviderSettings:
+    """An agent's validated ``llm`` settings. The API key is resolved per call."""
+
+    dialect: str
+    base_url: str
+    model: str
+    api_key: str | None = None
+    api_key_env: str | None = None
+    read_timeout: float | None = None
+    connect_timeout: float = 10.0
+    headers: dict[str, str] = field(default_factory=dict)
+    max_tokens_param: str = "max_tokens"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, agent: str) -> ProviderSettings:
+        if not isinstance(data, dict):
+            raise AgentDefinitionError(
+                f"agent {agent!r}: llm must be a dict of provider settings, "
+                f"got {type(data).__name__}"
+            )
+        unknown = sorted(set(data) - set(PROVIDER_KEYS))
+        if unknown:
+            known = ", ".join(PROVIDER_KEYS)
+            raise AgentDefinitionError(
+                f"agent {agent!r}: unknown llm setting(s) {', '.join(unknown)}; known: {known}"
+            )
+        missing = [k for k in ("base_url", "model") if not data.get(k)]
+        if missing:
+            raise AgentDefinitionError(
+                f"agent {agent!r}: llm needs {' and '.join(missing)} "
+                "(e.g. llm = {'base_url': 'https://api.openai.com', 'model': 'gpt-4o', "
+                "'api_key_env': 'OPENAI_API_KEY'})"
+            )
+        dialect = data.get("dialect", "openai")
+        if dialect not in DIALECTS:
+            raise AgentDefinitionError(
+                f"agent {agent!r}: unknown llm dialect {dialect!r}; known: {', '.join(DIALECTS)}"
+            )
+        base_url = str(data["base_url"]).rstrip("/")
+        if base_url.endswith("/v1"):
+            raise AgentDefinitionError(
+                f"agent {agent!r}: llm base_url {base_url!r} ends in /v1. Give the origin only "
+                f"({base_url[:-3]!r}); the dialect appends its own path (/v1/chat/completions)."
+            )
+        if not base_url.startswith(("http://", "https://")):
+            raise AgentDefinitionError(
+                f"agent {agent!r}: llm base_url {base_url!r} must start with http:// or https://"
+            )
+        read_timeout = data.get("read_timeout")
+        if read_timeout is not None and (
+            isinstance(read_timeout, bool) or not isinstance(read_timeout, int | float)
+            or read_timeout <= 0
+        ):
+            raise AgentDefinitionError(
+                f"agent {agent!r}: llm read_timeout must be a positive number of seconds, "
+                f"got {read_timeout!r}"
+            )
+        param = data.get("max_tokens_param", "max_tokens")
+        if param not in ("max_tokens", "max_completion_tokens"):
+            raise AgentDefinitionError(
+                f"agent {agent!r}: llm max_tokens_param must be 'max_tokens' or "
+                f"'max_completion_tokens', got {param!r}"
+            )
+        return cls(
+            dialect=dialect,
+            base_url=base_url,
+            model=str(data["model"]),
+            api_key=data.get("api_key"),
+            api_key_env=data.get("api_key_env"),
+            read_timeout=read_timeout,
+            connect_timeout=float(data.get("connect_timeout", 10.0)),
+            headers=dict(data.get("headers") or {}),
+            max_tokens_param=param,
+        )
+
+    def resolve_api_key(self) -> str | None:
+        """The key, read now from the environment when configured that way."""
+        if self.api_key:
+            return self.api_key
+        if self.api_key_env:
+            value = os.environ.get(self.api_key_env)
+            if not value:
+                raise ConfigurationError(
+                    self.api_key_env, value,
+                    "the agent's llm api_key_env names this environment variable, but it is "
+                    "unset or empty in the worker's environment",
+                )
+            return value
+        return None
+
+
+@dataclass
+class ChatMessage:
+    """One history entry as the dialects see it."""
+
+    role: str
+    content: str | None = None
+    tool_calls: list[ToolCallRequest] = field(default_factory=list)
+    tool_call_id: str | None = None
+    name: str | None = None
+    reasoning: str | None = None
+
+
+@dataclass
+class ToolCallRequest:
+    """A tool call as the model asked for it; ``arguments_raw`` is the JSON text."""
+
+    call_id: str | None
+    name: str
+    arguments_raw: str
+
+
+@dataclass
+class Usage:
+    input_tokens: int = 0
+    cached_input_tokens: int = 0
+    output_tokens: int = 0
+    reasoning_tokens: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "input_tokens": self.input_tokens,
+            "cached_input_tokens": self.cached_input_tokens,
+            "output_tokens": self.output_tokens,
+            "reasoning_tokens": self.reasoning_tokens,
+        }
+
+
+@dataclass
+class AssistantTurn:
+    """What one LLM call produced."""
+
+    content: str | None
+    tool_calls: list[ToolCallRequest]
+    finish_reason: str | None
+    usage: Usage | None = None
+    reasoning: str | None = None
+    raw: dict[str, Any] | None = None

@@ -1,0 +1,110 @@
+"""Host-driven loop controls: pause, stop and resume, each one locked transaction."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+
+from flask import current_app
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from ..models import Message, ToolCall
+from .fence import lock_loop, transition
+
+
+def _hide_shells(session: Session, loop_id: int) -> None:
+    session.execute(
+        update(Message)
+        .where(Message.loop_id == loop_id, Message.status == "processing")
+        .values(status="failed", is_hidden=True)
+    )
+
+
+def pause_loop(session: Session, loop_id: int) -> bool:
+    loop = transition(session, loop_id, from_=("queued", "running"), to="paused")
+    if loop is None:
+        session.rollback()
+        return False
+    _hide_shells(session, loop_id)
+    session.commit()
+    return True
+
+
+def stop_loop(session: Session, loop_id: int, *, reason: str) -> bool:
+    loop = transition(
+        session, loop_id, from_=("init", "queued", "running", "paused"), to="failed",
+        error_message=reason,
+    )
+    if loop is None:
+        session.rollback()
+        return False
+    _hide_shells(session, loop_id)
+    session.commit()
+    return True
+
+
+def unresolved_tool_calls(session: Session, loop_id: int) -> list[ToolCall]:
+    """Tool calls of the newest assistant turn that have no tool message yet."""
+    last_assistant = session.scalar(
+        select(Message.id)
+        .where(Message.loop_id == loop_id, Message.role == "assistant",
+               Message.status == "completed")
+        .order_by(Message.id.desc())
+        .limit(1)
+    )
+    if last_assistant is None:
+        return []
+    return list(
+        session.scalars(
+            select(ToolCall)
+            .where(ToolCall.message_id == last_assistant, ToolCall.response_message_id.is_(None))
+            .order_by(ToolCall.position)
+        )
+    )
+
+
+def resume_loop(
+    session: Session, loop_id: int, allowed: Iterable[str], *, message: str | None = None
+) -> bool:
+    """Re-enter a loop in one locked transaction.
+
+    If the newest assistant turn still has unanswered tool calls, the loop
+    re-enters its tool phase under a fresh generation: the calls' leases are
+    revoked first, then their jobs are enqueued. Otherwise it is queued for a
+    new LLM turn.
+    """
+    dispatch = current_app.extensions["solidloop"].dispatch
+    loop = lock_loop(session, loop_id)
+    if loop is None or loop.status not in tuple(allowed):
+        session.rollback()
+        return False
+    _hide_shells(session, loop_id)
+    loop.error_message = None
+    loop.finished_at = None
+    pending = [] if message else unresolved_tool_calls(session, loop_id)
+    if message:
+        session.add(Message(loop_id=loop_id, role="user", content=message))
+    if pending:
+        token = uuid.uuid4()
+        loop.status = "running"
+        loop.execution_token = token
+        loop.lease_expires_at = None
+        ids = [call.id for call in pending]
+        session.execute(
+            update(ToolCall).where(ToolCall.id.in_(ids), ToolCall.executed_at.is_(None))
+            .values(lease_token=None, leased_until=None)
+        )
+        sequential = current_app.extensions["solidloop"].agent_for(loop.agent_name, loop)
+        to_enqueue = ids[:1] if sequential.option("sequential_tool_calls") else ids
+        session.flush()
+        for call_id in to_enqueue:
+            dispatch.tool_call(session, call_id, token, loop_id=loop_id)
+    else:
+        loop.status = "queued"
+        loop.execution_token = None
+        loop.lease_expires_at = None
+        session.flush()
+        dispatch.llm_turn(session, loop_id)
+    session.commit()
+    return True

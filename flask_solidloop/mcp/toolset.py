@@ -1,0 +1,758 @@
+"""In-process MCP toolsets: plain Python functions exposed as MCP tools.
+
+This module owns :class:`Toolset` (a named group of tools), the tool declaration
+rules (names, input schemas derived from type hints and docstrings), argument
+validation, and the conversion of whatever a handler returns into an MCP
+``CallToolResult`` (:class:`ToolResult`). It also defines :class:`CallContext`,
+the object a tool receives to learn who is calling it.
+
+A toolset is called on the caller's thread with no network hop::
+
+    search = Toolset("search")
+
+    @search.tool
+    def query(text: str, limit: int = 10, ctx: CallContext | None = None) -> list[str]:
+        '''Search the catalogue.
+
+        Args:
+            text: What to look for.
+            limit: Maximum number of hits.
+        '''
+        ...
+
+    search.list_tools()                     # MCP tool dicts, declaration order
+    search.call("query", {"text": "tea"})   # -> ToolResult, never raises for tool faults
+
+Declaration rules
+-----------------
+* Tool names match ``^[A-Za-z0-9._-]{1,128}$`` and are unique within a toolset;
+  breaking either raises :class:`~flask_solidloop.errors.ToolDefinitionError`
+  when the decorator runs.
+* The input schema is built with pydantic from the signature's type hints. A
+  parameter without a hint is ``Any``; a parameter with a default is optional;
+  ``*args`` / ``**kwargs`` and positional-only parameters are refused. A
+  Google-style ``Args:`` docstring section supplies per-property descriptions,
+  the docstring's first paragraph the tool description (unless
+  ``description=`` is given).
+* The *context parameter* - annotated :class:`CallContext` (or
+  ``CallContext | None``), or named ``ctx`` without annotation - receives the
+  :class:`CallContext` and never appears in the schema.
+* ``input_schema=`` replaces the derived schema verbatim. Arguments are then
+  passed to the handler as keyword arguments unvalidated, except that the
+  schema's ``required`` keys must be present. Only in this mode may the
+  handler take ``**kwargs``.
+
+Calling rules
+-------------
+:meth:`Toolset.call` reports every tool-level problem as an error
+:class:`ToolResult` the model can read and correct: unknown tool (listing the
+available ones), arguments that are not an object, validation failures (naming
+each field and what was expected), and exceptions raised by the handler
+(``"<ExceptionClass>: <message>"``, logged at WARNING with the traceback on the
+``flask_solidloop.tools`` logger). The one exception that propagates is
+:class:`~flask_solidloop.errors.LostLeaseError`: it means the worker must stop
+writing, which a tool result cannot express.
+
+``async def`` handlers are supported. Each call gets a **fresh event loop**
+(``asyncio.run``); if the calling thread already runs an event loop, the
+coroutine runs with ``asyncio.run`` on a helper thread while the caller blocks.
+Async tools therefore must not rely on loop-bound state (clients, locks)
+created outside the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import inspect
+import json
+import logging
+import re
+import sys
+import threading
+import types
+import typing
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import pydantic
+import pydantic_core
+from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic.fields import FieldInfo
+
+from flask_solidloop.errors import LostLeaseError, ToolDefinitionError
+
+__all__ = ["CallContext", "ToolDefinition", "ToolResult", "Toolset"]
+
+logger = logging.getLogger("flask_solidloop.tools")
+
+TOOL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+_NAME_RULE = "names must match ^[A-Za-z0-9._-]{1,128}$"
+
+_ARGS_HEADERS = {"args", "arguments", "parameters", "params"}
+_SECTION_HEADERS = _ARGS_HEADERS | {
+    "returns",
+    "return",
+    "yields",
+    "raises",
+    "examples",
+    "example",
+    "notes",
+    "note",
+    "attributes",
+    "see also",
+    "warning",
+    "warnings",
+}
+_SECTION_RE = re.compile(r"^\s*([A-Za-z][A-Za-z ]*):\s*$")
+_ARG_LINE_RE = re.compile(r"^\*{0,2}([A-Za-z_][A-Za-z0-9_]*)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
+_MAX_REPR = 120
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass
+class CallContext:
+    """What a tool learns about the call it is serving.
+
+    Inside a loop, ``agent`` and ``loop`` are set and ``principal`` is None.
+    For an external MCP caller, ``principal`` identifies the caller and the other
+    two are None. ``idempotency_key`` (``"solidloop:tool_call:<id>"``) is stable
+    across retries of the same tool call; pass it to side-effecting APIs.
+    """
+
+    agent: Any = None
+    loop: Any = None
+    principal: Any = None
+    idempotency_key: str | None = None
+
+
+@dataclass
+class ToolResult:
+    """The outcome of one tool call, shaped like MCP ``CallToolResult``."""
+
+    content: list[dict]
+    structured_content: dict | None = None
+    is_error: bool = False
+
+    def text(self) -> str:
+        """All text blocks joined with a newline (other block types are skipped)."""
+        return "\n".join(
+            str(block.get("text", ""))
+            for block in self.content
+            if isinstance(block, dict) and block.get("type") == "text"
+        )
+
+    def to_mcp(self) -> dict:
+        """MCP ``CallToolResult`` JSON; ``structuredContent`` only when set."""
+        data: dict[str, Any] = {"content": [dict(block) for block in self.content]}
+        if self.structured_content is not None:
+            data["structuredContent"] = self.structured_content
+        data["isError"] = bool(self.is_error)
+        return data
+
+    @classmethod
+    def error(cls, message: str) -> ToolResult:
+        """An error result holding ``message`` as its only text block."""
+        return cls(content=[{"type": "text", "text": message}], is_error=True)
+
+    @classmethod
+    def from_mcp(cls, data: dict) -> ToolResult:
+        """Build a result from MCP ``CallToolResult`` JSON (the inverse of :meth:`to_mcp`)."""
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"an MCP CallToolResult must be a JSON object, got {type(data).__name__}"
+            )
+        content = data.get("content") or []
+        if not isinstance(content, list):
+            raise ValueError("an MCP CallToolResult's 'content' must be a list of blocks")
+        structured = data.get("structuredContent")
+        return cls(
+            content=[dict(block) for block in content],
+            structured_content=structured if isinstance(structured, dict) else None,
+            is_error=bool(data.get("isError", False)),
+        )
+
+
+@dataclass
+class ToolDefinition:
+    """One declared tool: what is advertised and how to call it."""
+
+    name: str
+    description: str
+    input_schema: dict
+    handler: Callable
+    context_param: str | None
+    #: pydantic model validating the arguments; None when ``input_schema=`` was explicit.
+    arguments_model: type[BaseModel] | None = field(default=None, repr=False)
+    #: model field name -> handler parameter name (derived schemas only).
+    param_names: dict[str, str] = field(default_factory=dict, repr=False)
+    #: model fields always passed to the handler (their Python default is a FieldInfo).
+    always_pass: frozenset[str] = field(default_factory=frozenset, repr=False)
+
+    def to_mcp(self) -> dict:
+        """The MCP ``Tool`` JSON: ``name``, ``description``, ``inputSchema``."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "inputSchema": self.input_schema,
+        }
+
+
+# --------------------------------------------------------------------------- toolset
+
+
+class Toolset:
+    """A named group of in-process MCP tools."""
+
+    def __init__(self, name: str, *, description: str | None = None) -> None:
+        if not isinstance(name, str) or not TOOL_NAME_PATTERN.match(name):
+            raise ToolDefinitionError(f"toolset name {name!r} is invalid: {_NAME_RULE}")
+        self.name = name
+        self.description = description
+        self._tools: dict[str, ToolDefinition] = {}
+
+    def __repr__(self) -> str:
+        return f"<Toolset {self.name!r} tools={list(self._tools)}>"
+
+    # -- declaration ------------------------------------------------------------
+
+    def tool(
+        self,
+        fn: Callable | None = None,
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        input_schema: dict | None = None,
+    ) -> Any:
+        """Declare ``fn`` as a tool; usable as ``@ts.tool`` or ``@ts.tool(name=...)``.
+
+        Returns the function unchanged, so it stays callable as plain Python.
+        Raises :class:`ToolDefinitionError` for a bad or duplicate name, a
+        signature that cannot become a schema, or an invalid ``input_schema``.
+        """
+        if fn is not None:
+            self._register(fn, name, description, input_schema, _caller_locals())
+            return fn
+
+        def decorator(func: Callable) -> Callable:
+            self._register(func, name, description, input_schema, _caller_locals())
+            return func
+
+        return decorator
+
+    def _register(
+        self,
+        fn: Callable,
+        name: str | None,
+        description: str | None,
+        input_schema: dict | None,
+        caller_locals: dict[str, Any],
+    ) -> None:
+        if not callable(fn):
+            raise ToolDefinitionError(
+                f"toolset {self.name!r}: @tool needs a callable, got {type(fn).__name__}"
+            )
+        tool_name = name if name is not None else getattr(fn, "__name__", None)
+        if tool_name is None:
+            raise ToolDefinitionError(
+                f"toolset {self.name!r}: {fn!r} has no __name__; pass name= to @tool"
+            )
+        if not isinstance(tool_name, str) or not TOOL_NAME_PATTERN.match(tool_name):
+            raise ToolDefinitionError(
+                f"toolset {self.name!r}: tool name {tool_name!r} is invalid: {_NAME_RULE}"
+            )
+        if tool_name in self._tools:
+            raise ToolDefinitionError(
+                f"toolset {self.name!r}: tool name {tool_name!r} is already declared; "
+                "tool names must be unique within a toolset"
+            )
+        definition = _build_definition(
+            self.name, tool_name, fn, description, input_schema, caller_locals
+        )
+        self._tools[tool_name] = definition
+
+    # -- lookup -------------------------------------------------------------------
+
+    def list_tools(self) -> list[dict]:
+        """MCP tool dicts (``name``, ``description``, ``inputSchema``) in declaration order."""
+        return [definition.to_mcp() for definition in self._tools.values()]
+
+    def get(self, name: str) -> ToolDefinition:
+        """The definition of tool ``name``; raises KeyError naming the available tools."""
+        try:
+            return self._tools[name]
+        except (KeyError, TypeError):
+            raise KeyError(self._unknown_message(name)) from None
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self._tools
+
+    def __iter__(self) -> Iterator[ToolDefinition]:
+        return iter(list(self._tools.values()))
+
+    def __len__(self) -> int:
+        return len(self._tools)
+
+    def _unknown_message(self, name: object) -> str:
+        available = ", ".join(self._tools) or "none"
+        return f"unknown tool {name!r} in toolset {self.name!r}; available tools: {available}"
+
+    # -- calling ------------------------------------------------------------------
+
+    def call(self, name: str, arguments: dict | None, ctx: CallContext | None = None) -> ToolResult:
+        """Run tool ``name`` on this thread and return its result.
+
+        Tool-level failures (unknown tool, bad arguments, handler exceptions)
+        come back as ``ToolResult(is_error=True)``; only
+        :class:`~flask_solidloop.errors.LostLeaseError` propagates.
+        """
+        if not isinstance(name, str) or name not in self._tools:
+            return ToolResult.error(self._unknown_message(name))
+        definition = self._tools[name]
+        if ctx is None:
+            ctx = CallContext()
+        if arguments is None:
+            arguments = {}
+        if not isinstance(arguments, dict):
+            return ToolResult.error(
+                f"invalid arguments for tool {name!r}: arguments must be a JSON object, "
+                f"got {_json_type_name(arguments)}"
+            )
+
+        try:
+            kwargs = _bind_arguments(definition, arguments)
+        except _ArgumentError as exc:
+            return ToolResult.error(f"invalid arguments for tool {name!r}: {exc}")
+
+        if definition.context_param is not None:
+            kwargs[definition.context_param] = ctx
+
+        try:
+            value = definition.handler(**kwargs)
+            if inspect.isawaitable(value):
+                value = _run_awaitable(value)
+        except LostLeaseError:
+            raise
+        except Exception as exc:
+            logger.warning(
+                "tool %r in toolset %r raised %s",
+                name,
+                self.name,
+                type(exc).__name__,
+                exc_info=True,
+            )
+            message = str(exc)
+            label = type(exc).__name__
+            return ToolResult.error(f"{label}: {message}" if message else label)
+
+        try:
+            return _to_result(value)
+        except Exception as exc:  # a result we could not convert is the tool's fault
+            logger.warning(
+                "tool %r in toolset %r returned an unconvertible %s",
+                name,
+                self.name,
+                type(value).__name__,
+                exc_info=True,
+            )
+            return ToolResult.error(f"{type(exc).__name__}: {exc}")
+
+
+# --------------------------------------------------------------------------- definition
+
+
+def _caller_locals() -> dict[str, Any]:
+    """Locals of the frame that applied the decorator (two frames up from here).
+
+    Used only as a fallback namespace to resolve string annotations
+    (``from __future__ import annotations``) of tools declared inside a function.
+    """
+    try:
+        return dict(sys._getframe(2).f_locals)
+    except (AttributeError, ValueError):  # pragma: no cover - non-CPython
+        return {}
+
+
+def _build_definition(
+    toolset: str,
+    tool_name: str,
+    fn: Callable,
+    description: str | None,
+    input_schema: dict | None,
+    caller_locals: dict[str, Any],
+) -> ToolDefinition:
+    where = f"toolset {toolset!r}, tool {tool_name!r}"
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError) as exc:
+        raise ToolDefinitionError(f"{where}: cannot read the signature: {exc}") from exc
+
+    doc = inspect.getdoc(fn) or ""
+    summary, arg_docs = _parse_docstring(doc)
+    if description is None:
+        description = summary
+
+    hints = _resolve_hints(fn, signature, where, caller_locals)
+
+    context_param: str | None = None
+    params: list[inspect.Parameter] = []
+    for param in signature.parameters.values():
+        annotation = hints.get(param.name, param.annotation)
+        is_context = _is_context_annotation(annotation) or (
+            param.name == "ctx" and param.annotation is inspect.Parameter.empty
+        )
+        if param.kind is inspect.Parameter.VAR_POSITIONAL:
+            raise ToolDefinitionError(
+                f"{where}: *{param.name} is not allowed; tools take named arguments only"
+            )
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            if input_schema is None:
+                raise ToolDefinitionError(
+                    f"{where}: **{param.name} is not allowed when the schema is derived "
+                    "from type hints; declare each argument, or pass input_schema="
+                )
+            continue
+        if param.kind is inspect.Parameter.POSITIONAL_ONLY:
+            raise ToolDefinitionError(
+                f"{where}: positional-only parameter {param.name!r} is not allowed; "
+                "tools receive their arguments by keyword"
+            )
+        if is_context:
+            if context_param is not None:
+                raise ToolDefinitionError(
+                    f"{where}: both {context_param!r} and {param.name!r} ask for the "
+                    "CallContext; declare at most one context parameter"
+                )
+            context_param = param.name
+            continue
+        params.append(param)
+
+    if input_schema is not None:
+        if not isinstance(input_schema, dict) or input_schema.get("type") != "object":
+            raise ToolDefinitionError(
+                f'{where}: input_schema must be a JSON Schema dict with "type": "object", '
+                f"got {input_schema!r}"
+            )
+        required = input_schema.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ToolDefinitionError(
+                f"{where}: input_schema 'required' must be a list of property names"
+            )
+        return ToolDefinition(
+            name=tool_name,
+            description=description,
+            input_schema=input_schema,
+            handler=fn,
+            context_param=context_param,
+        )
+
+    model, param_names, always_pass = _build_model(tool_name, params, hints, arg_docs, where)
+    try:
+        schema = model.model_json_schema()
+    except Exception as exc:
+        raise ToolDefinitionError(
+            f"{where}: cannot build a JSON schema from the type hints: {exc}"
+        ) from exc
+    return ToolDefinition(
+        name=tool_name,
+        description=description,
+        input_schema=_tidy_schema(schema),
+        handler=fn,
+        context_param=context_param,
+        arguments_model=model,
+        param_names=param_names,
+        always_pass=always_pass,
+    )
+
+
+def _resolve_hints(
+    fn: Callable,
+    signature: inspect.Signature,
+    where: str,
+    caller_locals: dict[str, Any],
+) -> dict[str, Any]:
+    """Evaluated annotations of the parameters, string annotations included."""
+    target: Any = fn
+    while isinstance(target, functools.partial):
+        target = target.func
+    if not (inspect.isfunction(target) or inspect.ismethod(target)):
+        target = type(target).__call__  # a callable instance: read its __call__
+    target = inspect.unwrap(target)
+    globalns = getattr(target, "__globals__", {})
+    localns = {"CallContext": CallContext}
+
+    hints: dict[str, Any] = {}
+    for param in signature.parameters.values():
+        annotation = param.annotation
+        if annotation is inspect.Parameter.empty:
+            continue
+        if isinstance(annotation, str):
+            try:
+                annotation = eval(annotation, globalns, {**caller_locals, **localns})
+            except Exception as exc:
+                raise ToolDefinitionError(
+                    f"{where}: cannot resolve the annotation {param.annotation!r} of "
+                    f"parameter {param.name!r}: {exc}"
+                ) from exc
+        hints[param.name] = annotation
+    return hints
+
+
+def _is_context_annotation(annotation: Any) -> bool:
+    if annotation is CallContext:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _is_context_annotation(typing.get_args(annotation)[0])
+    if origin is typing.Union or isinstance(annotation, types.UnionType):
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return len(members) == 1 and members[0] is CallContext
+    return False
+
+
+def _build_model(
+    tool_name: str,
+    params: list[inspect.Parameter],
+    hints: dict[str, Any],
+    arg_docs: dict[str, str],
+    where: str,
+) -> tuple[type[BaseModel], dict[str, str], frozenset[str]]:
+    """A pydantic model whose fields are the tool's arguments.
+
+    Fields get neutral names (``f0``, ``f1``...) aliased to the parameter
+    names, so parameters called ``json``, ``schema`` or ``_x`` cannot clash
+    with BaseModel attributes or pydantic's private-name rules.
+    """
+    fields: dict[str, Any] = {}
+    param_names: dict[str, str] = {}
+    always_pass: set[str] = set()
+    for index, param in enumerate(params):
+        field_name = f"f{index}"
+        annotation = hints.get(param.name, Any)
+        extra: dict[str, Any] = {"alias": param.name}
+        if param.name in arg_docs:
+            extra["description"] = arg_docs[param.name]
+        ours = pydantic.Field(**extra)
+        if typing.get_origin(annotation) is Annotated:
+            base, *metadata = typing.get_args(annotation)
+            annotation = Annotated[(base, ours, *metadata)]
+        else:
+            annotation = Annotated[annotation, ours]
+        if param.default is inspect.Parameter.empty:
+            default: Any = ...
+        else:
+            default = param.default
+            if isinstance(default, FieldInfo):
+                always_pass.add(field_name)
+        fields[field_name] = (annotation, default)
+        param_names[field_name] = param.name
+    try:
+        model = pydantic.create_model(  # type: ignore[call-overload]
+            f"{_model_name(tool_name)}Arguments",
+            __config__=ConfigDict(extra="ignore"),
+            **fields,
+        )
+    except Exception as exc:
+        raise ToolDefinitionError(
+            f"{where}: cannot build an argument model from the type hints: {exc}"
+        ) from exc
+    return model, param_names, frozenset(always_pass)
+
+
+def _model_name(tool_name: str) -> str:
+    parts = re.split(r"[^A-Za-z0-9]+", tool_name)
+    return "".join(part[:1].upper() + part[1:] for part in parts if part) or "Tool"
+
+
+def _tidy_schema(schema: dict) -> dict:
+    """Top level ``{"type": "object", "properties": ..., "required": ...}``.
+
+    Drops the synthetic model title and the per-property titles pydantic makes
+    up from parameter names; nested model titles (``$defs``) are kept.
+    """
+    properties = {}
+    for prop_name, prop in (schema.get("properties") or {}).items():
+        if isinstance(prop, dict):
+            prop = {k: v for k, v in prop.items() if k != "title"}
+        properties[prop_name] = prop
+    tidy: dict[str, Any] = {"type": "object", "properties": properties}
+    if schema.get("required"):
+        tidy["required"] = list(schema["required"])
+    for key, value in schema.items():
+        if key not in ("type", "properties", "required", "title"):
+            tidy[key] = value
+    return tidy
+
+
+def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
+    """(first paragraph, {argument: description}) from a cleaned docstring."""
+    lines = doc.splitlines()
+    summary_lines: list[str] = []
+    for line in lines:
+        if not line.strip():
+            if summary_lines:
+                break
+            continue
+        match = _SECTION_RE.match(line)
+        if match and match.group(1).strip().lower() in _SECTION_HEADERS:
+            break
+        summary_lines.append(line.strip())
+    summary = " ".join(summary_lines)
+
+    arg_docs: dict[str, str] = {}
+    index = 0
+    while index < len(lines):
+        match = _SECTION_RE.match(lines[index])
+        if match and match.group(1).strip().lower() in _ARGS_HEADERS:
+            header_indent = _indent(lines[index])
+            index += 1
+            entry_indent: int | None = None
+            current: str | None = None
+            while index < len(lines):
+                line = lines[index]
+                if not line.strip():
+                    index += 1
+                    continue
+                indent = _indent(line)
+                if indent <= header_indent:
+                    break
+                if entry_indent is None:
+                    entry_indent = indent
+                arg_match = _ARG_LINE_RE.match(line.strip())
+                if indent <= entry_indent and arg_match:
+                    current = arg_match.group(1)
+                    arg_docs[current] = arg_match.group(2).strip()
+                elif current is not None:
+                    joined = f"{arg_docs[current]} {line.strip()}"
+                    arg_docs[current] = joined.strip()
+                index += 1
+            continue
+        index += 1
+    return summary, arg_docs
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+# --------------------------------------------------------------------------- calling
+
+
+class _ArgumentError(Exception):
+    """Arguments did not satisfy the tool's schema; the message is LLM-readable."""
+
+
+def _bind_arguments(definition: ToolDefinition, arguments: dict) -> dict[str, Any]:
+    model = definition.arguments_model
+    if model is None:
+        required = definition.input_schema.get("required") or []
+        missing = [key for key in required if key not in arguments]
+        if missing:
+            raise _ArgumentError("; ".join(f"{key}: Field required" for key in missing))
+        return dict(arguments)
+    try:
+        instance = model.model_validate(arguments)
+    except ValidationError as exc:
+        raise _ArgumentError(_format_validation_error(exc)) from None
+    passed = instance.model_fields_set | definition.always_pass
+    return {
+        definition.param_names[field_name]: getattr(instance, field_name)
+        for field_name in definition.param_names
+        if field_name in passed
+    }
+
+
+def _format_validation_error(exc: ValidationError) -> str:
+    messages = []
+    for error in exc.errors(include_url=False):
+        location = ".".join(str(part) for part in error.get("loc", ())) or "arguments"
+        message = f"{location}: {error.get('msg', 'invalid value')}"
+        if error.get("type") != "missing" and "input" in error:
+            message += f" (got {_short_repr(error['input'])})"
+        messages.append(message)
+    return "; ".join(messages)
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _MAX_REPR else text[: _MAX_REPR - 3] + "..."
+
+
+def _json_type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, list | tuple):
+        return "array"
+    return type(value).__name__
+
+
+def _run_awaitable(awaitable: Any) -> Any:
+    """Run an awaitable to completion on a fresh event loop.
+
+    With no loop running in this thread, ``asyncio.run`` runs it here. If a loop
+    is running (the caller is itself inside async code), it runs under
+    ``asyncio.run`` on a helper thread and this thread blocks until it finishes.
+    """
+
+    async def _await() -> Any:
+        return await awaitable
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(_await())
+
+    outcome: dict[str, Any] = {}
+    context = contextvars.copy_context()
+
+    def _target() -> None:
+        try:
+            outcome["value"] = context.run(asyncio.run, _await())
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=_target, name="solidloop-async-tool", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
+def _to_result(value: Any) -> ToolResult:
+    """Convert a handler's return value into a :class:`ToolResult`."""
+    if isinstance(value, ToolResult):
+        return value
+    if value is None:
+        return ToolResult(content=[{"type": "text", "text": ""}])
+    if isinstance(value, str):
+        return ToolResult(content=[{"type": "text", "text": value}])
+    if isinstance(value, BaseModel):
+        structured = value.model_dump(mode="json")
+        return ToolResult(
+            content=[{"type": "text", "text": json.dumps(structured, ensure_ascii=False)}],
+            structured_content=structured,
+        )
+    if isinstance(value, dict):
+        try:
+            text = json.dumps(value, ensure_ascii=False)
+            structured = value
+        except (TypeError, ValueError):
+            structured = pydantic_core.to_jsonable_python(value, fallback=str)
+            text = json.dumps(structured, ensure_ascii=False)
+        return ToolResult(content=[{"type": "text", "text": text}], structured_content=structured)
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = str(value)
+    return ToolResult(content=[{"type": "text", "text": text}])

@@ -1,0 +1,27 @@
+"""The tables flask-solidloop owns, all prefixed ``solidloop_``.
+
+They live on their own SQLAlchemy metadata (:data:`metadata`), not on the host's
+``db.Model``, so the host's Alembic autogenerate never mistakes them for its own
+and our migrations (flask_solidloop/migrations) stay the only thing that shapes
+them. The host's session still reads and writes them, in the host's transaction.
+"""
+
+from .base import Base, metadata
+from .event import Event
+from .job import Job
+from .loop import RESUMABLE_STATUSES, TERMINAL_STATUSES, Loop, LoopStatus
+from .message import Message
+from .tool_call import ToolCall
+
+__all__ = [
+    "RESUMABLE_STATUSES",
+    "TERMINAL_STATUSES",
+    "Base",
+    "Event",
+    "Job",
+    "Loop",
+    "LoopStatus",
+    "Message",
+    "ToolCall",
+    "metadata",
+]

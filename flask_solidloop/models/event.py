@@ -1,0 +1,41 @@
+"""The wire log: one row per LLM request, tool call or inbound MCP request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, Text
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import Mapped, mapped_column
+
+from .base import Base, Timestamps
+
+
+class Event(Timestamps, Base):
+    """A redacted record of one exchange with the outside world.
+
+    Secrets (Authorization headers, API keys) are removed before a row is
+    written; see flask_solidloop.llm.redact.
+    """
+
+    __tablename__ = "solidloop_events"
+    __table_args__ = (
+        Index("ix_solidloop_events_loop_id", "loop_id"),
+        Index("ix_solidloop_events_created_at", "created_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    loop_id: Mapped[int | None] = mapped_column(
+        ForeignKey("solidloop_loops.id", ondelete="CASCADE")
+    )
+    message_id: Mapped[int | None] = mapped_column(
+        ForeignKey("solidloop_messages.id", ondelete="SET NULL")
+    )
+    tool_call_id: Mapped[int | None] = mapped_column(
+        ForeignKey("solidloop_tool_calls.id", ondelete="SET NULL")
+    )
+    kind: Mapped[str] = mapped_column(String(50), nullable=False)
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    duration_ms: Mapped[float | None] = mapped_column()
+    error: Mapped[str | None] = mapped_column(Text)
+    payload: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, default=dict)

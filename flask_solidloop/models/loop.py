@@ -1,0 +1,112 @@
+"""The loop row: one autonomous agent run, its status, generation fence and lease."""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from datetime import datetime
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Index,
+    Integer,
+    Numeric,
+    String,
+    Text,
+    Uuid,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import Mapped, mapped_column, relationship
+
+from .base import Base, Timestamps
+
+if TYPE_CHECKING:
+    from .message import Message
+    from .tool_call import ToolCall
+
+
+class LoopStatus(enum.StrEnum):
+    INIT = "init"
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    PAUSED = "paused"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+ALL_STATUSES = tuple(s.value for s in LoopStatus)
+#: Statuses ``resume()`` may re-enter. queued/running are live and never resumable.
+RESUMABLE_STATUSES: tuple[str, ...] = ("init", "paused", "failed", "completed")
+TERMINAL_STATUSES: tuple[str, ...] = ("completed", "failed")
+
+
+class Loop(Timestamps, Base):
+    __tablename__ = "solidloop_loops"
+    __table_args__ = (
+        CheckConstraint(
+            "status IN ('init','queued','running','completed','failed','paused')",
+            name="status_valid",
+        ),
+        Index("ix_solidloop_loops_status", "status"),
+        Index("ix_solidloop_loops_subject", "subject_type", "subject_id"),
+        # The reaper's scans touch only live loops; these stay tiny however many
+        # loops have finished.
+        Index(
+            "ix_solidloop_loops_running_lease",
+            "lease_expires_at",
+            postgresql_where=text("status = 'running'"),
+        ),
+        Index(
+            "ix_solidloop_loops_queued_since",
+            "updated_at",
+            postgresql_where=text("status = 'queued'"),
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    agent_name: Mapped[str] = mapped_column(String(200), nullable=False)
+    subject_type: Mapped[str | None] = mapped_column(String(200))
+    subject_id: Mapped[str | None] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(20), nullable=False, default="init")
+    execution_token: Mapped[uuid.UUID | None] = mapped_column(Uuid)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    error_message: Mapped[str | None] = mapped_column(Text)
+    step_count: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    input_tokens: Mapped[int] = mapped_column(
+        BigInteger, nullable=False, default=0, server_default="0"
+    )
+    output_tokens: Mapped[int] = mapped_column(
+        BigInteger, nullable=False, default=0, server_default="0"
+    )
+    cost: Mapped[Decimal] = mapped_column(
+        Numeric(18, 8), nullable=False, default=Decimal(0), server_default="0"
+    )
+    state: Mapped[dict[str, Any]] = mapped_column(
+        JSONB, nullable=False, default=dict, server_default=text("'{}'::jsonb")
+    )
+
+    messages: Mapped[list[Message]] = relationship(
+        back_populates="loop", order_by="Message.id", lazy="select", passive_deletes=True
+    )
+    tool_calls: Mapped[list[ToolCall]] = relationship(
+        back_populates="loop", order_by="ToolCall.id", lazy="select", passive_deletes=True
+    )
+
+    @property
+    def subject_label(self) -> str | None:
+        if self.subject_type is None and self.subject_id is None:
+            return None
+        return f"{self.subject_type} #{self.subject_id}"
+
+    def __repr__(self) -> str:
+        return f"<Loop {self.id} {self.agent_name!r} {self.status}>"

@@ -1,0 +1,86 @@
+"""A tool call the model asked for, its per-call lease and its canonical result."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    Uuid,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import Mapped, mapped_column, relationship
+
+from .base import Base, Timestamps
+
+if TYPE_CHECKING:
+    from .loop import Loop
+    from .message import Message
+
+
+class ToolCall(Timestamps, Base):
+    """One tool invocation.
+
+    ``executed_at`` is the exactly-once checkpoint: once set, the tool body is
+    never run again for this row. ``lease_token``/``leased_until`` let the
+    reaper reclaim one dead parallel call without fencing its siblings.
+    ``response_message`` is the single tool message that answers the call.
+    """
+
+    __tablename__ = "solidloop_tool_calls"
+    __table_args__ = (
+        UniqueConstraint("message_id", "position", name="uq_solidloop_tool_calls_message_position"),
+        Index("ix_solidloop_tool_calls_loop_id", "loop_id"),
+        Index(
+            "ix_solidloop_tool_calls_unresolved",
+            "loop_id",
+            postgresql_where=text("response_message_id IS NULL"),
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    loop_id: Mapped[int] = mapped_column(
+        ForeignKey("solidloop_loops.id", ondelete="CASCADE"), nullable=False
+    )
+    message_id: Mapped[int] = mapped_column(
+        ForeignKey("solidloop_messages.id", ondelete="CASCADE"), nullable=False
+    )
+    position: Mapped[int] = mapped_column(Integer, nullable=False)
+    call_id: Mapped[str | None] = mapped_column(String(200))
+    name: Mapped[str] = mapped_column(String(300), nullable=False)
+    server_name: Mapped[str | None] = mapped_column(String(200))
+    tool_name: Mapped[str | None] = mapped_column(String(200))
+    arguments_raw: Mapped[str | None] = mapped_column(Text)
+    arguments: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    is_success: Mapped[bool | None] = mapped_column(Boolean)
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    error_kind: Mapped[str | None] = mapped_column(String(50))
+    executed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    lease_token: Mapped[uuid.UUID | None] = mapped_column(Uuid)
+    leased_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    duration_ms: Mapped[float | None] = mapped_column()
+    response_message_id: Mapped[int | None] = mapped_column(
+        ForeignKey("solidloop_messages.id", ondelete="SET NULL")
+    )
+
+    loop: Mapped[Loop] = relationship(back_populates="tool_calls")
+    message: Mapped[Message] = relationship(back_populates="tool_calls", foreign_keys=[message_id])
+    response_message: Mapped[Message | None] = relationship(foreign_keys=[response_message_id])
+
+    @property
+    def idempotency_key(self) -> str:
+        return f"solidloop:tool_call:{self.id}"
+
+    def __repr__(self) -> str:
+        return f"<ToolCall {self.id} {self.name} success={self.is_success}>"

@@ -1,0 +1,82 @@
+"""What a middleware sees: the state of one LLM turn or one tool turn."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.orm import Session
+
+if TYPE_CHECKING:
+    from ..agent import Agent
+    from ..extension import SolidLoopState
+    from ..llm.client import WireRecord
+    from ..llm.types import AssistantTurn, ChatMessage
+    from ..mcp.registry import ToolRegistry
+    from ..mcp.toolset import ToolResult
+    from ..models import Loop, Message, ToolCall
+
+
+@dataclass
+class TurnContext:
+    state: SolidLoopState
+    session: Session
+    loop_id: int
+    execution_token: uuid.UUID
+    agent: Agent
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def loop(self) -> Loop:
+        from ..models import Loop
+
+        loop = self.session.get(Loop, self.loop_id)
+        assert loop is not None
+        return loop
+
+    def transition(self, *, from_: str | tuple[str, ...], to: str, **changes: Any) -> bool:
+        """Fenced transition on this turn's generation, committed now.
+
+        Returns False (and writes nothing) when the loop is no longer ours.
+        """
+        from ..loops.fence import transition
+
+        loop = transition(
+            self.session, self.loop_id, from_=from_, to=to,
+            expected_token=self.execution_token, **changes,
+        )
+        if loop is None:
+            self.session.rollback()
+            return False
+        self.session.commit()
+        return True
+
+
+@dataclass
+class LlmContext(TurnContext):
+    """One LLM turn. Filled in as the stack runs:
+
+    * AgentInitialization: ``tools`` (the registry), ``history``
+    * NetworkCalling: ``shell`` (the hidden assistant message), ``response``, ``wire``
+    * ResponseParsing: ``message`` (the finalized assistant message)
+    """
+
+    tools: ToolRegistry | None = None
+    history: list[ChatMessage] = field(default_factory=list)
+    shell_id: int | None = None
+    response: AssistantTurn | None = None
+    wire: WireRecord | None = None
+    message: Message | None = None
+
+
+@dataclass
+class ToolContext(TurnContext):
+    """One tool turn. ``lease_token`` is None on the continuation path
+    (the call was already executed and checkpointed)."""
+
+    tool_call_id: int = 0
+    lease_token: uuid.UUID | None = None
+    tool_call: ToolCall | None = None
+    tools: ToolRegistry | None = None
+    result: ToolResult | None = None

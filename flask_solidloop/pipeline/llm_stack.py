@@ -1,0 +1,275 @@
+"""The default LLM turn stack, outermost first:
+
+ErrorHandling → AgentInitialization → (host middlewares) → NetworkCalling → ResponseParsing
+
+* ErrorHandling turns the failures a turn can expect into recorded outcomes
+  under the generation fence: a limit pauses the loop, a provider error fails
+  it with the status and a body excerpt.
+* AgentInitialization checks limits, resolves the tools and loads the history
+  the model will see. Anything inserted before it runs on an empty context.
+* NetworkCalling creates the hidden ``processing`` assistant shell, renders
+  the request, sends it (with retries) and keeps the wire record.
+* ResponseParsing is the canonical write: under the row lock and fence it
+  finalizes the message, records tool calls, usage and the wire event, and
+  either completes the loop or enters the tool phase with the tool jobs
+  enqueued in the same commit.
+
+A middleware that *replaces* ResponseParsing must keep its fence, or it loses
+the durability guarantees.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, select
+
+from ..errors import LimitExceededError, LostLeaseError, ProviderError
+from ..llm import openai as openai_dialect
+from ..llm.client import RetryPolicy, post_json
+from ..llm.types import ChatMessage, ToolCallRequest
+from ..loops.fence import lock_loop, owns, transition
+from ..mcp.registry import ToolRegistry
+from ..models import Event, Loop, Message, ToolCall
+from .builder import Handler
+from .context import LlmContext
+
+logger = logging.getLogger("flask_solidloop.llm")
+
+
+class ErrorHandling:
+    def __init__(self, next_step: Handler) -> None:
+        self.next_step = next_step
+
+    def __call__(self, ctx: LlmContext) -> Any:
+        try:
+            return self.next_step(ctx)
+        except LostLeaseError:
+            raise
+        except LimitExceededError as exc:
+            ctx.session.rollback()
+            _end_turn(ctx, to="paused", error_message=str(exc))
+        except ProviderError as exc:
+            ctx.session.rollback()
+            logger.warning("loop %s: provider error: %s", ctx.loop_id, exc)
+            _end_turn(ctx, to="failed", error_message=f"{type(exc).__name__}: {exc}")
+        return None
+
+
+def _end_turn(ctx: LlmContext, *, to: str, error_message: str) -> None:
+    loop = transition(
+        ctx.session, ctx.loop_id, from_="running", to=to,
+        expected_token=ctx.execution_token, error_message=error_message,
+    )
+    if loop is None:
+        ctx.session.rollback()
+        return
+    if ctx.shell_id is not None:
+        shell = ctx.session.get(Message, ctx.shell_id)
+        if shell is not None and shell.status == "processing":
+            shell.status = "failed"
+            shell.is_hidden = True
+    if ctx.wire is not None:
+        ctx.session.add(Event(
+            loop_id=ctx.loop_id, message_id=ctx.shell_id, kind="llm_request",
+            status_code=ctx.wire.status, duration_ms=ctx.wire.duration_ms,
+            error=error_message, payload=ctx.wire.to_payload(),
+        ))
+    ctx.session.commit()
+
+
+class AgentInitialization:
+    def __init__(self, next_step: Handler) -> None:
+        self.next_step = next_step
+
+    def __call__(self, ctx: LlmContext) -> Any:
+        loop = ctx.loop
+        max_steps = ctx.agent.option("max_steps")
+        if max_steps and loop.step_count >= max_steps:
+            raise LimitExceededError(f"max_steps reached ({loop.step_count} of {max_steps})")
+        max_duration = ctx.agent.effective_max_duration(ctx.state.config.default_max_duration)
+        if loop.started_at is not None:
+            elapsed = datetime.now(UTC) - loop.started_at
+            if elapsed > timedelta(seconds=max_duration):
+                raise LimitExceededError(
+                    f"max_duration reached ({int(elapsed.total_seconds())}s of {max_duration}s)"
+                )
+        ctx.tools = ToolRegistry.build(ctx.agent.tool_entries(), agent=str(ctx.agent.agent_name))
+        ctx.history = load_history(ctx)
+        ctx.session.commit()  # end the read transaction before the network call
+        return self.next_step(ctx)
+
+
+def load_history(ctx: LlmContext) -> list[ChatMessage]:
+    """The visible, completed history in the provider-neutral shape."""
+    session = ctx.session
+    messages = list(session.scalars(
+        select(Message)
+        .where(Message.loop_id == ctx.loop_id, Message.is_hidden.is_(False),
+               Message.status == "completed")
+        .order_by(Message.id)
+    ))
+    calls_by_message: dict[int, list[ToolCall]] = {}
+    call_ids: dict[int, str] = {}
+    for call in session.scalars(
+        select(ToolCall).where(ToolCall.loop_id == ctx.loop_id).order_by(ToolCall.position)
+    ):
+        calls_by_message.setdefault(call.message_id, []).append(call)
+        call_ids[call.id] = call.call_id or f"call_{call.id}"
+    history = []
+    for message in messages:
+        if message.role == "assistant":
+            history.append(ChatMessage(
+                role="assistant",
+                content=message.content,
+                reasoning=message.reasoning,
+                tool_calls=[
+                    ToolCallRequest(call_ids[c.id], c.name, c.arguments_raw or "")
+                    for c in calls_by_message.get(message.id, [])
+                ],
+            ))
+        elif message.role == "tool":
+            history.append(ChatMessage(
+                role="tool", content=message.content,
+                tool_call_id=call_ids.get(message.tool_call_id or -1),
+            ))
+        else:
+            history.append(ChatMessage(role=message.role, content=message.content))
+    return history
+
+
+class NetworkCalling:
+    def __init__(self, next_step: Handler) -> None:
+        self.next_step = next_step
+
+    def __call__(self, ctx: LlmContext) -> Any:
+        settings = ctx.agent.provider()
+        loop = lock_loop(ctx.session, ctx.loop_id)
+        if not owns(loop, ctx.execution_token):
+            ctx.session.rollback()
+            raise LostLeaseError(f"loop {ctx.loop_id} changed hands before the request")
+        shell = Message(loop_id=ctx.loop_id, role="assistant", status="processing",
+                        is_hidden=True, content="")
+        ctx.session.add(shell)
+        ctx.session.commit()
+        ctx.shell_id = shell.id
+
+        path, payload = openai_dialect.render_request(
+            settings,
+            ctx.history,
+            ctx.tools.definitions() if ctx.tools else [],
+            llm_params=ctx.agent.option("llm_params"),
+            reasoning_effort=ctx.agent.option("reasoning_effort"),
+            max_tokens=ctx.agent.option("max_tokens"),
+        )
+        api_key = settings.resolve_api_key()
+        headers = {"Content-Type": "application/json", **settings.headers,
+                   **openai_dialect.auth_headers(api_key)}
+        config = ctx.state.config
+        policy = RetryPolicy(
+            retries=config.llm_retries, base_delay=config.llm_retry_base_delay,
+            max_delay=config.llm_retry_max_delay, statuses=config.llm_retry_statuses,
+        )
+        try:
+            body, wire = post_json(
+                settings.base_url + path, payload, headers=headers,
+                read_timeout=settings.read_timeout or config.default_read_timeout,
+                connect_timeout=settings.connect_timeout, policy=policy,
+                secrets=[api_key] if api_key else [],
+                should_abort=lambda: _no_longer_ours(ctx),
+            )
+        except ProviderError as exc:
+            ctx.wire = getattr(exc, "wire", None)
+            raise
+        ctx.wire = wire
+        ctx.response = openai_dialect.parse_response(body)
+        return self.next_step(ctx)
+
+
+def _no_longer_ours(ctx: LlmContext) -> bool:
+    row = ctx.session.execute(
+        select(Loop.status, Loop.execution_token).where(Loop.id == ctx.loop_id)
+    ).one_or_none()
+    ctx.session.rollback()
+    return row is None or row.status != "running" or row.execution_token != ctx.execution_token
+
+
+class ResponseParsing:
+    def __init__(self, next_step: Handler) -> None:
+        self.next_step = next_step
+
+    def __call__(self, ctx: LlmContext) -> Any:
+        response = ctx.response
+        assert response is not None and ctx.shell_id is not None
+        session = ctx.session
+        loop = lock_loop(session, ctx.loop_id)
+        if not owns(loop, ctx.execution_token):
+            session.rollback()
+            raise LostLeaseError(f"loop {ctx.loop_id} changed hands during the request")
+        assert loop is not None
+        shell = session.get(Message, ctx.shell_id)
+        assert shell is not None
+        shell.content = response.content
+        shell.reasoning = response.reasoning
+        shell.finish_reason = response.finish_reason
+        shell.status = "completed"
+        shell.is_hidden = False
+        shell.completed_at = func.now()
+        if response.usage is not None:
+            shell.usage = response.usage.to_dict()
+            loop.input_tokens += response.usage.input_tokens
+            loop.output_tokens += response.usage.output_tokens
+        loop.step_count += 1
+        calls = []
+        for position, request in enumerate(response.tool_calls):
+            arguments, route = _parse_arguments(request.arguments_raw), None
+            if ctx.tools is not None:
+                route = ctx.tools.resolve(request.name)
+            call = ToolCall(
+                loop_id=ctx.loop_id, message_id=shell.id, position=position,
+                call_id=request.call_id or None, name=request.name,
+                server_name=route.server_name if route else None,
+                tool_name=route.tool_name if route else None,
+                arguments_raw=request.arguments_raw, arguments=arguments,
+            )
+            session.add(call)
+            calls.append(call)
+        if ctx.wire is not None:
+            session.add(Event(
+                loop_id=ctx.loop_id, message_id=shell.id, kind="llm_request",
+                status_code=ctx.wire.status, duration_ms=ctx.wire.duration_ms,
+                payload=ctx.wire.to_payload(),
+            ))
+        session.flush()
+        if not calls:
+            loop.status = "completed"
+            loop.execution_token = None
+            loop.lease_expires_at = None
+            loop.finished_at = func.now()
+            loop.error_message = None
+        else:
+            # Tool phase: the loop stays running under this generation; no LLM lease.
+            loop.lease_expires_at = None
+            to_enqueue = calls[:1] if ctx.agent.option("sequential_tool_calls") else calls
+            for call in to_enqueue:
+                ctx.state.dispatch.tool_call(session, call.id, ctx.execution_token,
+                                             loop_id=ctx.loop_id)
+        session.commit()
+        ctx.message = shell
+        return self.next_step(ctx)
+
+
+def _parse_arguments(raw: str | None) -> dict[str, Any] | None:
+    if raw is None or raw.strip() == "":
+        return {}
+    try:
+        value = json.loads(raw)
+    except (json.JSONDecodeError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+DEFAULT_LLM_STACK = (ErrorHandling, AgentInitialization, NetworkCalling, ResponseParsing)

@@ -1,0 +1,457 @@
+"""A dramatiq 2.x broker whose queue is a PostgreSQL table, over psycopg 3.
+
+Why our own (docs/decisions/0002-postgres-broker.md): the job that follows a
+state change must commit in the *same* transaction as that change. So
+:meth:`PostgresBroker.enqueue` can write the job row on the caller's
+connection (a SQLAlchemy session or a psycopg connection, passed explicitly),
+and the NOTIFY that wakes consumers is transactional too: a rollback leaves
+neither the state, nor the job, nor a wake-up.
+
+Shape of the table (``solidloop_jobs``): one row per message, ``state`` in
+queued → running → done | dead, ``eta`` for delays (nothing is held in worker
+memory), ``lease_token``/``lease_until`` for redelivery when a worker dies.
+
+* claim: ``UPDATE ... FROM (SELECT ... FOR UPDATE SKIP LOCKED LIMIT n)``
+* wake-up: LISTEN on one channel per queue, with a timed poll as fallback
+* ack/nack: fenced on the lease token, so a stale holder changes nothing
+* renewal: the consumer extends the leases of the jobs it holds
+* recovery: expired leases go back to queued (or dead after too many tries)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+import dramatiq
+import psycopg
+from dramatiq.broker import Consumer, MessageProxy
+from dramatiq.errors import BrokerConnectionError, QueueNotFound
+from dramatiq.message import Message
+from psycopg import sql
+from psycopg_pool import ConnectionPool
+
+from ..errors import BrokerError
+
+logger = logging.getLogger("flask_solidloop.broker")
+
+CHANNEL_PREFIX = "solidloop_q_"
+
+_INSERT = (
+    "INSERT INTO solidloop_jobs (queue_name, actor_name, message_id, message, eta, loop_id) "
+    "VALUES (%(queue_name)s, %(actor_name)s, %(message_id)s, %(message)s, "
+    "now() + make_interval(secs => %(delay)s), %(loop_id)s) RETURNING id"
+)
+_INSERT_AND_NOTIFY = (
+    "WITH job AS (" + _INSERT + ") "
+    "SELECT job.id, pg_notify(%(channel)s, '') FROM job"
+)
+_CLAIM = """
+UPDATE solidloop_jobs AS j
+   SET state = 'running', lease_token = gen_random_uuid(),
+       lease_until = now() + make_interval(secs => %(lease)s),
+       attempts = j.attempts + 1, started_at = now()
+  FROM (SELECT id FROM solidloop_jobs
+         WHERE queue_name = %(queue)s AND state = 'queued' AND eta <= now()
+         ORDER BY eta, id
+         LIMIT %(limit)s
+         FOR UPDATE SKIP LOCKED) AS due
+ WHERE j.id = due.id
+RETURNING j.id, j.lease_token, j.message, j.attempts
+"""
+_NEXT_ETA = (
+    "SELECT EXTRACT(EPOCH FROM (min(eta) - now())) FROM solidloop_jobs "
+    "WHERE queue_name = %s AND state = 'queued'"
+)
+_ACK = (
+    "UPDATE solidloop_jobs SET state = 'done', finished_at = now(), lease_until = NULL "
+    "WHERE id = %s AND lease_token = %s AND state = 'running'"
+)
+_NACK = (
+    "UPDATE solidloop_jobs SET state = 'dead', finished_at = now(), lease_until = NULL, "
+    "last_error = %s WHERE id = %s AND lease_token = %s AND state = 'running'"
+)
+_REQUEUE = (
+    "UPDATE solidloop_jobs SET state = 'queued', lease_token = NULL, lease_until = NULL, "
+    "attempts = greatest(attempts - 1, 0) "
+    "WHERE id = %s AND lease_token = %s AND state = 'running'"
+)
+_RENEW = (
+    "UPDATE solidloop_jobs SET lease_until = now() + make_interval(secs => %s) "
+    "WHERE id = ANY(%s) AND state = 'running'"
+)
+# A job whose holder died returns to the queue; one that has been delivered
+# max_deliveries times without an ack is presumed poisonous and dead-lettered.
+_RECOVER = """
+WITH expired AS (
+    SELECT id FROM solidloop_jobs
+     WHERE state = 'running' AND lease_until < now()
+     ORDER BY lease_until
+     LIMIT 1000
+     FOR UPDATE SKIP LOCKED
+)
+UPDATE solidloop_jobs AS j
+   SET state = CASE WHEN j.attempts >= %(max_deliveries)s THEN 'dead' ELSE 'queued' END,
+       finished_at = CASE WHEN j.attempts >= %(max_deliveries)s THEN now() END,
+       last_error = 'job lease expired: the worker holding it stopped acknowledging',
+       lease_token = NULL, lease_until = NULL
+  FROM expired WHERE j.id = expired.id
+RETURNING j.id, j.queue_name, j.state
+"""
+
+
+def libpq_url(url: str) -> str:
+    """Turn a SQLAlchemy URL (``postgresql+psycopg://``) into one libpq accepts."""
+    if "+" in url.split("://", 1)[0]:
+        scheme, rest = url.split("://", 1)
+        return scheme.split("+", 1)[0] + "://" + rest
+    return url
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced, for error messages and logs."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return url.split("@")[-1]
+
+
+class PostgresMessageProxy(MessageProxy):
+    """A dramatiq message plus the job row that carries it."""
+
+    def __init__(self, message: Message, job_id: int, lease_token: uuid.UUID, attempts: int):
+        super().__init__(message)
+        self.job_id = job_id
+        self.lease_token = lease_token
+        self.attempts = attempts
+
+
+class PostgresBroker(dramatiq.Broker):
+    """dramatiq broker over the ``solidloop_jobs`` table.
+
+    Parameters:
+      url: a PostgreSQL URL (SQLAlchemy or libpq form).
+      job_lease: seconds before an unacknowledged claimed job is redelivered.
+      poll_interval: seconds a consumer waits for a NOTIFY before polling anyway.
+      max_deliveries: deliveries without an ack before a job is dead-lettered.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        middleware: list[dramatiq.Middleware] | None = None,
+        job_lease: float = 60.0,
+        poll_interval: float = 1.0,
+        max_deliveries: int = 5,
+    ) -> None:
+        super().__init__(middleware=middleware)
+        self.url = url
+        self.conninfo = libpq_url(url)
+        self.job_lease = float(job_lease)
+        self.poll_interval = float(poll_interval)
+        self.max_deliveries = int(max_deliveries)
+        self.queues: dict[str, None] = {}
+        self._pool: ConnectionPool | None = None
+        self._pool_lock = threading.Lock()
+        self._last_recover = 0.0
+
+    # -- connections -------------------------------------------------------
+
+    def connect(self) -> psycopg.Connection:
+        """A new autocommit connection, with errors dramatiq's consumers understand."""
+        try:
+            return psycopg.connect(self.conninfo, autocommit=True, connect_timeout=10)
+        except psycopg.OperationalError as exc:
+            raise BrokerConnectionError(
+                f"cannot reach PostgreSQL at {redact_url(self.url)}: {exc}"
+            ) from exc
+
+    @property
+    def pool(self) -> ConnectionPool:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ConnectionPool(
+                    self.conninfo,
+                    min_size=1,
+                    max_size=4,
+                    kwargs={"autocommit": True},
+                    open=True,
+                    name="solidloop-broker",
+                )
+            return self._pool
+
+    def _run(self, query: str, params: Any = None) -> list[tuple[Any, ...]]:
+        try:
+            with self.pool.connection() as conn:
+                cur = conn.execute(query, params)
+                return cur.fetchall() if cur.description else []
+        except psycopg.OperationalError as exc:
+            raise BrokerConnectionError(str(exc)) from exc
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
+
+    # -- dramatiq Broker API -------------------------------------------------
+
+    def declare_queue(self, queue_name: str) -> None:
+        if queue_name not in self.queues:
+            self.emit_before("declare_queue", queue_name)
+            self.queues[queue_name] = None
+            self.emit_after("declare_queue", queue_name)
+
+    def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 30000) -> Consumer:
+        if queue_name not in self.queues:
+            raise QueueNotFound(queue_name)
+        return PostgresConsumer(self, queue_name, prefetch, timeout)
+
+    def enqueue(
+        self,
+        message: Message,
+        *,
+        delay: int | None = None,
+        connection: Any = None,
+    ) -> Message:
+        """Write ``message`` as a job row.
+
+        ``connection`` binds the write to a transaction: a SQLAlchemy
+        ``Session``/``Connection`` or a psycopg connection. The job (and its
+        NOTIFY) then commits or rolls back with the caller's state change.
+        Without it the job is written and committed on the broker's own pool,
+        which is what dramatiq's own callers (``actor.send``, Retries) get.
+        """
+        if message.queue_name not in self.queues:
+            raise QueueNotFound(message.queue_name)
+        options = dict(message.options)
+        options.pop("eta", None)  # delays live in the row's eta, never in worker memory
+        message = message.copy(options=options)
+        self.emit_before("enqueue", message, delay)
+        params = {
+            "queue_name": message.queue_name,
+            "actor_name": message.actor_name,
+            "message_id": message.message_id,
+            "message": json.dumps(message.asdict(), default=str),
+            "delay": (delay or 0) / 1000.0,
+            "loop_id": options.get("solidloop_loop_id"),
+            "channel": CHANNEL_PREFIX + message.queue_name,
+        }
+        query = _INSERT if delay else _INSERT_AND_NOTIFY
+        if connection is None:
+            self._run(query, params)
+        else:
+            execute_on(connection, query, params)
+        self.emit_after("enqueue", message, delay)
+        return message
+
+    def get_declared_delay_queues(self) -> set[str]:
+        return set()
+
+    def flush(self, queue_name: str) -> None:
+        self._run("DELETE FROM solidloop_jobs WHERE queue_name = %s AND state = 'queued'",
+                  (queue_name,))
+
+    def flush_all(self) -> None:
+        for queue_name in self.queues:
+            self.flush(queue_name)
+
+    def join(self, queue_name: str, *, timeout: int | None = None) -> None:
+        """Block until ``queue_name`` has no queued or running jobs (tests only)."""
+        deadline = None if timeout is None else time.monotonic() + timeout / 1000
+        while True:
+            rows = self._run(
+                "SELECT count(*) FROM solidloop_jobs WHERE queue_name = %s "
+                "AND state IN ('queued', 'running')",
+                (queue_name,),
+            )
+            if rows[0][0] == 0:
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"queue {queue_name!r} still has {rows[0][0]} live jobs")
+            time.sleep(0.05)
+
+    # -- maintenance -----------------------------------------------------------
+
+    def recover_expired(self, connection: Any = None) -> int:
+        """Return jobs whose holder stopped renewing to the queue. Idempotent."""
+        params = {"max_deliveries": self.max_deliveries}
+        rows = self._run(_RECOVER, params) if connection is None else execute_on(
+            connection, _RECOVER, params, fetch=True
+        )
+        for job_id, queue_name, state in rows:
+            if state == "dead":
+                logger.error("job %s on %s dead-lettered after %s deliveries",
+                             job_id, queue_name, self.max_deliveries)
+            else:
+                logger.warning("job %s on %s redelivered: its lease expired", job_id, queue_name)
+        for queue_name in {row[1] for row in rows if row[2] == "queued"}:
+            self._run("SELECT pg_notify(%s, '')", (CHANNEL_PREFIX + queue_name,))
+        return len(rows)
+
+    def maybe_recover_expired(self) -> None:
+        now = time.monotonic()
+        if now - self._last_recover < max(self.job_lease / 4, 1.0):
+            return
+        self._last_recover = now
+        try:
+            self.recover_expired()
+        except BrokerConnectionError:
+            raise
+        except Exception:
+            logger.exception("recovering expired job leases failed")
+
+
+def execute_on(target: Any, query: str, params: Any, *, fetch: bool = False) -> list[Any]:
+    """Run ``query`` on a caller-owned SQLAlchemy session/connection or psycopg connection."""
+    if isinstance(target, psycopg.Connection):
+        cur = target.execute(query, params)
+        return cur.fetchall() if fetch and cur.description else []
+    # SQLAlchemy Session or Connection: go through the DBAPI connection so that
+    # psycopg's own %(name)s parameters work and we stay inside the same transaction.
+    get_connection = getattr(target, "connection", None)
+    if get_connection is None:
+        raise BrokerError(
+            f"cannot enqueue on {type(target).__name__}: pass a SQLAlchemy Session or "
+            "Connection, or a psycopg Connection"
+        )
+    sa_connection = get_connection() if callable(get_connection) else get_connection
+    driver = sa_connection.connection.driver_connection
+    if not isinstance(driver, psycopg.Connection):
+        raise BrokerError(
+            "the session is not using the psycopg 3 driver; use a postgresql+psycopg:// URL"
+        )
+    cur = driver.execute(query, params)
+    return cur.fetchall() if fetch and cur.description else []
+
+
+class PostgresConsumer(Consumer):
+    """Iterates over the jobs of one queue. Used by one ConsumerThread.
+
+    The consumer thread claims and waits on its own connection; acks arrive
+    from worker threads and go through the broker's pool, so a consumer
+    blocked in LISTEN never delays an ack.
+    """
+
+    def __init__(self, broker: PostgresBroker, queue_name: str, prefetch: int, timeout: int):
+        self.broker = broker
+        self.queue_name = queue_name
+        self.prefetch = max(1, prefetch)
+        self.timeout = timeout / 1000.0
+        self.buffer: deque[PostgresMessageProxy] = deque()
+        self.held: dict[int, uuid.UUID] = {}
+        self.held_lock = threading.Lock()
+        self.last_renewal = time.monotonic()
+        self.conn = broker.connect()
+        channel = CHANNEL_PREFIX + queue_name
+        try:
+            self.conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        except psycopg.OperationalError as exc:
+            raise BrokerConnectionError(str(exc)) from exc
+
+    def __next__(self) -> MessageProxy | None:
+        try:
+            self._renew_if_due()
+            self.broker.maybe_recover_expired()
+            if self.buffer:
+                return self.buffer.popleft()
+            if self._claim():
+                return self.buffer.popleft()
+            self._wait()
+            if self._claim():
+                return self.buffer.popleft()
+            return None
+        except psycopg.OperationalError as exc:
+            raise BrokerConnectionError(str(exc)) from exc
+
+    def _claim(self) -> bool:
+        with self.held_lock:
+            room = self.prefetch - len(self.held)
+        if room <= 0:
+            return False
+        rows = self.conn.execute(
+            _CLAIM, {"lease": self.broker.job_lease, "queue": self.queue_name, "limit": room}
+        ).fetchall()
+        rows.sort(key=lambda row: row[0])
+        for job_id, lease_token, data, attempts in rows:
+            if isinstance(data, str | bytes):
+                data = json.loads(data)
+            message = Message(**data)
+            with self.held_lock:
+                self.held[job_id] = lease_token
+            self.buffer.append(PostgresMessageProxy(message, job_id, lease_token, attempts))
+        return bool(rows)
+
+    def _wait(self) -> None:
+        wait = min(self.timeout, self.broker.poll_interval)
+        with self.held_lock:
+            full = len(self.held) >= self.prefetch
+        if not full:
+            row = self.conn.execute(_NEXT_ETA, (self.queue_name,)).fetchone()
+            if row and row[0] is not None:
+                wait = max(0.0, min(wait, float(row[0])))
+        if wait <= 0:
+            return
+        for _notify in self.conn.notifies(timeout=wait, stop_after=1):
+            break
+        # Drain any other notifications that arrived meanwhile; one claim serves them all.
+        for _notify in self.conn.notifies(timeout=0.0):
+            pass
+
+    def _renew_if_due(self) -> None:
+        now = time.monotonic()
+        if now - self.last_renewal < self.broker.job_lease / 3:
+            return
+        self.last_renewal = now
+        with self.held_lock:
+            ids = list(self.held)
+        if ids:
+            self.conn.execute(_RENEW, (self.broker.job_lease, ids))
+
+    def _release(self, message: MessageProxy) -> tuple[int, uuid.UUID] | None:
+        if not isinstance(message, PostgresMessageProxy):
+            return None
+        with self.held_lock:
+            self.held.pop(message.job_id, None)
+        return message.job_id, message.lease_token
+
+    def ack(self, message: MessageProxy) -> None:
+        key = self._release(message)
+        if key:
+            self.broker._run(_ACK, key)
+
+    def nack(self, message: MessageProxy) -> None:
+        key = self._release(message)
+        if key:
+            error = (message.options.get("traceback")
+                     or str(getattr(message, "_exception", "")) or None)
+            self.broker._run(_NACK, (error, *key))
+
+    def requeue(self, messages: Iterable[MessageProxy]) -> None:
+        for message in [*messages, *self.buffer]:
+            key = self._release(message)
+            if key:
+                try:
+                    self.broker._run(_REQUEUE, key)
+                except Exception:  # the lease will expire and redeliver it anyway
+                    logger.warning("could not requeue job %s; its lease will expire", key[0])
+        self.buffer.clear()
+
+    def close(self) -> None:
+        try:
+            self.requeue([])
+        finally:
+            with contextlib.suppress(Exception):
+                self.conn.close()
+
+

@@ -1,0 +1,49 @@
+"""Enqueue solidloop's own jobs inside the caller's transaction.
+
+Every successor job is written on the session that holds the state change, so
+both commit together (invariant 1). Nothing here commits.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import dramatiq
+from sqlalchemy.orm import Session
+
+from .broker import PostgresBroker
+
+
+class Dispatcher:
+    """Typed enqueue helpers over the three solidloop actors."""
+
+    def __init__(self, broker: PostgresBroker, actors: dict[str, dramatiq.Actor]) -> None:
+        self.broker = broker
+        self.actors = actors
+
+    def _send(self, session: Session, actor: dramatiq.Actor, args: tuple[Any, ...], *,
+              loop_id: int | None = None, delay_ms: int | None = None) -> None:
+        message = actor.message_with_options(args=args, solidloop_loop_id=loop_id)
+        self.broker.enqueue(message, delay=delay_ms, connection=session)
+
+    def llm_turn(self, session: Session, loop_id: int, *, delay_ms: int | None = None) -> None:
+        self._send(session, self.actors["llm_turn"], (loop_id,), loop_id=loop_id,
+                   delay_ms=delay_ms)
+
+    def tool_call(
+        self,
+        session: Session,
+        tool_call_id: int,
+        execution_token: uuid.UUID,
+        *,
+        loop_id: int,
+        reaper_lease_token: uuid.UUID | None = None,
+    ) -> None:
+        args: tuple[Any, ...] = (tool_call_id, str(execution_token))
+        if reaper_lease_token is not None:
+            args = (*args, str(reaper_lease_token))
+        self._send(session, self.actors["tool_call"], args, loop_id=loop_id)
+
+    def maintenance(self, session: Session, task: str) -> None:
+        self._send(session, self.actors["maintenance"], (task,))
