@@ -25,6 +25,7 @@ BRANCH = "solidloop"
 def alembic_config(url: str) -> AlembicConfig:
     cfg = AlembicConfig()
     cfg.set_main_option("script_location", DIRECTORY)
+    cfg.set_main_option("path_separator", "os")
     cfg.set_main_option("version_locations", VERSIONS)
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     cfg.attributes["solidloop_url"] = url

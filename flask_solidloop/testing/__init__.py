@@ -1,5 +1,6 @@
-"""Testing utilities shipped with flask-solidloop (LLM emulator for offline agent tests)."""
+"""Test helpers shipped for users: real servers and an in-process job drain."""
 
+from .drain import DrainError, drain
 from .llm_emulator import LLMEmulator
 
-__all__ = ["LLMEmulator"]
+__all__ = ["DrainError", "LLMEmulator", "drain"]

@@ -1,0 +1,81 @@
+"""Shared fixtures: a real PostgreSQL database per test session, cleaned between
+tests; a real LLM emulator on 127.0.0.1; the support app."""
+
+from __future__ import annotations
+
+import os
+
+import psycopg
+import pytest
+
+from flask_solidloop.database import ensure_database
+from flask_solidloop.migrations import upgrade
+from flask_solidloop.queue.broker import libpq_url
+from flask_solidloop.testing import LLMEmulator
+
+from .support_app import DATABASE_URL_ENV, DEFAULT_DATABASE_URL, LLM_URL_ENV, SIDE_EFFECTS
+
+TABLES = ("solidloop_events", "solidloop_tool_calls", "solidloop_messages", "solidloop_loops",
+          "solidloop_jobs")
+
+
+@pytest.fixture(scope="session")
+def database_url() -> str:
+    url = os.environ.get(DATABASE_URL_ENV, DEFAULT_DATABASE_URL)
+    os.environ[DATABASE_URL_ENV] = url
+    try:
+        ensure_database(url)
+    except Exception as exc:  # noqa: BLE001 - turn into a readable session error
+        pytest.exit(f"PostgreSQL is needed for the tests: {exc}", returncode=3)
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        conn.execute("DROP TABLE IF EXISTS " + ", ".join(TABLES)
+                     + ", solidloop_alembic_version CASCADE")
+    upgrade(url)
+    return url
+
+
+@pytest.fixture(scope="session")
+def llm():
+    emulator = LLMEmulator().start()
+    os.environ[LLM_URL_ENV] = emulator.base_url
+    os.environ["SOLIDLOOP_TEST_API_KEY"] = "sk-test-secret-123"
+    yield emulator
+    emulator.stop()
+
+
+@pytest.fixture(autouse=True)
+def clean_database(request):
+    if "database_url" not in request.fixturenames and "app" not in request.fixturenames:
+        yield
+        return
+    url = request.getfixturevalue("database_url")
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        conn.execute("TRUNCATE " + ", ".join(TABLES) + " RESTART IDENTITY CASCADE")
+    SIDE_EFFECTS.clear()
+    yield
+
+
+@pytest.fixture
+def app(database_url, llm):
+    from .support_app import create_app
+
+    llm.reset()
+    app = create_app()
+    with app.app_context():
+        yield app
+        app.extensions["sqlalchemy"].session.remove()
+        for engine in app.extensions["sqlalchemy"].engines.values():
+            engine.dispose()
+    app.extensions["solidloop"].broker.close()
+
+
+@pytest.fixture
+def session(app):
+    return app.extensions["sqlalchemy"].session
+
+
+@pytest.fixture
+def drain(app):
+    from flask_solidloop.testing import drain as run
+
+    return lambda **kw: run(app, **kw)

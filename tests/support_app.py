@@ -1,0 +1,124 @@
+"""The Flask app our tests (and their real worker subprocesses) run.
+
+Worker subprocesses load it with ``FLASK_APP='tests.support_app:create_app()'``;
+the database URL and the LLM emulator URL reach them through the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from flask import Flask
+from flask_sqlalchemy import SQLAlchemy
+from sqlalchemy import select
+
+from flask_solidloop import Agent, CallContext, SolidLoop, Toolset
+from flask_solidloop.models import Message, ToolCall
+
+DATABASE_URL_ENV = "SOLIDLOOP_TEST_DATABASE_URL"
+LLM_URL_ENV = "SOLIDLOOP_TEST_LLM_URL"
+DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/solidloop_test"
+
+db = SQLAlchemy()
+solidloop = SolidLoop()
+calc = Toolset("calc")
+
+#: Every in-process side effect, with the idempotency key it ran under.
+SIDE_EFFECTS: list[tuple[str, str | None]] = []
+_effects_lock = threading.Lock()
+
+
+@calc.tool
+def add(a: int, b: int, ctx: CallContext) -> str:
+    """Add two integers.
+
+    Args:
+        a: first addend
+        b: second addend
+    """
+    with _effects_lock:
+        SIDE_EFFECTS.append(("add", ctx.idempotency_key))
+    return str(a + b)
+
+
+@calc.tool
+def explode(reason: str) -> str:
+    """Always raises, to exercise tool errors."""
+    raise RuntimeError(f"exploded: {reason}")
+
+
+@calc.tool
+def lookup(key: str) -> dict:
+    """Return a structured record."""
+    return {"key": key, "value": len(key)}
+
+
+def llm_settings() -> dict:
+    return {"base_url": os.environ.get(LLM_URL_ENV, "http://127.0.0.1:9"), "model": "test-model",
+            "api_key_env": "SOLIDLOOP_TEST_API_KEY", "read_timeout": 10}
+
+
+@solidloop.agent("assistant")
+class Assistant(Agent):
+    system_prompt = "You are a test assistant."
+    mcps = [{"name": "calc", "toolset": calc}]
+
+    def llm(self) -> dict:
+        return llm_settings()
+
+
+@solidloop.agent("sequential")
+class SequentialAssistant(Agent):
+    system_prompt = "You run tools one at a time."
+    mcps = [{"name": "calc", "toolset": calc}]
+    sequential_tool_calls = True
+
+    def llm(self) -> dict:
+        return llm_settings()
+
+
+class CompleteOnFullySuccessfulToolTurn:
+    """The host-driven completion recipe: finish without a final LLM request."""
+
+    def __init__(self, next_step):
+        self.next_step = next_step
+
+    def __call__(self, ctx):
+        session = ctx.session
+        last = session.scalar(
+            select(Message).where(Message.loop_id == ctx.loop_id, Message.role == "assistant",
+                                  Message.status == "completed").order_by(Message.id.desc())
+        )
+        calls = list(session.scalars(select(ToolCall).where(ToolCall.message_id == last.id))) \
+            if last else []
+        session.rollback()
+        if calls and all(call.is_success for call in calls):
+            ctx.transition(from_="running", to="completed")
+            return None
+        return self.next_step(ctx)
+
+
+@solidloop.agent("batch")
+class BatchAgent(Agent):
+    system_prompt = "You write records with tools."
+    mcps = [{"name": "calc", "toolset": calc}]
+
+    def llm(self) -> dict:
+        return llm_settings()
+
+    def configure_llm_middlewares(self, builder) -> None:
+        from flask_solidloop.pipeline.llm_stack import AgentInitialization
+
+        builder.insert_after(AgentInitialization, CompleteOnFullySuccessfulToolTurn)
+
+
+def create_app(**config) -> Flask:
+    app = Flask(__name__)
+    app.config["SQLALCHEMY_DATABASE_URI"] = os.environ.get(DATABASE_URL_ENV, DEFAULT_DATABASE_URL)
+    app.config["SOLIDLOOP_LLM_RETRY_BASE_DELAY"] = 0.05
+    app.config["SOLIDLOOP_LLM_RETRY_MAX_DELAY"] = 0.5
+    app.config.update(config)
+    db.init_app(app)
+    solidloop.init_app(app, db=db)
+    return app

@@ -1,0 +1,196 @@
+"""A loop from start to completion, driven in-process against the real emulator."""
+
+from __future__ import annotations
+
+import json
+
+from sqlalchemy import select
+
+from flask_solidloop.models import Event, Job, Loop, Message, ToolCall
+
+from .support_app import SIDE_EFFECTS, Assistant, BatchAgent, SequentialAssistant
+
+
+def visible(session, loop_id):
+    return list(session.scalars(
+        select(Message).where(Message.loop_id == loop_id, Message.is_hidden.is_(False))
+        .order_by(Message.id)
+    ))
+
+
+def test_start_writes_loop_messages_and_job_in_one_commit(app, session):
+    loop = Assistant.start(message="hello", subject=("User", 7))
+    assert loop.status == "queued"
+    assert (loop.subject_type, loop.subject_id) == ("User", "7")
+    roles = [m.role for m in visible(session, loop.id)]
+    assert roles == ["system", "user"]
+    jobs = list(session.scalars(select(Job)))
+    assert [(j.actor_name, j.state, j.loop_id) for j in jobs] == [
+        ("solidloop.llm_turn", "queued", loop.id)
+    ]
+
+
+def test_tool_loop_completes(app, session, llm, drain):
+    llm.script("add 2 and 3", {"content": "Calling add.",
+                               "tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 3}}]})
+    llm.script("5", {"content": "The sum is 5."})
+    loop = Assistant.start(message="Please add 2 and 3")
+    assert drain() == 3  # llm turn, tool call, llm turn
+    session.expire_all()
+    loop = session.get(Loop, loop.id)
+    assert loop.status == "completed", loop.error_message
+    assert loop.execution_token is None and loop.lease_expires_at is None
+    assert loop.step_count == 2
+    history = visible(session, loop.id)
+    assert [m.role for m in history] == ["system", "user", "assistant", "tool", "assistant"]
+    assert history[3].content == "5"
+    assert history[4].content == "The sum is 5."
+    call = session.scalars(select(ToolCall)).one()
+    assert call.is_success is True and call.executed_at is not None
+    assert call.response_message_id == history[3].id
+    assert SIDE_EFFECTS == [("add", f"solidloop:tool_call:{call.id}")]
+    # the second request carried the tool result back to the model in OpenAI shape
+    second = llm.requests[1].json
+    assert second["messages"][-2]["tool_calls"][0]["function"] == {
+        "name": "add", "arguments": json.dumps({"a": 2, "b": 3})}
+    assert second["messages"][-1] == {"role": "tool", "content": "5",
+                                      "tool_call_id": second["messages"][-2]["tool_calls"][0]["id"]}
+    assert second["tools"][0]["function"]["name"] == "add"
+    # every job marked done; the wire log has both LLM requests and the tool call
+    assert {j.state for j in session.scalars(select(Job))} == {"done"}
+    kinds = [e.kind for e in session.scalars(select(Event).order_by(Event.id))]
+    assert kinds == ["llm_request", "tool_call", "llm_request"]
+
+
+def test_parallel_tool_calls_enqueue_together_and_resolve_once(app, session, llm, drain):
+    llm.script("two sums", {"tool_calls": [
+        {"name": "add", "arguments": {"a": 1, "b": 1}},
+        {"name": "add", "arguments": {"a": 2, "b": 2}},
+    ]})
+    llm.script("4", {"content": "2 and 4"})
+    loop = Assistant.start(message="two sums please")
+    from flask_solidloop.testing import drain as run
+
+    run(app, queues=("solidloop_llm",))
+    queued = list(session.scalars(select(Job).where(Job.state == "queued")))
+    assert sorted(j.actor_name for j in queued) == ["solidloop.tool_call"] * 2
+    drain()
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "completed"
+    tool_messages = [m for m in visible(session, loop.id) if m.role == "tool"]
+    assert sorted(m.content for m in tool_messages) == ["2", "4"]
+
+
+def test_sequential_mode_runs_one_call_at_a_time(app, session, llm, drain):
+    llm.script("seq", {"tool_calls": [
+        {"name": "add", "arguments": {"a": 1, "b": 2}},
+        {"name": "add", "arguments": {"a": 3, "b": 4}},
+    ]})
+    llm.script("7", {"content": "done"})
+    loop = SequentialAssistant.start(message="seq")
+    from flask_solidloop.testing import drain as run
+
+    run(app, queues=("solidloop_llm",))
+    queued = list(session.scalars(select(Job).where(Job.state == "queued")))
+    assert len(queued) == 1  # only the head of the line
+    drain()
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "completed"
+    calls = list(session.scalars(select(ToolCall).order_by(ToolCall.position)))
+    assert calls[0].executed_at < calls[1].executed_at
+
+
+def test_bad_tool_arguments_and_unknown_tool_become_tool_errors(app, session, llm, drain):
+    llm.script("break things", {"tool_calls": [
+        {"name": "add", "arguments": "{not json"},
+        {"name": "no_such_tool", "arguments": {}},
+        {"name": "add", "arguments": {"a": "x", "b": 1}},
+        {"name": "explode", "arguments": {"reason": "boom"}},
+    ]})
+    llm.script(lambda body: body["messages"][-1]["role"] == "tool", {"content": "I see errors."})
+    loop = Assistant.start(message="break things")
+    drain()
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "completed"
+    calls = list(session.scalars(select(ToolCall).order_by(ToolCall.position)))
+    assert [c.is_success for c in calls] == [False, False, False, False]
+    texts = [session.get(Message, c.response_message_id).content for c in calls]
+    assert "not a JSON object" in texts[0]
+    assert "unknown tool 'no_such_tool'" in texts[1] and "add" in texts[1]
+    assert "a" in texts[2] and "integer" in texts[2]
+    assert "RuntimeError: exploded: boom" in texts[3]
+
+
+def test_provider_http_error_fails_loop_with_status_and_body(app, session, llm, drain):
+    llm.fail_next(403, body={"error": {"message": "model access denied"}})
+    loop = Assistant.start(message="hi")
+    drain()
+    session.expire_all()
+    loop = session.get(Loop, loop.id)
+    assert loop.status == "failed"
+    assert "HTTP 403" in loop.error_message and "model access denied" in loop.error_message
+    assert loop.execution_token is None
+    shells = list(session.scalars(select(Message).where(Message.role == "assistant")))
+    assert [(s.status, s.is_hidden) for s in shells] == [("failed", True)]
+    event = session.scalars(select(Event)).one()
+    assert event.status_code == 403
+
+
+def test_transient_error_is_retried_honouring_retry_after(app, session, llm, drain):
+    llm.fail_next(429, headers={"Retry-After": "0.1"}, times=2)
+    llm.script("hi", {"content": "hello"})
+    loop = Assistant.start(message="hi")
+    drain()
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "completed"
+    event = session.scalars(select(Event)).one()
+    attempts = event.payload["attempts"]
+    assert [a.get("status") for a in attempts] == [429, 429, 200]
+    assert attempts[0]["retry_in_s"] == 0.1
+
+
+def test_api_key_never_reaches_the_database(app, session, llm, drain):
+    llm.script("secret", {"content": "ok"})
+    Assistant.start(message="secret")
+    drain()
+    assert llm.requests[0].headers["authorization"] == "Bearer sk-test-secret-123"
+    dump = session.connection().exec_driver_sql(
+        "SELECT string_agg(t::text, '') FROM (SELECT * FROM solidloop_events) t "
+        "UNION ALL SELECT string_agg(t::text, '') FROM (SELECT * FROM solidloop_loops) t "
+        "UNION ALL SELECT string_agg(t::text, '') FROM (SELECT * FROM solidloop_messages) t"
+    ).scalars().all()
+    text = "".join(d or "" for d in dump)
+    assert "sk-test-secret-123" not in text
+    assert "[redacted]" in text
+
+
+def test_host_driven_completion_recipe_skips_the_final_request(app, session, llm, drain):
+    llm.script("seed", {"tool_calls": [{"name": "lookup", "arguments": {"key": "ab"}},
+                                       {"name": "add", "arguments": {"a": 1, "b": 1}}]})
+    loop = BatchAgent.start(message="seed two records")
+    drain()
+    session.expire_all()
+    loop = session.get(Loop, loop.id)
+    assert loop.status == "completed"
+    assert loop.execution_token is None and loop.lease_expires_at is None
+    assert not loop.error_message
+    assert len(llm.requests) == 1  # the "done" request was never bought
+    assert loop.step_count == 1
+    assert not list(session.scalars(select(Message).where(Message.status == "processing")))
+    assert {j.state for j in session.scalars(select(Job))} == {"done"}
+
+
+def test_max_steps_pauses_the_loop(app, session, llm, drain):
+    from .support_app import solidloop
+
+    class Limited(Assistant):
+        max_steps = 1
+
+    solidloop.agent("limited")(Limited)
+    llm.script("loop", {"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 1}}]})
+    loop = Limited.start(message="loop forever")
+    drain()
+    session.expire_all()
+    loop = session.get(Loop, loop.id)
+    assert loop.status == "paused"
+    assert "max_steps" in loop.error_message
