@@ -4,7 +4,7 @@ Run the whole thing with ``flask --app example_app solidloop demo``.
 
 Configuration comes from the environment:
 
-* ``DATABASE_URL``: PostgreSQL URL (default ``postgresql+psycopg://127.0.0.1:5432/solidloop_demo``,
+* ``DATABASE_URL``: PostgreSQL URL (default ``postgresql+psycopg://postgres@127.0.0.1:5432/solidloop_demo``,
   created on first run).
 * ``DEMO_LLM_BASE_URL``, ``DEMO_LLM_MODEL``, ``DEMO_LLM_API_KEY``: an
   OpenAI-compatible provider. Unset, the agent uses the built-in offline model
@@ -22,7 +22,7 @@ from flask_solidloop import SolidLoop
 
 from .agents import solidloop
 
-DEFAULT_DATABASE_URL = "postgresql+psycopg://127.0.0.1:5432/solidloop_demo"
+DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/solidloop_demo"
 
 db = SQLAlchemy()
 

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One-time (idempotent) setup for a fresh machine: a PostgreSQL that answers on
+# 127.0.0.1:5432, a virtualenv in .venv with flask-solidloop and its test
+# extras installed. Safe to run again; it only does what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PG_PORT="${PGPORT:-5432}"
+
+pg_answers() {
+  if command -v pg_isready >/dev/null 2>&1; then
+    pg_isready -h 127.0.0.1 -p "$PG_PORT" -q
+  else
+    python3 - "$PG_PORT" <<'PY'
+import socket, sys
+s = socket.socket()
+s.settimeout(1)
+sys.exit(0 if s.connect_ex(("127.0.0.1", int(sys.argv[1]))) == 0 else 1)
+PY
+  fi
+}
+
+start_postgres() {
+  echo "setup: PostgreSQL is not answering on 127.0.0.1:$PG_PORT; starting it" >&2
+  if command -v pg_ctlcluster >/dev/null 2>&1 && ls /etc/postgresql/*/main >/dev/null 2>&1; then
+    version=$(ls /etc/postgresql | sort -V | tail -n 1)
+    pg_ctlcluster --skip-systemctl-redirect "$version" main start || true
+  fi
+  for _ in $(seq 1 30); do pg_answers && return 0; sleep 1; done
+  # No system cluster: initdb a throwaway one as the postgres user (initdb refuses root).
+  bindir=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
+  if [ -z "$bindir" ]; then
+    echo "setup: no PostgreSQL server binaries found; install PostgreSQL 15+" >&2
+    return 1
+  fi
+  data=/tmp/solidloop-pgdata
+  runuser=""
+  if [ "$(id -u)" = "0" ]; then runuser="runuser -u postgres --"; fi
+  if [ ! -s "$data/PG_VERSION" ]; then
+    mkdir -p "$data" && chown postgres "$data" 2>/dev/null || true
+    $runuser "$bindir/initdb" -D "$data" -A trust -U postgres >/dev/null
+  fi
+  $runuser "$bindir/pg_ctl" -D "$data" -o "-p $PG_PORT -k /tmp" -l "$data/server.log" -w start
+  pg_answers
+}
+
+pg_answers || start_postgres
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+.venv/bin/python -m pip install -q -e '.[test]'
+echo "setup: ready (PostgreSQL on 127.0.0.1:$PG_PORT, virtualenv in .venv)" >&2
