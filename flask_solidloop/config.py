@@ -69,11 +69,6 @@ def _status_list(key: str, value: Any) -> tuple[int, ...]:
     return statuses
 
 
-def _optional_positive_int(key: str, value: Any) -> int | None:
-    if value is None or value == "":
-        return None
-    return _positive_int(key, value)
-
 
 @dataclass(frozen=True)
 class Setting:
@@ -117,8 +112,6 @@ SETTINGS: tuple[Setting, ...] = (
             "Database for loops and jobs; defaults to SQLALCHEMY_DATABASE_URI."),
     Setting("SOLIDLOOP_TOOL_OUTPUT_LIMIT", 20000, _positive_int,
             "Characters of a tool result shown to the model; the full result is kept."),
-    Setting("SOLIDLOOP_FINISHED_JOB_RETENTION", None, _optional_positive_int,
-            "Seconds to keep done jobs in the job table; unset keeps them until pruned."),
 )
 
 _BY_KEY = {s.key: s for s in SETTINGS}
@@ -143,7 +136,6 @@ class Config:
     poll_interval: float
     database_url: str | None
     tool_output_limit: int
-    finished_job_retention: int | None
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> Config:

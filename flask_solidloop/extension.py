@@ -166,6 +166,11 @@ class SolidLoop:
         state.actors = _declare_actors(state)
         state.dispatch = Dispatcher(broker, state.actors)
         app.extensions["solidloop"] = state
+        migrate_state = app.extensions.get("migrate")
+        if migrate_state is not None and hasattr(migrate_state, "migrate"):
+            from .migrations import configure_flask_migrate
+
+            configure_flask_migrate(migrate_state.migrate)
         # dramatiq's CLI and actor.send() use the global broker.
         dramatiq.set_broker(broker)
         from .cli import solidloop_cli

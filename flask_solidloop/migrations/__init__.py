@@ -61,6 +61,29 @@ def head_revision() -> str | None:
     return ScriptDirectory.from_config(alembic_config("postgresql://")).get_current_head()
 
 
+def configure_flask_migrate(migrate: Any) -> None:
+    """Make a Flask-Migrate ``Migrate`` object see our scripts as the ``solidloop`` branch.
+
+    init_app calls this itself when Flask-Migrate was initialised first; call it
+    yourself when you initialise Flask-Migrate after flask-solidloop.
+    """
+    if getattr(migrate, "_solidloop_configured", False):
+        return
+
+    @migrate.configure
+    def _add_solidloop_versions(config: AlembicConfig) -> AlembicConfig:
+        script_location = config.get_main_option("script_location") or "migrations"
+        existing = config.get_main_option("version_locations")
+        locations = [existing] if existing else [os.path.join(script_location, "versions")]
+        if VERSIONS not in locations:
+            locations.append(VERSIONS)
+        config.set_main_option("path_separator", "os")
+        config.set_main_option("version_locations", os.pathsep.join(locations))
+        return config
+
+    migrate._solidloop_configured = True
+
+
 def include_object(
     obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any
 ) -> bool:

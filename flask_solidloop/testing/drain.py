@@ -66,7 +66,7 @@ def drain(
                 actor = broker.get_actor(message.actor_name)
                 result = actor.fn(*message.args, **message.kwargs)
                 broker.emit_after("process_message", message, result=result)
-            except BaseException as exc:  # noqa: BLE001 - mirrors dramatiq's worker
+            except BaseException as exc:
                 error = exc
                 message.stuff_exception(exc)
                 broker.emit_after("process_message", message, exception=exc)

@@ -1,0 +1,189 @@
+"""The decorator-based agent API: registration, options, start/pause/resume/stop."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import select
+
+from flask_solidloop import RESUMABLE_STATUSES, Agent, AgentDefinitionError, Toolset
+from flask_solidloop.models import Job, Loop, Message, ToolCall
+
+from .support_app import Assistant, solidloop
+
+
+def test_unknown_option_is_an_error_with_a_suggestion():
+    with pytest.raises(AgentDefinitionError, match="'streming'.*did you mean 'streaming'"):
+        class Typo(Agent):
+            streming = True
+
+
+def test_helper_methods_are_allowed():
+    class WithHelper(Agent):
+        def summarize(self) -> str:
+            return "ok"
+
+    assert WithHelper().summarize() == "ok"
+
+
+def test_unknown_llm_setting_and_v1_base_url_are_rejected(app):
+    class BadLlm(Agent):
+        llm = {"base_url": "https://api.openai.com/v1", "model": "m"}
+
+    solidloop.agent("bad_llm")(BadLlm)
+    with pytest.raises(AgentDefinitionError, match="ends in /v1"):
+        BadLlm.start(message="x")
+
+    class UnknownKey(Agent):
+        llm = {"base_url": "https://x.test", "model": "m", "temprature": 1}
+
+    solidloop.agent("unknown_key")(UnknownKey)
+    with pytest.raises(AgentDefinitionError, match="temprature"):
+        UnknownKey.start(message="x")
+
+
+def test_mcps_entries_need_a_name_and_one_kind(app):
+    ts = Toolset("things")
+
+    class NoName(Agent):
+        llm = {"base_url": "http://127.0.0.1:9", "model": "m"}
+        mcps = [{"toolset": ts}]
+
+    solidloop.agent("no_name")(NoName)
+    with pytest.raises(AgentDefinitionError, match="needs a name"):
+        NoName.start(message="x")
+
+
+def test_tool_name_collision_names_both_servers(app, session, llm, drain):
+    emulator_url = llm.base_url
+    one, two = Toolset("one"), Toolset("two")
+
+    @one.tool
+    def ping() -> str:
+        return "one"
+
+    @two.tool(name="ping")
+    def ping_two() -> str:
+        return "two"
+
+    class Collide(Agent):
+        llm = {"base_url": emulator_url, "model": "m"}
+        mcps = [{"name": "a", "toolset": one}, {"name": "b", "toolset": two}]
+
+    solidloop.agent("collide")(Collide)
+    loop = Collide.start(message="x")
+    drain()
+    session.expire_all()
+    loop = session.get(Loop, loop.id)
+    assert loop.status == "failed"
+    assert "'ping'" in loop.error_message and "'a'" in loop.error_message
+    assert "'b'" in loop.error_message and "prefix" in loop.error_message
+
+
+def test_prefix_advertises_prefixed_names(app, session, llm, drain):
+    emulator_url = llm.base_url
+    ts = Toolset("pfx")
+
+    @ts.tool
+    def hello(name: str) -> str:
+        return f"hello {name}"
+
+    class Prefixed(Agent):
+        llm = {"base_url": emulator_url, "model": "m"}
+        mcps = [{"name": "greeter", "toolset": ts, "prefix": "greet"}]
+
+    solidloop.agent("prefixed")(Prefixed)
+    llm.script("greet", {"tool_calls": [{"name": "greet__hello", "arguments": {"name": "Ann"}}]})
+    llm.script("hello Ann", {"content": "done"})
+    loop = Prefixed.start(message="greet Ann")
+    drain()
+    assert llm.requests[0].json["tools"][0]["function"]["name"] == "greet__hello"
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "completed"
+    call = session.scalars(select(ToolCall)).one()
+    assert (call.server_name, call.tool_name) == ("greeter", "hello")
+
+
+def test_unregistered_agent_fails_the_loop_once_and_is_not_retried(app, session, drain):
+    loop = Assistant.start(message="hi")
+    loop.agent_name = "renamed_agent"
+    session.commit()
+    drain()
+    session.expire_all()
+    loop = session.get(Loop, loop.id)
+    assert loop.status == "failed"
+    assert "renamed_agent" in loop.error_message and "assistant" in loop.error_message
+    assert [j.state for j in session.scalars(select(Job))] == ["done"]
+
+
+def test_resume_rejects_statuses_that_can_never_resume(app):
+    loop = Assistant.start(message="hi")
+    for status in ("running", "queued"):
+        with pytest.raises(ValueError, match="can never be resumed"):
+            Assistant(loop).resume(from_=(status,))
+    assert set(RESUMABLE_STATUSES) == {"init", "paused", "failed", "completed"}
+
+
+def test_pause_resume_and_stop(app, session, llm, drain):
+    llm.script("hi", {"content": "hello"})
+    loop = Assistant.start(message="hi")
+    agent = Assistant(loop)
+    assert agent.pause() is True
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "paused"
+    assert agent.pause() is False  # not live any more
+    drain()  # the old generation's job is a no-op
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "paused"
+    assert agent.resume(from_=("failed",)) is False
+    assert agent.resume(from_=("paused", "failed")) is True
+    drain()
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "completed"
+    # narrowing from_ leaves finished runs alone
+    assert agent.resume(from_=("paused", "failed")) is False
+    # resuming a completed loop with a new message continues the conversation
+    llm.script("again", {"content": "hello again"})
+    assert agent.resume(message="again") is True
+    drain()
+    session.expire_all()
+    contents = [m.content for m in session.scalars(
+        select(Message).where(Message.loop_id == loop.id).order_by(Message.id))]
+    assert contents[-2:] == ["again", "hello again"]
+    assert agent.stop(reason="enough") is False  # completed is terminal
+    llm.script("more", {"content": "x"})
+    agent.resume(message="more")
+    assert agent.stop(reason="enough") is True
+    session.expire_all()
+    stopped = session.get(Loop, loop.id)
+    assert (stopped.status, stopped.error_message) == ("failed", "enough")
+
+
+def test_resume_in_tool_phase_revokes_leases_and_reenqueues_tools(app, session, llm, drain):
+    from flask_solidloop.testing import drain as run
+
+    llm.script("tools", {"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]})
+    llm.script("3", {"content": "three"})
+    loop = Assistant.start(message="tools")
+    run(app, queues=("solidloop_llm",))
+    call = session.scalars(select(ToolCall)).one()
+    call.lease_token = __import__("uuid").uuid4()  # a dead worker's lease
+    call.leased_until = __import__("datetime").datetime(2999, 1, 1)
+    session.commit()
+    Assistant(loop).pause()
+    assert Assistant(loop).resume(from_=("paused",)) is True
+    session.expire_all()
+    call = session.get(ToolCall, call.id)
+    assert call.lease_token is None and call.leased_until is None
+    assert session.get(Loop, loop.id).status == "running"
+    drain()
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "completed"
+    assert len(list(session.scalars(select(Message).where(Message.role == "tool")))) == 1
+
+
+def test_start_can_join_the_callers_transaction(app, session):
+    loop = Assistant.start(message="atomic", commit=False)
+    loop_id = loop.id
+    session.rollback()
+    assert session.get(Loop, loop_id) is None
+    assert list(session.scalars(select(Job))) == []

@@ -1,0 +1,81 @@
+"""flask solidloop ... through Flask's CLI runner."""
+
+from __future__ import annotations
+
+import pytest
+from flask import Flask
+from flask_sqlalchemy import SQLAlchemy
+
+from flask_solidloop import SolidLoop
+from flask_solidloop.models import Loop
+
+from .support_app import Assistant
+
+
+@pytest.fixture
+def runner(app):
+    return app.test_cli_runner()
+
+
+def test_help_is_useful(runner):
+    result = runner.invoke(args=["solidloop", "--help"])
+    assert result.exit_code == 0
+    for command in ("worker", "db", "start", "status", "pause", "resume", "stop", "demo"):
+        assert command in result.output
+    worker_help = runner.invoke(args=["solidloop", "worker", "--help"])
+    assert "--processes" in worker_help.output and "--threads" in worker_help.output
+    assert "threads + 1" in worker_help.output
+
+
+def test_db_upgrade_and_current(runner):
+    result = runner.invoke(args=["solidloop", "db", "upgrade"])
+    assert result.exit_code == 0, result.output
+    current = runner.invoke(args=["solidloop", "db", "current"])
+    assert "applied: 0001" in current.output
+
+
+def test_start_and_status(runner, llm, drain, session):
+    llm.script("cli", {"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 1}}]})
+    llm.script("2", {"content": "two"})
+    result = runner.invoke(args=["solidloop", "start", "assistant", "cli please"])
+    assert result.exit_code == 0, result.output
+    assert "loop 1 queued" in result.output
+    drain()
+    status = runner.invoke(args=["solidloop", "status", "1"])
+    assert status.exit_code == 0
+    assert "status=completed" in status.output
+    assert "-> tool call add" in status.output and "[ok]" in status.output
+    assert "two" in status.output
+
+
+def test_start_unknown_agent_is_a_clear_error(runner):
+    result = runner.invoke(args=["solidloop", "start", "nobody", "hi"])
+    assert result.exit_code == 1
+    assert "agent 'nobody' is not registered; known agents:" in result.output
+
+
+def test_pause_resume_stop_commands(runner, session):
+    loop = Assistant.start(message="x")
+    assert "paused" in runner.invoke(args=["solidloop", "pause", str(loop.id)]).output
+    again = runner.invoke(args=["solidloop", "pause", str(loop.id)])
+    assert again.exit_code == 1 and "nothing was paused" in again.output
+    assert "resumed" in runner.invoke(args=["solidloop", "resume", str(loop.id)]).output
+    out = runner.invoke(args=["solidloop", "stop", str(loop.id), "--reason", "bye"]).output
+    assert "stopped" in out
+    session.expire_all()
+    assert session.get(Loop, loop.id).error_message == "bye"
+
+
+def test_status_of_missing_loop(runner):
+    result = runner.invoke(args=["solidloop", "status", "999"])
+    assert result.exit_code == 1 and "no loop with id 999" in result.output
+
+
+def test_unreachable_database_names_the_url():
+    app = Flask("unreachable")
+    app.config["SQLALCHEMY_DATABASE_URI"] = "postgresql+psycopg://u:pw@127.0.0.1:1/nowhere"
+    SolidLoop(app, SQLAlchemy(app))
+    result = app.test_cli_runner().invoke(args=["solidloop", "db", "upgrade"])
+    assert result.exit_code == 1
+    assert "cannot connect to PostgreSQL at postgresql+psycopg://u:***@127.0.0.1:1/nowhere" \
+        in result.output

@@ -1,0 +1,101 @@
+"""SOLIDLOOP_* settings: defaults, validation errors that name key and rule, docs coverage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from flask import Flask
+from flask_sqlalchemy import SQLAlchemy
+
+from flask_solidloop import ConfigurationError, SolidLoop
+from flask_solidloop.config import SETTINGS, Config
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+
+
+def test_defaults_match_the_seed():
+    config = Config.from_mapping({})
+    assert config.lease_margin == 60
+    assert config.queued_reap_threshold == 300
+    assert config.default_read_timeout == 600
+    assert config.default_tool_timeout == 600
+    assert config.lease_leak_grace == 300
+    assert config.default_max_duration == 7200
+    assert config.llm_retries == 2
+    assert config.llm_retry_base_delay == 1.0
+    assert config.llm_retry_max_delay == 60.0
+    assert 429 in config.llm_retry_statuses and 400 not in config.llm_retry_statuses
+
+
+@pytest.mark.parametrize(("key", "value", "fragment"), [
+    ("SOLIDLOOP_LEASE_MARGIN", 0, "> 0"),
+    ("SOLIDLOOP_LEASE_MARGIN", -5, "> 0"),
+    ("SOLIDLOOP_LEASE_MARGIN", "soon", "positive integer"),
+    ("SOLIDLOOP_LEASE_MARGIN", True, "not a bool"),
+    ("SOLIDLOOP_QUEUED_REAP_THRESHOLD", 1.5, "positive integer"),
+    ("SOLIDLOOP_DEFAULT_READ_TIMEOUT", 0, "> 0"),
+    ("SOLIDLOOP_DEFAULT_TOOL_TIMEOUT", None, "positive integer"),
+    ("SOLIDLOOP_LEASE_LEAK_GRACE", 0, "> 0"),
+    ("SOLIDLOOP_DEFAULT_MAX_DURATION", -1, "> 0"),
+    ("SOLIDLOOP_LLM_RETRIES", -1, ">= 0"),
+    ("SOLIDLOOP_LLM_RETRY_BASE_DELAY", 0, "> 0"),
+    ("SOLIDLOOP_LLM_RETRY_MAX_DELAY", "x", "positive number"),
+    ("SOLIDLOOP_LLM_RETRY_STATUSES", [429, 999], "100..599"),
+    ("SOLIDLOOP_LLM_RETRY_STATUSES", ["abc"], "status codes"),
+])
+def test_invalid_values_name_key_and_rule(key, value, fragment):
+    with pytest.raises(ConfigurationError) as info:
+        Config.from_mapping({key: value})
+    assert info.value.key == key
+    assert key in str(info.value) and fragment in str(info.value)
+
+
+def test_unknown_key_suggests_the_close_one():
+    with pytest.raises(ConfigurationError, match="did you mean SOLIDLOOP_LEASE_MARGIN"):
+        Config.from_mapping({"SOLIDLOOP_LEASE_MARGN": 5})
+
+
+def test_strings_from_the_environment_are_accepted():
+    config = Config.from_mapping({"SOLIDLOOP_LEASE_MARGIN": "30",
+                                  "SOLIDLOOP_LLM_RETRY_STATUSES": "429, 503"})
+    assert config.lease_margin == 30 and config.llm_retry_statuses == (429, 503)
+
+
+def test_lease_arithmetic_always_outlives_the_timeout():
+    config = Config.from_mapping({"SOLIDLOOP_LEASE_MARGIN": 7})
+    assert config.llm_lease_seconds(120) == 127
+    assert config.llm_lease_seconds(None) == 600 + 7
+    assert config.tool_lease_seconds([900]) == 907
+    assert config.tool_lease_seconds([]) == 607
+
+
+def test_init_app_rejects_invalid_config(database_url):
+    app = Flask("bad")
+    app.config["SQLALCHEMY_DATABASE_URI"] = database_url
+    app.config["SOLIDLOOP_LEASE_MARGIN"] = 0
+    db = SQLAlchemy(app)
+    with pytest.raises(ConfigurationError, match="SOLIDLOOP_LEASE_MARGIN"):
+        SolidLoop(app, db)
+    assert "solidloop" not in app.extensions
+
+
+def test_init_app_needs_the_psycopg3_driver():
+    app = Flask("bad_driver")
+    app.config["SQLALCHEMY_DATABASE_URI"] = "postgresql://u:hunter2@127.0.0.1/x"
+    db = SQLAlchemy(app)
+    with pytest.raises(ConfigurationError, match=r"postgresql\+psycopg://") as info:
+        SolidLoop(app, db)
+    assert "hunter2" not in str(info.value)
+
+
+def test_double_init_raises(app):
+    ext = app.extensions["solidloop"].extension
+    with pytest.raises(RuntimeError, match="already initialised"):
+        ext.init_app(app)
+
+
+def test_every_setting_is_documented():
+    text = DOCS.read_text()
+    missing = [s.key for s in SETTINGS if f"`{s.key}`" not in text]
+    assert not missing, f"undocumented settings: {missing}"

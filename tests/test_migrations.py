@@ -1,0 +1,89 @@
+"""Migrations match the models and run both ways, standalone and under Flask-Migrate."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from flask import Flask
+from flask_sqlalchemy import SQLAlchemy
+from sqlalchemy import create_engine, inspect
+
+from flask_solidloop import SolidLoop
+from flask_solidloop.database import ensure_database
+from flask_solidloop.migrations import (
+    VERSION_TABLE,
+    current_revision,
+    downgrade,
+    head_revision,
+    upgrade,
+)
+from flask_solidloop.models import metadata
+from flask_solidloop.queue.broker import libpq_url
+
+
+@pytest.fixture
+def scratch_url(database_url):
+    url = database_url.rsplit("/", 1)[0] + "/solidloop_test_migrations"
+    ensure_database(url)
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        conn.execute("DROP SCHEMA public CASCADE")
+        conn.execute("CREATE SCHEMA public")
+    return url
+
+
+def tables(url):
+    engine = create_engine(url)
+    try:
+        return {t for t in inspect(engine).get_table_names() if t.startswith("solidloop_")}
+    finally:
+        engine.dispose()
+
+
+def test_migrations_match_the_models(scratch_url):
+    upgrade(scratch_url)
+    engine = create_engine(scratch_url)
+    try:
+        with engine.connect() as connection:
+            diff = compare_metadata(MigrationContext.configure(connection), metadata)
+    finally:
+        engine.dispose()
+    diff = [d for d in diff if not (d[0] == "remove_table" and d[1].name == VERSION_TABLE)]
+    assert diff == []
+
+
+def test_upgrade_and_downgrade_both_ways(scratch_url):
+    upgrade(scratch_url)
+    assert current_revision(scratch_url) == head_revision()
+    assert {"solidloop_loops", "solidloop_jobs", "solidloop_messages", "solidloop_tool_calls",
+            "solidloop_events"} <= tables(scratch_url)
+    downgrade(scratch_url, "base")
+    assert tables(scratch_url) == {VERSION_TABLE}
+    upgrade(scratch_url)
+    assert current_revision(scratch_url) == head_revision()
+
+
+def test_flask_migrate_host_picks_up_our_branch(scratch_url, tmp_path):
+    from flask_migrate import Migrate
+    from flask_migrate import init as fm_init
+    from flask_migrate import upgrade as fm_upgrade
+
+    app = Flask("host")
+    app.config["SQLALCHEMY_DATABASE_URI"] = scratch_url
+    db = SQLAlchemy(app)
+
+    class Note(db.Model):
+        id = db.Column(db.Integer, primary_key=True)
+
+    directory = str(tmp_path / "migrations")
+    Migrate(app, db, directory=directory)
+    SolidLoop(app, db)
+    with app.app_context():
+        fm_init(directory)
+        fm_upgrade(directory, "heads")
+    assert "solidloop_loops" in tables(scratch_url)
+    with psycopg.connect(libpq_url(scratch_url)) as conn:
+        versions = [r[0] for r in conn.execute("SELECT version_num FROM alembic_version")]
+    assert head_revision() in versions
+    app.extensions["solidloop"].broker.close()
