@@ -25,7 +25,7 @@ def database_url() -> str:
     os.environ[DATABASE_URL_ENV] = url
     try:
         ensure_database(url)
-    except Exception as exc:  # noqa: BLE001 - turn into a readable session error
+    except Exception as exc:
         pytest.exit(f"PostgreSQL is needed for the tests: {exc}", returncode=3)
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
         conn.execute("DROP TABLE IF EXISTS " + ", ".join(TABLES)

@@ -12,7 +12,7 @@ from .support_app import Assistant, solidloop
 
 
 def test_unknown_option_is_an_error_with_a_suggestion():
-    with pytest.raises(AgentDefinitionError, match="'streming'.*did you mean 'streaming'"):
+    with pytest.raises(AgentDefinitionError, match=r"'streming'.*did you mean 'streaming'"):
         class Typo(Agent):
             streming = True
 

@@ -48,7 +48,7 @@ def test_tool_loop_completes(app, session, llm, drain):
     call = session.scalars(select(ToolCall)).one()
     assert call.is_success is True and call.executed_at is not None
     assert call.response_message_id == history[3].id
-    assert SIDE_EFFECTS == [("add", f"solidloop:tool_call:{call.id}")]
+    assert [("add", f"solidloop:tool_call:{call.id}")] == SIDE_EFFECTS
     # the second request carried the tool result back to the model in OpenAI shape
     second = llm.requests[1].json
     assert second["messages"][-2]["tool_calls"][0]["function"] == {

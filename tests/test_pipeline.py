@@ -52,7 +52,8 @@ def test_edits_and_order():
 @pytest.mark.parametrize("method", ["insert_before", "insert_after", "replace"])
 def test_positional_edits_raise_on_unknown_target(method):
     builder = Builder([A])
-    with pytest.raises(UnknownMiddlewareError, match="TraceB is not in this stack; present: TraceA"):
+    message = "TraceB is not in this stack; present: TraceA"
+    with pytest.raises(UnknownMiddlewareError, match=message):
         getattr(builder, method)(B, C)
 
 
