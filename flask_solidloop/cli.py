@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import click
@@ -124,11 +123,11 @@ def worker(ctx: click.Context, processes: int, threads: int, queues: tuple[str, 
                          extra=dramatiq_args)
     env = worker_env(import_path)
     click.echo(f"starting: FLASK_APP={env['FLASK_APP']} {' '.join(cmd[1:])}", err=True)
-    try:
-        completed = subprocess.run(cmd, env=env, check=False)
-    except KeyboardInterrupt:
-        return
-    sys.exit(completed.returncode)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Become the dramatiq master process, so signals (SIGTERM from a process
+    # manager, Ctrl-C) reach it directly and nothing is left orphaned.
+    os.execvpe(cmd[0], cmd, env)
 
 
 # -- loops ----------------------------------------------------------------------

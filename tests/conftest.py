@@ -7,6 +7,7 @@ import os
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from flask_solidloop.database import ensure_database
 from flask_solidloop.migrations import upgrade
@@ -20,8 +21,13 @@ TABLES = ("solidloop_events", "solidloop_tool_calls", "solidloop_messages", "sol
 
 
 @pytest.fixture(scope="session")
-def database_url() -> str:
-    url = os.environ.get(DATABASE_URL_ENV, DEFAULT_DATABASE_URL)
+def database_url():
+    """A database of this session's own, so concurrent test runs never collide.
+
+    SOLIDLOOP_TEST_DATABASE_URL pins a specific database instead (kept afterwards).
+    """
+    pinned = os.environ.get(DATABASE_URL_ENV)
+    url = pinned or f"{DEFAULT_DATABASE_URL}_{os.getpid()}"
     os.environ[DATABASE_URL_ENV] = url
     try:
         ensure_database(url)
@@ -31,7 +37,20 @@ def database_url() -> str:
         conn.execute("DROP TABLE IF EXISTS " + ", ".join(TABLES)
                      + ", solidloop_alembic_version CASCADE")
     upgrade(url)
-    return url
+    yield url
+    if not pinned:
+        os.environ.pop(DATABASE_URL_ENV, None)
+        drop_database(url)
+
+
+def drop_database(url: str) -> None:
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    admin = libpq_url(parsed.set(database="postgres").render_as_string(hide_password=False))
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+            sql.Identifier(parsed.database)))
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import psycopg
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -22,15 +24,18 @@ from flask_solidloop.migrations import (
 from flask_solidloop.models import metadata
 from flask_solidloop.queue.broker import libpq_url
 
+from .conftest import drop_database
+
 
 @pytest.fixture
 def scratch_url(database_url):
-    url = database_url.rsplit("/", 1)[0] + "/solidloop_test_migrations"
+    url = database_url + "_migrations"
     ensure_database(url)
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
         conn.execute("DROP SCHEMA public CASCADE")
         conn.execute("CREATE SCHEMA public")
-    return url
+    yield url
+    drop_database(url)
 
 
 def tables(url):
@@ -79,9 +84,16 @@ def test_flask_migrate_host_picks_up_our_branch(scratch_url, tmp_path):
     directory = str(tmp_path / "migrations")
     Migrate(app, db, directory=directory)
     SolidLoop(app, db)
-    with app.app_context():
-        fm_init(directory)
-        fm_upgrade(directory, "heads")
+    try:
+        with app.app_context():
+            fm_init(directory)
+            fm_upgrade(directory, "heads")
+    finally:
+        # Flask-Migrate's env.py runs logging.config.fileConfig, which disables
+        # every logger that already exists; undo that for the tests after us.
+        for logger in logging.Logger.manager.loggerDict.values():
+            if isinstance(logger, logging.Logger):
+                logger.disabled = False
     assert "solidloop_loops" in tables(scratch_url)
     with psycopg.connect(libpq_url(scratch_url)) as conn:
         versions = [r[0] for r in conn.execute("SELECT version_num FROM alembic_version")]

@@ -351,6 +351,9 @@ class PostgresConsumer(Consumer):
         self.buffer: deque[PostgresMessageProxy] = deque()
         self.held: dict[int, uuid.UUID] = {}
         self.held_lock = threading.Lock()
+        # Signalled whenever a held job is released (ack/nack/requeue), so a
+        # consumer whose prefetch window is full resumes claiming at once.
+        self.released = threading.Condition(self.held_lock)
         self.last_renewal = time.monotonic()
         self.conn = broker.connect()
         channel = CHANNEL_PREFIX + queue_name
@@ -395,11 +398,15 @@ class PostgresConsumer(Consumer):
     def _wait(self) -> None:
         wait = min(self.timeout, self.broker.poll_interval)
         with self.held_lock:
-            full = len(self.held) >= self.prefetch
-        if not full:
-            row = self.conn.execute(_NEXT_ETA, (self.queue_name,)).fetchone()
-            if row and row[0] is not None:
-                wait = max(0.0, min(wait, float(row[0])))
+            if len(self.held) >= self.prefetch:
+                # Nothing can be claimed until a worker thread releases a job, and
+                # releases send no NOTIFY: wait for the release itself. A NOTIFY that
+                # arrives meanwhile stays buffered; the next claim serves it.
+                self.released.wait(timeout=wait)
+                return
+        row = self.conn.execute(_NEXT_ETA, (self.queue_name,)).fetchone()
+        if row and row[0] is not None:
+            wait = max(0.0, min(wait, float(row[0])))
         if wait <= 0:
             return
         for _notify in self.conn.notifies(timeout=wait, stop_after=1):
@@ -423,6 +430,7 @@ class PostgresConsumer(Consumer):
             return None
         with self.held_lock:
             self.held.pop(message.job_id, None)
+            self.released.notify_all()
         return message.job_id, message.lease_token
 
     def ack(self, message: MessageProxy) -> None:
