@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from flask import current_app
 from sqlalchemy import select, update
-from sqlalchemy.orm import Session
 
+from ._typing import SessionLike
 from .errors import AgentDefinitionError, NotInitializedError
 from .llm.types import ProviderSettings
 from .mcp.registry import validate_entry
@@ -177,7 +177,7 @@ class Agent:
         *,
         message: str,
         subject: Any = None,
-        session: Session | None = None,
+        session: SessionLike | None = None,
         commit: bool = True,
         state: dict[str, Any] | None = None,
     ) -> Loop:
@@ -194,6 +194,7 @@ class Agent:
         if not isinstance(message, str) or not message.strip():
             raise ValueError("message must be a non-empty string")
         session = session or ext_state.db.session
+        assert session is not None
         subject_type, subject_id = _subject_key(subject)
         loop = Loop(
             agent_name=name,
@@ -227,7 +228,7 @@ class Agent:
             raise ValueError(f"{type(self).__name__}() was created without a loop")
         return self._loop_id
 
-    def pause(self, *, session: Session | None = None) -> bool:
+    def pause(self, *, session: SessionLike | None = None) -> bool:
         """Pause a queued or running loop. Pending jobs of the old generation no-op.
 
         Returns False when the loop was not live.
@@ -237,7 +238,9 @@ class Agent:
         session = session or _state().db.session
         return pause_loop(session, self._require_loop())
 
-    def stop(self, *, reason: str = "stopped by request", session: Session | None = None) -> bool:
+    def stop(
+        self, *, reason: str = "stopped by request", session: SessionLike | None = None
+    ) -> bool:
         """End a loop for good (status failed, with ``reason``). False if already terminal."""
         from .loops.control import stop_loop
 
@@ -249,7 +252,7 @@ class Agent:
         *,
         from_: Iterable[str] = RESUMABLE_STATUSES,
         message: str | None = None,
-        session: Session | None = None,
+        session: SessionLike | None = None,
     ) -> bool:
         """Re-enter the loop when its status is in ``from_``.
 
@@ -298,7 +301,7 @@ def _state() -> SolidLoopState:
         ) from None
 
 
-def hide_processing_shells(session: Session, loop_id: int) -> int:
+def hide_processing_shells(session: SessionLike, loop_id: int) -> int:
     """Mark orphaned streaming shells failed and hidden, so a partial never enters history."""
     result = session.execute(
         update(Message)

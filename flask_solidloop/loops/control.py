@@ -7,13 +7,13 @@ from collections.abc import Iterable
 
 from flask import current_app
 from sqlalchemy import select, update
-from sqlalchemy.orm import Session
 
+from .._typing import SessionLike
 from ..models import Message, ToolCall
 from .fence import lock_loop, transition
 
 
-def _hide_shells(session: Session, loop_id: int) -> None:
+def _hide_shells(session: SessionLike, loop_id: int) -> None:
     session.execute(
         update(Message)
         .where(Message.loop_id == loop_id, Message.status == "processing")
@@ -21,7 +21,7 @@ def _hide_shells(session: Session, loop_id: int) -> None:
     )
 
 
-def pause_loop(session: Session, loop_id: int) -> bool:
+def pause_loop(session: SessionLike, loop_id: int) -> bool:
     loop = transition(session, loop_id, from_=("queued", "running"), to="paused")
     if loop is None:
         session.rollback()
@@ -31,7 +31,7 @@ def pause_loop(session: Session, loop_id: int) -> bool:
     return True
 
 
-def stop_loop(session: Session, loop_id: int, *, reason: str) -> bool:
+def stop_loop(session: SessionLike, loop_id: int, *, reason: str) -> bool:
     loop = transition(
         session, loop_id, from_=("init", "queued", "running", "paused"), to="failed",
         error_message=reason,
@@ -44,7 +44,7 @@ def stop_loop(session: Session, loop_id: int, *, reason: str) -> bool:
     return True
 
 
-def unresolved_tool_calls(session: Session, loop_id: int) -> list[ToolCall]:
+def unresolved_tool_calls(session: SessionLike, loop_id: int) -> list[ToolCall]:
     """Tool calls of the newest assistant turn that have no tool message yet."""
     last_assistant = session.scalar(
         select(Message.id)
@@ -65,7 +65,7 @@ def unresolved_tool_calls(session: Session, loop_id: int) -> list[ToolCall]:
 
 
 def resume_loop(
-    session: Session, loop_id: int, allowed: Iterable[str], *, message: str | None = None
+    session: SessionLike, loop_id: int, allowed: Iterable[str], *, message: str | None = None
 ) -> bool:
     """Re-enter a loop in one locked transaction.
 

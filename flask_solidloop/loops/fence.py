@@ -12,15 +12,15 @@ import uuid
 from typing import Any
 
 from sqlalchemy import func, select
-from sqlalchemy.orm import Session
 
+from .._typing import SessionLike
 from ..models import Loop
 from ..models.loop import ALL_STATUSES, TERMINAL_STATUSES
 
 _ANY: Any = object()
 
 
-def lock_loop(session: Session, loop_id: int) -> Loop | None:
+def lock_loop(session: SessionLike, loop_id: int) -> Loop | None:
     """Load the loop with a row lock held until the transaction ends."""
     return session.execute(
         select(Loop).where(Loop.id == loop_id).with_for_update().execution_options(
@@ -40,7 +40,7 @@ def owns(loop: Loop | None, execution_token: uuid.UUID | None) -> bool:
 
 
 def transition(
-    session: Session,
+    session: SessionLike,
     loop_id: int,
     *,
     from_: str | tuple[str, ...] | list[str],

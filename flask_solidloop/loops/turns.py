@@ -62,7 +62,7 @@ def run_llm_turn(state: SolidLoopState, loop_id: int) -> None:
         .values(status="running", execution_token=token,
                 lease_expires_at=now + timedelta(seconds=lease),
                 started_at=Loop.started_at if loop.started_at else now)
-    ).rowcount
+    ).rowcount  # type: ignore[attr-defined]
     if not claimed:
         session.rollback()
         return
@@ -183,7 +183,7 @@ def _claim_tool_lease(state, session, call: ToolCall, token: uuid.UUID, agent,
         .where(ToolCall.id == call.id, ToolCall.executed_at.is_(None),
                or_(ToolCall.lease_token.is_(None), ToolCall.leased_until < now))
         .values(lease_token=candidate, leased_until=now + timedelta(seconds=lease))
-    ).rowcount
+    ).rowcount  # type: ignore[attr-defined]
     if not claimed:
         session.rollback()
         return None

@@ -9,7 +9,7 @@ from flask_solidloop.migrations import VERSION_TABLE
 from flask_solidloop.models import metadata
 
 config = context.config
-url = config.attributes.get("solidloop_url") or config.get_main_option("sqlalchemy.url")
+url: str = config.attributes.get("solidloop_url") or config.get_main_option("sqlalchemy.url") or ""
 
 
 def run_offline() -> None:

@@ -6,7 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy.orm import Session
+from .._typing import SessionLike
 
 if TYPE_CHECKING:
     from ..agent import Agent
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 @dataclass
 class TurnContext:
     state: SolidLoopState
-    session: Session
+    session: SessionLike
     loop_id: int
     execution_token: uuid.UUID
     agent: Agent

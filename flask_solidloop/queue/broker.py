@@ -389,7 +389,7 @@ class PostgresConsumer(Consumer):
         for job_id, lease_token, data, attempts in rows:
             if isinstance(data, str | bytes):
                 data = json.loads(data)
-            message = Message(**data)
+            message: Message = Message(**data)
             with self.held_lock:
                 self.held[job_id] = lease_token
             self.buffer.append(PostgresMessageProxy(message, job_id, lease_token, attempts))

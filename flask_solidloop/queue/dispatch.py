@@ -10,8 +10,8 @@ import uuid
 from typing import Any
 
 import dramatiq
-from sqlalchemy.orm import Session
 
+from .._typing import SessionLike
 from .broker import PostgresBroker
 
 
@@ -22,18 +22,18 @@ class Dispatcher:
         self.broker = broker
         self.actors = actors
 
-    def _send(self, session: Session, actor: dramatiq.Actor, args: tuple[Any, ...], *,
+    def _send(self, session: SessionLike, actor: dramatiq.Actor, args: tuple[Any, ...], *,
               loop_id: int | None = None, delay_ms: int | None = None) -> None:
         message = actor.message_with_options(args=args, solidloop_loop_id=loop_id)
         self.broker.enqueue(message, delay=delay_ms, connection=session)
 
-    def llm_turn(self, session: Session, loop_id: int, *, delay_ms: int | None = None) -> None:
+    def llm_turn(self, session: SessionLike, loop_id: int, *, delay_ms: int | None = None) -> None:
         self._send(session, self.actors["llm_turn"], (loop_id,), loop_id=loop_id,
                    delay_ms=delay_ms)
 
     def tool_call(
         self,
-        session: Session,
+        session: SessionLike,
         tool_call_id: int,
         execution_token: uuid.UUID,
         *,
@@ -45,5 +45,5 @@ class Dispatcher:
             args = (*args, str(reaper_lease_token))
         self._send(session, self.actors["tool_call"], args, loop_id=loop_id)
 
-    def maintenance(self, session: Session, task: str) -> None:
+    def maintenance(self, session: SessionLike, task: str) -> None:
         self._send(session, self.actors["maintenance"], (task,))
