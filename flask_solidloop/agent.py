@@ -187,6 +187,30 @@ class Agent:
         ``db.session`` by default). With ``commit=False`` the caller commits,
         so the loop can start atomically with the caller's own writes.
         """
+        return cls._create(message=message, subject=subject, session=session, commit=commit,
+                           state=state, enqueue=True)
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        message: str,
+        subject: Any = None,
+        session: SessionLike | None = None,
+        commit: bool = True,
+        state: dict[str, Any] | None = None,
+    ) -> Loop:
+        """Like :meth:`start`, but leave the loop in ``init`` with no job.
+
+        Nothing runs until ``resume()`` queues it: useful to prepare loops in
+        bulk and release them later.
+        """
+        return cls._create(message=message, subject=subject, session=session, commit=commit,
+                           state=state, enqueue=False)
+
+    @classmethod
+    def _create(cls, *, message: str, subject: Any, session: SessionLike | None, commit: bool,
+                state: dict[str, Any] | None, enqueue: bool) -> Loop:
         ext_state = _state()
         name = cls._registered_name()
         agent = cls()
@@ -200,7 +224,7 @@ class Agent:
             agent_name=name,
             subject_type=subject_type,
             subject_id=subject_id,
-            status="queued",
+            status="queued" if enqueue else "init",
             state=dict(state or {}),
         )
         session.add(loop)
@@ -210,7 +234,8 @@ class Agent:
             session.add(Message(loop_id=loop.id, role="system", content=prompt))
         session.add(Message(loop_id=loop.id, role="user", content=message))
         session.flush()
-        ext_state.dispatch.llm_turn(session, loop.id)
+        if enqueue:
+            ext_state.dispatch.llm_turn(session, loop.id)
         if commit:
             session.commit()
         return loop

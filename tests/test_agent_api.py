@@ -187,3 +187,15 @@ def test_start_can_join_the_callers_transaction(app, session):
     session.rollback()
     assert session.get(Loop, loop_id) is None
     assert list(session.scalars(select(Job))) == []
+
+
+def test_create_leaves_an_init_loop_that_resume_starts(app, session, llm, drain):
+    llm.script("later", {"content": "now"})
+    loop = Assistant.create(message="later")
+    assert loop.status == "init"
+    assert list(session.scalars(select(Job))) == []
+    assert drain() == 0
+    assert Assistant(loop).resume(from_=("init",)) is True
+    drain()
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "completed"
