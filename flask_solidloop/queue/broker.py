@@ -83,9 +83,12 @@ _REQUEUE = (
     "attempts = greatest(attempts - 1, 0) "
     "WHERE id = %s AND lease_token = %s AND state = 'running'"
 )
+# Fenced on the lease token too: a consumer whose job was redelivered to
+# another holder must not keep extending the new holder's lease.
 _RENEW = (
-    "UPDATE solidloop_jobs SET lease_until = now() + make_interval(secs => %s) "
-    "WHERE id = ANY(%s) AND state = 'running'"
+    "UPDATE solidloop_jobs AS j SET lease_until = now() + make_interval(secs => %s) "
+    "FROM unnest(%s::bigint[], %s::uuid[]) AS h(id, lease_token) "
+    "WHERE j.id = h.id AND j.lease_token = h.lease_token AND j.state = 'running'"
 )
 # A job whose holder died returns to the queue; one that has been delivered
 # max_deliveries times without an ack is presumed poisonous and dead-lettered.
@@ -207,6 +210,12 @@ class PostgresBroker(dramatiq.Broker):
     # -- dramatiq Broker API -------------------------------------------------
 
     def declare_queue(self, queue_name: str) -> None:
+        if len((CHANNEL_PREFIX + queue_name).encode()) > 63:
+            raise BrokerError(
+                f"queue name {queue_name!r} is too long: its NOTIFY channel would exceed "
+                "PostgreSQL's 63-byte identifier limit; use at most "
+                f"{63 - len(CHANNEL_PREFIX)} bytes"
+            )
         if queue_name not in self.queues:
             self.emit_before("declare_queue", queue_name)
             self.queues[queue_name] = None
@@ -296,7 +305,11 @@ class PostgresBroker(dramatiq.Broker):
             else:
                 logger.warning("job %s on %s redelivered: its lease expired", job_id, queue_name)
         for queue_name in {row[1] for row in rows if row[2] == "queued"}:
-            self._run("SELECT pg_notify(%s, '')", (CHANNEL_PREFIX + queue_name,))
+            notify = ("SELECT pg_notify(%s, '')", (CHANNEL_PREFIX + queue_name,))
+            if connection is None:
+                self._run(*notify)
+            else:  # wake consumers when the caller's transaction commits, not before
+                execute_on(connection, *notify)
         return len(rows)
 
     def maybe_recover_expired(self) -> None:
@@ -421,9 +434,10 @@ class PostgresConsumer(Consumer):
             return
         self.last_renewal = now
         with self.held_lock:
-            ids = list(self.held)
-        if ids:
-            self.conn.execute(_RENEW, (self.broker.job_lease, ids))
+            held = list(self.held.items())
+        if held:
+            self.conn.execute(_RENEW, (self.broker.job_lease, [job_id for job_id, _ in held],
+                                       [token for _, token in held]))
 
     def _release(self, message: MessageProxy) -> tuple[int, uuid.UUID] | None:
         if not isinstance(message, PostgresMessageProxy):
