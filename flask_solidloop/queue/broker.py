@@ -411,12 +411,18 @@ class PostgresConsumer(Consumer):
     def _wait(self) -> None:
         wait = min(self.timeout, self.broker.poll_interval)
         with self.held_lock:
-            if len(self.held) >= self.prefetch:
+            full = len(self.held) >= self.prefetch
+            if full:
                 # Nothing can be claimed until a worker thread releases a job, and
-                # releases send no NOTIFY: wait for the release itself. A NOTIFY that
-                # arrives meanwhile stays buffered; the next claim serves it.
+                # releases send no NOTIFY: wait for the release itself, not a NOTIFY.
                 self.released.wait(timeout=wait)
-                return
+        if full:
+            # Discard the wake-ups that arrived meanwhile (psycopg would keep them in
+            # its backlog for as long as we stay full); the claim that follows sees
+            # every row they announced, since NOTIFY is only delivered after commit.
+            for _notify in self.conn.notifies(timeout=0.0):
+                pass
+            return
         row = self.conn.execute(_NEXT_ETA, (self.queue_name,)).fetchone()
         if row and row[0] is not None:
             wait = max(0.0, min(wait, float(row[0])))
