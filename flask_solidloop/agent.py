@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from flask import current_app
-from sqlalchemy import select, update
+from sqlalchemy import select
 
 from ._typing import SessionLike
 from .errors import AgentDefinitionError, NotInitializedError
@@ -136,9 +136,11 @@ class Agent:
 
     def validate(self) -> None:
         """Check every option now; raise AgentDefinitionError naming the first bad one."""
+        from .mcp.registry import ToolRegistry
+
         name = self.agent_name
-        self.provider() if self.option("llm") is not None else None
-        self.tool_entries()
+        self.provider()
+        ToolRegistry.build(self.tool_entries(), agent=str(name))
         for option in ("max_steps", "max_duration", "max_tokens"):
             value = self.option(option)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -325,12 +327,3 @@ def _state() -> SolidLoopState:
             "context). Did you forget solidloop.init_app(app, db=db) or `with app.app_context()`?"
         ) from None
 
-
-def hide_processing_shells(session: SessionLike, loop_id: int) -> int:
-    """Mark orphaned streaming shells failed and hidden, so a partial never enters history."""
-    result = session.execute(
-        update(Message)
-        .where(Message.loop_id == loop_id, Message.status == "processing")
-        .values(status="failed", is_hidden=True)
-    )
-    return int(getattr(result, "rowcount", 0) or 0)

@@ -47,7 +47,9 @@ def db_upgrade(revision: str, create_database: bool) -> None:
         upgrade_database(url, revision)
     except DatabaseUnavailableError as exc:
         raise click.ClickException(str(exc)) from exc
-    click.echo(f"solidloop tables are at revision {revision}")
+    from .migrations import current_revision
+
+    click.echo(f"solidloop tables are at revision {current_revision(url)}")
 
 
 @db_group.command("downgrade")
@@ -75,7 +77,6 @@ def db_current() -> None:
 
 
 def worker_command(
-    app_import_path: str | None,
     *,
     processes: int,
     threads: int,
@@ -119,7 +120,7 @@ def worker(ctx: click.Context, processes: int, threads: int, queues: tuple[str, 
     """
     info = ctx.find_object(ScriptInfo)
     import_path = info.app_import_path if info else None
-    cmd = worker_command(import_path, processes=processes, threads=threads, queues=queues,
+    cmd = worker_command(processes=processes, threads=threads, queues=queues,
                          extra=dramatiq_args)
     env = worker_env(import_path)
     click.echo(f"starting: FLASK_APP={env['FLASK_APP']} {' '.join(cmd[1:])}", err=True)

@@ -56,7 +56,7 @@ def run_demo(app: Flask, import_path: str | None, *, agent: str | None, message:
     emulator = LLMEmulator(offline_model=True).start()
     os.environ.setdefault(OFFLINE_URL_ENV, emulator.base_url)
     env = worker_env(import_path)
-    cmd = worker_command(import_path, processes=processes, threads=threads, queues=())
+    cmd = worker_command(processes=processes, threads=threads, queues=())
     log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - outlives this block: workers write it
         prefix="solidloop-demo-workers-", suffix=".log",
         delete=False)

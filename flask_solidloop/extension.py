@@ -31,6 +31,8 @@ from .queue.dispatch import Dispatcher
 
 A = TypeVar("A", bound=type[Agent])
 StackHook = Callable[[Builder], None]
+#: Thirty days: effectively no dramatiq time limit for the solidloop actors.
+NO_TIME_LIMIT_MS = 30 * 24 * 3600 * 1000
 
 
 @dataclass
@@ -134,20 +136,7 @@ class SolidLoop:
             )
         db = db or self.db or _find_sqlalchemy(app)
         config = Config.from_mapping(app.config)
-        url = config.database_url or app.config.get("SQLALCHEMY_DATABASE_URI")
-        if not url:
-            raise ConfigurationError(
-                "SQLALCHEMY_DATABASE_URI", url,
-                "flask-solidloop needs a PostgreSQL URL (postgresql+psycopg://...)",
-            )
-        url = str(url)
-        scheme = url.split("://", 1)[0]
-        if scheme not in ("postgresql+psycopg", "postgres+psycopg"):
-            raise ConfigurationError(
-                "SQLALCHEMY_DATABASE_URI", _safe(url),
-                "flask-solidloop needs PostgreSQL through psycopg 3: use a "
-                "postgresql+psycopg:// URL (jobs are written on the session's own connection)",
-            )
+        url = _check_urls(config, app.config.get("SQLALCHEMY_DATABASE_URI"))
         broker = PostgresBroker(
             url,
             job_lease=config.job_lease,
@@ -166,16 +155,37 @@ class SolidLoop:
         state.actors = _declare_actors(state)
         state.dispatch = Dispatcher(broker, state.actors)
         app.extensions["solidloop"] = state
-        migrate_state = app.extensions.get("migrate")
-        if migrate_state is not None and hasattr(migrate_state, "migrate"):
-            from .migrations import configure_flask_migrate
-
-            configure_flask_migrate(migrate_state.migrate)
         # dramatiq's CLI and actor.send() use the global broker.
         dramatiq.set_broker(broker)
         from .cli import solidloop_cli
 
         app.cli.add_command(solidloop_cli)
+
+
+def _check_urls(config: Config, session_url: Any) -> str:
+    """Validate the session URL (jobs are written on its connections) and the
+    broker URL (consumers LISTEN on it); return the broker URL."""
+    if not session_url:
+        raise ConfigurationError(
+            "SQLALCHEMY_DATABASE_URI", session_url,
+            "flask-solidloop needs a PostgreSQL URL (postgresql+psycopg://...)",
+        )
+    session_url = str(session_url)
+    if session_url.split("://", 1)[0] not in ("postgresql+psycopg", "postgres+psycopg"):
+        raise ConfigurationError(
+            "SQLALCHEMY_DATABASE_URI", _safe(session_url),
+            "flask-solidloop needs PostgreSQL through psycopg 3: use a "
+            "postgresql+psycopg:// URL (jobs are written on the session's own connection)",
+        )
+    if config.database_url is None:
+        return session_url
+    broker_url = str(config.database_url)
+    if not broker_url.split("://", 1)[0].startswith(("postgresql", "postgres")):
+        raise ConfigurationError(
+            "SOLIDLOOP_DATABASE_URL", _safe(broker_url),
+            "must be a PostgreSQL URL naming the same database as SQLALCHEMY_DATABASE_URI",
+        )
+    return broker_url
 
 
 def _safe(url: str) -> str:
@@ -199,11 +209,12 @@ def _declare_actors(state: SolidLoopState) -> dict[str, dramatiq.Actor]:
     from .loops.turns import run_llm_turn, run_tool_call
 
     config = state.config
-    turn_limit_ms = (config.default_max_duration + config.lease_leak_grace) * 1000
-    common = {"max_retries": config.job_max_retries, "min_backoff": 1000, "max_backoff": 30000}
-    has_time_limit = any(isinstance(m, TimeLimit) for m in state.broker.middleware)
-    if has_time_limit:
-        common["time_limit"] = turn_limit_ms
+    common: dict[str, Any] = {"max_retries": config.job_max_retries, "min_backoff": 1000,
+                              "max_backoff": 30000}
+    if any(isinstance(m, TimeLimit) for m in state.broker.middleware):
+        # dramatiq's TimeLimit kills a thread asynchronously, possibly mid-commit.
+        # Turn length is bounded by our own leases and max_duration instead.
+        common["time_limit"] = NO_TIME_LIMIT_MS
 
     def llm_turn(loop_id: int) -> None:
         run_llm_turn(state, loop_id)

@@ -85,17 +85,20 @@ class CompleteOnFullySuccessfulToolTurn:
         self.next_step = next_step
 
     def __call__(self, ctx):
-        session = ctx.session
-        last = session.scalar(
-            select(Message).where(Message.loop_id == ctx.loop_id, Message.role == "assistant",
-                                  Message.status == "completed").order_by(Message.id.desc())
-        )
-        calls = list(session.scalars(select(ToolCall).where(ToolCall.message_id == last.id))) \
-            if last else []
-        session.rollback()
-        if calls and all(call.is_success for call in calls):
-            ctx.transition(from_="running", to="completed")
-            return None
+        # Only when this turn follows tool results: a resume with a new user
+        # message must still reach the model.
+        if ctx.history and ctx.history[-1].role == "tool":
+            session = ctx.session
+            last = session.scalar(
+                select(Message).where(Message.loop_id == ctx.loop_id,
+                                      Message.role == "assistant",
+                                      Message.status == "completed").order_by(Message.id.desc())
+            )
+            calls = list(session.scalars(select(ToolCall).where(ToolCall.message_id == last.id)))
+            session.rollback()
+            if calls and all(call.is_success for call in calls):
+                ctx.transition(from_="running", to="completed")
+                return None
         return self.next_step(ctx)
 
 

@@ -53,7 +53,8 @@ def test_mcps_entries_need_a_name_and_one_kind(app):
         NoName.start(message="x")
 
 
-def test_tool_name_collision_names_both_servers(app, session, llm, drain):
+def test_collision_appearing_after_start_fails_the_loop_naming_both(app, session, llm, drain):
+    """A deploy can change toolsets under loops already in flight."""
     emulator_url = llm.base_url
     one, two = Toolset("one"), Toolset("two")
 
@@ -61,16 +62,17 @@ def test_tool_name_collision_names_both_servers(app, session, llm, drain):
     def ping() -> str:
         return "one"
 
-    @two.tool(name="ping")
-    def ping_two() -> str:
-        return "two"
-
     class Collide(Agent):
         llm = {"base_url": emulator_url, "model": "m"}
         mcps = [{"name": "a", "toolset": one}, {"name": "b", "toolset": two}]
 
     solidloop.agent("collide")(Collide)
     loop = Collide.start(message="x")
+
+    @two.tool(name="ping")
+    def ping_two() -> str:
+        return "two"
+
     drain()
     session.expire_all()
     loop = session.get(Loop, loop.id)
@@ -199,3 +201,75 @@ def test_create_leaves_an_init_loop_that_resume_starts(app, session, llm, drain)
     drain()
     session.expire_all()
     assert session.get(Loop, loop.id).status == "completed"
+
+
+def test_limits_apply_per_run_so_resume_gets_a_fresh_budget(app, session, llm, drain):
+    class OneStep(Assistant):
+        max_steps = 1
+
+    solidloop.agent("one_step")(OneStep)
+    llm.script("again", {"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 1}}]})
+    loop = OneStep.start(message="again and again")
+    drain()
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "paused"
+    assert session.get(Loop, loop.id).step_count == 1
+    llm.script(lambda body: body["messages"][-1]["role"] == "tool", {"content": "finally"})
+    assert OneStep(loop).resume(from_=("paused",)) is True
+    drain()
+    session.expire_all()
+    loop = session.get(Loop, loop.id)
+    assert loop.status == "completed", loop.error_message
+    assert loop.step_count == 2
+
+
+def test_resume_with_a_message_answers_pending_tool_calls_first(app, session, llm, drain):
+    from flask_solidloop.testing import drain as run
+
+    llm.script("pending", {"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]})
+    llm.script("changed my mind", {"content": "ok, new plan"})
+    loop = Assistant.start(message="pending work")
+    run(app, queues=("solidloop_llm",))
+    Assistant(loop).pause()
+    assert Assistant(loop).resume(message="changed my mind") is True
+    drain()
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "completed"
+    roles = [m.role for m in session.scalars(
+        select(Message).where(Message.loop_id == loop.id, Message.is_hidden.is_(False))
+        .order_by(Message.id))]
+    assert roles == ["system", "user", "assistant", "tool", "user", "assistant"]
+    call = session.scalars(select(ToolCall)).one()
+    assert call.is_success is False and call.error_kind == "cancelled"
+    sent = llm.requests[-1].json["messages"]
+    assert [m["role"] for m in sent[-3:]] == ["assistant", "tool", "user"]
+    assert "was not run" in sent[-2]["content"]
+
+
+def test_agent_without_llm_is_rejected_at_start(app):
+    class NoLlm(Agent):
+        pass
+
+    solidloop.agent("no_llm")(NoLlm)
+    with pytest.raises(AgentDefinitionError, match="declares no llm settings"):
+        NoLlm.start(message="x")
+
+
+def test_tool_collisions_are_rejected_at_start(app):
+    one, two = Toolset("c_one"), Toolset("c_two")
+
+    @one.tool(name="same")
+    def first() -> str:
+        return "1"
+
+    @two.tool(name="same")
+    def second() -> str:
+        return "2"
+
+    class Clash(Agent):
+        llm = {"base_url": "http://127.0.0.1:9", "model": "m"}
+        mcps = [{"name": "x", "toolset": one}, {"name": "y", "toolset": two}]
+
+    solidloop.agent("clash")(Clash)
+    with pytest.raises(AgentDefinitionError, match="offered by both 'x' and 'y'"):
+        Clash.start(message="x")

@@ -16,6 +16,7 @@ from flask_solidloop import SolidLoop
 from flask_solidloop.database import ensure_database
 from flask_solidloop.migrations import (
     VERSION_TABLE,
+    configure_flask_migrate,
     current_revision,
     downgrade,
     head_revision,
@@ -82,8 +83,9 @@ def test_flask_migrate_host_picks_up_our_branch(scratch_url, tmp_path):
         id = db.Column(db.Integer, primary_key=True)
 
     directory = str(tmp_path / "migrations")
-    Migrate(app, db, directory=directory)
+    migrate = Migrate(app, db, directory=directory)
     SolidLoop(app, db)
+    configure_flask_migrate(migrate)
     try:
         with app.app_context():
             fm_init(directory)

@@ -64,6 +64,21 @@ def unresolved_tool_calls(session: SessionLike, loop_id: int) -> list[ToolCall]:
     )
 
 
+def _cancel_tool_calls(session: SessionLike, calls: list[ToolCall], *, reason: str) -> None:
+    for call in calls:
+        text = f"tool call {call.name!r} was not run: {reason}"
+        message = Message(loop_id=call.loop_id, role="tool", content=text, tool_call_id=call.id,
+                          meta={"is_error": True, "tool_name": call.name, "cancelled": True})
+        session.add(message)
+        session.flush()
+        call.response_message_id = message.id
+        call.lease_token = None
+        call.leased_until = None
+        if call.executed_at is None:
+            call.is_success = False
+            call.error_kind = "cancelled"
+
+
 def resume_loop(
     session: SessionLike, loop_id: int, allowed: Iterable[str], *, message: str | None = None
 ) -> bool:
@@ -82,8 +97,14 @@ def resume_loop(
     _hide_shells(session, loop_id)
     loop.error_message = None
     loop.finished_at = None
-    pending = [] if message else unresolved_tool_calls(session, loop_id)
+    loop.run_started_at = None  # limits apply per run; the next claim starts the clock
+    loop.run_step_base = loop.step_count
+    pending = unresolved_tool_calls(session, loop_id)
     if message:
+        # A new user message cannot sit between a tool-call turn and its results:
+        # answer each pending call with a tool error first, then add the message.
+        _cancel_tool_calls(session, pending, reason="the loop was resumed with a new message")
+        pending = []
         session.add(Message(loop_id=loop_id, role="user", content=message))
     if pending:
         token = uuid.uuid4()

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import logging
 import uuid
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from sqlalchemy import or_, update
+from sqlalchemy import func, or_, update
 
 from ..errors import AgentDefinitionError, LostLeaseError, UnknownAgentError
 from ..models import Loop, Message, ToolCall
-from ..pipeline.builder import Builder
 from ..pipeline.context import LlmContext, ToolContext
 from ..queue.current_job import mark_current_job_done
 from .control import unresolved_tool_calls
@@ -55,13 +54,14 @@ def run_llm_turn(state: SolidLoopState, loop_id: int) -> None:
 
     token = uuid.uuid4()
     lease = state.config.llm_lease_seconds(agent.provider().read_timeout)
-    now = datetime.now(UTC)
+    # Leases are stamped and compared with the database clock, never a worker's.
     claimed = session.execute(
         update(Loop)
         .where(Loop.id == loop_id, Loop.status == "queued")
         .values(status="running", execution_token=token,
-                lease_expires_at=now + timedelta(seconds=lease),
-                started_at=Loop.started_at if loop.started_at else now)
+                lease_expires_at=func.now() + timedelta(seconds=lease),
+                started_at=func.coalesce(Loop.started_at, func.now()),
+                run_started_at=func.coalesce(Loop.run_started_at, func.now()))
     ).rowcount  # type: ignore[attr-defined]
     if not claimed:
         session.rollback()
@@ -176,13 +176,12 @@ def _claim_tool_lease(state, session, call: ToolCall, token: uuid.UUID, agent,
         session.commit()
         return adopted
     candidate = uuid.uuid4()
-    now = datetime.now(UTC)
     lease = state.config.tool_lease_seconds(agent_http_timeouts(agent))
     claimed = session.execute(
         update(ToolCall)
         .where(ToolCall.id == call.id, ToolCall.executed_at.is_(None),
-               or_(ToolCall.lease_token.is_(None), ToolCall.leased_until < now))
-        .values(lease_token=candidate, leased_until=now + timedelta(seconds=lease))
+               or_(ToolCall.lease_token.is_(None), ToolCall.leased_until < func.now()))
+        .values(lease_token=candidate, leased_until=func.now() + timedelta(seconds=lease))
     ).rowcount  # type: ignore[attr-defined]
     if not claimed:
         session.rollback()
@@ -216,9 +215,3 @@ def _reconcile_tool_failure(session, loop_id: int, tool_call_id: int, token: uui
     session.commit()
     return True
 
-
-def build_stack(defaults: tuple, hooks: list) -> Builder:
-    builder = Builder(defaults)
-    for hook in hooks:
-        hook(builder)
-    return builder

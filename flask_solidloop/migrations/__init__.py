@@ -2,10 +2,13 @@
 
 * Hosts without Alembic: ``flask solidloop db upgrade`` runs these scripts with
   their own version table, ``solidloop_alembic_version``.
-* Hosts with Flask-Migrate: init_app adds this directory to Alembic's
+* Hosts with Flask-Migrate may instead opt in with
+  :func:`configure_flask_migrate`, which adds this directory to Alembic's
   ``version_locations`` as the ``solidloop`` branch, so ``flask db upgrade heads``
-  applies it alongside the host's own history. Add
-  :func:`include_object` to your env.py so autogenerate leaves our tables alone.
+  applies it alongside the host's own history. It is opt-in because a second
+  head changes how the host's ``flask db upgrade`` / ``migrate`` must be called
+  (docs/guides/database.md). Either way, add :func:`include_object` to the
+  host's env.py so autogenerate leaves our tables alone.
 """
 
 from __future__ import annotations
@@ -64,8 +67,8 @@ def head_revision() -> str | None:
 def configure_flask_migrate(migrate: Any) -> None:
     """Make a Flask-Migrate ``Migrate`` object see our scripts as the ``solidloop`` branch.
 
-    init_app calls this itself when Flask-Migrate was initialised first; call it
-    yourself when you initialise Flask-Migrate after flask-solidloop.
+    Opt-in: once registered, the host's history has two heads, so the host runs
+    ``flask db upgrade heads`` and passes ``--head`` to ``flask db migrate``.
     """
     if getattr(migrate, "_solidloop_configured", False):
         return

@@ -81,6 +81,12 @@ class Loop(Timestamps, Base):
     error_message: Mapped[str | None] = mapped_column(Text)
     step_count: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # Limits (max_steps, max_duration) apply per run: from the first claim after
+    # start or resume. resume() moves the base forward and clears run_started_at.
+    run_started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    run_step_base: Mapped[int] = mapped_column(
+        Integer, nullable=False, default=0, server_default="0"
+    )
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     input_tokens: Mapped[int] = mapped_column(
         BigInteger, nullable=False, default=0, server_default="0"

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, select
@@ -87,16 +86,23 @@ class AgentInitialization:
 
     def __call__(self, ctx: LlmContext) -> Any:
         loop = ctx.loop
+        steps = loop.step_count - loop.run_step_base
         max_steps = ctx.agent.option("max_steps")
-        if max_steps and loop.step_count >= max_steps:
-            raise LimitExceededError(f"max_steps reached ({loop.step_count} of {max_steps})")
+        if max_steps and steps >= max_steps:
+            raise LimitExceededError(
+                f"max_steps reached ({steps} of {max_steps} LLM turns in this run); "
+                "resume() starts a new run"
+            )
         max_duration = ctx.agent.effective_max_duration(ctx.state.config.default_max_duration)
-        if loop.started_at is not None:
-            elapsed = datetime.now(UTC) - loop.started_at
-            if elapsed > timedelta(seconds=max_duration):
-                raise LimitExceededError(
-                    f"max_duration reached ({int(elapsed.total_seconds())}s of {max_duration}s)"
-                )
+        elapsed = ctx.session.scalar(
+            select(func.extract("epoch", func.now() - Loop.run_started_at))
+            .where(Loop.id == ctx.loop_id)
+        )
+        if elapsed is not None and float(elapsed) > max_duration:
+            raise LimitExceededError(
+                f"max_duration reached ({int(elapsed)}s of {max_duration}s in this run); "
+                "resume() starts a new run"
+            )
         ctx.tools = ToolRegistry.build(ctx.agent.tool_entries(), agent=str(ctx.agent.agent_name))
         ctx.history = load_history(ctx)
         ctx.session.commit()  # end the read transaction before the network call

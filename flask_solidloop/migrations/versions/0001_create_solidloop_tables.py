@@ -55,6 +55,8 @@ def upgrade() -> None:
     sa.Column('error_message', sa.Text(), nullable=True),
     sa.Column('step_count', sa.Integer(), server_default='0', nullable=False),
     sa.Column('started_at', sa.DateTime(timezone=True), nullable=True),
+    sa.Column('run_started_at', sa.DateTime(timezone=True), nullable=True),
+    sa.Column('run_step_base', sa.Integer(), server_default='0', nullable=False),
     sa.Column('finished_at', sa.DateTime(timezone=True), nullable=True),
     sa.Column('input_tokens', sa.BigInteger(), server_default='0', nullable=False),
     sa.Column('output_tokens', sa.BigInteger(), server_default='0', nullable=False),
