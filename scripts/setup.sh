@@ -50,5 +50,11 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/python -m pip install -q -e '.[test]'
+log=$(mktemp)
+if ! .venv/bin/python -m pip install -q -e '.[test]' >"$log" 2>&1; then
+  cat "$log" >&2
+  echo "setup: installing flask-solidloop into .venv failed (output above)" >&2
+  exit 1
+fi
+rm -f "$log"
 echo "setup: ready (PostgreSQL on 127.0.0.1:$PG_PORT, virtualenv in .venv)" >&2

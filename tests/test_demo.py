@@ -1,0 +1,42 @@
+"""The README's main command, run as a newcomer would: a subprocess, a fresh database."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from .conftest import drop_database
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.e2e
+
+
+def test_demo_creates_the_database_runs_workers_and_completes_a_tool_loop(database_url):
+    url = database_url + "_demo"
+    drop_database(url)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DEMO_LLM_", "SOLIDLOOP_"))}
+    env["DATABASE_URL"] = url
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "flask", "--app", "example_app", "solidloop", "demo"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        out = result.stdout
+        assert "created database" in out and "built-in offline model" in out
+        assert "-> tool call get_weather" in out and "[ok]" in out
+        assert "Sunny, 21°C" in out
+        assert "completed in 2 LLM turns, 1 tool call(s)" in out
+        engine = create_engine(url)
+        with engine.connect() as conn:
+            status = conn.execute(text("SELECT status FROM solidloop_loops")).scalar_one()
+            states = set(conn.execute(text("SELECT state FROM solidloop_jobs")).scalars())
+        engine.dispose()
+        assert status == "completed" and states == {"done"}
+    finally:
+        drop_database(url)
