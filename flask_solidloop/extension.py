@@ -8,6 +8,7 @@ registry and the global middleware hooks.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -19,15 +20,17 @@ from flask_sqlalchemy import SQLAlchemy
 
 from .agent import Agent
 from .config import QUEUE_LLM, QUEUE_MAINTENANCE, QUEUE_TOOL, Config
+from .durability.renewer import LeaseRenewer
 from .errors import AgentDefinitionError, ConfigurationError, UnknownAgentError
 from .models import Loop
 from .pipeline.builder import Builder
 from .pipeline.llm_stack import DEFAULT_LLM_STACK
 from .pipeline.tool_stack import DEFAULT_TOOL_STACK
 from .queue.app_context import AppContextMiddleware
-from .queue.broker import PostgresBroker
+from .queue.broker import PostgresBroker, libpq_url
 from .queue.current_job import CurrentJobMiddleware
 from .queue.dispatch import Dispatcher
+from .queue.renewer_middleware import LeaseRenewerMiddleware
 
 A = TypeVar("A", bound=type[Agent])
 StackHook = Callable[[Builder], None]
@@ -48,6 +51,24 @@ class SolidLoopState:
     actors: dict[str, dramatiq.Actor]
     dispatch: Dispatcher
     extras: dict[str, Any] = field(default_factory=dict)
+    #: Unix time of this process's last successful reap / prune (process-local).
+    last_reaped_at: float | None = None
+    last_pruned_at: float | None = None
+    _renewer: LeaseRenewer | None = field(default=None, repr=False)
+    _renewer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def renewer(self) -> LeaseRenewer:
+        """This process's lease renewer (one per process, created on first use)."""
+        with self._renewer_lock:
+            if self._renewer is None:
+                self._renewer = LeaseRenewer(libpq_url(self.broker.url))
+            return self._renewer
+
+    def stop_renewer(self) -> None:
+        with self._renewer_lock:
+            renewer, self._renewer = self._renewer, None
+        if renewer is not None:
+            renewer.stop()
 
     def agent_class(self, name: str) -> type[Agent]:
         try:
@@ -152,6 +173,7 @@ class SolidLoop:
             extension=self, app=app, db=db, config=config, database_url=url, broker=broker,
             actors={}, dispatch=None,  # type: ignore[arg-type]
         )
+        broker.add_middleware(LeaseRenewerMiddleware(state))
         state.actors = _declare_actors(state)
         state.dispatch = Dispatcher(broker, state.actors)
         app.extensions["solidloop"] = state

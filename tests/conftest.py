@@ -85,6 +85,7 @@ def app(database_url, llm):
         app.extensions["sqlalchemy"].session.remove()
         for engine in app.extensions["sqlalchemy"].engines.values():
             engine.dispose()
+    app.extensions["solidloop"].stop_renewer()
     app.extensions["solidloop"].broker.close()
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import func, or_, update
 
+from ..durability.renewer import RenewerHandle
 from ..errors import AgentDefinitionError, LostLeaseError, UnknownAgentError
 from ..models import Loop, Message, ToolCall
 from ..pipeline.context import LlmContext, ToolContext
@@ -69,8 +70,15 @@ def run_llm_turn(state: SolidLoopState, loop_id: int) -> None:
     mark_current_job_done(session)
     session.commit()
 
+    # From here the lease is renewed by this process's renewer until the turn ends.
+    max_duration = agent.effective_max_duration(state.config.default_max_duration)
+    renewer = state.renewer()
+    lease_handle = RenewerHandle(renewer, renewer.register(
+        loop_id, token, lease_seconds=lease,
+        ceiling_seconds=max_duration + state.config.lease_leak_grace,
+    ))
     ctx = LlmContext(state=state, session=session, loop_id=loop_id, execution_token=token,
-                     agent=agent)
+                     agent=agent, lease=lease_handle)
     try:
         builder = state.llm_stack()
         agent.configure_llm_middlewares(builder)
@@ -82,6 +90,8 @@ def run_llm_turn(state: SolidLoopState, loop_id: int) -> None:
         session.rollback()
         if not _reconcile_failure(session, loop_id, token, exc):
             raise
+    finally:
+        lease_handle.release()
 
 
 def _reconcile_failure(session, loop_id: int, token: uuid.UUID, exc: BaseException) -> bool:

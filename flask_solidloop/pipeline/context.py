@@ -10,6 +10,7 @@ from .._typing import SessionLike
 
 if TYPE_CHECKING:
     from ..agent import Agent
+    from ..durability.renewer import RenewerHandle
     from ..extension import SolidLoopState
     from ..llm.client import WireRecord
     from ..llm.types import AssistantTurn, ChatMessage
@@ -42,6 +43,9 @@ class TurnContext:
         """
         from ..loops.fence import transition
 
+        lease = getattr(self, "lease", None)
+        if lease is not None and lease.lost():
+            return False
         loop = transition(
             self.session, self.loop_id, from_=from_, to=to,
             expected_token=self.execution_token, **changes,
@@ -64,6 +68,8 @@ class LlmContext(TurnContext):
 
     tools: ToolRegistry | None = None
     history: list[ChatMessage] = field(default_factory=list)
+    #: The renewer registration; ``lease.check()`` raises LostLeaseError once lost.
+    lease: RenewerHandle | None = None
     shell_id: int | None = None
     response: AssistantTurn | None = None
     wire: WireRecord | None = None

@@ -59,6 +59,8 @@ class ErrorHandling:
 
 
 def _end_turn(ctx: LlmContext, *, to: str, error_message: str) -> None:
+    if ctx.lease is not None and ctx.lease.lost():
+        return  # not ours any more: the reaper or the new generation decides
     loop = transition(
         ctx.session, ctx.loop_id, from_="running", to=to,
         expected_token=ctx.execution_token, error_message=error_message,
@@ -153,6 +155,7 @@ class NetworkCalling:
 
     def __call__(self, ctx: LlmContext) -> Any:
         settings = ctx.agent.provider()
+        _check_lease(ctx)
         loop = lock_loop(ctx.session, ctx.loop_id)
         if not owns(loop, ctx.execution_token):
             ctx.session.rollback()
@@ -195,7 +198,15 @@ class NetworkCalling:
         return self.next_step(ctx)
 
 
+def _check_lease(ctx: LlmContext) -> None:
+    """Before any canonical write: yield silently if the renewer lost our lease."""
+    if ctx.lease is not None:
+        ctx.lease.check()
+
+
 def _no_longer_ours(ctx: LlmContext) -> bool:
+    if ctx.lease is not None and ctx.lease.lost():
+        return True
     row = ctx.session.execute(
         select(Loop.status, Loop.execution_token).where(Loop.id == ctx.loop_id)
     ).one_or_none()
@@ -211,6 +222,7 @@ class ResponseParsing:
         response = ctx.response
         assert response is not None and ctx.shell_id is not None
         session = ctx.session
+        _check_lease(ctx)
         loop = lock_loop(session, ctx.loop_id)
         if not owns(loop, ctx.execution_token):
             session.rollback()

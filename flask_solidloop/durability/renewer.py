@@ -1,0 +1,232 @@
+"""The lease renewer: one thread and one connection per process for every LLM turn.
+
+An LLM turn's lease (``solidloop_loops.lease_expires_at``) is derived from the
+agent's read timeout, but a healthy turn can run far longer than that: the
+read timeout counts silence between reads, not the whole response. So each
+in-flight turn registers here, and one background thread extends every
+registered lease about four times per lease width, on a connection of its own.
+
+Why one connection for everything (and not one per turn): at full worker
+occupancy each worker thread holds a pooled connection; per-turn heartbeats
+that each need a connection would starve, read the starvation as a lost lease,
+yield healthy turns, and livelock. Here renewal costs one connection per
+process whatever the concurrency, so the pool is sized threads + 1.
+
+Ownership rules:
+
+* a renewal is ``UPDATE ... WHERE id AND status='running' AND execution_token``
+  and ``lease_expires_at IS NOT NULL``: it never revives a lease that was
+  cleared on purpose (the tool phase, a finished turn);
+* a renewal that touches no row marks the registration *lost* only when the
+  loop is no longer this generation's; a lease cleared by our own commit is not
+  a loss;
+* any error on the renewer's connection marks every registration lost: a dead
+  renewer must never let a dead lease look alive. The turns see the flag
+  before their next canonical write and yield; the reaper heals the loops;
+* a registration older than the agent's max_duration + lease_leak_grace is
+  dropped (a leak ceiling that does not depend on the turn's ``finally``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+logger = logging.getLogger("flask_solidloop.renewer")
+
+MIN_INTERVAL = 1.0
+
+_RENEW = """
+UPDATE solidloop_loops AS l
+   SET lease_expires_at = now() + make_interval(secs => r.lease)
+  FROM unnest(%s::bigint[], %s::uuid[], %s::float8[]) AS r(id, token, lease)
+ WHERE l.id = r.id AND l.execution_token = r.token AND l.status = 'running'
+   AND l.lease_expires_at IS NOT NULL
+RETURNING l.id, l.execution_token
+"""
+_STILL_OURS = """
+SELECT l.id, l.execution_token FROM solidloop_loops AS l
+  JOIN unnest(%s::bigint[], %s::uuid[]) AS r(id, token)
+    ON l.id = r.id AND l.execution_token = r.token AND l.status = 'running'
+"""
+
+
+@dataclass
+class Registration:
+    loop_id: int
+    execution_token: uuid.UUID
+    lease_seconds: float
+    ceiling_seconds: float
+    registered_at: float = field(default_factory=time.monotonic)
+    lost_event: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def key(self) -> tuple[int, uuid.UUID]:
+        return (self.loop_id, self.execution_token)
+
+    def lost(self) -> bool:
+        return self.lost_event.is_set()
+
+
+class LeaseRenewer:
+    """Renews every registered LLM-turn lease from one thread and one connection."""
+
+    def __init__(self, conninfo: str, *, connect: Any = None) -> None:
+        self.conninfo = conninfo
+        self._connect = connect or (lambda: psycopg.connect(conninfo, autocommit=True,
+                                                           connect_timeout=10))
+        self._registrations: dict[tuple[int, uuid.UUID], Registration] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._conn: psycopg.Connection | None = None
+        self.renewals = 0
+        self.errors = 0
+
+    # -- registrations ----------------------------------------------------------
+
+    def register(self, loop_id: int, execution_token: uuid.UUID, *, lease_seconds: float,
+                 ceiling_seconds: float) -> Registration:
+        registration = Registration(loop_id, execution_token, float(lease_seconds),
+                                    float(ceiling_seconds))
+        with self._lock:
+            self._registrations[registration.key] = registration
+        self.start()
+        return registration
+
+    def deregister(self, registration: Registration) -> None:
+        with self._lock:
+            self._registrations.pop(registration.key, None)
+
+    def is_registered(self, registration: Registration) -> bool:
+        with self._lock:
+            return registration.key in self._registrations
+
+    def interval(self) -> float:
+        """About a quarter of the smallest registered lease, never under a second."""
+        with self._lock:
+            leases = [r.lease_seconds for r in self._registrations.values()]
+        return max(MIN_INTERVAL, min(leases) / 4) if leases else MIN_INTERVAL
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stopping.clear()
+            self._thread = threading.Thread(target=self._run, name="solidloop-lease-renewer",
+                                            daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread, join it and close its connection. Idempotent."""
+        self._stopping.set()
+        self._wake.set()
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout)
+        self._close()
+
+    @property
+    def running(self) -> bool:
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    def _close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._wake.wait(self.interval())
+            self._wake.clear()
+            if self._stopping.is_set():
+                break
+            try:
+                self.renew_once()
+            except Exception:
+                logger.exception("lease renewer tick failed")
+
+    # -- renewal ------------------------------------------------------------------
+
+    def renew_once(self) -> None:
+        """One pass: drop leaked registrations, renew the rest, flag the lost."""
+        now = time.monotonic()
+        with self._lock:
+            leaked = [r for r in self._registrations.values()
+                      if now - r.registered_at > r.ceiling_seconds]
+            for registration in leaked:
+                del self._registrations[registration.key]
+            live = [r for r in self._registrations.values() if not r.lost()]
+        for registration in leaked:
+            logger.warning(
+                "lease renewer dropped loop %s: registered for longer than max_duration + "
+                "lease_leak_grace (%.0fs); its lease will lapse and the reaper will recover it",
+                registration.loop_id, registration.ceiling_seconds,
+            )
+        if not live:
+            return
+        try:
+            if self._conn is None or self._conn.closed:
+                self._conn = self._connect()
+            conn = self._conn
+            ids = [r.loop_id for r in live]
+            tokens = [r.execution_token for r in live]
+            renewed = {(row[0], row[1]) for row in conn.execute(
+                _RENEW, (ids, tokens, [r.lease_seconds for r in live])).fetchall()}
+            missing = [r for r in live if r.key not in renewed]
+            if missing:
+                still_ours = {(row[0], row[1]) for row in conn.execute(
+                    _STILL_OURS, ([r.loop_id for r in missing],
+                                  [r.execution_token for r in missing])).fetchall()}
+                for registration in missing:
+                    # Running on our token but not renewed: our own commit cleared the
+                    # lease (tool phase). Anything else: the generation moved on.
+                    if registration.key not in still_ours:
+                        registration.lost_event.set()
+                        logger.info("loop %s: lease lost (generation rotated away)",
+                                    registration.loop_id)
+            self.renewals += 1
+        except Exception as exc:
+            self.errors += 1
+            logger.error("lease renewer: renewal failed, marking %d turn(s) lost: %s",
+                         len(live), exc)
+            for registration in live:
+                registration.lost_event.set()
+            self._close()
+
+
+class RenewerHandle:
+    """What a turn holds: its registration, and a check before canonical writes."""
+
+    def __init__(self, renewer: LeaseRenewer | None, registration: Registration | None) -> None:
+        self.renewer = renewer
+        self.registration = registration
+
+    def lost(self) -> bool:
+        return self.registration is not None and self.registration.lost()
+
+    def check(self) -> None:
+        from ..errors import LostLeaseError
+
+        if self.lost():
+            raise LostLeaseError(
+                f"loop {self.registration.loop_id}: the lease renewer lost this turn's lease"
+            )
+
+    def release(self) -> None:
+        if self.renewer is not None and self.registration is not None:
+            self.renewer.deregister(self.registration)
+        self.registration = None

@@ -1,0 +1,23 @@
+"""Start the lease renewer with a dramatiq worker process and stop it with it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import dramatiq
+
+if TYPE_CHECKING:
+    from ..extension import SolidLoopState
+
+
+class LeaseRenewerMiddleware(dramatiq.Middleware):
+    """One renewer per worker process: started at boot, joined at shutdown."""
+
+    def __init__(self, state: SolidLoopState) -> None:
+        self.state = state
+
+    def after_worker_boot(self, broker: dramatiq.Broker, worker: Any) -> None:
+        self.state.renewer().start()
+
+    def before_worker_shutdown(self, broker: dramatiq.Broker, worker: Any) -> None:
+        self.state.stop_renewer()
