@@ -274,6 +274,32 @@ class Agent:
         session = session or _state().db.session
         return stop_loop(session, self._require_loop(), reason=reason)
 
+    def force_stop(self, *, reason: str = "force stopped by request",
+                   session: SessionLike | None = None) -> bool:
+        """Stop now: like stop(), and also cancel queued jobs and revoke tool leases."""
+        from .loops.control import force_stop_loop
+
+        return force_stop_loop(session or _state().db.session, self._require_loop(),
+                               reason=reason)
+
+    def freeze(self, *, session: SessionLike | None = None) -> bool:
+        """Pause the loop if live and lock it; resume() refuses until unfreeze()."""
+        from .loops.control import freeze_loop
+
+        return freeze_loop(session or _state().db.session, self._require_loop())
+
+    def unfreeze(self, *, session: SessionLike | None = None) -> bool:
+        """Lift a freeze. The loop stays paused until resumed."""
+        from .loops.control import unfreeze_loop
+
+        return unfreeze_loop(session or _state().db.session, self._require_loop())
+
+    def observe(self, on: bool = True, *, session: SessionLike | None = None) -> bool:
+        """Mark the loop as watched live (or not). Returns True when the flag changed."""
+        from .loops.control import set_observed
+
+        return set_observed(session or _state().db.session, self._require_loop(), on)
+
     def resume(
         self,
         *,

@@ -184,7 +184,8 @@ def _control(loop_id: int, action: str, **kwargs) -> None:
         raise click.ClickException(str(exc)) from exc
     changed = getattr(agent, action)(**kwargs)
     state.db.session.refresh(loop)
-    verb = {"pause": "paused", "resume": "resumed", "stop": "stopped"}[action]
+    verb = {"pause": "paused", "resume": "resumed", "stop": "stopped",
+            "force_stop": "force stopped", "freeze": "frozen", "unfreeze": "unfrozen"}[action]
     if changed:
         click.echo(f"loop {loop_id} {verb}; status is now {loop.status}")
     else:
@@ -221,6 +222,79 @@ def resume(loop_id: int, from_: tuple[str, ...], message: str | None) -> None:
 def stop(loop_id: int, reason: str) -> None:
     """Stop a loop for good (it ends failed, with the reason)."""
     _control(loop_id, "stop", reason=reason)
+
+
+def _every(seconds: float | None, run, label: str) -> None:
+    """Run ``run()`` once, or forever every ``seconds`` (errors are reported, not fatal)."""
+    import time
+
+    while True:
+        started = time.monotonic()
+        try:
+            click.echo(f"{label}: {run()}")
+        except Exception as exc:
+            if seconds is None:
+                raise click.ClickException(f"{label} failed: {exc}") from exc
+            click.echo(f"{label} failed: {type(exc).__name__}: {exc}", err=True)
+        finally:
+            _state().db.session.remove()
+        if seconds is None:
+            return
+        time.sleep(max(0.0, seconds - (time.monotonic() - started)))
+
+
+@solidloop_cli.command("reap")
+@click.option("--every", type=float, default=None, metavar="SECONDS",
+              help="Repeat every SECONDS instead of running once.")
+@with_appcontext
+def reap_command(every: float | None) -> None:
+    """Heal loops whose worker died: expired leases, lost jobs, orphaned shells.
+
+    Idempotent and safe to run from several processes at once.
+    """
+    from .durability.reaper import reap
+
+    _every(every, lambda: reap(_state()).summary(), "reap")
+
+
+@solidloop_cli.command("prune")
+@click.option("--every", type=float, default=None, metavar="SECONDS",
+              help="Repeat every SECONDS instead of running once.")
+@with_appcontext
+def prune_command(every: float | None) -> None:
+    """Delete events and finished jobs past their retention (off unless configured)."""
+    from .durability.janitor import prune
+
+    def run() -> str:
+        report = prune(_state())
+        return f"events={report.events} jobs={report.jobs} ({report.duration_ms:.1f} ms)"
+
+    _every(every, run, "prune")
+
+
+@solidloop_cli.command("force-stop")
+@click.argument("loop_id", type=int)
+@click.option("--reason", default="from the command line", show_default=True)
+@with_appcontext
+def force_stop(loop_id: int, reason: str) -> None:
+    """Stop a loop now: fail it, cancel its queued jobs, revoke its tool leases."""
+    _control(loop_id, "force_stop", reason=reason)
+
+
+@solidloop_cli.command("freeze")
+@click.argument("loop_id", type=int)
+@with_appcontext
+def freeze(loop_id: int) -> None:
+    """Pause a loop and lock it against resume until unfrozen."""
+    _control(loop_id, "freeze")
+
+
+@solidloop_cli.command("unfreeze")
+@click.argument("loop_id", type=int)
+@with_appcontext
+def unfreeze(loop_id: int) -> None:
+    """Lift a freeze (the loop stays paused until resumed)."""
+    _control(loop_id, "unfreeze")
 
 
 @solidloop_cli.command("demo")

@@ -44,6 +44,12 @@ def _non_negative_int(key: str, value: Any) -> int:
     return number
 
 
+def _optional_positive_int(key: str, value: Any) -> int | None:
+    if value is None or value == "":
+        return None
+    return _positive_int(key, value)
+
+
 def _positive_float(key: str, value: Any) -> float:
     if isinstance(value, bool):
         raise ConfigurationError(key, value, "must be a positive number, not a bool")
@@ -110,6 +116,13 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds a consumer waits for a NOTIFY before polling the job table anyway."),
     Setting("SOLIDLOOP_DATABASE_URL", None, lambda _k, v: v,
             "Database for loops and jobs; defaults to SQLALCHEMY_DATABASE_URI."),
+    Setting("SOLIDLOOP_EVENT_RETENTION", None, _optional_positive_int,
+            "Seconds to keep wire-log events; unset (the default) keeps them forever."),
+    Setting("SOLIDLOOP_FINISHED_JOB_RETENTION", None, _optional_positive_int,
+            "Seconds to keep done jobs in the job table; unset keeps them forever. "
+            "Dead-lettered jobs are never pruned."),
+    Setting("SOLIDLOOP_JANITOR_BATCH_SIZE", 1000, _positive_int,
+            "Rows the janitor deletes per statement, so no sweep holds a long lock."),
     Setting("SOLIDLOOP_TOOL_OUTPUT_LIMIT", 20000, _positive_int,
             "Characters of a tool result shown to the model; the full result is kept."),
 )
@@ -135,6 +148,9 @@ class Config:
     job_max_retries: int
     poll_interval: float
     database_url: str | None
+    event_retention: int | None
+    finished_job_retention: int | None
+    janitor_batch_size: int
     tool_output_limit: int
 
     @classmethod

@@ -1,4 +1,9 @@
-"""Maintenance run by the solidloop_maintenance actor or the CLI."""
+"""Durability: the lease renewer, the reaper and the janitor.
+
+The maintenance actor (queue ``solidloop_maintenance``) runs these tasks for
+hosts with their own scheduler; ``flask solidloop reap`` / ``prune`` run them
+from the command line, once or ``--every N`` seconds.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +15,21 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("flask_solidloop.maintenance")
 
-TASKS = ("recover_jobs",)
+TASKS = ("reap", "prune", "recover_jobs")
 
 
 def run_maintenance(state: SolidLoopState, task: str) -> None:
     """Run one named maintenance task. Unknown names are logged and dropped."""
-    if task == "recover_jobs":
+    if task == "reap":
+        from .reaper import reap
+
+        reap(state)
+    elif task == "prune":
+        from .janitor import prune
+
+        prune(state)
+    elif task == "recover_jobs":
         recovered = state.broker.recover_expired()
         logger.info("recovered %s job(s) with expired leases", recovered)
-        return
-    logger.error("unknown maintenance task %r; known: %s", task, ", ".join(TASKS))
+    else:
+        logger.error("unknown maintenance task %r; known: %s", task, ", ".join(TASKS))

@@ -173,7 +173,7 @@ def reap(state: SolidLoopState) -> ReapReport:
                 "leased_until = now() + :lease WHERE id = :id AND lease_token = :old "
                 "AND executed_at IS NULL"),
                 {"new": new_lease, "lease": timedelta(seconds=lease), "id": call_id,
-                 "old": old_lease}).rowcount
+                 "old": old_lease}).rowcount  # type: ignore[attr-defined]
             if claimed:
                 dispatch.tool_call(session, call_id, token, loop_id=loop_id,
                                    reaper_lease_token=new_lease)

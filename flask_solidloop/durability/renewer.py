@@ -42,6 +42,8 @@ import psycopg
 logger = logging.getLogger("flask_solidloop.renewer")
 
 MIN_INTERVAL = 1.0
+#: Shown in pg_stat_activity, so an operator can find the renewer connections.
+APPLICATION_NAME = "solidloop-lease-renewer"
 
 _RENEW = """
 UPDATE solidloop_loops AS l
@@ -80,8 +82,8 @@ class LeaseRenewer:
 
     def __init__(self, conninfo: str, *, connect: Any = None) -> None:
         self.conninfo = conninfo
-        self._connect = connect or (lambda: psycopg.connect(conninfo, autocommit=True,
-                                                           connect_timeout=10))
+        self._connect = connect or (lambda: psycopg.connect(
+            conninfo, autocommit=True, connect_timeout=10, application_name=APPLICATION_NAME))
         self._registrations: dict[tuple[int, uuid.UUID], Registration] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -221,9 +223,10 @@ class RenewerHandle:
     def check(self) -> None:
         from ..errors import LostLeaseError
 
-        if self.lost():
+        registration = self.registration
+        if registration is not None and registration.lost():
             raise LostLeaseError(
-                f"loop {self.registration.loop_id}: the lease renewer lost this turn's lease"
+                f"loop {registration.loop_id}: the lease renewer lost this turn's lease"
             )
 
     def release(self) -> None:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterable
 
 from flask import current_app
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 
 from .._typing import SessionLike
-from ..models import Message, ToolCall
+from ..models import Job, Loop, Message, ToolCall
 from .fence import lock_loop, transition
+
+logger = logging.getLogger("flask_solidloop.control")
 
 
 def _hide_shells(session: SessionLike, loop_id: int) -> None:
@@ -42,6 +45,70 @@ def stop_loop(session: SessionLike, loop_id: int, *, reason: str) -> bool:
     _hide_shells(session, loop_id)
     session.commit()
     return True
+
+
+def force_stop_loop(session: SessionLike, loop_id: int, *, reason: str) -> bool:
+    """Stop now: fail the loop, cancel its queued jobs, revoke its tool leases.
+
+    In-flight work of the old generation finds the fence closed and writes
+    nothing; its external effects may still complete (at-least-once).
+    """
+    loop = transition(
+        session, loop_id, from_=("init", "queued", "running", "paused"), to="failed",
+        error_message=f"force stopped: {reason}",
+    )
+    if loop is None:
+        session.rollback()
+        return False
+    _hide_shells(session, loop_id)
+    session.execute(
+        update(ToolCall)
+        .where(ToolCall.loop_id == loop_id, ToolCall.executed_at.is_(None))
+        .values(lease_token=None, leased_until=None)
+    )
+    session.execute(
+        update(Job)
+        .where(Job.loop_id == loop_id, Job.state == "queued")
+        .values(state="done", finished_at=func.now(), last_error="cancelled by force stop")
+    )
+    session.commit()
+    return True
+
+
+def freeze_loop(session: SessionLike, loop_id: int) -> bool:
+    """Pause a loop (if live) and lock it: resume() refuses until unfreeze_loop()."""
+    loop = lock_loop(session, loop_id)
+    if loop is None or loop.frozen or loop.status in ("completed", "failed"):
+        session.rollback()
+        return False
+    if loop.status in ("queued", "running"):
+        transition(session, loop_id, from_=("queued", "running"), to="paused",
+                   error_message="frozen")
+        _hide_shells(session, loop_id)
+    loop.frozen = True
+    session.commit()
+    return True
+
+
+def unfreeze_loop(session: SessionLike, loop_id: int) -> bool:
+    """Lift a freeze; the loop stays where it is (usually paused) until resumed."""
+    loop = lock_loop(session, loop_id)
+    if loop is None or not loop.frozen:
+        session.rollback()
+        return False
+    loop.frozen = False
+    session.commit()
+    return True
+
+
+def set_observed(session: SessionLike, loop_id: int, observed: bool) -> bool:
+    """Mark a loop as watched live (the admin streams observed loops)."""
+    changed = session.execute(
+        update(Loop).where(Loop.id == loop_id, Loop.observed.is_not(observed))
+        .values(observed=observed)
+    ).rowcount  # type: ignore[attr-defined]
+    session.commit()
+    return bool(changed)
 
 
 def unresolved_tool_calls(session: SessionLike, loop_id: int) -> list[ToolCall]:
@@ -92,6 +159,10 @@ def resume_loop(
     dispatch = current_app.extensions["solidloop"].dispatch
     loop = lock_loop(session, loop_id)
     if loop is None or loop.status not in tuple(allowed):
+        session.rollback()
+        return False
+    if loop.frozen:
+        logger.warning("loop %s is frozen; unfreeze it before resuming", loop_id)
         session.rollback()
         return False
     _hide_shells(session, loop_id)

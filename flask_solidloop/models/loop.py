@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     Index,
@@ -96,6 +97,14 @@ class Loop(Timestamps, Base):
     )
     cost: Mapped[Decimal] = mapped_column(
         Numeric(18, 8), nullable=False, default=Decimal(0), server_default="0"
+    )
+    # Admin controls: a frozen loop is paused and refuses resume() until
+    # unfrozen; an observed loop is one somebody is watching live.
+    frozen: Mapped[bool] = mapped_column(
+        Boolean, nullable=False, default=False, server_default=text("false")
+    )
+    observed: Mapped[bool] = mapped_column(
+        Boolean, nullable=False, default=False, server_default=text("false")
     )
     state: Mapped[dict[str, Any]] = mapped_column(
         JSONB, nullable=False, default=dict, server_default=text("'{}'::jsonb")

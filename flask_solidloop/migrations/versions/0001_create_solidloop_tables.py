@@ -61,6 +61,8 @@ def upgrade() -> None:
     sa.Column('input_tokens', sa.BigInteger(), server_default='0', nullable=False),
     sa.Column('output_tokens', sa.BigInteger(), server_default='0', nullable=False),
     sa.Column('cost', sa.Numeric(precision=18, scale=8), server_default='0', nullable=False),
+    sa.Column('frozen', sa.Boolean(), server_default=sa.text('false'), nullable=False),
+    sa.Column('observed', sa.Boolean(), server_default=sa.text('false'), nullable=False),
     sa.Column('state', postgresql.JSONB(astext_type=sa.Text()), server_default=sa.text("'{}'::jsonb"), nullable=False),
     sa.Column('created_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),
     sa.Column('updated_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),

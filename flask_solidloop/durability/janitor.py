@@ -1,0 +1,81 @@
+"""The janitor: retention for the tables that grow without bound.
+
+Off by default: silently deleting a host's audit trail on upgrade would be the
+wrong default. Each kind of row has its own opt-in setting. Deletes run in
+batches of ``SOLIDLOOP_JANITOR_BATCH_SIZE``, each its own short transaction,
+so a sweep never holds one long lock on a table being written to. Idempotent
+and safe to run from several processes at once (a batch that loses a race
+simply deletes fewer rows).
+
+* ``solidloop_events`` older than ``SOLIDLOOP_EVENT_RETENTION``
+* ``solidloop_jobs`` in state ``done`` finished longer ago than
+  ``SOLIDLOOP_FINISHED_JOB_RETENTION`` (dead-lettered jobs are kept: someone
+  has to look at them)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from sqlalchemy import text
+
+if TYPE_CHECKING:
+    from ..extension import SolidLoopState
+
+logger = logging.getLogger("flask_solidloop.janitor")
+
+_PRUNE_EVENTS = """
+DELETE FROM solidloop_events WHERE id IN (
+    SELECT id FROM solidloop_events WHERE created_at < now() - :age
+    ORDER BY id LIMIT :batch FOR UPDATE SKIP LOCKED)
+"""
+_PRUNE_JOBS = """
+DELETE FROM solidloop_jobs WHERE id IN (
+    SELECT id FROM solidloop_jobs WHERE state = 'done' AND finished_at < now() - :age
+    ORDER BY id LIMIT :batch FOR UPDATE SKIP LOCKED)
+"""
+
+
+@dataclass
+class PruneReport:
+    events: int = 0
+    jobs: int = 0
+    duration_ms: float = 0.0
+
+
+def _prune(state: SolidLoopState, query: str, seconds: int) -> int:
+    session = state.db.session
+    batch = state.config.janitor_batch_size
+    total = 0
+    while True:
+        deleted = session.execute(
+            text(query), {"age": timedelta(seconds=seconds), "batch": batch}
+        ).rowcount  # type: ignore[attr-defined]
+        session.commit()
+        total += deleted
+        if deleted < batch:
+            return total
+
+
+def prune(state: SolidLoopState) -> PruneReport:
+    """One janitor sweep over every table with a retention setting."""
+    started = time.perf_counter()
+    report = PruneReport()
+    config = state.config
+    try:
+        if config.event_retention:
+            report.events = _prune(state, _PRUNE_EVENTS, config.event_retention)
+        if config.finished_job_retention:
+            report.jobs = _prune(state, _PRUNE_JOBS, config.finished_job_retention)
+    except Exception:
+        state.db.session.rollback()
+        raise
+    report.duration_ms = (time.perf_counter() - started) * 1000
+    state.last_pruned_at = time.time()
+    logger.info("janitor pruned %d event(s) and %d job(s) in %.1f ms",
+                report.events, report.jobs, report.duration_ms)
+    return report

@@ -1,0 +1,440 @@
+"""Lease renewer, reaper, janitor and the loop controls, against the real database."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from datetime import timedelta
+
+import psycopg
+import pytest
+from sqlalchemy import func, select, text, update
+
+from flask_solidloop.durability.janitor import prune
+from flask_solidloop.durability.reaper import reap
+from flask_solidloop.durability.renewer import APPLICATION_NAME, LeaseRenewer
+from flask_solidloop.models import Event, Job, Loop, Message, ToolCall
+from flask_solidloop.queue.broker import libpq_url
+from flask_solidloop.testing import drain as run
+
+from .support_app import SIDE_EFFECTS, Assistant
+
+
+@pytest.fixture
+def state(app):
+    return app.extensions["solidloop"]
+
+
+@pytest.fixture
+def pg(database_url):
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+        yield conn
+
+
+def running_loop(session, *, lease_seconds: float = 60) -> tuple[int, uuid.UUID]:
+    """A loop claimed by a (pretend) worker: running, with a token and a lease."""
+    loop = Assistant.start(message="hello there")
+    token = uuid.uuid4()
+    session.execute(update(Job).where(Job.loop_id == loop.id).values(state="done"))
+    session.execute(update(Loop).where(Loop.id == loop.id).values(
+        status="running", execution_token=token,
+        lease_expires_at=func.now() + timedelta(seconds=lease_seconds),
+        started_at=func.now(), run_started_at=func.now()))
+    session.commit()
+    return loop.id, token
+
+
+def lease_of(pg, loop_id):
+    return pg.execute("SELECT lease_expires_at - now() FROM solidloop_loops WHERE id = %s",
+                      (loop_id,)).fetchone()[0]
+
+
+# -- the renewer ------------------------------------------------------------------------
+
+
+def test_renewer_extends_a_registered_lease(state, session, pg):
+    loop_id, token = running_loop(session, lease_seconds=2)
+    renewer = LeaseRenewer(libpq_url(state.broker.url))
+    try:
+        reg = renewer.register(loop_id, token, lease_seconds=30, ceiling_seconds=3600)
+        renewer.renew_once()
+        assert lease_of(pg, loop_id) > timedelta(seconds=25)
+        assert not reg.lost()
+    finally:
+        renewer.stop()
+    assert not renewer.running
+
+
+def test_renewer_cadence_follows_the_smallest_lease(state):
+    renewer = LeaseRenewer(libpq_url(state.broker.url))
+    renewer.register(1, uuid.uuid4(), lease_seconds=40, ceiling_seconds=99)
+    assert renewer.interval() == 10
+    renewer.register(2, uuid.uuid4(), lease_seconds=2, ceiling_seconds=99)
+    assert renewer.interval() == 1.0  # never under a second
+    renewer.stop()
+
+
+def test_rotated_token_marks_lost_but_a_cleared_lease_does_not(state, session, pg):
+    rotated_id, rotated_token = running_loop(session)
+    cleared_id, cleared_token = running_loop(session)
+    renewer = LeaseRenewer(libpq_url(state.broker.url))
+    try:
+        rotated = renewer.register(rotated_id, rotated_token, lease_seconds=30,
+                                   ceiling_seconds=3600)
+        cleared = renewer.register(cleared_id, cleared_token, lease_seconds=30,
+                                   ceiling_seconds=3600)
+        pg.execute("UPDATE solidloop_loops SET execution_token = gen_random_uuid() "
+                   "WHERE id = %s", (rotated_id,))
+        # our own commit entered the tool phase: lease NULL on purpose
+        pg.execute("UPDATE solidloop_loops SET lease_expires_at = NULL WHERE id = %s",
+                   (cleared_id,))
+        renewer.renew_once()
+        assert rotated.lost()
+        assert not cleared.lost()
+        # and the cleared lease was not revived
+        assert pg.execute("SELECT lease_expires_at FROM solidloop_loops WHERE id = %s",
+                          (cleared_id,)).fetchone()[0] is None
+    finally:
+        renewer.stop()
+
+
+def test_leak_ceiling_drops_a_registration(state, session):
+    loop_id, token = running_loop(session)
+    renewer = LeaseRenewer(libpq_url(state.broker.url))
+    try:
+        reg = renewer.register(loop_id, token, lease_seconds=30, ceiling_seconds=0.05)
+        time.sleep(0.1)
+        renewer.renew_once()
+        assert not renewer.is_registered(reg)
+        assert not reg.lost()  # dropped, not lost: the lease simply lapses
+    finally:
+        renewer.stop()
+
+
+def test_killed_renewer_connection_marks_every_turn_lost(state, session, pg):
+    first = running_loop(session)
+    second = running_loop(session)
+    renewer = LeaseRenewer(libpq_url(state.broker.url))
+    try:
+        regs = [renewer.register(i, t, lease_seconds=30, ceiling_seconds=3600)
+                for i, t in (first, second)]
+        renewer.renew_once()
+        killed = pg.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                            "WHERE application_name = %s AND datname = current_database()",
+                            (APPLICATION_NAME,)).fetchall()
+        assert killed
+        renewer.renew_once()
+        assert all(r.lost() for r in regs)
+        # a fresh connection serves the next registrations
+        third = running_loop(session)
+        reg = renewer.register(*third, lease_seconds=30, ceiling_seconds=3600)
+        renewer.renew_once()
+        assert not reg.lost()
+    finally:
+        renewer.stop()
+
+
+def test_one_renewer_per_process_even_under_a_race(state):
+    seen = []
+    barrier = threading.Barrier(8)
+
+    def grab():
+        barrier.wait()
+        seen.append(state.renewer())
+
+    threads = [threading.Thread(target=grab) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({id(r) for r in seen}) == 1
+    state.stop_renewer()
+    assert not seen[0].running
+
+
+def test_turn_yields_when_the_renewer_loses_its_lease_and_the_reaper_heals(
+        app, state, session, llm, pg):
+    """pg_terminate_backend on the renewer mid-request: the turn writes nothing."""
+
+    def kill_renewer_then_answer(body):
+        state.renewer().renew_once()  # the renewer's connection is open and renewing
+        pg.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                   "WHERE application_name = %s AND datname = current_database()",
+                   (APPLICATION_NAME,))
+        state.renewer().renew_once()  # the tick that finds its connection gone
+        return {"content": "too late"}
+
+    llm.script("renewer", {"content": "second try"})
+    llm.script("renewer", kill_renewer_then_answer, times=1)  # newest first: runs first
+    loop = Assistant.start(message="renewer test")
+    run(app)
+    session.expire_all()
+    row = session.get(Loop, loop.id)
+    assert row.status == "running"  # nothing written by the lost turn
+    assert [m.status for m in session.scalars(
+        select(Message).where(Message.role == "assistant"))] == ["processing"]
+    # its lease lapses; the reaper rotates the generation and requeues it
+    pg.execute("UPDATE solidloop_loops SET lease_expires_at = now() - interval '1 second'")
+    report = reap(state)
+    assert report.expired_llm == [loop.id]
+    run(app)
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "completed"
+    visible = [m.content for m in session.scalars(
+        select(Message).where(Message.role == "assistant", Message.is_hidden.is_(False)))]
+    assert visible == ["second try"]
+
+
+# -- the reaper -------------------------------------------------------------------------
+
+
+def test_reaper_requeues_an_expired_llm_turn_and_hides_its_shell(state, session, pg):
+    loop_id, _ = running_loop(session)
+    session.add(Message(loop_id=loop_id, role="assistant", status="processing",
+                        is_hidden=True, content="partial"))
+    session.commit()
+    assert reap(state).healed == 0  # lease still live: nothing to do
+    pg.execute("UPDATE solidloop_loops SET lease_expires_at = now() - interval '1 second'")
+    report = reap(state)
+    assert report.expired_llm == [loop_id]
+    session.expire_all()
+    loop = session.get(Loop, loop_id)
+    assert (loop.status, loop.execution_token, loop.lease_expires_at) == ("queued", None, None)
+    shell = session.scalars(select(Message).where(Message.role == "assistant")).one()
+    assert (shell.status, shell.is_hidden) == ("failed", True)
+    live = list(session.scalars(select(Job).where(Job.state == "queued")))
+    assert [(j.actor_name, j.loop_id) for j in live] == [("solidloop.llm_turn", loop_id)]
+    assert reap(state).healed == 0  # idempotent
+
+
+def tool_phase(app, session, llm, *, calls=1):
+    llm.script("tools", {"tool_calls": [
+        {"name": "add", "arguments": {"a": i, "b": 1}} for i in range(calls)]})
+    llm.script(lambda body: body["messages"][-1]["role"] == "tool", {"content": "all done"})
+    loop = Assistant.start(message="tools please")
+    run(app, queues=("solidloop_llm",))
+    return loop.id
+
+
+def test_reaper_reclaims_one_stalled_tool_without_fencing_its_sibling(app, state, session,
+                                                                      llm, pg):
+    loop_id = tool_phase(app, session, llm, calls=2)
+    calls = list(session.scalars(select(ToolCall).order_by(ToolCall.position)))
+    dead_lease = uuid.uuid4()
+    # call 0: claimed by a worker that died long ago; call 1: its job is still queued
+    pg.execute("UPDATE solidloop_tool_calls SET lease_token = %s, "
+               "leased_until = now() - interval '1 second' WHERE id = %s",
+               (dead_lease, calls[0].id))
+    pg.execute("UPDATE solidloop_jobs SET state = 'done' "
+               "WHERE message->'args'->>0 = %s", (str(calls[0].id),))
+    report = reap(state)
+    assert report.stalled_tools == [calls[0].id]
+    session.expire_all()
+    reclaimed = session.get(ToolCall, calls[0].id)
+    assert reclaimed.lease_token not in (None, dead_lease)
+    assert reap(state).stalled_tools == []  # the new lease is live
+    run(app)
+    session.expire_all()
+    assert session.get(Loop, loop_id).status == "completed"
+    assert len(SIDE_EFFECTS) == 2
+    tool_messages = list(session.scalars(select(Message).where(Message.role == "tool")))
+    assert sorted(m.tool_call_id for m in tool_messages) == sorted(c.id for c in calls)
+
+
+def test_reaper_finishes_a_checkpointed_call_whose_continuation_was_dropped(
+        app, state, session, llm, pg):
+    loop_id = tool_phase(app, session, llm)
+    call = session.scalars(select(ToolCall)).one()
+    # the worker executed the tool, checkpointed, and died before answering
+    pg.execute("UPDATE solidloop_tool_calls SET executed_at = now(), is_success = true, "
+               "result = %s, lease_token = gen_random_uuid(), leased_until = now() + "
+               "interval '1 hour', updated_at = now() - interval '1 hour' WHERE id = %s",
+               ('{"content": [{"type": "text", "text": "1"}], "isError": false}', call.id))
+    pg.execute("UPDATE solidloop_jobs SET state = 'done'")
+    report = reap(state)
+    assert report.dropped_tools == [call.id]
+    run(app)
+    session.expire_all()
+    assert session.get(Loop, loop_id).status == "completed"
+    assert SIDE_EFFECTS == []  # the body never ran again: the checkpoint was restored
+    tool_message = session.scalars(select(Message).where(Message.role == "tool")).one()
+    assert tool_message.content == "1"
+
+
+def test_reaper_reenqueues_a_tool_call_whose_job_was_lost(app, state, session, llm, pg):
+    loop_id = tool_phase(app, session, llm)
+    pg.execute("UPDATE solidloop_jobs SET state = 'dead'")
+    pg.execute("UPDATE solidloop_tool_calls SET updated_at = now() - interval '1 hour'")
+    assert reap(state).dropped_tools != []
+    run(app)
+    session.expire_all()
+    assert session.get(Loop, loop_id).status == "completed"
+
+
+def test_reaper_requeues_a_queued_loop_with_no_live_job(app, state, session, llm, pg):
+    llm.script("stuck", {"content": "unstuck"})
+    loop = Assistant.start(message="stuck in the queue")
+    pg.execute("UPDATE solidloop_jobs SET state = 'dead'")
+    assert reap(state).stuck_queued == []  # younger than SOLIDLOOP_QUEUED_REAP_THRESHOLD
+    pg.execute("UPDATE solidloop_loops SET updated_at = now() - interval '1 hour'")
+    assert reap(state).stuck_queued == [loop.id]
+    assert reap(state).stuck_queued == []  # a live job exists now
+    run(app)
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "completed"
+
+
+def test_reaper_fails_orphan_shells_on_paused_loops(state, session):
+    loop_id, _ = running_loop(session)
+    Assistant(loop_id).pause()
+    session.add(Message(loop_id=loop_id, role="assistant", status="processing",
+                        is_hidden=False, content="half"))
+    session.commit()
+    report = reap(state)
+    assert len(report.orphan_shells) == 1
+    session.expire_all()
+    shell = session.scalars(select(Message).where(Message.role == "assistant")).one()
+    assert (shell.status, shell.is_hidden) == ("failed", True)
+
+
+def test_reaper_recovers_expired_broker_jobs(state, session, pg):
+    Assistant.start(message="job lease")
+    pg.execute("UPDATE solidloop_jobs SET state = 'running', lease_token = gen_random_uuid(), "
+               "lease_until = now() - interval '1 second', attempts = 1")
+    assert reap(state).expired_jobs == 1
+    assert pg.execute("SELECT state FROM solidloop_jobs").fetchone() == ("queued",)
+
+
+def test_concurrent_reapers_repair_each_loop_once(app, state, session, pg):
+    ids = [running_loop(session)[0] for _ in range(20)]
+    pg.execute("UPDATE solidloop_loops SET lease_expires_at = now() - interval '1 second'")
+    reports, errors = [], []
+
+    def one_reaper():
+        from .support_app import create_app
+
+        other = create_app()
+        try:
+            with other.app_context():
+                reports.append(reap(other.extensions["solidloop"]))
+        except Exception as exc:
+            errors.append(exc)
+        finally:
+            other.extensions["solidloop"].broker.close()
+
+    threads = [threading.Thread(target=one_reaper) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    healed = sorted(i for r in reports for i in r.expired_llm)
+    assert healed == sorted(ids)  # each loop exactly once across all reapers
+    jobs = pg.execute("SELECT loop_id, count(*) FROM solidloop_jobs WHERE state = 'queued' "
+                      "GROUP BY loop_id").fetchall()
+    assert sorted(j[0] for j in jobs) == sorted(ids) and {j[1] for j in jobs} == {1}
+
+
+def test_last_reaped_at_is_exposed(state):
+    assert state.last_reaped_at is None
+    reap(state)
+    assert state.last_reaped_at is not None and state.last_reaped_at <= time.time()
+
+
+# -- the janitor ------------------------------------------------------------------------
+
+
+def test_janitor_is_off_by_default(state, session, llm):
+    llm.script("keep", {"content": "kept"})
+    Assistant.start(message="keep")
+    run(state.app)
+    session.execute(update(Event).values(created_at=func.now() - timedelta(days=999)))
+    session.commit()
+    report = prune(state)
+    assert (report.events, report.jobs) == (0, 0)
+    assert state.last_pruned_at is not None
+
+
+def test_janitor_prunes_in_batches(app, session, pg):
+    from .support_app import create_app
+
+    other = create_app(SOLIDLOOP_EVENT_RETENTION=3600, SOLIDLOOP_FINISHED_JOB_RETENTION=60,
+                       SOLIDLOOP_JANITOR_BATCH_SIZE=7)
+    other_state = other.extensions["solidloop"]
+    loop_id, _ = running_loop(session)
+    pg.execute("INSERT INTO solidloop_events (loop_id, kind, payload, created_at) "
+               "SELECT %s, 'llm_request', '{}', now() - interval '2 hours' "
+               "FROM generate_series(1, 30)", (loop_id,))
+    pg.execute("INSERT INTO solidloop_events (loop_id, kind, payload) VALUES (%s, 'x', '{}')",
+               (loop_id,))
+    pg.execute("UPDATE solidloop_jobs SET state = 'done', finished_at = now() - interval '1 hour'")
+    pg.execute("INSERT INTO solidloop_jobs (queue_name, actor_name, message_id, message, state,"
+               " finished_at) VALUES ('solidloop_llm', 'x', gen_random_uuid(), '{}', 'dead', "
+               "now() - interval '9 hours')")
+    try:
+        with other.app_context():
+            report = prune(other_state)
+    finally:
+        other_state.broker.close()
+    assert report.events == 30 and report.jobs == 1
+    assert pg.execute("SELECT count(*) FROM solidloop_events").fetchone() == (1,)
+    assert pg.execute("SELECT state FROM solidloop_jobs").fetchall() == [("dead",)]
+
+
+# -- loop controls ----------------------------------------------------------------------
+
+
+def test_force_stop_cancels_queued_jobs_and_revokes_tool_leases(app, state, session, llm):
+    loop_id = tool_phase(app, session, llm, calls=2)
+    session.execute(update(ToolCall).values(lease_token=uuid.uuid4(),
+                                            leased_until=func.now() + timedelta(hours=1)))
+    session.commit()
+    assert Assistant(loop_id).force_stop(reason="operator") is True
+    session.expire_all()
+    loop = session.get(Loop, loop_id)
+    assert (loop.status, loop.error_message) == ("failed", "force stopped: operator")
+    assert {c.lease_token for c in session.scalars(select(ToolCall))} == {None}
+    assert session.scalar(select(func.count()).select_from(Job)
+                          .where(Job.state == "queued")) == 0
+    run(app)
+    assert SIDE_EFFECTS == []
+    assert Assistant(loop_id).force_stop() is False
+
+
+def test_freeze_blocks_resume_until_unfrozen(app, session, llm):
+    llm.script("frozen", {"content": "thawed"})
+    loop = Assistant.start(message="frozen")
+    agent = Assistant(loop)
+    assert agent.freeze() is True
+    session.expire_all()
+    row = session.get(Loop, loop.id)
+    assert (row.status, row.frozen) == ("paused", True)
+    assert agent.freeze() is False
+    assert agent.resume() is False
+    assert agent.unfreeze() is True
+    assert agent.resume() is True
+    run(app)
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "completed"
+
+
+def test_observe_toggles_the_flag(app, session):
+    loop = Assistant.start(message="watch me")
+    assert Assistant(loop).observe() is True
+    assert Assistant(loop).observe() is False  # already observed
+    session.expire_all()
+    assert session.get(Loop, loop.id).observed is True
+    assert Assistant(loop).observe(False) is True
+
+
+def test_stale_generation_cannot_complete_after_force_stop(app, state, session):
+    from flask_solidloop.loops.fence import transition
+
+    loop_id, token = running_loop(session)
+    Assistant(loop_id).force_stop()
+    assert transition(session, loop_id, from_="running", to="completed",
+                      expected_token=token) is None
+    session.rollback()
+    assert session.execute(text("SELECT status FROM solidloop_loops WHERE id = :i"),
+                           {"i": loop_id}).scalar() == "failed"
