@@ -116,11 +116,55 @@ class BatchAgent(Agent):
         builder.insert_after(AgentInitialization, CompleteOnFullySuccessfulToolTurn)
 
 
+# -- chaos: an agent whose tool has an external side effect -------------------------
+
+chaos_tools = Toolset("chaos")
+CHAOS_TURNS_ENV = "SOLIDLOOP_CHAOS_TURNS"
+
+
+@chaos_tools.tool
+def effect(n: int, ctx: CallContext) -> str:
+    """Record an external side effect (outside any of our transactions), then answer."""
+    import random
+    import time
+
+    import psycopg
+
+    from flask_solidloop.queue.broker import libpq_url
+
+    url = libpq_url(os.environ.get(DATABASE_URL_ENV, DEFAULT_DATABASE_URL))
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO chaos_effects (idempotency_key, loop_id, n, pid) VALUES (%s, %s, %s, %s)",
+            (ctx.idempotency_key, ctx.loop.id if ctx.loop else None, n, os.getpid()),
+        )
+    time.sleep(random.uniform(0.0, 0.3))
+    return f"effect {n} done"
+
+
+@solidloop.agent("chaos")
+class ChaosAgent(Agent):
+    system_prompt = "You run chaos tools."
+    mcps = [{"name": "chaos", "toolset": chaos_tools}]
+    max_steps = 20
+
+    def llm(self) -> dict:
+        settings = llm_settings()
+        settings["read_timeout"] = float(os.environ.get("SOLIDLOOP_CHAOS_READ_TIMEOUT", "10"))
+        return settings
+
+
 def create_app(**config) -> Flask:
+    import json
+
     app = Flask(__name__)
     app.config["SQLALCHEMY_DATABASE_URI"] = os.environ.get(DATABASE_URL_ENV, DEFAULT_DATABASE_URL)
+    # Workers must survive a PostgreSQL restart: drop dead pooled connections.
+    app.config["SQLALCHEMY_ENGINE_OPTIONS"] = {"pool_pre_ping": True}
     app.config["SOLIDLOOP_LLM_RETRY_BASE_DELAY"] = 0.05
     app.config["SOLIDLOOP_LLM_RETRY_MAX_DELAY"] = 0.5
+    # Worker subprocesses get the test's settings (e.g. short leases) this way.
+    app.config.update(json.loads(os.environ.get("SOLIDLOOP_TEST_APP_CONFIG", "{}")))
     app.config.update(config)
     db.init_app(app)
     solidloop.init_app(app, db=db)

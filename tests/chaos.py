@@ -1,0 +1,348 @@
+"""The chaos harness: many loops, real worker processes, a killer, a reaper.
+
+Used by tests/test_chaos.py (the acceptance run) and bench/chaos.py (longer,
+with knobs). Each loop makes ``turns`` LLM turns, each with ``tools_per_turn``
+parallel calls of a tool whose side effect is written outside our transactions
+(like any external system), then a final answer. While they run, a killer
+SIGKILLs a random worker fleet member every ``kill_min``..``kill_max`` seconds
+and starts a replacement, and a reaper heals whatever the kills left behind,
+with short leases so recovery is quick.
+
+At the end :func:`verify` checks the durability contract: every loop
+completed; each tool call answered by exactly one tool message; no assistant
+turn duplicated; no ``processing`` shell left; no job lost, stranded or
+dead-lettered; every side effect carries its own call's idempotency key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from flask_solidloop.queue.broker import libpq_url
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAOS_PROMPT = "You run chaos tools."
+
+
+@dataclass
+class ChaosSettings:
+    loops: int = 50
+    turns: int = 3
+    tools_per_turn: int = 2
+    workers: int = 3
+    threads: int = 4
+    kill_min: float = 1.0
+    kill_max: float = 3.0
+    llm_latency: float = 0.4
+    read_timeout: float = 2.0
+    lease_margin: int = 1
+    tool_timeout: int = 2
+    job_lease: int = 4
+    reap_every: float = 0.5
+    timeout: float = 300.0
+    seed: int | None = None
+
+    def app_config(self) -> dict[str, Any]:
+        return {
+            "SOLIDLOOP_LEASE_MARGIN": self.lease_margin,
+            "SOLIDLOOP_DEFAULT_TOOL_TIMEOUT": self.tool_timeout,
+            "SOLIDLOOP_JOB_LEASE": self.job_lease,
+            "SOLIDLOOP_QUEUED_REAP_THRESHOLD": max(2, self.job_lease),
+        }
+
+
+@dataclass
+class ChaosResult:
+    loops: int = 0
+    statuses: Counter = field(default_factory=Counter)
+    llm_requests: int = 0
+    assistant_turns: int = 0
+    tool_calls: int = 0
+    kills: int = 0
+    recoveries: Counter = field(default_factory=Counter)
+    effects: int = 0
+    duplicate_effects: int = 0
+    wall_time: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+    def table(self) -> str:
+        rows = [
+            ("loops", self.loops),
+            ("completed", self.statuses.get("completed", 0)),
+            ("LLM requests", self.llm_requests),
+            ("assistant turns", self.assistant_turns),
+            ("tool calls", self.tool_calls),
+            ("worker kills", self.kills),
+            ("reaper recoveries", sum(self.recoveries.values())),
+            *((f"  {k}", v) for k, v in sorted(self.recoveries.items())),
+            ("side effects", self.effects),
+            ("duplicate effects (same key)", self.duplicate_effects),
+            ("wall time (s)", f"{self.wall_time:.1f}"),
+            ("problems", len(self.problems)),
+        ]
+        return "\n".join(f"{name:<32}{value:>10}" for name, value in rows)
+
+
+def chaos_reply(settings: ChaosSettings, rng: random.Random):
+    """The scripted model: ``turns`` tool turns, then a final answer."""
+
+    def reply(body: dict[str, Any]) -> dict[str, Any]:
+        time.sleep(rng.uniform(0.0, settings.llm_latency))
+        done = sum(1 for m in body["messages"] if m["role"] == "assistant" and m.get("tool_calls"))
+        if done < settings.turns:
+            return {"content": f"turn {done + 1}", "tool_calls": [
+                {"name": "effect", "arguments": {"n": (done + 1) * 100 + i}}
+                for i in range(settings.tools_per_turn)]}
+        return {"content": "all effects done"}
+
+    return reply
+
+
+def is_chaos(body: dict[str, Any]) -> bool:
+    messages = body.get("messages") or [{}]
+    return messages[0].get("content") == CHAOS_PROMPT
+
+
+class Fleet:
+    """``size`` independent dramatiq masters, each killable on its own."""
+
+    def __init__(self, settings: ChaosSettings, env: dict[str, str], log_dir: Path) -> None:
+        self.settings = settings
+        self.env = env
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen | None] = [None] * settings.workers
+        self.started = 0
+
+    def start(self, index: int) -> None:
+        log = open(self.log_dir / f"worker-{index}-{self.started}.log", "wb")  # noqa: SIM115
+        self.started += 1
+        self.procs[index] = subprocess.Popen(
+            [sys.executable, "-m", "dramatiq", "flask_solidloop.worker", "--processes", "1",
+             "--threads", str(self.settings.threads)],
+            cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def start_all(self) -> None:
+        for index in range(self.settings.workers):
+            self.start(index)
+
+    def kill(self, index: int) -> None:
+        proc = self.procs[index]
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    continue
+        for index, proc in enumerate(self.procs):
+            if proc is None:
+                continue
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill(index)
+
+
+def prepare_effects_table(database_url: str) -> None:
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+        conn.execute("DROP TABLE IF EXISTS chaos_effects")
+        conn.execute("CREATE TABLE chaos_effects (id bigserial PRIMARY KEY, idempotency_key text,"
+                     " loop_id bigint, n int, pid int, created_at timestamptz DEFAULT now())")
+
+
+def run_chaos(settings: ChaosSettings, *, database_url: str, emulator: Any, log_dir: Path,
+              make_app: Any, progress: Any = None) -> ChaosResult:
+    """Run the whole scenario and return what happened (verified)."""
+    from flask_solidloop.durability.reaper import reap
+
+    rng = random.Random(settings.seed)
+    result = ChaosResult(loops=settings.loops)
+    prepare_effects_table(database_url)
+    emulator.script(is_chaos, chaos_reply(settings, rng))
+    requests_before = len(emulator.requests)
+
+    env = dict(os.environ)
+    env["FLASK_APP"] = "tests.support_app:create_app()"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["SOLIDLOOP_TEST_APP_CONFIG"] = json.dumps(settings.app_config())
+    env["SOLIDLOOP_CHAOS_READ_TIMEOUT"] = str(settings.read_timeout)
+    env["SOLIDLOOP_TEST_DATABASE_URL"] = database_url
+
+    app = make_app(**settings.app_config())
+    state = app.extensions["solidloop"]
+    fleet = Fleet(settings, env, log_dir)
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def killer() -> None:
+        while not stop.wait(rng.uniform(settings.kill_min, settings.kill_max)):
+            index = rng.randrange(settings.workers)
+            fleet.kill(index)
+            result.kills += 1
+            fleet.start(index)
+
+    def reaper() -> None:
+        with app.app_context():
+            while not stop.wait(settings.reap_every):
+                try:
+                    report = reap(state)
+                except Exception as exc:
+                    errors.append(f"reaper: {type(exc).__name__}: {exc}")
+                    continue
+                for case in ("expired_llm", "stalled_tools", "dropped_tools",
+                             "stuck_tool_phase", "stuck_queued", "orphan_shells"):
+                    result.recoveries[case] += len(getattr(report, case))
+                result.recoveries["expired_jobs"] += report.expired_jobs
+
+    started = time.monotonic()
+    loop_ids: list[int] = []
+    threads = [threading.Thread(target=killer, daemon=True),
+               threading.Thread(target=reaper, daemon=True)]
+    try:
+        fleet.start_all()
+        with app.app_context():
+            from .support_app import ChaosAgent
+
+            for i in range(settings.loops):
+                loop_ids.append(ChaosAgent.start(message=f"chaos loop {i}").id)
+            for thread in threads:
+                thread.start()
+            session = state.db.session
+            from flask_solidloop.models import Loop
+
+            deadline = started + settings.timeout
+            while True:
+                session.expire_all()
+                statuses = Counter(session.query(Loop.status).filter(
+                    Loop.id.in_(loop_ids)).all())
+                session.rollback()
+                done = sum(n for (s,), n in statuses.items() if s in ("completed", "failed"))
+                if progress:
+                    progress(f"{done}/{len(loop_ids)} finished, {result.kills} kills")
+                if done == len(loop_ids) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+    finally:
+        stop.set()
+        for thread in threads:
+            if thread.is_alive():
+                thread.join(timeout=30)
+        fleet.stop_all()
+        state.stop_renewer()
+    result.wall_time = time.monotonic() - started
+    result.llm_requests = len(emulator.requests) - requests_before
+    result.problems.extend(errors)
+    with app.app_context():
+        verify(settings, state, loop_ids, database_url, result)
+    state.broker.close()
+    return result
+
+
+def verify(settings: ChaosSettings, state: Any, loop_ids: list[int], database_url: str,
+           result: ChaosResult) -> None:
+    problems = result.problems
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as pg:
+        ids = list(loop_ids)
+        for status, count in pg.execute(
+                "SELECT status, count(*) FROM solidloop_loops WHERE id = ANY(%s) GROUP BY 1",
+                (ids,)).fetchall():
+            result.statuses[status] = count
+        if result.statuses.get("completed", 0) != len(ids):
+            stuck = pg.execute("SELECT id, status, error_message FROM solidloop_loops "
+                               "WHERE id = ANY(%s) AND status <> 'completed' LIMIT 5",
+                               (ids,)).fetchall()
+            problems.append(f"not every loop completed: {dict(result.statuses)}; e.g. {stuck}")
+
+        expected_calls = settings.turns * settings.tools_per_turn
+        per_loop = pg.execute(
+            "SELECT l.id, "
+            " (SELECT count(*) FROM solidloop_tool_calls t WHERE t.loop_id = l.id), "
+            " (SELECT count(*) FROM solidloop_messages m WHERE m.loop_id = l.id "
+            "   AND m.role = 'assistant' AND NOT m.is_hidden), "
+            " (SELECT count(*) FROM solidloop_messages m WHERE m.loop_id = l.id "
+            "   AND m.role = 'tool') "
+            "FROM solidloop_loops l WHERE l.id = ANY(%s)", (ids,)).fetchall()
+        for loop_id, calls, assistants, tools in per_loop:
+            result.tool_calls += calls
+            result.assistant_turns += assistants
+            if calls != expected_calls:
+                problems.append(f"loop {loop_id}: {calls} tool calls, expected {expected_calls}")
+            if assistants != settings.turns + 1:
+                problems.append(f"loop {loop_id}: {assistants} visible assistant turns, "
+                                f"expected {settings.turns + 1} (duplicate or missing turn)")
+            if tools != calls:
+                problems.append(f"loop {loop_id}: {tools} tool messages for {calls} calls")
+
+        unanswered = pg.execute(
+            "SELECT t.id FROM solidloop_tool_calls t LEFT JOIN solidloop_messages m "
+            "ON m.id = t.response_message_id AND m.tool_call_id = t.id "
+            "WHERE t.loop_id = ANY(%s) AND m.id IS NULL", (ids,)).fetchall()
+        if unanswered:
+            problems.append(f"tool calls without their one tool message: {unanswered[:10]}")
+        doubled = pg.execute(
+            "SELECT tool_call_id, count(*) FROM solidloop_messages WHERE loop_id = ANY(%s) "
+            "AND role = 'tool' GROUP BY 1 HAVING count(*) > 1", (ids,)).fetchall()
+        if doubled:
+            problems.append(f"tool calls answered more than once: {doubled[:10]}")
+        failed_calls = pg.execute(
+            "SELECT id, result FROM solidloop_tool_calls WHERE loop_id = ANY(%s) "
+            "AND is_success IS NOT TRUE", (ids,)).fetchall()
+        if failed_calls:
+            problems.append(f"tool calls not successful: {failed_calls[:5]}")
+
+        shells = pg.execute("SELECT id, loop_id, is_hidden FROM solidloop_messages "
+                            "WHERE status = 'processing' AND loop_id = ANY(%s)", (ids,)).fetchall()
+        if shells:
+            problems.append(f"processing shells left: {shells[:10]}")
+        visible_failed = pg.execute(
+            "SELECT id FROM solidloop_messages WHERE status = 'failed' AND NOT is_hidden "
+            "AND loop_id = ANY(%s)", (ids,)).fetchall()
+        if visible_failed:
+            problems.append(f"failed shells visible in history: {visible_failed[:10]}")
+
+        jobs = dict(pg.execute("SELECT state, count(*) FROM solidloop_jobs GROUP BY 1").fetchall())
+        if jobs.get("queued") or jobs.get("running"):
+            problems.append(f"jobs left live after every loop finished: {jobs}")
+        if jobs.get("dead"):
+            dead = pg.execute("SELECT actor_name, last_error FROM solidloop_jobs "
+                              "WHERE state = 'dead' LIMIT 3").fetchall()
+            problems.append(f"{jobs['dead']} job(s) dead-lettered, e.g. {dead}")
+
+        effects = pg.execute("SELECT idempotency_key, loop_id, n FROM chaos_effects").fetchall()
+        result.effects = len(effects)
+        calls = {f"solidloop:tool_call:{cid}": (loop_id, args.get("n") if args else None)
+                 for cid, loop_id, args in pg.execute(
+                     "SELECT id, loop_id, arguments FROM solidloop_tool_calls "
+                     "WHERE loop_id = ANY(%s)", (ids,)).fetchall()}
+        per_key = Counter(key for key, _, _ in effects)
+        result.duplicate_effects = sum(n - 1 for n in per_key.values() if n > 1)
+        for key, loop_id, n in effects:
+            if calls.get(key) != (loop_id, n):
+                problems.append(f"side effect with a foreign or missing key: {key} "
+                                f"(loop {loop_id}, n={n})")
+                break
+        missing = set(calls) - set(per_key)
+        if missing:
+            problems.append(f"{len(missing)} tool call(s) answered without their side effect")
