@@ -38,8 +38,11 @@ def format_message(
     own_calls = sorted((c for c in calls.values() if c.message_id == message.id),
                        key=lambda c: c.position)
     for call in own_calls:
-        state = ("ok" if call.is_success else "error") if call.executed_at else "pending"
-        parts.append(f"    -> tool call {call.name}({call.arguments_raw or ''}) [{state}]")
+        line = f"    -> tool call {call.name}({call.arguments_raw or ''})"
+        if show_hidden:  # the status view: say where each call stands
+            line += " [" + (("ok" if call.is_success else "error") if call.executed_at
+                            else "pending") + "]"
+        parts.append(line)
     if message.role == "tool" and message.tool_call_id in calls:
         call = calls[message.tool_call_id]
         parts[0] += f" <- {call.name}" + (" (error)" if call.is_success is False else "")

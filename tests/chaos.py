@@ -16,6 +16,7 @@ dead-lettered; every side effect carries its own call's idempotency key.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -143,10 +144,8 @@ class Fleet:
     def kill(self, index: int) -> None:
         proc = self.procs[index]
         if proc is not None and proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             proc.wait()
 
     def stop_all(self) -> None:

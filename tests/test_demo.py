@@ -29,7 +29,8 @@ def test_demo_creates_the_database_runs_workers_and_completes_a_tool_loop(databa
         assert result.returncode == 0, result.stdout + result.stderr
         out = result.stdout
         assert "created database" in out and "built-in offline model" in out
-        assert "-> tool call get_weather" in out and "[ok]" in out
+        assert '-> tool call get_weather({"city": "Paris"})' in out
+        assert "tool <- get_weather\n" in out
         assert "Sunny, 21°C" in out
         assert "completed in 2 LLM turns, 1 tool call(s)" in out
         engine = create_engine(url)

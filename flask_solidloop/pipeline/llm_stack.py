@@ -163,8 +163,9 @@ class NetworkCalling:
         shell = Message(loop_id=ctx.loop_id, role="assistant", status="processing",
                         is_hidden=True, content="")
         ctx.session.add(shell)
+        ctx.session.flush()
+        ctx.shell_id = shell.id  # read before the commit: afterwards it would reload
         ctx.session.commit()
-        ctx.shell_id = shell.id
 
         path, payload = openai_dialect.render_request(
             settings,
@@ -182,6 +183,9 @@ class NetworkCalling:
             retries=config.llm_retries, base_delay=config.llm_retry_base_delay,
             max_delay=config.llm_retry_max_delay, statuses=config.llm_retry_statuses,
         )
+        # No transaction may stay open across the network call: it would pin a
+        # connection, hold locks and trip idle_in_transaction_session_timeout.
+        ctx.session.commit()
         try:
             body, wire = post_json(
                 settings.base_url + path, payload, headers=headers,

@@ -96,14 +96,24 @@ class ToolExecution:
                 ctx.agent.tool_entries(), agent=str(ctx.agent.agent_name)
             )
             ctx.tools = registry
+            name, arguments, key = call.name, call.arguments, call.idempotency_key
+            # The tool sees a detached snapshot of the loop, so reading it never
+            # reopens a transaction on our session.
             loop = ctx.loop
+            ctx.session.expunge(loop)
             # End the read transaction: a tool may run for minutes and must not
             # hold a snapshot or a connection's transaction open meanwhile.
             ctx.session.commit()
-            result = registry.call(
-                call.name, call.arguments,
-                CallContext(agent=ctx.agent, loop=loop, idempotency_key=call.idempotency_key),
-            )
+            try:
+                result = registry.call(
+                    name, arguments,
+                    CallContext(agent=ctx.agent, loop=loop, idempotency_key=key),
+                )
+            finally:
+                # A tool that used db.session without committing (or left it failed)
+                # must not leak into our checkpoint: its uncommitted writes are
+                # discarded here. Tools that want their writes kept commit them.
+                ctx.session.rollback()
         return result, (time.monotonic() - started) * 1000
 
 
