@@ -194,3 +194,93 @@ def test_max_steps_pauses_the_loop(app, session, llm, drain):
     loop = session.get(Loop, loop.id)
     assert loop.status == "paused"
     assert "max_steps" in loop.error_message
+
+
+IDLE_IN_TX = ("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+              "AND state LIKE 'idle in transaction%%'")
+
+
+def test_no_transaction_stays_open_during_the_llm_call_or_a_tool_run(app, session, llm, drain,
+                                                                     database_url):
+    import psycopg
+
+    from flask_solidloop import Agent, Toolset
+    from flask_solidloop.queue.broker import libpq_url
+
+    from .support_app import solidloop
+
+    seen = {}
+    probe = Toolset("probe")
+
+    def idle_transactions():
+        with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+            return conn.execute(IDLE_IN_TX).fetchone()[0]
+
+    @probe.tool
+    def look() -> str:
+        seen["tool"] = idle_transactions()
+        return "looked"
+
+    def during_request(body):
+        seen.setdefault("llm", idle_transactions())
+        if body["messages"][-1]["role"] == "tool":
+            return {"content": "done"}
+        return {"tool_calls": [{"name": "look", "arguments": {}}]}
+
+    emulator_url = llm.base_url
+
+    class Probe(Agent):
+        llm = {"base_url": emulator_url, "model": "m"}
+        mcps = [{"name": "probe", "toolset": probe}]
+
+    solidloop.agent("probe")(Probe)
+    llm.script("probe", during_request)
+    llm.script(lambda body: body["messages"][-1]["role"] == "tool", during_request)
+    session.commit()
+    loop = Probe.start(message="probe")
+    drain()
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "completed"
+    assert seen == {"llm": 0, "tool": 0}
+
+
+def test_a_tool_that_breaks_the_session_gets_a_tool_error_not_a_failed_loop(
+        app, session, llm, drain):
+    from sqlalchemy import text
+
+    from flask_solidloop import Agent, Toolset
+
+    from .support_app import db, solidloop
+
+    bad = Toolset("bad_sql")
+
+    @bad.tool
+    def broken_query() -> str:
+        db.session.execute(text("SELECT * FROM no_such_table"))
+        return "unreachable"
+
+    @bad.tool
+    def uncommitted_write(note: str) -> str:
+        db.session.add(Message(loop_id=1, role="user", content=note))
+        db.session.flush()
+        return "wrote without committing"
+
+    emulator_url = llm.base_url
+
+    class BadSql(Agent):
+        llm = {"base_url": emulator_url, "model": "m"}
+        mcps = [{"name": "bad", "toolset": bad}]
+
+    solidloop.agent("bad_sql")(BadSql)
+    llm.script("sql", {"tool_calls": [{"name": "broken_query", "arguments": {}},
+                                      {"name": "uncommitted_write",
+                                       "arguments": {"note": "should vanish"}}]})
+    llm.script(lambda body: body["messages"][-1]["role"] == "tool", {"content": "noted"})
+    loop = BadSql.start(message="sql please")
+    drain()
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "completed"
+    calls = list(session.scalars(select(ToolCall).order_by(ToolCall.position)))
+    assert [c.is_success for c in calls] == [False, True]
+    assert "UndefinedTable" in calls[0].result["content"][0]["text"]
+    assert session.scalar(select(Message).where(Message.content == "should vanish")) is None
