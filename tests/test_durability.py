@@ -112,7 +112,42 @@ def test_leak_ceiling_drops_a_registration(state, session):
         renewer.stop()
 
 
-def test_killed_renewer_connection_marks_every_turn_lost(state, session, pg):
+KILL_RENEWER = ("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE application_name = %s AND datname = current_database()")
+
+
+class database_refuses_connections:
+    """ALTER DATABASE ... ALLOW_CONNECTIONS false: nobody may open a new connection."""
+
+    def __init__(self, pg):
+        self.name = pg.execute("SELECT current_database()").fetchone()[0]
+        info = pg.info
+        self.admin = psycopg.connect(host=info.host, port=info.port, user=info.user,
+                                     dbname="postgres", autocommit=True)
+
+    def __enter__(self):
+        self.admin.execute(f'ALTER DATABASE "{self.name}" WITH ALLOW_CONNECTIONS false')
+
+    def __exit__(self, *exc):
+        self.admin.execute(f'ALTER DATABASE "{self.name}" WITH ALLOW_CONNECTIONS true')
+        self.admin.close()
+
+
+def test_a_killed_renewer_connection_is_replaced_without_losing_turns(state, session, pg):
+    loop_id, token = running_loop(session, lease_seconds=2)
+    renewer = LeaseRenewer(libpq_url(state.broker.url))
+    try:
+        reg = renewer.register(loop_id, token, lease_seconds=30, ceiling_seconds=3600)
+        renewer.renew_once()
+        assert pg.execute(KILL_RENEWER, (APPLICATION_NAME,)).fetchall()
+        renewer.renew_once()  # finds the connection dead, reconnects, renews
+        assert not reg.lost()
+        assert lease_of(pg, loop_id) > timedelta(seconds=25)
+    finally:
+        renewer.stop()
+
+
+def test_a_renewer_that_cannot_reconnect_marks_every_turn_lost(state, session, pg):
     first = running_loop(session)
     second = running_loop(session)
     renewer = LeaseRenewer(libpq_url(state.broker.url))
@@ -120,13 +155,12 @@ def test_killed_renewer_connection_marks_every_turn_lost(state, session, pg):
         regs = [renewer.register(i, t, lease_seconds=30, ceiling_seconds=3600)
                 for i, t in (first, second)]
         renewer.renew_once()
-        killed = pg.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                            "WHERE application_name = %s AND datname = current_database()",
-                            (APPLICATION_NAME,)).fetchall()
-        assert killed
-        renewer.renew_once()
+        with database_refuses_connections(pg):
+            assert pg.execute(KILL_RENEWER, (APPLICATION_NAME,)).fetchall()
+            renewer.renew_once()
         assert all(r.lost() for r in regs)
-        # a fresh connection serves the next registrations
+        assert renewer.errors == 1
+        # once the database takes connections again, new turns renew normally
         third = running_loop(session)
         reg = renewer.register(*third, lease_seconds=30, ceiling_seconds=3600)
         renewer.renew_once()
@@ -155,14 +189,14 @@ def test_one_renewer_per_process_even_under_a_race(state):
 
 def test_turn_yields_when_the_renewer_loses_its_lease_and_the_reaper_heals(
         app, state, session, llm, pg):
-    """pg_terminate_backend on the renewer mid-request: the turn writes nothing."""
+    """The renewer's connection is killed mid-request and cannot come back: the
+    turn writes nothing, and the reaper recovers the loop once the lease lapses."""
 
     def kill_renewer_then_answer(body):
         state.renewer().renew_once()  # the renewer's connection is open and renewing
-        pg.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                   "WHERE application_name = %s AND datname = current_database()",
-                   (APPLICATION_NAME,))
-        state.renewer().renew_once()  # the tick that finds its connection gone
+        with database_refuses_connections(pg):
+            pg.execute(KILL_RENEWER, (APPLICATION_NAME,))
+            state.renewer().renew_once()  # the tick that cannot renew
         return {"content": "too late"}
 
     llm.script("renewer", {"content": "second try"})
@@ -184,6 +218,20 @@ def test_turn_yields_when_the_renewer_loses_its_lease_and_the_reaper_heals(
     visible = [m.content for m in session.scalars(
         select(Message).where(Message.role == "assistant", Message.is_hidden.is_(False)))]
     assert visible == ["second try"]
+
+
+def test_a_renewer_blip_mid_request_costs_nothing(app, state, session, llm, pg):
+    def blip_then_answer(body):
+        state.renewer().renew_once()
+        pg.execute(KILL_RENEWER, (APPLICATION_NAME,))
+        state.renewer().renew_once()
+        return {"content": "kept"}
+
+    llm.script("blip", blip_then_answer)
+    loop = Assistant.start(message="blip")
+    run(app)
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "completed"
 
 
 # -- the reaper -------------------------------------------------------------------------

@@ -20,9 +20,11 @@ Ownership rules:
 * a renewal that touches no row marks the registration *lost* only when the
   loop is no longer this generation's; a lease cleared by our own commit is not
   a loss;
-* any error on the renewer's connection marks every registration lost: a dead
-  renewer must never let a dead lease look alive. The turns see the flag
-  before their next canonical write and yield; the reaper heals the loops;
+* a broken connection is replaced and the renewal retried at once, so one
+  blip (a killed backend, a restarted pooler) loses nothing; if the retry
+  fails too, every registration is marked lost: a dead renewer must never let
+  a dead lease look alive. The turns see the flag before their next canonical
+  write and yield; the reaper heals the loops;
 * a registration older than the agent's max_duration + lease_leak_grace is
   dropped (a leak ceiling that does not depend on the turn's ``finally``).
 """
@@ -179,27 +181,17 @@ class LeaseRenewer:
                 registration.loop_id, registration.ceiling_seconds,
             )
         if not live:
+            self._close()  # an idle connection only invites idle timeouts and NAT drops
             return
         try:
-            if self._conn is None or self._conn.closed:
-                self._conn = self._connect()
-            conn = self._conn
-            ids = [r.loop_id for r in live]
-            tokens = [r.execution_token for r in live]
-            renewed = {(row[0], row[1]) for row in conn.execute(
-                _RENEW, (ids, tokens, [r.lease_seconds for r in live])).fetchall()}
-            missing = [r for r in live if r.key not in renewed]
-            if missing:
-                still_ours = {(row[0], row[1]) for row in conn.execute(
-                    _STILL_OURS, ([r.loop_id for r in missing],
-                                  [r.execution_token for r in missing])).fetchall()}
-                for registration in missing:
-                    # Running on our token but not renewed: our own commit cleared the
-                    # lease (tool phase). Anything else: the generation moved on.
-                    if registration.key not in still_ours:
-                        registration.lost_event.set()
-                        logger.info("loop %s: lease lost (generation rotated away)",
-                                    registration.loop_id)
+            try:
+                self._renew(live)
+            except psycopg.OperationalError as exc:
+                # One blip (a restarted pooler, a killed backend) must not discard
+                # every turn in flight: reconnect and try once more right away.
+                logger.warning("lease renewer: connection failed (%s); reconnecting", exc)
+                self._close()
+                self._renew(live)
             self.renewals += 1
         except Exception as exc:
             self.errors += 1
@@ -208,6 +200,27 @@ class LeaseRenewer:
             for registration in live:
                 registration.lost_event.set()
             self._close()
+
+    def _renew(self, live: list[Registration]) -> None:
+        if self._conn is None or self._conn.closed:
+            self._conn = self._connect()
+        conn = self._conn
+        renewed = {(row[0], row[1]) for row in conn.execute(
+            _RENEW, ([r.loop_id for r in live], [r.execution_token for r in live],
+                     [r.lease_seconds for r in live])).fetchall()}
+        missing = [r for r in live if r.key not in renewed]
+        if not missing:
+            return
+        still_ours = {(row[0], row[1]) for row in conn.execute(
+            _STILL_OURS, ([r.loop_id for r in missing],
+                          [r.execution_token for r in missing])).fetchall()}
+        for registration in missing:
+            # Running on our token but not renewed: our own commit cleared the
+            # lease (tool phase). Anything else: the generation moved on.
+            if registration.key not in still_ours:
+                registration.lost_event.set()
+                logger.info("loop %s: lease lost (generation rotated away)",
+                            registration.loop_id)
 
 
 class RenewerHandle:
