@@ -177,8 +177,6 @@ class SolidLoop:
         state.actors = _declare_actors(state)
         state.dispatch = Dispatcher(broker, state.actors)
         app.extensions["solidloop"] = state
-        # dramatiq's CLI and actor.send() use the global broker.
-        dramatiq.set_broker(broker)
         from .cli import solidloop_cli
 
         app.cli.add_command(solidloop_cli)

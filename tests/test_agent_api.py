@@ -273,3 +273,26 @@ def test_tool_collisions_are_rejected_at_start(app):
     solidloop.agent("clash")(Clash)
     with pytest.raises(AgentDefinitionError, match="offered by both 'x' and 'y'"):
         Clash.start(message="x")
+
+
+def test_resume_with_a_message_keeps_the_result_of_a_call_that_already_ran(
+        app, session, llm, drain):
+    from flask_solidloop.testing import drain as run
+
+    llm.script("ran", {"tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 2}}]})
+    llm.script("new topic", {"content": "ok"})
+    loop = Assistant.start(message="ran already")
+    run(app, queues=("solidloop_llm",))
+    call = session.scalars(select(ToolCall)).one()
+    # the tool ran and checkpointed; its answer was never written (worker died)
+    call.executed_at = __import__("datetime").datetime.now(__import__("datetime").UTC)
+    call.is_success = True
+    call.result = {"content": [{"type": "text", "text": "4"}], "isError": False}
+    session.commit()
+    Assistant(loop).pause()
+    assert Assistant(loop).resume(message="new topic") is True
+    drain()
+    session.expire_all()
+    answer = session.scalars(select(Message).where(Message.role == "tool")).one()
+    assert answer.content == "4"
+    assert session.get(Loop, loop.id).status == "completed"

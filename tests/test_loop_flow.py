@@ -284,3 +284,78 @@ def test_a_tool_that_breaks_the_session_gets_a_tool_error_not_a_failed_loop(
     assert [c.is_success for c in calls] == [False, True]
     assert "UndefinedTable" in calls[0].result["content"][0]["text"]
     assert session.scalar(select(Message).where(Message.content == "should vanish")) is None
+
+
+def test_secret_looking_custom_headers_never_reach_the_database(app, session, llm, drain):
+    from flask_solidloop import Agent
+
+    from .support_app import llm_settings, solidloop
+
+    class Gateway(Agent):
+        def llm(self):
+            return {**llm_settings(), "headers": {"X-Portkey-Api-Key": "pk-very-secret",
+                                                  "cf-aig-authorization": "Bearer cf-secret",
+                                                  "X-Trace": "visible"}}
+
+    solidloop.agent("gateway")(Gateway)
+    llm.script("gateway", {"content": "ok"})
+    Gateway.start(message="gateway")
+    drain()
+    assert llm.requests[-1].headers["x-portkey-api-key"] == "pk-very-secret"
+    stored = session.connection().exec_driver_sql(
+        "SELECT payload::text FROM solidloop_events").scalar_one()
+    assert "pk-very-secret" not in stored and "cf-secret" not in stored
+    assert "visible" in stored
+
+
+def test_an_error_after_the_canonical_commit_does_not_fail_the_loop(app, session, llm, drain):
+    from flask_solidloop import Agent
+    from flask_solidloop.pipeline.llm_stack import ErrorHandling
+
+    from .support_app import llm_settings, solidloop
+
+    class Explodes:
+        def __init__(self, next_step):
+            self.next_step = next_step
+
+        def __call__(self, ctx):
+            self.next_step(ctx)
+            raise RuntimeError("after the fact")
+
+    class Fragile(Agent):
+        def llm(self):
+            return llm_settings()
+
+        def configure_llm_middlewares(self, builder):
+            builder.insert_after(ErrorHandling, Explodes)
+
+    solidloop.agent("fragile")(Fragile)
+    llm.script("fragile", {"content": "fine"})
+    loop = Fragile.start(message="fragile")
+    drain()
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "completed"
+
+
+def test_an_agent_that_cannot_even_build_its_settings_fails_visibly(app, session, drain):
+    from flask_solidloop import Agent
+
+    from .support_app import llm_settings, solidloop
+
+    class Flaky(Agent):
+        _calls = 0
+
+        def llm(self):
+            Flaky._calls += 1
+            if Flaky._calls > 1:  # fine at start(), broken in the worker
+                raise KeyError("PROVIDER_URL")
+            return llm_settings()
+
+    solidloop.agent("flaky")(Flaky)
+    loop = Flaky.start(message="flaky")
+    drain()
+    session.expire_all()
+    loop = session.get(Loop, loop.id)
+    assert loop.status == "failed"
+    assert "KeyError" in loop.error_message and "PROVIDER_URL" in loop.error_message
+    assert {j.state for j in session.scalars(select(Job))} == {"done"}

@@ -8,8 +8,17 @@ SECRET_HEADERS = {"authorization", "x-api-key", "x-goog-api-key", "api-key", "pr
 REDACTED = "[redacted]"
 
 
+SECRET_NAME_PARTS = ("key", "token", "auth", "secret", "password", "cookie", "signature")
+
+
+def is_secret_header(name: str) -> bool:
+    lowered = name.lower()
+    return lowered in SECRET_HEADERS or any(part in lowered for part in SECRET_NAME_PARTS)
+
+
 def redact_headers(headers: dict[str, str]) -> dict[str, str]:
-    return {k: (REDACTED if k.lower() in SECRET_HEADERS else v) for k, v in headers.items()}
+    """Headers for the wire log: anything that looks like a credential is replaced."""
+    return {k: (REDACTED if is_secret_header(k) else v) for k, v in headers.items()}
 
 
 def redact_secrets(value: Any, secrets: list[str]) -> Any:

@@ -132,10 +132,19 @@ def unresolved_tool_calls(session: SessionLike, loop_id: int) -> list[ToolCall]:
 
 
 def _cancel_tool_calls(session: SessionLike, calls: list[ToolCall], *, reason: str) -> None:
+    """Answer pending calls: a call that already ran gets its recorded result (its
+    effect happened; the model must not be told otherwise), the others an error."""
+    from ..mcp.toolset import ToolResult
+
     for call in calls:
-        text = f"tool call {call.name!r} was not run: {reason}"
+        if call.executed_at is not None and call.result is not None:
+            text = ToolResult.from_mcp(call.result).text()
+            meta = {"is_error": not call.is_success, "tool_name": call.name}
+        else:
+            text = f"tool call {call.name!r} was not run: {reason}"
+            meta = {"is_error": True, "tool_name": call.name, "cancelled": True}
         message = Message(loop_id=call.loop_id, role="tool", content=text, tool_call_id=call.id,
-                          meta={"is_error": True, "tool_name": call.name, "cancelled": True})
+                          meta=meta)
         session.add(message)
         session.flush()
         call.response_message_id = message.id

@@ -14,10 +14,12 @@ import uuid
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+import psycopg
 from sqlalchemy import func, or_, update
+from sqlalchemy.exc import SQLAlchemyError
 
 from ..durability.renewer import RenewerHandle
-from ..errors import AgentDefinitionError, LostLeaseError, UnknownAgentError
+from ..errors import LostLeaseError
 from ..models import Loop, Message, ToolCall
 from ..pipeline.context import LlmContext, ToolContext
 from ..queue.current_job import mark_current_job_done
@@ -43,18 +45,22 @@ def run_llm_turn(state: SolidLoopState, loop_id: int) -> None:
     try:
         agent = state.agent_for(loop.agent_name, loop)
         agent.validate()
-    except (UnknownAgentError, AgentDefinitionError) as exc:
-        # Fail visibly, before any claim: retrying cannot make the agent appear.
+        lease = state.config.llm_lease_seconds(agent.provider().read_timeout)
+        max_duration = agent.effective_max_duration(state.config.default_max_duration)
+    except (SQLAlchemyError, psycopg.Error):
+        raise  # the database, not the agent: let dramatiq retry the job
+    except Exception as exc:
+        # Fail visibly, before any claim: an unregistered agent or a broken
+        # definition will not heal by retrying, and the loop must not sit queued.
         logger.error("llm_turn: loop %s cannot run: %s", loop_id, exc)
         session.rollback()
         if transition(session, loop_id, from_="queued", to="failed",
-                      error_message=f"{type(exc).__name__}: {exc}") is not None:
+                      error_message=error_text(exc)) is not None:
             mark_current_job_done(session)
         session.commit()
         return
 
     token = uuid.uuid4()
-    lease = state.config.llm_lease_seconds(agent.provider().read_timeout)
     # Leases are stamped and compared with the database clock, never a worker's.
     claimed = session.execute(
         update(Loop)
@@ -71,15 +77,16 @@ def run_llm_turn(state: SolidLoopState, loop_id: int) -> None:
     session.commit()
 
     # From here the lease is renewed by this process's renewer until the turn ends.
-    max_duration = agent.effective_max_duration(state.config.default_max_duration)
-    renewer = state.renewer()
-    lease_handle = RenewerHandle(renewer, renewer.register(
-        loop_id, token, lease_seconds=lease,
-        ceiling_seconds=max_duration + state.config.lease_leak_grace,
-    ))
+    lease_handle = RenewerHandle(None, None)
     ctx = LlmContext(state=state, session=session, loop_id=loop_id, execution_token=token,
                      agent=agent, lease=lease_handle)
     try:
+        renewer = state.renewer()
+        lease_handle.renewer = renewer
+        lease_handle.registration = renewer.register(
+            loop_id, token, lease_seconds=lease,
+            ceiling_seconds=max_duration + state.config.lease_leak_grace,
+        )
         builder = state.llm_stack()
         agent.configure_llm_middlewares(builder)
         builder.build()(ctx)
@@ -88,17 +95,31 @@ def run_llm_turn(state: SolidLoopState, loop_id: int) -> None:
         logger.info("llm_turn: loop %s: lease lost, yielding the turn: %s", loop_id, exc)
     except Exception as exc:
         session.rollback()
-        if not _reconcile_failure(session, loop_id, token, exc):
+        if ctx.committed:
+            # The turn's canonical write is in; a middleware after it failed. The
+            # loop is fine and its successor job is queued: report, do not fail it.
+            logger.exception("llm_turn: loop %s: error after the turn committed", loop_id)
+        elif not _reconcile_failure(session, loop_id, token, exc):
             raise
     finally:
         lease_handle.release()
+
+
+MAX_ERROR_TEXT = 2000
+
+
+def error_text(exc: BaseException) -> str:
+    """``Class: message`` for error_message, cut to a readable length (a database
+    error can carry a whole SQL statement and its parameters)."""
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= MAX_ERROR_TEXT else text[:MAX_ERROR_TEXT] + " [truncated]"
 
 
 def _reconcile_failure(session, loop_id: int, token: uuid.UUID, exc: BaseException) -> bool:
     """Fail the loop for an error nothing else handled, if this generation still owns it."""
     logger.exception("loop %s failed with an unhandled error", loop_id, exc_info=exc)
     loop = transition(session, loop_id, from_="running", to="failed", expected_token=token,
-                      error_message=f"{type(exc).__name__}: {exc}")
+                      error_message=error_text(exc))
     if loop is None:
         session.rollback()
         return False
@@ -164,8 +185,10 @@ def run_tool_call(
         logger.info("tool_call %s: yielding: %s", tool_call_id, exc)
     except Exception as exc:
         session.rollback()
-        if not _reconcile_tool_failure(session, loop_id, tool_call_id, token, ctx.lease_token,
-                                       exc):
+        if ctx.committed:
+            logger.exception("tool_call %s: error after the result committed", tool_call_id)
+        elif not _reconcile_tool_failure(session, loop_id, tool_call_id, token,
+                                         ctx.lease_token, exc):
             raise
 
 
@@ -221,7 +244,7 @@ def _reconcile_tool_failure(session, loop_id: int, tool_call_id: int, token: uui
         session.rollback()
         return False
     transition(session, loop_id, from_="running", to="failed", expected_token=token,
-               error_message=f"tool call {tool_call_id}: {type(exc).__name__}: {exc}")
+               error_message=f"tool call {tool_call_id}: {error_text(exc)}")
     session.commit()
     return True
 

@@ -27,6 +27,9 @@ class TurnContext:
     execution_token: uuid.UUID
     agent: Agent
     extras: dict[str, Any] = field(default_factory=dict)
+    #: Set once the turn's canonical write has committed; errors after it are
+    #: reported but no longer fail the loop.
+    committed: bool = False
 
     @property
     def loop(self) -> Loop:

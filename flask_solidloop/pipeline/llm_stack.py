@@ -29,6 +29,7 @@ from sqlalchemy import func, select
 from ..errors import LimitExceededError, LostLeaseError, ProviderError
 from ..llm import openai as openai_dialect
 from ..llm.client import RetryPolicy, post_json
+from ..llm.redact import is_secret_header
 from ..llm.types import ChatMessage, ToolCallRequest
 from ..loops.fence import lock_loop, owns, transition
 from ..mcp.registry import ToolRegistry
@@ -191,7 +192,11 @@ class NetworkCalling:
                 settings.base_url + path, payload, headers=headers,
                 read_timeout=settings.read_timeout or config.default_read_timeout,
                 connect_timeout=settings.connect_timeout, policy=policy,
-                secrets=[api_key] if api_key else [],
+                # The key and every secret-looking configured header value are
+                # scrubbed from anything stored, wherever they appear.
+                secrets=[v for v in ([api_key] if api_key else [])
+                         + [v for k, v in settings.headers.items() if is_secret_header(k)]
+                         if v],
                 should_abort=lambda: _no_longer_ours(ctx),
             )
         except ProviderError as exc:
@@ -280,6 +285,7 @@ class ResponseParsing:
                 ctx.state.dispatch.tool_call(session, call.id, ctx.execution_token,
                                              loop_id=ctx.loop_id)
         session.commit()
+        ctx.committed = True
         ctx.message = shell
         return self.next_step(ctx)
 

@@ -126,6 +126,7 @@ class ResponseCreation:
         call = _lock_and_check(ctx, need_lease=ctx.lease_token is not None)
         if call.response_message_id is not None:  # a duplicate delivery: already answered
             session.rollback()
+            ctx.committed = True
             return self.next_step(ctx)
         result = ctx.result
         assert result is not None
@@ -157,6 +158,7 @@ class ResponseCreation:
             ctx.state.dispatch.tool_call(session, remaining[0].id, ctx.execution_token,
                                          loop_id=ctx.loop_id)
         session.commit()
+        ctx.committed = True
         return self.next_step(ctx)
 
 

@@ -49,7 +49,18 @@ def drain(
     With ``raise_errors`` an actor exception is re-raised (as DrainError) after
     the broker middleware has handled it, so a test sees the real failure.
     """
-    broker = app.extensions["solidloop"].broker
+    state = app.extensions["solidloop"]
+    broker = state.broker
+    try:
+        return _drain(broker, queues, max_jobs, raise_errors, timeout)
+    finally:
+        # Turns start this process's lease renewer; a test helper must not leave
+        # its thread and connection behind. The next turn starts it again.
+        state.stop_renewer()
+
+
+def _drain(broker: Any, queues: tuple[str, ...], max_jobs: int, raise_errors: bool,
+           timeout: float) -> int:
     processed = 0
     deadline = time.monotonic() + timeout
     with broker.connect() as conn:
