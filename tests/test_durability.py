@@ -486,3 +486,40 @@ def test_stale_generation_cannot_complete_after_force_stop(app, state, session):
     session.rollback()
     assert session.execute(text("SELECT status FROM solidloop_loops WHERE id = :i"),
                            {"i": loop_id}).scalar() == "failed"
+
+
+def test_a_slow_healthy_tool_keeps_its_lease_and_runs_once(app, state, session, llm, pg):
+    """Longer than its lease, but its worker is alive: the renewer keeps it."""
+    from flask_solidloop import Agent, Toolset
+
+    from .support_app import llm_settings, solidloop
+
+    slow = Toolset("slow")
+    runs = []
+
+    @slow.tool
+    def crawl() -> str:
+        runs.append(1)
+        deadline = time.monotonic() + 3.5
+        while time.monotonic() < deadline:  # the reaper keeps looking meanwhile
+            assert reap(state).stalled_tools == []
+            time.sleep(0.3)
+        return "crawled"
+
+    class Slow(Agent):
+        mcps = [{"name": "slow", "toolset": slow}]
+
+        def llm(self):
+            return llm_settings()
+
+    solidloop.agent("slow")(Slow)
+    # a 1 s margin over a 1 s tool timeout: a 2 s lease, renewed every second
+    object.__setattr__(state, "config", state.config.replace(default_tool_timeout=1,
+                                                             lease_margin=1))
+    llm.script("crawl", {"tool_calls": [{"name": "crawl", "arguments": {}}]})
+    llm.script("crawled", {"content": "done"})
+    loop = Slow.start(message="crawl")
+    run(app)
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "completed"
+    assert runs == [1]

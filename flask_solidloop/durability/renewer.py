@@ -1,10 +1,12 @@
-"""The lease renewer: one thread and one connection per process for every LLM turn.
+"""The lease renewer: one thread and one connection per process for every lease.
 
 An LLM turn's lease (``solidloop_loops.lease_expires_at``) is derived from the
 agent's read timeout, but a healthy turn can run far longer than that: the
 read timeout counts silence between reads, not the whole response. So each
 in-flight turn registers here, and one background thread extends every
 registered lease about four times per lease width, on a connection of its own.
+Running tool calls register their per-call lease the same way, so a healthy
+slow tool is never reclaimed and run a second time.
 
 Why one connection for everything (and not one per turn): at full worker
 occupancy each worker thread holds a pooled connection; per-turn heartbeats
@@ -61,19 +63,44 @@ SELECT l.id, l.execution_token FROM solidloop_loops AS l
     ON l.id = r.id AND l.execution_token = r.token AND l.status = 'running'
 """
 
+_RENEW_TOOL = """
+UPDATE solidloop_tool_calls AS t
+   SET leased_until = now() + make_interval(secs => r.lease)
+  FROM unnest(%s::bigint[], %s::uuid[], %s::float8[]) AS r(id, token, lease)
+ WHERE t.id = r.id AND t.lease_token = r.token AND t.executed_at IS NULL
+RETURNING t.id, t.lease_token
+"""
+_STILL_OURS_TOOL = """
+SELECT t.id, t.lease_token FROM solidloop_tool_calls AS t
+  JOIN unnest(%s::bigint[], %s::uuid[]) AS r(id, token)
+    ON t.id = r.id AND t.lease_token = r.token
+"""
+_SQL = {"loop": (_RENEW, _STILL_OURS), "tool": (_RENEW_TOOL, _STILL_OURS_TOOL)}
+
 
 @dataclass
 class Registration:
-    loop_id: int
-    execution_token: uuid.UUID
+    """One lease being kept alive: a loop's LLM-turn lease or a tool call's lease."""
+
+    kind: str  # "loop" or "tool"
+    row_id: int
+    token: uuid.UUID
     lease_seconds: float
     ceiling_seconds: float
     registered_at: float = field(default_factory=time.monotonic)
     lost_event: threading.Event = field(default_factory=threading.Event)
 
     @property
-    def key(self) -> tuple[int, uuid.UUID]:
-        return (self.loop_id, self.execution_token)
+    def key(self) -> tuple[str, int, uuid.UUID]:
+        return (self.kind, self.row_id, self.token)
+
+    @property
+    def loop_id(self) -> int:
+        return self.row_id
+
+    @property
+    def execution_token(self) -> uuid.UUID:
+        return self.token
 
     def lost(self) -> bool:
         return self.lost_event.is_set()
@@ -86,7 +113,7 @@ class LeaseRenewer:
         self.conninfo = conninfo
         self._connect = connect or (lambda: psycopg.connect(
             conninfo, autocommit=True, connect_timeout=10, application_name=APPLICATION_NAME))
-        self._registrations: dict[tuple[int, uuid.UUID], Registration] = {}
+        self._registrations: dict[tuple[str, int, uuid.UUID], Registration] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -99,11 +126,24 @@ class LeaseRenewer:
 
     def register(self, loop_id: int, execution_token: uuid.UUID, *, lease_seconds: float,
                  ceiling_seconds: float) -> Registration:
-        registration = Registration(loop_id, execution_token, float(lease_seconds),
-                                    float(ceiling_seconds))
+        """Keep an LLM turn's loop lease alive."""
+        return self._add(Registration("loop", loop_id, execution_token, float(lease_seconds),
+                                      float(ceiling_seconds)))
+
+    def register_tool(self, tool_call_id: int, lease_token: uuid.UUID, *, lease_seconds: float,
+                      ceiling_seconds: float) -> Registration:
+        """Keep a running tool call's lease alive, so a healthy slow tool is never
+        reclaimed (and run twice) while a dead worker's still is."""
+        return self._add(Registration("tool", tool_call_id, lease_token, float(lease_seconds),
+                                      float(ceiling_seconds)))
+
+    def _add(self, registration: Registration) -> Registration:
         with self._lock:
             self._registrations[registration.key] = registration
         self.start()
+        # Wake the thread: it may be sleeping out a longer interval computed for
+        # bigger leases, and this one must be renewed within a quarter of its own.
+        self._wake.set()
         return registration
 
     def deregister(self, registration: Registration) -> None:
@@ -205,22 +245,25 @@ class LeaseRenewer:
         if self._conn is None or self._conn.closed:
             self._conn = self._connect()
         conn = self._conn
-        renewed = {(row[0], row[1]) for row in conn.execute(
-            _RENEW, ([r.loop_id for r in live], [r.execution_token for r in live],
-                     [r.lease_seconds for r in live])).fetchall()}
-        missing = [r for r in live if r.key not in renewed]
-        if not missing:
-            return
-        still_ours = {(row[0], row[1]) for row in conn.execute(
-            _STILL_OURS, ([r.loop_id for r in missing],
-                          [r.execution_token for r in missing])).fetchall()}
-        for registration in missing:
-            # Running on our token but not renewed: our own commit cleared the
-            # lease (tool phase). Anything else: the generation moved on.
-            if registration.key not in still_ours:
-                registration.lost_event.set()
-                logger.info("loop %s: lease lost (generation rotated away)",
-                            registration.loop_id)
+        for kind, (renew_sql, still_ours_sql) in _SQL.items():
+            batch = [r for r in live if r.kind == kind]
+            if not batch:
+                continue
+            renewed = {(kind, row[0], row[1]) for row in conn.execute(
+                renew_sql, ([r.row_id for r in batch], [r.token for r in batch],
+                            [r.lease_seconds for r in batch])).fetchall()}
+            missing = [r for r in batch if r.key not in renewed]
+            if not missing:
+                continue
+            still_ours = {(kind, row[0], row[1]) for row in conn.execute(
+                still_ours_sql, ([r.row_id for r in missing],
+                                 [r.token for r in missing])).fetchall()}
+            for registration in missing:
+                # Still ours but not renewed: our own commit ended the lease on
+                # purpose (tool phase, checkpoint). Anything else: it moved on.
+                if registration.key not in still_ours:
+                    registration.lost_event.set()
+                    logger.info("%s %s: lease lost (taken over)", kind, registration.row_id)
 
 
 class RenewerHandle:

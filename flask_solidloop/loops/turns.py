@@ -152,6 +152,7 @@ def run_tool_call(
     loop_id = loop.id
     ctx = ToolContext(state=state, session=session, loop_id=loop_id, execution_token=token,
                       agent=None, tool_call_id=tool_call_id)  # type: ignore[arg-type]
+    tool_lease = RenewerHandle(None, None)
     try:
         agent = state.agent_for(loop.agent_name, loop)
         ctx.agent = agent
@@ -170,11 +171,18 @@ def run_tool_call(
         else:
             lease_token = _claim_tool_lease(state, session, call, token, agent, reaper_lease_token)
             if lease_token is None:
-                logger.warning(
+                logger.info(
                     "tool_call: lease claim for tool call %s lost (generation rotated, or "
                     "another live lease holds it); no-op", tool_call_id,
                 )
                 return
+            max_duration = agent.effective_max_duration(state.config.default_max_duration)
+            renewer = state.renewer()
+            tool_lease = RenewerHandle(renewer, renewer.register_tool(
+                tool_call_id, lease_token,
+                lease_seconds=state.config.tool_lease_seconds(agent_http_timeouts(agent)),
+                ceiling_seconds=max_duration + state.config.lease_leak_grace,
+            ))
         ctx.lease_token = lease_token
         ctx.tool_call = session.get(ToolCall, tool_call_id)
         builder = state.tool_stack()
@@ -190,6 +198,8 @@ def run_tool_call(
         elif not _reconcile_tool_failure(session, loop_id, tool_call_id, token,
                                          ctx.lease_token, exc):
             raise
+    finally:
+        tool_lease.release()
 
 
 def _claim_tool_lease(state, session, call: ToolCall, token: uuid.UUID, agent,
