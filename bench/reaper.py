@@ -56,8 +56,9 @@ import psycopg
 from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
 from psycopg import sql
-from sqlalchemy import create_engine, text
+from sqlalchemy import Index, create_engine, text
 from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.schema import CreateIndex
 
 from flask_solidloop import SolidLoop
 from flask_solidloop.database import ensure_database
@@ -173,9 +174,10 @@ def compare_indexes(live: dict[str, str], model: dict[str, str]) -> list[str]:
     return problems
 
 
-def secondary_indexes() -> set[str]:
-    """Names of the models' plain indexes (not the ones backing PK/UNIQUE constraints)."""
-    return {str(index.name) for table in metadata.tables.values() for index in table.indexes}
+def secondary_indexes() -> dict[str, Index]:
+    """The models' plain indexes (not the ones backing PK/UNIQUE constraints), by name."""
+    return {str(index.name): index
+            for table in metadata.tables.values() for index in table.indexes}
 
 
 # -- data ------------------------------------------------------------------------
@@ -370,22 +372,30 @@ def generate(args: argparse.Namespace, model_defs: dict[str, str]) -> float:
         if problems:
             raise SystemExit("the migration's indexes differ from the models':\n  "
                              + "\n  ".join(problems))
-        dropped = sorted(secondary_indexes())
-        for name in dropped:
+        indexes = secondary_indexes()
+        for name in sorted(indexes):
             conn.execute(sql.SQL("DROP INDEX {}").format(sql.Identifier(name)))
-        log(f"  dropped {len(dropped)} secondary indexes for the load "
-            f"(kept {len(migrated) - len(dropped)} PK/UNIQUE)")
+        log(f"  dropped {len(indexes)} secondary indexes for the load "
+            f"(kept {len(migrated) - len(indexes)} PK/UNIQUE)")
 
     messages, other = load_statements(args.loops, args.messages_per_loop)
     run_streams(args.url, [messages, other], t0)
 
+    # Re-created from the models' Index objects, the same definitions the
+    # migration's op.create_index calls carry; checked against the migration below.
+    engine = create_engine(args.url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as sa_conn:
+            sa_conn.execute(text("SET maintenance_work_mem = '1GB'"))
+            for name in sorted(indexes):
+                started = time.perf_counter()
+                sa_conn.execute(CreateIndex(indexes[name]))
+                log(f"  [{time.perf_counter() - t0:6.1f} s] index {name}: "
+                    f"{time.perf_counter() - started:.1f} s")
+    finally:
+        engine.dispose()
+
     with connect(args.url) as conn:
-        conn.execute("SET maintenance_work_mem = '1GB'")
-        for name in dropped:
-            started = time.perf_counter()
-            conn.execute(migrated[name])
-            log(f"  [{time.perf_counter() - t0:6.1f} s] index {name}: "
-                f"{time.perf_counter() - started:.1f} s")
         problems = compare_indexes(index_defs(conn), migrated)
         if problems:
             raise SystemExit("re-created indexes differ from the migration's:\n  "

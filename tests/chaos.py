@@ -55,6 +55,10 @@ class ChaosSettings:
     reap_every: float = 0.5
     timeout: float = 300.0
     seed: int | None = None
+    #: SIGKILL random workers (the chaos run) ...
+    kill_workers: bool = True
+    #: ... and/or restart PostgreSQL this many seconds in (the restart fault test).
+    restart_postgres_after: float | None = None
 
     def app_config(self) -> dict[str, Any]:
         return {
@@ -77,6 +81,7 @@ class ChaosResult:
     effects: int = 0
     duplicate_effects: int = 0
     wall_time: float = 0.0
+    reaper_errors: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
     def table(self) -> str:
@@ -91,6 +96,7 @@ class ChaosResult:
             *((f"  {k}", v) for k, v in sorted(self.recoveries.items())),
             ("side effects", self.effects),
             ("duplicate effects (same key)", self.duplicate_effects),
+            ("reaper passes that failed", len(self.reaper_errors)),
             ("wall time (s)", f"{self.wall_time:.1f}"),
             ("problems", len(self.problems)),
         ]
@@ -164,6 +170,30 @@ class Fleet:
                 self.kill(index)
 
 
+def postgres_restart_command() -> list[str] | None:
+    """How to restart the local cluster, or None when this machine cannot."""
+    import shutil
+
+    custom = os.environ.get("SOLIDLOOP_TEST_PG_RESTART")
+    if custom:
+        return custom.split()
+    if shutil.which("pg_ctlcluster") is None or not Path("/etc/postgresql").is_dir():
+        return None
+    versions = sorted(p.name for p in Path("/etc/postgresql").iterdir()
+                      if (p / "main").is_dir())
+    if not versions:
+        return None
+    return ["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1], "main", "restart",
+            "-m", "fast"]
+
+
+def restart_postgres() -> None:
+    command = postgres_restart_command()
+    if command is None:
+        raise RuntimeError("no way to restart PostgreSQL on this machine")
+    subprocess.run(command, check=True, capture_output=True, timeout=120)
+
+
 def prepare_effects_table(database_url: str) -> None:
     with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
         conn.execute("DROP TABLE IF EXISTS chaos_effects")
@@ -202,13 +232,19 @@ def run_chaos(settings: ChaosSettings, *, database_url: str, emulator: Any, log_
             result.kills += 1
             fleet.start(index)
 
+    def restarter() -> None:
+        if stop.wait(settings.restart_postgres_after or 0):
+            return
+        restart_postgres()
+        result.recoveries["postgres_restarts"] += 1
+
     def reaper() -> None:
         with app.app_context():
             while not stop.wait(settings.reap_every):
                 try:
                     report = reap(state)
-                except Exception as exc:
-                    errors.append(f"reaper: {type(exc).__name__}: {exc}")
+                except Exception as exc:  # keep reaping; judged at the end
+                    result.reaper_errors.append(f"{type(exc).__name__}: {exc}")
                     continue
                 for case in ("expired_llm", "stalled_tools", "dropped_tools",
                              "stuck_tool_phase", "stuck_queued", "orphan_shells"):
@@ -217,8 +253,11 @@ def run_chaos(settings: ChaosSettings, *, database_url: str, emulator: Any, log_
 
     started = time.monotonic()
     loop_ids: list[int] = []
-    threads = [threading.Thread(target=killer, daemon=True),
-               threading.Thread(target=reaper, daemon=True)]
+    threads = [threading.Thread(target=reaper, daemon=True)]
+    if settings.kill_workers:
+        threads.append(threading.Thread(target=killer, daemon=True))
+    if settings.restart_postgres_after is not None:
+        threads.append(threading.Thread(target=restarter, daemon=True))
     try:
         fleet.start_all()
         with app.app_context():
@@ -233,10 +272,15 @@ def run_chaos(settings: ChaosSettings, *, database_url: str, emulator: Any, log_
 
             deadline = started + settings.timeout
             while True:
-                session.expire_all()
-                statuses = Counter(session.query(Loop.status).filter(
-                    Loop.id.in_(loop_ids)).all())
-                session.rollback()
+                try:
+                    session.expire_all()
+                    statuses = Counter(session.query(Loop.status).filter(
+                        Loop.id.in_(loop_ids)).all())
+                    session.rollback()
+                except Exception:
+                    session.rollback()
+                    time.sleep(0.5)
+                    continue
                 done = sum(n for (s,), n in statuses.items() if s in ("completed", "failed"))
                 if progress:
                     progress(f"{done}/{len(loop_ids)} finished, {result.kills} kills")
@@ -253,6 +297,10 @@ def run_chaos(settings: ChaosSettings, *, database_url: str, emulator: Any, log_
     result.wall_time = time.monotonic() - started
     result.llm_requests = len(emulator.requests) - requests_before
     result.problems.extend(errors)
+    if settings.restart_postgres_after is None and result.reaper_errors:
+        # With the database up throughout, a failing reaper pass is a bug.
+        result.problems.append(f"reaper failed {len(result.reaper_errors)} time(s), e.g. "
+                               f"{result.reaper_errors[0]}")
     with app.app_context():
         verify(settings, state, loop_ids, database_url, result)
     state.broker.close()
