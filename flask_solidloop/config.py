@@ -20,28 +20,27 @@ QUEUE_MAINTENANCE = "solidloop_maintenance"
 QUEUES = (QUEUE_LLM, QUEUE_TOOL, QUEUE_MAINTENANCE)
 
 
-def _positive_int(key: str, value: Any) -> int:
+def _integer(key: str, value: Any, *, minimum: int) -> int:
+    rule = ("must be a positive integer (> 0)" if minimum == 1
+            else f"must be an integer >= {minimum}")
     if isinstance(value, bool):
-        raise ConfigurationError(key, value, "must be a positive integer (seconds), not a bool")
+        raise ConfigurationError(key, value, f"{rule}, not a bool")
     try:
         number = int(value)
+        exact = number == float(value)
     except (TypeError, ValueError):
-        raise ConfigurationError(key, value, "must be a positive integer (seconds)") from None
-    if number != float(value) or number <= 0:
-        raise ConfigurationError(key, value, "must be a positive integer (seconds), > 0")
+        raise ConfigurationError(key, value, rule) from None
+    if not exact or number < minimum:
+        raise ConfigurationError(key, value, rule)
     return number
+
+
+def _positive_int(key: str, value: Any) -> int:
+    return _integer(key, value, minimum=1)
 
 
 def _non_negative_int(key: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise ConfigurationError(key, value, "must be an integer >= 0, not a bool")
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise ConfigurationError(key, value, "must be an integer >= 0") from None
-    if number != float(value) or number < 0:
-        raise ConfigurationError(key, value, "must be an integer >= 0")
-    return number
+    return _integer(key, value, minimum=0)
 
 
 def _optional_positive_int(key: str, value: Any) -> int | None:
