@@ -609,16 +609,26 @@ def disk_free(url: str) -> str:
     return f"{usage.free / 1e9:.1f} GB free on the filesystem of {path}"
 
 
+def machine_load(url: str) -> str:
+    """The load average and other active sessions on the server: noise to know about."""
+    with connect(url) as conn:
+        others = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend' "
+            "AND state <> 'idle' AND pid <> pg_backend_pid()").fetchone()[0]
+    return f"load average {os.getloadavg()[0]:.2f}, {others} other active sessions"
+
+
 def triple(values: list[float]) -> str:
     return (f"{min(values):8.2f}{statistics.median(values):9.2f}"
             f"{percentile(values, 95):9.2f}")
 
 
 def report(args: argparse.Namespace, big: Series, empty: Series,
-           explains: list[dict[str, Any]], generation: str) -> bool:
+           explains: list[dict[str, Any]], generation: str, load: str) -> bool:
     database, table_rows = sizes(args.url)
     print()
     print(f"server: {server_info(args.url)}; {os.cpu_count()} CPUs")
+    print(f"machine during the timing: before: {load}")
     print(f"data: {generation}")
     print(f"  {status_mix(args.url)}")
     print()
@@ -701,10 +711,12 @@ def main(argv: list[str] | None = None) -> int:
     reset_schema(empty_url)
 
     log(f"timing {args.passes} reap passes per database ...")
+    before = machine_load(args.url)
     big, empty = time_reaps(args.url, empty_url, args.passes)
+    after = machine_load(args.url)
     log("EXPLAIN ANALYZE ...")
     explains = explain_all(args.url, args.passes)
-    ok = report(args, big, empty, explains, generation)
+    ok = report(args, big, empty, explains, generation, f"{before}; after: {after}")
     print(f"\n(total run {time.perf_counter() - t_start:.1f} s)")
     return 0 if ok else 1
 

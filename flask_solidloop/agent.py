@@ -274,7 +274,7 @@ class Agent:
         session = session or _state().db.session
         return stop_loop(session, self._require_loop(), reason=reason)
 
-    def force_stop(self, *, reason: str = "force stopped by request",
+    def force_stop(self, *, reason: str = "by request",
                    session: SessionLike | None = None) -> bool:
         """Stop now: like stop(), and also cancel queued jobs and revoke tool leases."""
         from .loops.control import force_stop_loop

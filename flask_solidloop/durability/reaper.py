@@ -6,7 +6,8 @@ under the loop row lock) and changes rows with a compare-and-set, so two
 reapers racing on one loop resolve to one repair. Each repair and the job it
 implies commit together, like every other transition.
 
-Cases, in the order one pass runs them:
+Cases, in the order one pass runs them (after first returning broker jobs
+with expired leases to their queue, case 7):
 
 1. ``expired_llm``: a running loop whose LLM lease expired (its worker died or
    its renewer lost the lease). The generation is rotated away (token cleared,
@@ -110,10 +111,10 @@ SELECT l.id FROM solidloop_loops l
 
 _ORPHAN_SHELLS = f"""
 UPDATE solidloop_messages m SET status = 'failed', is_hidden = true, updated_at = now()
-  FROM solidloop_loops l
- WHERE m.loop_id = l.id AND m.status = 'processing' AND l.status <> 'running'
-   AND m.id IN (SELECT m2.id FROM solidloop_messages m2
-                 WHERE m2.status = 'processing' LIMIT {BATCH})
+ WHERE m.id IN (SELECT m2.id FROM solidloop_messages m2
+                  JOIN solidloop_loops l ON l.id = m2.loop_id
+                 WHERE m2.status = 'processing' AND l.status <> 'running'
+                 LIMIT {BATCH})
 RETURNING m.id
 """
 

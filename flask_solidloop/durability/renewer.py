@@ -216,9 +216,9 @@ class LeaseRenewer:
             live = [r for r in self._registrations.values() if not r.lost()]
         for registration in leaked:
             logger.warning(
-                "lease renewer dropped loop %s: registered for longer than max_duration + "
+                "lease renewer dropped %s %s: registered for longer than max_duration + "
                 "lease_leak_grace (%.0fs); its lease will lapse and the reaper will recover it",
-                registration.loop_id, registration.ceiling_seconds,
+                registration.kind, registration.row_id, registration.ceiling_seconds,
             )
         if not live:
             self._close()  # an idle connection only invites idle timeouts and NAT drops

@@ -11,7 +11,12 @@ if TYPE_CHECKING:
 
 
 class LeaseRenewerMiddleware(dramatiq.Middleware):
-    """One renewer per worker process: started at boot, joined at shutdown."""
+    """One renewer per worker process: started at boot, joined after shutdown.
+
+    Stopped *after* the worker has shut down, not before: dramatiq lets running
+    messages finish during its shutdown timeout, and their leases must keep
+    being renewed until they do.
+    """
 
     def __init__(self, state: SolidLoopState) -> None:
         self.state = state
@@ -19,5 +24,5 @@ class LeaseRenewerMiddleware(dramatiq.Middleware):
     def after_worker_boot(self, broker: dramatiq.Broker, worker: Any) -> None:
         self.state.renewer().start()
 
-    def before_worker_shutdown(self, broker: dramatiq.Broker, worker: Any) -> None:
+    def after_worker_shutdown(self, broker: dramatiq.Broker, worker: Any) -> None:
         self.state.stop_renewer()
