@@ -111,6 +111,8 @@ def main() -> int:
         chaos_rate = chaos.loops / chaos.wall_time
         print(f"\nthroughput (loops/s)            calm {calm_rate:6.2f}   chaos {chaos_rate:6.2f}"
               f"   ratio {chaos_rate / calm_rate:.2f}x")
+        print(f"calm round: {calm.loops} loops, reaper recoveries "
+              f"{sum(calm.recoveries.values())} {dict(calm.recoveries)}")
         if calm.problems:
             print(f"calm round problems: {calm.problems}")
     if chaos.problems:

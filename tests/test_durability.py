@@ -523,3 +523,15 @@ def test_a_slow_healthy_tool_keeps_its_lease_and_runs_once(app, state, session, 
     session.expire_all()
     assert session.get(Loop, loop.id).status == "completed"
     assert runs == [1]
+
+
+def test_reaper_leaves_a_stalled_call_alone_while_a_job_for_it_is_queued(
+        app, state, session, llm, pg):
+    tool_phase(app, session, llm)
+    call = session.scalars(select(ToolCall)).one()
+    pg.execute("UPDATE solidloop_tool_calls SET lease_token = gen_random_uuid(), "
+               "leased_until = now() - interval '1 second' WHERE id = %s", (call.id,))
+    # its job is still queued (a backlog): it will claim the call when it runs
+    assert reap(state).stalled_tools == []
+    pg.execute("UPDATE solidloop_jobs SET state = 'done'")
+    assert reap(state).stalled_tools == [call.id]

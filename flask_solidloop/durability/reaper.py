@@ -61,6 +61,15 @@ SELECT l.id FROM solidloop_loops l
  FOR UPDATE SKIP LOCKED
 """
 
+# A job already queued for the call (a reclaim waiting behind a backlog) will
+# adopt or re-claim the lease when it runs: minting yet another one would only
+# churn, so such calls are left alone.
+_LIVE_TOOL_JOB = (
+    "EXISTS (SELECT 1 FROM solidloop_jobs j WHERE j.loop_id = t.loop_id "
+    "AND j.state IN ('queued', 'running') AND j.actor_name = 'solidloop.tool_call' "
+    "AND j.message->'args'->>0 = t.id::text)"
+)
+
 _STALLED_TOOLS = f"""
 SELECT t.id, t.lease_token, t.loop_id, l.execution_token
   FROM solidloop_tool_calls t
@@ -68,6 +77,7 @@ SELECT t.id, t.lease_token, t.loop_id, l.execution_token
  WHERE t.response_message_id IS NULL AND t.executed_at IS NULL
    AND t.lease_token IS NOT NULL AND t.leased_until < now()
    AND l.status = 'running'
+   AND NOT {_LIVE_TOOL_JOB}
  ORDER BY t.leased_until
  LIMIT {BATCH}
  FOR UPDATE OF l SKIP LOCKED
