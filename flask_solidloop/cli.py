@@ -188,6 +188,9 @@ def _control(loop_id: int, action: str, **kwargs) -> None:
             "force_stop": "force stopped", "freeze": "frozen", "unfreeze": "unfrozen"}[action]
     if changed:
         click.echo(f"loop {loop_id} {verb}; status is now {loop.status}")
+    elif loop.frozen and action == "resume":
+        raise click.ClickException(
+            f"loop {loop_id} is frozen; run `flask solidloop unfreeze {loop_id}` first")
     else:
         raise click.ClickException(f"loop {loop_id} is {loop.status}; nothing was {verb}")
 

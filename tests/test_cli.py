@@ -79,3 +79,24 @@ def test_unreachable_database_names_the_url():
     assert result.exit_code == 1
     assert "cannot connect to PostgreSQL at postgresql+psycopg://u:***@127.0.0.1:1/nowhere" \
         in result.output
+
+
+def test_reap_and_prune_commands(runner, session):
+    result = runner.invoke(args=["solidloop", "reap"])
+    assert result.exit_code == 0, result.output
+    assert "reap: expired_llm=0" in result.output
+    result = runner.invoke(args=["solidloop", "prune"])
+    assert result.exit_code == 0 and "prune: events=0 jobs=0" in result.output
+    assert "--every" in runner.invoke(args=["solidloop", "reap", "--help"]).output
+
+
+def test_force_stop_freeze_unfreeze_commands(runner, session):
+    loop = Assistant.start(message="x")
+    assert "frozen" in runner.invoke(args=["solidloop", "freeze", str(loop.id)]).output
+    refused = runner.invoke(args=["solidloop", "resume", str(loop.id)])
+    assert refused.exit_code == 1 and "is frozen; run `flask solidloop unfreeze" in refused.output
+    assert "unfrozen" in runner.invoke(args=["solidloop", "unfreeze", str(loop.id)]).output
+    out = runner.invoke(args=["solidloop", "force-stop", str(loop.id)]).output
+    assert "force stopped" in out
+    session.expire_all()
+    assert session.get(Loop, loop.id).error_message == "force stopped: from the command line"
