@@ -125,6 +125,12 @@ class ChatMessage:
     tool_call_id: str | None = None
     name: str | None = None
     reasoning: str | None = None
+    #: Dialect data kept from the response that produced this message, sent back
+    #: as-is: "anthropic_blocks" (the content blocks, thinking and signatures in
+    #: order), "gemini_parts" (the parts, thoughtSignature included).
+    meta: dict[str, Any] = field(default_factory=dict)
+    #: For role "tool": whether the result was an error (Anthropic's is_error).
+    is_error: bool = False
 
 
 @dataclass
@@ -162,3 +168,5 @@ class AssistantTurn:
     usage: Usage | None = None
     reasoning: str | None = None
     raw: dict[str, Any] | None = None
+    #: Dialect data to store on the message and give back next turn (see ChatMessage.meta).
+    provider_meta: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,191 @@
+"""Reasoning: how a model's past thoughts are sent back, and what that costs.
+
+Providers return reasoning in several shapes (a ``reasoning_content`` or
+``reasoning`` field, ``<think>`` tags inside the content, Anthropic thinking
+blocks with signatures, Gemini thought parts with ``thoughtSignature``). The
+next request must decide what to do with it. An agent's
+``reasoning_strategies`` picks, per message, in order of preference:
+
+* a field name (``"reasoning_content"``, ``"reasoning"``): the text goes back in
+  that field of the assistant message (OpenAI-compatible dialect only);
+* ``"anthropic_signed"`` / ``"gemini_signed"``: the signed native shape, sent
+  back unchanged; needs the signature captured with it, else it does not apply;
+* ``"xml"``: weld ``<think>...</think>`` into the content, but only when no
+  native strategy applied to that message (so it is the fallback of a signed
+  strategy that could not apply);
+* ``"xml!"``: weld even alongside a native strategy;
+* ``[]``: send no reasoning back at all.
+
+``None`` (the default) means the dialect's default, :data:`DEFAULT_STRATEGIES`.
+Whatever the choice, :func:`carried` measures what a request spends on earlier
+reasoning; the loop stores it on each assistant message as ``reasoning_carried``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .types import ChatMessage
+
+SIGNED = ("anthropic_signed", "gemini_signed")
+XML = ("xml", "xml!")
+FIELDS = ("reasoning_content", "reasoning")
+DEFAULT_STRATEGIES: dict[str, list[str]] = {
+    "openai": ["reasoning_content"],
+    "anthropic": ["anthropic_signed"],
+    "gemini": ["gemini_signed"],
+}
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+
+def validate_strategies(value: Any, *, agent: str) -> list[str] | None:
+    """Check an agent's reasoning_strategies option; raise AgentDefinitionError."""
+    from ..errors import AgentDefinitionError
+
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+        raise AgentDefinitionError(
+            f"agent {agent!r}: reasoning_strategies must be a list (e.g. ['xml']) or None, "
+            f"got {value!r}"
+        )
+    for item in value:
+        if not isinstance(item, str) or not item:
+            raise AgentDefinitionError(
+                f"agent {agent!r}: reasoning_strategies entries are strings, got {item!r}"
+            )
+    return list(value)
+
+
+@dataclass(frozen=True)
+class ReasoningPlan:
+    """What to send back for one assistant message's reasoning."""
+
+    field: str | None = None
+    signed: str | None = None
+    weld: bool = False
+
+
+def plan(message: ChatMessage, strategies: list[str] | None, dialect: str) -> ReasoningPlan:
+    """Decide how ``message``'s reasoning goes back under ``dialect``."""
+    chosen = DEFAULT_STRATEGIES.get(dialect, []) if strategies is None else strategies
+    if not message.reasoning and not _has_signed(message, dialect):
+        return ReasoningPlan()
+    field_name = None
+    signed = None
+    for strategy in chosen:
+        if strategy in XML:
+            continue
+        if strategy in SIGNED:
+            if signed is None and _signed_applies(message, strategy, dialect):
+                signed = strategy
+        elif dialect == "openai" and field_name is None and message.reasoning:
+            field_name = strategy
+    native = field_name is not None or signed is not None
+    weld = bool(message.reasoning) and (
+        "xml!" in chosen or ("xml" in chosen and not native)
+    )
+    return ReasoningPlan(field=field_name, signed=signed, weld=weld)
+
+
+def _has_signed(message: ChatMessage, dialect: str) -> bool:
+    meta = message.meta or {}
+    if dialect == "anthropic":
+        return bool(meta.get("anthropic_blocks"))
+    if dialect == "gemini":
+        return bool(meta.get("gemini_parts"))
+    return False
+
+
+def _signed_applies(message: ChatMessage, strategy: str, dialect: str) -> bool:
+    meta = message.meta or {}
+    if strategy == "anthropic_signed" and dialect == "anthropic":
+        blocks = meta.get("anthropic_blocks") or []
+        return any(b.get("type") in ("thinking", "redacted_thinking") for b in blocks)
+    if strategy == "gemini_signed" and dialect == "gemini":
+        parts = meta.get("gemini_parts") or []
+        return any(p.get("thoughtSignature") for p in parts)
+    return False
+
+
+def weld(content: str | None, reasoning: str | None) -> str | None:
+    """``<think>reasoning</think>`` in front of the content."""
+    if not reasoning:
+        return content
+    return f"{THINK_OPEN}{reasoning}{THINK_CLOSE}" + (content or "")
+
+
+def split_think(text: str | None) -> tuple[str | None, str | None]:
+    """Split ``<think>...</think>`` out of a whole content string: (content, reasoning)."""
+    if not text or THINK_OPEN not in text:
+        return text, None
+    before, _, rest = text.partition(THINK_OPEN)
+    thought, closed, after = rest.partition(THINK_CLOSE)
+    if not closed:  # an unterminated tag: everything after it is reasoning
+        return (before or None), thought
+    return (before + after).lstrip("\n") or None, thought
+
+
+class ThinkTagSplitter:
+    """Separates ``<think>`` reasoning from content in a stream, where a tag can
+    be split across chunks (``"<thi"`` + ``"nk>"``). Feed chunks in order."""
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._inside = False
+
+    def feed(self, chunk: str) -> tuple[str, str]:
+        """Return (content, reasoning) made certain by this chunk."""
+        self._buffer += chunk
+        content, reasoning = [], []
+        while self._buffer:
+            tag = THINK_CLOSE if self._inside else THINK_OPEN
+            index = self._buffer.find(tag)
+            if index >= 0:
+                (reasoning if self._inside else content).append(self._buffer[:index])
+                self._buffer = self._buffer[index + len(tag):]
+                self._inside = not self._inside
+                continue
+            # Keep back a tail that could be the start of a tag.
+            keep = _partial_suffix(self._buffer, tag)
+            emit = self._buffer[:len(self._buffer) - keep]
+            (reasoning if self._inside else content).append(emit)
+            self._buffer = self._buffer[len(self._buffer) - keep:]
+            break
+        return "".join(content), "".join(reasoning)
+
+    def flush(self) -> tuple[str, str]:
+        """The held-back tail at end of stream."""
+        tail, self._buffer = self._buffer, ""
+        return ("", tail) if self._inside else (tail, "")
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def carried(messages: list[ChatMessage], plans: dict[int, ReasoningPlan]) -> dict[str, int]:
+    """What a request spends on earlier reasoning (the ``reasoning_carried`` metadata).
+
+    ``plans`` maps the index of each assistant message in ``messages`` to the
+    plan that was applied to it.
+    """
+    count = chars = inline = 0
+    for index, chosen in plans.items():
+        message = messages[index]
+        size = len(message.reasoning or "")
+        if chosen.signed and not size:
+            size = sum(len(b.get("thinking", "") or "") for b in
+                       (message.meta or {}).get("anthropic_blocks", []))
+        if chosen.field or chosen.signed or chosen.weld:
+            count += 1
+            chars += size
+        if chosen.weld:
+            inline += size
+    return {"messages": count, "chars": chars, "inline_chars": inline,
+            "tokens_est": (chars + 3) // 4}
