@@ -49,6 +49,12 @@ def _optional_positive_int(key: str, value: Any) -> int | None:
     return _positive_int(key, value)
 
 
+def _prices(key: str, value: Any) -> dict[str, Any]:
+    from .llm.pricing import parse_prices
+
+    return parse_prices(key, value)
+
+
 def _positive_float(key: str, value: Any) -> float:
     if isinstance(value, bool):
         raise ConfigurationError(key, value, "must be a positive number, not a bool")
@@ -111,6 +117,9 @@ SETTINGS: tuple[Setting, ...] = (
             "renewed while the worker holds it."),
     Setting("SOLIDLOOP_JOB_MAX_RETRIES", 3, _non_negative_int,
             "dramatiq retries of a job whose actor raised, before it is dead-lettered."),
+    Setting("SOLIDLOOP_JOB_MAX_DELIVERIES", 10, _positive_int,
+            "Deliveries whose holder died (lease expired unacknowledged) before a job is "
+            "presumed poisonous and dead-lettered."),
     Setting("SOLIDLOOP_POLL_INTERVAL", 1.0, _positive_float,
             "Seconds a consumer waits for a NOTIFY before polling the job table anyway."),
     Setting("SOLIDLOOP_DATABASE_URL", None, lambda _k, v: v,
@@ -122,6 +131,10 @@ SETTINGS: tuple[Setting, ...] = (
             "Dead-lettered jobs are never pruned."),
     Setting("SOLIDLOOP_JANITOR_BATCH_SIZE", 1000, _positive_int,
             "Rows the janitor deletes per statement, so no sweep holds a long lock."),
+    Setting("SOLIDLOOP_STREAM_UPDATE_INTERVAL", 2.0, _positive_float,
+            "Seconds between writes of a streaming turn's partial text to its hidden shell."),
+    Setting("SOLIDLOOP_PRICES", None, _prices,
+            "Price table: model -> {input, cached_input, output} per million tokens."),
     Setting("SOLIDLOOP_TOOL_OUTPUT_LIMIT", 20000, _positive_int,
             "Characters of a tool result shown to the model; the full result is kept."),
 )
@@ -145,11 +158,14 @@ class Config:
     llm_retry_statuses: tuple[int, ...]
     job_lease: int
     job_max_retries: int
+    job_max_deliveries: int
     poll_interval: float
     database_url: str | None
     event_retention: int | None
     finished_job_retention: int | None
     janitor_batch_size: int
+    stream_update_interval: float
+    prices: dict[str, Any]
     tool_output_limit: int
 
     @classmethod

@@ -162,7 +162,7 @@ class SolidLoop:
             url,
             job_lease=config.job_lease,
             poll_interval=config.poll_interval,
-            max_deliveries=config.job_max_retries + 2,
+            max_deliveries=config.job_max_deliveries,
         )
         broker.add_middleware(CurrentJobMiddleware())
         broker.add_middleware(AppContextMiddleware(app))
