@@ -48,6 +48,7 @@ OPTIONS: dict[str, str] = {
     "sequential_tool_calls": "bool: run a turn's tool calls one after another",
     "reasoning_effort": "str passed to the provider, or None",
     "max_tokens": "int output cap, or None for the provider default",
+    "reasoning_strategies": "how past reasoning is sent back (list), or None for the default",
 }
 HOOKS = ("configure_llm_middlewares", "configure_tool_middlewares")
 LIVE_STATUSES = ("queued", "running")
@@ -80,6 +81,7 @@ class Agent:
     sequential_tool_calls: Any = False
     reasoning_effort: Any = None
     max_tokens: Any = None
+    reasoning_strategies: Any = None
 
     #: The stable registry name, stored on every loop of this agent.
     agent_name: ClassVar[str | None] = None
@@ -151,14 +153,12 @@ class Agent:
         for option in ("streaming", "sequential_tool_calls"):
             if not isinstance(self.option(option), bool):
                 raise AgentDefinitionError(f"agent {name!r}: {option} must be a bool")
+        from .llm.reasoning import validate_strategies
+
+        validate_strategies(self.option("reasoning_strategies"), agent=str(name))
         params = self.option("llm_params")
         if params is not None and not isinstance(params, dict):
             raise AgentDefinitionError(f"agent {name!r}: llm_params must be a dict or None")
-        if self.option("streaming"):
-            raise AgentDefinitionError(
-                f"agent {name!r}: streaming=True is not supported by this version yet; "
-                "set streaming = False"
-            )
 
     def render_system_prompt(self) -> str:
         return str(self.option("system_prompt") or "")

@@ -304,7 +304,7 @@ def test_expired_lease_is_redelivered_to_another_consumer(app, state, broker, pg
 
 def test_job_is_dead_lettered_after_max_deliveries(app, state, broker, pg):
     job_id = send_job(state)
-    assert broker.max_deliveries == 5
+    assert broker.max_deliveries == state.config.job_max_deliveries == 10
     for delivery in range(1, broker.max_deliveries + 1):
         assert job(pg, job_id)["state"] == "queued"
         with consuming(broker) as consumer:

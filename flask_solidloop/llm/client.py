@@ -82,6 +82,27 @@ def retry_after_seconds(response: httpx.Response) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
+def retry_delay(response: httpx.Response, body_text: str, attempt: int, policy: RetryPolicy,
+                retry_after_from_body: Callable[[Any], float | None] | None = None) -> float | None:
+    """The wait before the next attempt, or None when this response must not be retried.
+
+    The server's own wait wins over backoff: Retry-After (seconds or HTTP-date),
+    retry-after-ms, or a wait found in the error body (Gemini's RetryInfo), always
+    capped by the policy's max_delay.
+    """
+    status = response.status_code
+    if status in NEVER_RETRY or status not in policy.statuses or attempt > policy.retries:
+        return None
+    server_wait = retry_after_seconds(response)
+    if server_wait is None and retry_after_from_body is not None:
+        try:
+            server_wait = retry_after_from_body(json.loads(body_text))
+        except (ValueError, TypeError):
+            server_wait = None
+    backoff = policy.base_delay * 2 ** (attempt - 1)
+    return min(policy.max_delay, server_wait if server_wait is not None else backoff)
+
+
 def _sleep(seconds: float, should_abort: Callable[[], bool] | None) -> None:
     deadline = time.monotonic() + seconds
     while True:
@@ -104,6 +125,8 @@ def post_json(
     secrets: list[str] | None = None,
     should_abort: Callable[[], bool] | None = None,
     client: httpx.Client | None = None,
+    params: dict[str, str] | None = None,
+    retry_after_from_body: Callable[[Any], float | None] | None = None,
 ) -> tuple[Any, WireRecord]:
     """POST ``payload`` and return the parsed JSON body plus the wire record.
 
@@ -124,7 +147,7 @@ def post_json(
     started = time.monotonic()
     try:
         return _send(http, url, payload, headers, timeout, read_timeout, policy, secrets,
-                     should_abort, record)
+                     should_abort, record, params, retry_after_from_body)
     except ProviderError as exc:
         exc.wire = record  # type: ignore[attr-defined]  # the failed turn's wire log
         raise
@@ -145,6 +168,8 @@ def _send(
     secrets: list[str],
     should_abort: Callable[[], bool] | None,
     record: WireRecord,
+    params: dict[str, str] | None = None,
+    retry_after_from_body: Callable[[Any], float | None] | None = None,
 ) -> tuple[Any, WireRecord]:
     attempt = 0
     while True:
@@ -153,7 +178,8 @@ def _send(
         entry: dict[str, Any] = {"attempt": attempt}
         record.attempts.append(entry)
         try:
-            response = http.post(url, json=payload, headers=headers, timeout=timeout)
+            response = http.post(url, json=payload, headers=headers, params=params,
+                                 timeout=timeout)
         except httpx.ConnectError as exc:
             entry.update(error=f"connect failed: {exc}",
                          duration_ms=(time.monotonic() - attempt_started) * 1000)
@@ -176,11 +202,8 @@ def _send(
                      duration_ms=(time.monotonic() - attempt_started) * 1000)
         status = response.status_code
         if status >= 400:
-            retryable = status in policy.statuses and status not in NEVER_RETRY
-            if retryable and attempt <= policy.retries:
-                server_wait = retry_after_seconds(response)
-                backoff = policy.base_delay * 2 ** (attempt - 1)
-                delay = min(policy.max_delay, server_wait if server_wait is not None else backoff)
+            delay = retry_delay(response, response.text, attempt, policy, retry_after_from_body)
+            if delay is not None:
                 entry.update(retry_in_s=delay, body=redact_secrets(response.text[:2000], secrets))
                 _sleep(delay, should_abort)
                 continue

@@ -1,19 +1,38 @@
-"""The OpenAI-compatible chat-completions dialect: render a request, parse a response.
+"""The OpenAI-compatible chat-completions dialect: render a request, parse a response,
+aggregate a stream.
 
-Pure functions, no I/O. Works with OpenAI, vLLM, llama.cpp, Ollama, LiteLLM and
-anything else that speaks ``POST /v1/chat/completions``.
+No I/O. Works with OpenAI, vLLM, llama.cpp, Ollama, LiteLLM, DeepSeek and anything
+else that speaks ``POST /v1/chat/completions``. :class:`OpenAIDialect` is the
+:class:`~flask_solidloop.llm.dialect.Dialect`; the module-level functions
+(:func:`render_request`, :func:`parse_response`, ...) are the same code for callers
+that predate it.
+
+Reasoning comes back as a ``reasoning_content`` field (DeepSeek, older vLLM,
+llama.cpp), a ``reasoning`` field (newer vLLM, Ollama) or ``<think>`` tags inside
+the content; all three end up in ``AssistantTurn.reasoning``, and the content
+never keeps the tags. How it goes back on later requests is the agent's
+``reasoning_strategies`` (see :mod:`.reasoning`).
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import json.scanner
 from typing import Any
 
 from ..errors import ProviderResponseError
+from . import reasoning as _reasoning
+from .dialect import RenderedRequest, SSEEvent, StreamDelta
 from .types import AssistantTurn, ChatMessage, ProviderSettings, ToolCallRequest, Usage
 
 PATH = "/v1/chat/completions"
 KNOWN_FINISH_REASONS = {"stop", "tool_calls", "length", "content_filter", "function_call", None}
+DONE = "[DONE]"
+_EXCERPT = 200
+#: The stdlib's C JSON scanner, called directly: ``json.loads`` adds three Python
+#: frames and a whitespace regex per call, a fifth of the cost of a small chunk.
+_scan: Any = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
 
 
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -26,8 +45,46 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]
     return merged
 
 
-def render_message(message: ChatMessage) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": message.role, "content": message.content}
+def _excerpt(text: str) -> str:
+    return repr(text if len(text) <= _EXCERPT else text[:_EXCERPT] + "...")
+
+
+def _check_finish_reason(finish_reason: Any) -> None:
+    if finish_reason not in KNOWN_FINISH_REASONS:
+        raise ProviderResponseError(
+            f"unknown finish_reason {finish_reason!r}; known: "
+            + ", ".join(sorted(r for r in KNOWN_FINISH_REASONS if r))
+        )
+
+
+def _plans(
+    messages: list[ChatMessage], strategies: list[str] | None
+) -> dict[int, _reasoning.ReasoningPlan]:
+    return {
+        index: _reasoning.plan(message, strategies, "openai")
+        for index, message in enumerate(messages)
+        if message.role == "assistant"
+    }
+
+
+def reasoning_carried(
+    messages: list[ChatMessage], strategies: list[str] | None = None
+) -> dict[str, int]:
+    """What :meth:`OpenAIDialect.render` spends on earlier reasoning for this history
+    and these strategies (same plans as the render): the ``reasoning_carried`` metadata."""
+    return _reasoning.carried(messages, _plans(messages, strategies))
+
+
+def render_message(
+    message: ChatMessage, plan: _reasoning.ReasoningPlan | None = None
+) -> dict[str, Any]:
+    """One history entry on the wire; ``plan`` says where its reasoning goes (if anywhere)."""
+    content = message.content
+    if plan is not None and plan.weld:
+        content = _reasoning.weld(content, message.reasoning)
+    out: dict[str, Any] = {"role": message.role, "content": content}
+    if plan is not None and plan.field and message.reasoning:
+        out[plan.field] = message.reasoning
     if message.role == "assistant" and message.tool_calls:
         out["tool_calls"] = [
             {
@@ -51,32 +108,15 @@ def render_request(
     reasoning_effort: str | None = None,
     max_tokens: int | None = None,
     stream: bool = False,
+    reasoning_strategies: list[str] | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """Return (path, payload). ``tools`` are MCP tool dicts (name, description, inputSchema)."""
-    payload: dict[str, Any] = {
-        "model": settings.model,
-        "messages": [render_message(m) for m in messages],
-        "stream": stream,
-    }
-    if tools:
-        payload["tools"] = [
-            {
-                "type": "function",
-                "function": {
-                    "name": tool["name"],
-                    "description": tool.get("description") or "",
-                    "parameters": tool.get("inputSchema") or {"type": "object", "properties": {}},
-                },
-            }
-            for tool in tools
-        ]
-    if reasoning_effort is not None:
-        payload["reasoning_effort"] = reasoning_effort
-    if max_tokens is not None:
-        payload[settings.max_tokens_param] = max_tokens
-    if llm_params:
-        payload = deep_merge(payload, llm_params)
-    return PATH, payload
+    rendered = OpenAIDialect().render(
+        settings, messages, tools, stream=stream, llm_params=llm_params,
+        reasoning_effort=reasoning_effort, max_tokens=max_tokens,
+        reasoning_strategies=reasoning_strategies,
+    )
+    return rendered.path, rendered.payload
 
 
 def parse_response(body: Any) -> AssistantTurn:
@@ -93,8 +133,7 @@ def parse_response(body: Any) -> AssistantTurn:
     choice = choices[0]
     message = choice.get("message") or {}
     finish_reason = choice.get("finish_reason")
-    if finish_reason not in KNOWN_FINISH_REASONS:
-        raise ProviderResponseError(f"unknown finish_reason {finish_reason!r}")
+    _check_finish_reason(finish_reason)
     content = message.get("content")
     if isinstance(content, list):  # some servers return content parts
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
@@ -103,8 +142,6 @@ def parse_response(body: Any) -> AssistantTurn:
         function = raw.get("function") or {}
         arguments = function.get("arguments")
         if isinstance(arguments, dict | list):
-            import json
-
             arguments = json.dumps(arguments)
         calls.append(
             ToolCallRequest(
@@ -113,13 +150,19 @@ def parse_response(body: Any) -> AssistantTurn:
                 arguments_raw=arguments if arguments is not None else "",
             )
         )
-    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    field = message.get("reasoning_content") or message.get("reasoning")
+    reasoning = field if isinstance(field, str) and field else None
+    thought = None
+    if isinstance(content, str):
+        content, thought = _reasoning.split_think(content)
+    if thought:
+        reasoning = f"{reasoning}\n\n{thought}" if reasoning else thought
     return AssistantTurn(
         content=content,
         tool_calls=calls,
         finish_reason=finish_reason,
         usage=parse_usage(body.get("usage")),
-        reasoning=reasoning if isinstance(reasoning, str) else None,
+        reasoning=reasoning,
         raw=body,
     )
 
@@ -139,3 +182,307 @@ def parse_usage(data: Any) -> Usage | None:
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+class OpenAIDialect:
+    """``POST /v1/chat/completions``, streamed or not."""
+
+    name = "openai"
+
+    def render(
+        self,
+        settings: ProviderSettings,
+        messages: list[ChatMessage],
+        tools: list[dict[str, Any]],
+        *,
+        stream: bool = False,
+        llm_params: dict[str, Any] | None = None,
+        reasoning_effort: str | None = None,
+        max_tokens: int | None = None,
+        reasoning_strategies: list[str] | None = None,
+    ) -> RenderedRequest:
+        plans = _plans(messages, reasoning_strategies)
+        payload: dict[str, Any] = {
+            "model": settings.model,
+            "messages": [render_message(m, plans.get(i)) for i, m in enumerate(messages)],
+            "stream": stream,
+        }
+        if stream:
+            payload["stream_options"] = {"include_usage": True}
+        if tools:
+            payload["tools"] = [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": tool["name"],
+                        "description": tool.get("description") or "",
+                        "parameters": tool.get("inputSchema")
+                        or {"type": "object", "properties": {}},
+                    },
+                }
+                for tool in tools
+            ]
+        if reasoning_effort is not None:
+            payload["reasoning_effort"] = reasoning_effort
+        if max_tokens is not None:
+            payload[settings.max_tokens_param] = max_tokens
+        if llm_params:  # last: what the agent wrote goes on the wire verbatim
+            payload = deep_merge(payload, llm_params)
+        return RenderedRequest(path=PATH, payload=payload, headers={})
+
+    def auth_headers(self, settings: ProviderSettings, api_key: str | None) -> dict[str, str]:
+        return auth_headers(api_key)
+
+    def parse(self, body: Any) -> AssistantTurn:
+        return parse_response(body)
+
+    def aggregator(self) -> OpenAIAggregator:
+        return OpenAIAggregator()
+
+    def retry_after_from_body(self, body: Any) -> float | None:
+        return None  # OpenAI-compatible servers use the Retry-After headers
+
+
+class OpenAIAggregator:
+    """Assembles one streamed chat completion from its ``data: {chunk}`` events.
+
+    * ``data: [DONE]`` is the terminator; events after it are ignored.
+    * Tool-call deltas are merged by ``index``: ``id`` and ``name`` are SET when
+      present (llama.cpp repeats them in every delta; appending would double
+      them), ``arguments`` are APPENDED.
+    * Reasoning deltas come from ``reasoning_content`` or ``reasoning``; ``<think>``
+      tags inside content deltas are split out even when a tag is cut across
+      chunks.
+    * Usage: any non-null ``usage`` (top level; or, on a final chunk, inside the
+      choice or Groq's ``x_groq``), last wins: with ``include_usage`` OpenAI sends
+      it on a last chunk whose ``choices`` is empty; vLLM can send a running total
+      on every chunk.
+    * Only choice 0 is assembled (the loop never asks for ``n`` > 1).
+    """
+
+    __slots__ = ("_calls", "_content", "_done", "_finish_reason", "_first", "_reasoning",
+                 "_splitter", "_think_seen", "_turn", "_usage")
+
+    def __init__(self) -> None:
+        self._content: list[str] = []
+        self._reasoning: list[str] = []
+        #: index -> [id, name, argument pieces]
+        self._calls: dict[int, list[Any]] = {}
+        self._usage: dict[str, Any] | None = None
+        self._finish_reason: str | None = None
+        self._done = False
+        #: Engaged at the first "<" seen in content; until then content has no tag.
+        self._splitter: _reasoning.ThinkTagSplitter | None = None
+        self._think_seen = False
+        self._first: dict[str, Any] | None = None
+        self._turn: AssistantTurn | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def feed(self, event: SSEEvent) -> StreamDelta | None:
+        if self._done:
+            return None
+        data = event.data
+        if event.event == "error":
+            raise ProviderResponseError(f"provider sent an error event mid-stream: {data}")
+        if not data.startswith("{"):
+            data = data.strip()
+            if not data.startswith("{"):
+                self._not_an_object(data)
+                return None
+        try:
+            chunk, end = _scan(data, 0)
+        except (StopIteration, ValueError):
+            chunk, end = _loads_chunk(data), len(data)  # raises, naming the text
+        if end != len(data) and not data[end:].isspace():
+            _loads_chunk(data)  # trailing garbage: raises, naming the text
+        try:
+            if self._first is None:
+                self._first = chunk
+            if chunk.get("error"):
+                raise ProviderResponseError(
+                    f"provider sent an error mid-stream: {_error_text(chunk['error'])}"
+                )
+            usage = chunk.get("usage")
+            if usage:
+                self._usage = usage
+            choices = chunk.get("choices")
+            if not choices:  # the include_usage chunk, or a keep-alive chunk
+                self._extra_usage(chunk, None)
+                return None
+            choice = choices[0]
+            if choice.get("index"):  # n > 1 (never asked for): keep choice 0 only
+                choice = next((c for c in choices if not c.get("index")), None)
+                if choice is None:
+                    return None
+            finish_reason = choice.get("finish_reason")
+            if finish_reason is not None:
+                _check_finish_reason(finish_reason)
+                self._finish_reason = finish_reason
+                self._extra_usage(chunk, choice)
+            delta = choice.get("delta")
+            if not delta:
+                return None
+            content = delta.get("content")
+            # The hot path: a delta that is one piece of plain text.
+            if (content and len(delta) == 1 and content.__class__ is str
+                    and self._splitter is None and "<" not in content):
+                self._content.append(content)
+                return StreamDelta(content)
+            return self._delta(delta, content)
+        except (AttributeError, TypeError, KeyError, IndexError) as exc:
+            raise ProviderResponseError(
+                f"stream chunk has an unexpected shape ({type(exc).__name__}: {exc}): "
+                f"{_excerpt(data)}"
+            ) from None
+
+    def _not_an_object(self, data: str) -> None:
+        """[DONE], an empty keep-alive, or something this dialect cannot use."""
+        if data == DONE:
+            self._done = True
+            return
+        if not data:  # an empty data line: a keep-alive of sorts
+            return
+        _loads_chunk(data)  # not JSON: raises, naming the text
+        raise ProviderResponseError(f"stream chunk is not a JSON object: {_excerpt(data)}")
+
+    def _extra_usage(self, chunk: dict[str, Any], choice: dict[str, Any] | None) -> None:
+        """Usage where some servers put it on their last chunks: inside the choice,
+        or in Groq's ``x_groq``."""
+        if choice is not None and choice.get("usage"):
+            self._usage = choice["usage"]
+        extra = chunk.get("x_groq")
+        if isinstance(extra, dict) and extra.get("usage"):
+            self._usage = extra["usage"]
+
+    def _delta(self, delta: dict[str, Any], content: Any) -> StreamDelta | None:
+        thought = delta.get("reasoning_content") or delta.get("reasoning")
+        tool_calls = delta.get("tool_calls")
+        if tool_calls:
+            self._merge_calls(tool_calls)
+        if thought:
+            if type(thought) is not str:
+                thought = str(thought)
+            self._reasoning.append(thought)
+        if content:
+            if type(content) is not str:  # content parts
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            if self._splitter is not None or "<" in content:
+                if self._splitter is None:
+                    self._splitter = _reasoning.ThinkTagSplitter()
+                content, tagged = self._splitter.feed(content)
+                if tagged:
+                    self._think_seen = True
+                    self._reasoning.append(tagged)
+                    thought = f"{thought}{tagged}" if thought else tagged
+            if content:
+                self._content.append(content)
+        if content or thought:
+            return StreamDelta(content or "", thought or "")
+        return None
+
+    def _merge_calls(self, tool_calls: Any) -> None:
+        calls = self._calls
+        for tc in tool_calls:
+            index = tc.get("index")
+            if type(index) is not int:
+                index = self._guess_index(tc)
+            slot = calls.get(index)
+            if slot is None:
+                slot = calls[index] = [None, "", []]
+            call_id = tc.get("id")
+            if call_id:
+                slot[0] = call_id
+            function = tc.get("function")
+            if function:
+                name = function.get("name")
+                if name:
+                    slot[1] = name
+                arguments = function.get("arguments")
+                if arguments:
+                    if type(arguments) is str:
+                        slot[2].append(arguments)
+                    else:  # a whole JSON value (some servers): it replaces the text
+                        slot[2] = [json.dumps(arguments)]
+
+    def _guess_index(self, tc: dict[str, Any]) -> int:
+        """A delta without ``index``: match it by id, else a new id opens a new call,
+        else it continues the last call."""
+        call_id = tc.get("id")
+        if call_id:
+            for index, slot in self._calls.items():
+                if slot[0] == call_id:
+                    return index
+            return max(self._calls, default=-1) + 1
+        return max(self._calls, default=0)
+
+    def result(self) -> AssistantTurn:
+        if self._turn is not None:
+            return self._turn
+        # A stream is complete when it saw [DONE]. OpenAI always sends it, but some
+        # compatible servers close the connection right after the chunk carrying
+        # finish_reason; that chunk already says the generation ended, so only a
+        # stream with neither marker is treated as cut short. (With include_usage a
+        # stream cut between finish_reason and the usage chunk passes, without usage.)
+        if not self._done and self._finish_reason is None:
+            raise ProviderResponseError(
+                "stream ended without [DONE] and without a finish_reason: the response "
+                f"was cut short ({len(self._content)} content pieces and "
+                f"{len(self._calls)} tool call(s) received)"
+            )
+        if self._splitter is not None:
+            tail_content, tail_thought = self._splitter.flush()
+            if tail_content:
+                self._content.append(tail_content)
+            if tail_thought:
+                self._think_seen = True
+                self._reasoning.append(tail_thought)
+        content = "".join(self._content)
+        if self._think_seen:
+            content = content.lstrip("\n")
+        calls = [
+            ToolCallRequest(call_id=slot[0], name=slot[1], arguments_raw="".join(slot[2]))
+            for _, slot in sorted(self._calls.items())
+        ]
+        reasoning = "".join(self._reasoning) or None
+        first = self._first or {}
+        message: dict[str, Any] = {"role": "assistant", "content": content or None}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = [
+                {"id": c.call_id, "type": "function",
+                 "function": {"name": c.name, "arguments": c.arguments_raw}}
+                for c in calls
+            ]
+        raw = {
+            "id": first.get("id"), "object": "chat.completion", "model": first.get("model"),
+            "choices": [{"index": 0, "message": message, "finish_reason": self._finish_reason}],
+            "usage": self._usage, "streamed": True,
+        }
+        self._turn = AssistantTurn(
+            content=content or None,
+            tool_calls=calls,
+            finish_reason=self._finish_reason,
+            usage=parse_usage(self._usage),
+            reasoning=reasoning,
+            raw=raw,
+        )
+        return self._turn
+
+
+def _loads_chunk(data: str) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        raise ProviderResponseError(f"stream chunk is not JSON: {_excerpt(data)}") from None
+
+
+def _error_text(error: Any) -> str:
+    if isinstance(error, dict):
+        message = error.get("message") or json.dumps(error)
+        kind = error.get("type") or error.get("code")
+        return f"{message} ({kind})" if kind and str(kind) not in str(message) else str(message)
+    return str(error)

@@ -139,7 +139,8 @@ class ThinkTagSplitter:
     def feed(self, chunk: str) -> tuple[str, str]:
         """Return (content, reasoning) made certain by this chunk."""
         self._buffer += chunk
-        content, reasoning = [], []
+        content: list[str] = []
+        reasoning: list[str] = []
         while self._buffer:
             tag = THINK_CLOSE if self._inside else THINK_OPEN
             index = self._buffer.find(tag)

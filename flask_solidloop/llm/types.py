@@ -9,7 +9,7 @@ from typing import Any
 from ..errors import AgentDefinitionError, ConfigurationError
 
 PROVIDER_KEYS = {
-    "dialect": "wire format: 'openai' (any OpenAI-compatible server)",
+    "dialect": "wire format: 'openai' (any OpenAI-compatible server), 'anthropic' or 'gemini'",
     "base_url": "origin of the server, e.g. https://api.openai.com (no /v1)",
     "model": "model name sent in the payload",
     "api_key": "the key itself (prefer api_key_env; never stored)",
@@ -17,10 +17,12 @@ PROVIDER_KEYS = {
     "read_timeout": "seconds of silence allowed between reads",
     "connect_timeout": "seconds allowed to open the connection",
     "headers": "extra HTTP headers sent on every request",
-    "max_tokens_param": "'max_tokens' or 'max_completion_tokens'",
+    "max_tokens_param": "'max_tokens' or 'max_completion_tokens' (openai dialect)",
+    "anthropic_version": "the anthropic-version header (anthropic dialect)",
 }
 
-DIALECTS = ("openai",)
+DIALECTS = ("openai", "anthropic", "gemini")
+DEFAULT_ANTHROPIC_VERSION = "2023-06-01"
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class ProviderSettings:
     connect_timeout: float = 10.0
     headers: dict[str, str] = field(default_factory=dict)
     max_tokens_param: str = "max_tokens"
+    anthropic_version: str = DEFAULT_ANTHROPIC_VERSION
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, agent: str) -> ProviderSettings:
@@ -63,11 +66,13 @@ class ProviderSettings:
                 f"agent {agent!r}: unknown llm dialect {dialect!r}; known: {', '.join(DIALECTS)}"
             )
         base_url = str(data["base_url"]).rstrip("/")
-        if base_url.endswith("/v1"):
-            raise AgentDefinitionError(
-                f"agent {agent!r}: llm base_url {base_url!r} ends in /v1. Give the origin only "
-                f"({base_url[:-3]!r}); the dialect appends its own path (/v1/chat/completions)."
-            )
+        for suffix in ("/v1", "/v1beta"):
+            if base_url.endswith(suffix):
+                raise AgentDefinitionError(
+                    f"agent {agent!r}: llm base_url {base_url!r} ends in {suffix}. Give the "
+                    f"origin only ({base_url[:-len(suffix)]!r}); the dialect appends its own "
+                    "path (/v1/chat/completions, /v1/messages or /v1beta/models/...)."
+                )
         if not base_url.startswith(("http://", "https://")):
             raise AgentDefinitionError(
                 f"agent {agent!r}: llm base_url {base_url!r} must start with http:// or https://"
@@ -97,6 +102,7 @@ class ProviderSettings:
             connect_timeout=float(data.get("connect_timeout", 10.0)),
             headers=dict(data.get("headers") or {}),
             max_tokens_param=param,
+            anthropic_version=str(data.get("anthropic_version") or DEFAULT_ANTHROPIC_VERSION),
         )
 
     def resolve_api_key(self) -> str | None:

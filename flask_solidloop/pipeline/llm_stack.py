@@ -22,14 +22,18 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from ..errors import LimitExceededError, LostLeaseError, ProviderError
-from ..llm import openai as openai_dialect
+from ..llm import pricing, reasoning
 from ..llm.client import RetryPolicy, post_json
+from ..llm.dialect import StreamDelta
 from ..llm.redact import is_secret_header
+from ..llm.registry import get_dialect
+from ..llm.streaming import post_stream
 from ..llm.types import ChatMessage, ToolCallRequest
 from ..loops.fence import lock_loop, owns, transition
 from ..mcp.registry import ToolRegistry
@@ -112,6 +116,10 @@ class AgentInitialization:
         return self.next_step(ctx)
 
 
+#: Keys of a message's metadata that its dialect gets back next turn.
+PROVIDER_META_KEYS = ("anthropic_blocks", "gemini_parts")
+
+
 def load_history(ctx: LlmContext) -> list[ChatMessage]:
     """The visible, completed history in the provider-neutral shape."""
     session = ctx.session
@@ -122,28 +130,35 @@ def load_history(ctx: LlmContext) -> list[ChatMessage]:
         .order_by(Message.id)
     ))
     calls_by_message: dict[int, list[ToolCall]] = {}
+    calls_by_id: dict[int, ToolCall] = {}
     call_ids: dict[int, str] = {}
     for call in session.scalars(
         select(ToolCall).where(ToolCall.loop_id == ctx.loop_id).order_by(ToolCall.position)
     ):
         calls_by_message.setdefault(call.message_id, []).append(call)
+        calls_by_id[call.id] = call
         call_ids[call.id] = call.call_id or f"call_{call.id}"
     history = []
     for message in messages:
         if message.role == "assistant":
+            meta = message.meta or {}
             history.append(ChatMessage(
                 role="assistant",
                 content=message.content,
                 reasoning=message.reasoning,
+                meta={k: meta[k] for k in PROVIDER_META_KEYS if k in meta},
                 tool_calls=[
                     ToolCallRequest(call_ids[c.id], c.name, c.arguments_raw or "")
                     for c in calls_by_message.get(message.id, [])
                 ],
             ))
         elif message.role == "tool":
+            answered = calls_by_id.get(message.tool_call_id or -1)
             history.append(ChatMessage(
                 role="tool", content=message.content,
                 tool_call_id=call_ids.get(message.tool_call_id or -1),
+                name=answered.name if answered else None,
+                is_error=bool((message.meta or {}).get("is_error")),
             ))
         else:
             history.append(ChatMessage(role=message.role, content=message.content))
@@ -168,43 +183,96 @@ class NetworkCalling:
         ctx.shell_id = shell.id  # read before the commit: afterwards it would reload
         ctx.session.commit()
 
-        path, payload = openai_dialect.render_request(
+        dialect = get_dialect(settings.dialect)
+        strategies = ctx.agent.option("reasoning_strategies")
+        streaming = bool(ctx.agent.option("streaming"))
+        rendered = dialect.render(
             settings,
             ctx.history,
             ctx.tools.definitions() if ctx.tools else [],
+            stream=streaming,
             llm_params=ctx.agent.option("llm_params"),
             reasoning_effort=ctx.agent.option("reasoning_effort"),
             max_tokens=ctx.agent.option("max_tokens"),
+            reasoning_strategies=strategies,
         )
+        ctx.reasoning_carried = reasoning.carried(ctx.history, {
+            index: reasoning.plan(message, strategies, dialect.name)
+            for index, message in enumerate(ctx.history) if message.role == "assistant"
+        })
         api_key = settings.resolve_api_key()
-        headers = {"Content-Type": "application/json", **settings.headers,
-                   **openai_dialect.auth_headers(api_key)}
+        headers = {"Content-Type": "application/json", **rendered.headers, **settings.headers,
+                   **dialect.auth_headers(settings, api_key)}
         config = ctx.state.config
         policy = RetryPolicy(
             retries=config.llm_retries, base_delay=config.llm_retry_base_delay,
             max_delay=config.llm_retry_max_delay, statuses=config.llm_retry_statuses,
         )
+        common: dict[str, Any] = dict(
+            headers=headers, params=rendered.params or None,
+            read_timeout=settings.read_timeout or config.default_read_timeout,
+            connect_timeout=settings.connect_timeout, policy=policy,
+            # The key and every secret-looking configured header value are
+            # scrubbed from anything stored, wherever they appear.
+            secrets=[v for v in ([api_key] if api_key else [])
+                     + [v for k, v in settings.headers.items() if is_secret_header(k)] if v],
+            should_abort=lambda: _no_longer_ours(ctx),
+            retry_after_from_body=dialect.retry_after_from_body,
+        )
+        url = settings.base_url + rendered.path
         # No transaction may stay open across the network call: it would pin a
         # connection, hold locks and trip idle_in_transaction_session_timeout.
         ctx.session.commit()
+        started = time.monotonic()
         try:
-            body, wire = post_json(
-                settings.base_url + path, payload, headers=headers,
-                read_timeout=settings.read_timeout or config.default_read_timeout,
-                connect_timeout=settings.connect_timeout, policy=policy,
-                # The key and every secret-looking configured header value are
-                # scrubbed from anything stored, wherever they appear.
-                secrets=[v for v in ([api_key] if api_key else [])
-                         + [v for k, v in settings.headers.items() if is_secret_header(k)]
-                         if v],
-                should_abort=lambda: _no_longer_ours(ctx),
-            )
+            if streaming:
+                partial = PartialWriter(ctx)
+                ctx.response, ctx.wire, ctx.metrics = post_stream(
+                    url, rendered.payload, make_aggregator=dialect.aggregator,
+                    on_delta=partial, **common)
+            else:
+                body, ctx.wire = post_json(url, rendered.payload, **common)
+                ctx.metrics = {"duration_ms": round((time.monotonic() - started) * 1000, 1)}
+                ctx.response = dialect.parse(body)
         except ProviderError as exc:
             ctx.wire = getattr(exc, "wire", None)
             raise
-        ctx.wire = wire
-        ctx.response = openai_dialect.parse_response(body)
+        if not streaming and ctx.response.usage and ctx.response.usage.output_tokens:
+            seconds = max(time.monotonic() - started, 1e-6)
+            ctx.metrics["output_tokens_per_s"] = round(
+                ctx.response.usage.output_tokens / seconds, 1)
         return self.next_step(ctx)
+
+
+class PartialWriter:
+    """Writes a streaming turn's text so far onto its hidden shell, at most every
+    SOLIDLOOP_STREAM_UPDATE_INTERVAL seconds, so a watcher (the admin, a host
+    view) sees progress. The shell stays hidden and ``processing``: a turn that
+    never commits never puts its partial into the history the model sees."""
+
+    def __init__(self, ctx: LlmContext) -> None:
+        self.ctx = ctx
+        self.interval = ctx.state.config.stream_update_interval
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.last_write = time.monotonic()
+
+    def __call__(self, delta: StreamDelta) -> None:
+        self.content.append(delta.content)
+        self.reasoning.append(delta.reasoning)
+        now = time.monotonic()
+        if now - self.last_write < self.interval:
+            return
+        self.last_write = now
+        ctx = self.ctx
+        if ctx.lease is not None and ctx.lease.lost():
+            return
+        ctx.session.execute(
+            update(Message)
+            .where(Message.id == ctx.shell_id, Message.status == "processing")
+            .values(content="".join(self.content), reasoning="".join(self.reasoning) or None)
+        )
+        ctx.session.commit()
 
 
 def _check_lease(ctx: LlmContext) -> None:
@@ -245,10 +313,21 @@ class ResponseParsing:
         shell.status = "completed"
         shell.is_hidden = False
         shell.completed_at = func.now()
+        model = ctx.agent.provider().model
+        meta: dict[str, Any] = {**response.provider_meta, "model": model,
+                                "metrics": ctx.metrics,
+                                "reasoning_carried": ctx.reasoning_carried}
         if response.usage is not None:
             shell.usage = response.usage.to_dict()
             loop.input_tokens += response.usage.input_tokens
             loop.output_tokens += response.usage.output_tokens
+            turn_cost = pricing.cost(response.usage, ctx.state.config.prices.get(model))
+            if turn_cost is None:
+                meta["unpriced"] = True
+            else:
+                shell.cost = turn_cost
+                loop.cost = (loop.cost or 0) + turn_cost
+        shell.meta = meta
         loop.step_count += 1
         calls = []
         for position, request in enumerate(response.tool_calls):

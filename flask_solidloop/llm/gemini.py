@@ -1,0 +1,553 @@
+"""The Gemini ``generateContent`` dialect: render a request, parse a response, stream.
+
+Pure, no I/O. Speaks ``POST /v1beta/models/{model}:generateContent`` and, for
+streams, ``:streamGenerateContent?alt=sse`` (every SSE event is one
+GenerateContentResponse chunk; there is no ``[DONE]``: a chunk carrying a
+``finishReason`` ends the response).
+
+Round trip of thoughts. A thinking model returns ``thoughtSignature`` fields on
+its parts (on the first ``functionCall`` of a turn, and on text). They must go
+back exactly where they were received. :func:`parse_response` and the
+aggregator hand out the parts as received in ``provider_meta["gemini_parts"]``;
+with the ``"gemini_signed"`` strategy the renderer sends those parts back
+unchanged and in order. Without it, the parts are rebuilt from the neutral
+message (text, welded ``<think>`` when asked, function calls): no signatures,
+no thought parts.
+
+Decisions worth knowing:
+
+* All ``system`` messages, wherever they sit, become ``systemInstruction``
+  parts in their order (Gemini has no system role inside ``contents``).
+* Consecutive ``tool`` messages become ONE ``user`` turn of ``functionResponse``
+  parts. The function name is that of the call the result answers, found by
+  ``tool_call_id`` in the nearest earlier assistant message (then the tool
+  message's own ``name``). ``functionResponse.id`` is sent only when the call's
+  id came from Gemini itself (it is in that message's ``gemini_parts``), never
+  for the ``call_N`` ids this module makes up.
+* Function-declaration parameters lose the JSON-schema keys Gemini's schema
+  subset rejects, at every depth: :data:`UNSUPPORTED_SCHEMA_KEYS`. Property
+  *names* are never touched (a property called ``title`` stays). An object
+  schema left with no properties is omitted (Gemini rejects an OBJECT with
+  empty ``properties``).
+* An assistant message that would render to no parts at all is skipped
+  (Gemini rejects a turn with empty ``parts``).
+* With ``"xml!"`` next to a signed plan, the signed parts go unchanged and a
+  ``<think>`` text part is put in front of them.
+* Stream merging (see :class:`GeminiAggregator`): consecutive text parts of the
+  same kind (thought or not) are merged into one; a ``thoughtSignature`` closes
+  a part (later text starts a new one). A signature that arrives on a later
+  part with empty text is attached to the part right before it when that part
+  has none yet; otherwise the empty part is kept as it came. With parallel calls
+  only the first ``functionCall`` carries a signature and the others are left
+  without one, as received.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from typing import Any
+
+from ..errors import ProviderResponseError
+from . import reasoning as reasoning_mod
+from .dialect import RenderedRequest, SSEEvent, StreamDelta
+from .openai import deep_merge
+from .types import AssistantTurn, ChatMessage, ProviderSettings, ToolCallRequest, Usage
+
+API_VERSION = "v1beta"
+NAME = "gemini"
+
+#: reasoning_effort -> thinkingConfig.thinkingBudget (tokens).
+THINKING_BUDGETS = {"low": 1024, "medium": 4096, "high": 16384}
+
+#: JSON-schema keys removed from tool parameters, at every depth, because
+#: Gemini's OpenAPI-subset Schema rejects them.
+UNSUPPORTED_SCHEMA_KEYS = frozenset(
+    {"$schema", "$id", "$comment", "additionalProperties", "title", "default"}
+)
+#: Schema keys whose value is a map of property name -> schema.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+
+#: Gemini finishReason -> the neutral finish_reason ("STOP" becomes "tool_calls"
+#: when the turn has function calls). Anything else is a ProviderResponseError.
+FINISH_REASONS = {
+    "STOP": "stop",
+    "MAX_TOKENS": "length",
+    "SAFETY": "content_filter",
+    "RECITATION": "content_filter",
+    "BLOCKLIST": "content_filter",
+    "PROHIBITED_CONTENT": "content_filter",
+    "SPII": "content_filter",
+}
+
+_TEXT_PART_KEYS = frozenset({"text", "thought", "thoughtSignature"})
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*s?\s*$")
+
+
+# --------------------------------------------------------------------- render
+
+
+def render_request(
+    settings: ProviderSettings,
+    messages: list[ChatMessage],
+    tools: list[dict[str, Any]],
+    *,
+    stream: bool = False,
+    llm_params: dict[str, Any] | None = None,
+    reasoning_effort: str | None = None,
+    max_tokens: int | None = None,
+    reasoning_strategies: list[str] | None = None,
+) -> RenderedRequest:
+    """The request for this history (see the module docstring for the rules)."""
+    generation: dict[str, Any] = {}
+    if max_tokens is not None:
+        generation["maxOutputTokens"] = max_tokens
+    if reasoning_effort is not None:
+        if reasoning_effort not in THINKING_BUDGETS:
+            raise ValueError(
+                f"gemini dialect: reasoning_effort {reasoning_effort!r} is not supported; "
+                f"accepted: {', '.join(repr(k) for k in THINKING_BUDGETS)} or None"
+            )
+        generation["thinkingConfig"] = {
+            "thinkingBudget": THINKING_BUDGETS[reasoning_effort],
+            "includeThoughts": True,
+        }
+
+    system_parts: list[dict[str, Any]] = []
+    contents: list[dict[str, Any]] = []
+    pending_results: list[dict[str, Any]] = []
+
+    def flush_results() -> None:
+        if pending_results:
+            contents.append({"role": "user", "parts": list(pending_results)})
+            pending_results.clear()
+
+    for index, message in enumerate(messages):
+        if message.role == "tool":
+            pending_results.append(_function_response(messages, index))
+            continue
+        flush_results()
+        if message.role == "system":
+            system_parts.append({"text": message.content or ""})
+        elif message.role == "assistant":
+            parts = _model_parts(message, reasoning_strategies)
+            if parts:
+                contents.append({"role": "model", "parts": parts})
+        else:
+            contents.append({"role": "user", "parts": [{"text": message.content or ""}]})
+    flush_results()
+
+    payload: dict[str, Any] = {"contents": contents}
+    if system_parts:
+        payload["systemInstruction"] = {"parts": system_parts}
+    if tools:
+        payload["tools"] = [{"functionDeclarations": [_declaration(t) for t in tools]}]
+    if generation:
+        payload["generationConfig"] = generation
+    if llm_params:
+        payload = deep_merge(payload, llm_params)
+
+    model = settings.model.removeprefix("models/")
+    method = "streamGenerateContent" if stream else "generateContent"
+    return RenderedRequest(
+        path=f"/{API_VERSION}/models/{model}:{method}",
+        payload=payload,
+        params={"alt": "sse"} if stream else {},
+    )
+
+
+def _model_parts(message: ChatMessage, strategies: list[str] | None) -> list[dict[str, Any]]:
+    chosen = reasoning_mod.plan(message, strategies, NAME)
+    if chosen.signed == "gemini_signed":
+        parts = copy.deepcopy(list(message.meta["gemini_parts"]))
+        if chosen.weld:  # "xml!": the <think> text too, in front of the signed parts
+            parts.insert(0, {"text": reasoning_mod.weld(None, message.reasoning)})
+        return parts
+    parts = []
+    text = reasoning_mod.weld(message.content, message.reasoning) if chosen.weld \
+        else message.content
+    if text:
+        parts.append({"text": text})
+    wire_ids = _wire_call_ids(message)
+    for call in message.tool_calls:
+        function: dict[str, Any] = {"name": call.name, "args": _arguments(call.arguments_raw)}
+        if call.call_id and call.call_id in wire_ids:
+            function["id"] = call.call_id
+        parts.append({"functionCall": function})
+    return parts
+
+
+def _arguments(raw: str | None) -> dict[str, Any]:
+    """Gemini wants args as an object: parse the JSON text; keep anything else visible."""
+    if not raw or not raw.strip():
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return {"_raw_arguments": raw}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def _wire_call_ids(message: ChatMessage) -> set[str]:
+    """The functionCall ids Gemini itself gave in this message's parts."""
+    ids = set()
+    for part in (message.meta or {}).get("gemini_parts") or []:
+        call = part.get("functionCall") if isinstance(part, dict) else None
+        if isinstance(call, dict) and call.get("id"):
+            ids.add(str(call["id"]))
+    return ids
+
+
+def _function_response(messages: list[ChatMessage], index: int) -> dict[str, Any]:
+    message = messages[index]
+    name = None
+    wire_id = False
+    for earlier in reversed(messages[:index]):
+        if earlier.role != "assistant":
+            continue
+        for call in earlier.tool_calls:
+            if call.call_id is not None and call.call_id == message.tool_call_id:
+                name = call.name
+                wire_id = call.call_id in _wire_call_ids(earlier)
+                break
+        if name is not None:
+            break
+    name = name or message.name
+    if not name:
+        raise ValueError(
+            f"gemini dialect: tool result for call {message.tool_call_id!r} answers no "
+            "function call in an earlier assistant message, and has no name; Gemini needs "
+            "the function name in functionResponse"
+        )
+    text = message.content or ""
+    response: dict[str, Any] = {
+        "name": name,
+        "response": {"error": text} if message.is_error else {"result": text},
+    }
+    if wire_id:
+        response["id"] = message.tool_call_id
+    return {"functionResponse": response}
+
+
+def _declaration(tool: dict[str, Any]) -> dict[str, Any]:
+    declaration: dict[str, Any] = {
+        "name": tool["name"],
+        "description": tool.get("description") or "",
+    }
+    parameters = clean_schema(tool.get("inputSchema") or {})
+    if isinstance(parameters, dict) and not _empty_object(parameters):
+        declaration["parameters"] = parameters
+    return declaration
+
+
+def _empty_object(schema: dict[str, Any]) -> bool:
+    if not schema:
+        return True
+    return schema.get("type") in ("object", "OBJECT") and not schema.get("properties") and \
+        set(schema) <= {"type", "properties", "required", "description"}
+
+
+def clean_schema(schema: Any) -> Any:
+    """``schema`` without :data:`UNSUPPORTED_SCHEMA_KEYS`, at every depth.
+
+    Keys of ``properties`` (and ``$defs`` / ``definitions`` /
+    ``patternProperties``) are names, not keywords: kept as they are, their
+    schemas cleaned.
+    """
+    if isinstance(schema, list):
+        return [clean_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    cleaned: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in UNSUPPORTED_SCHEMA_KEYS:
+            continue
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            cleaned[key] = {name: clean_schema(sub) for name, sub in value.items()}
+        elif key in ("enum", "required", "const", "examples"):
+            cleaned[key] = copy.deepcopy(value)  # data, not schemas
+        else:
+            cleaned[key] = clean_schema(value)
+    return cleaned
+
+
+# ---------------------------------------------------------------------- parse
+
+
+def parse_response(body: Any) -> AssistantTurn:
+    """Interpret a non-streaming GenerateContentResponse."""
+    if not isinstance(body, dict):
+        raise ProviderResponseError(f"expected a JSON object, got {type(body).__name__}")
+    _raise_for_error(body)
+    candidates = body.get("candidates")
+    if not candidates or not isinstance(candidates, list):
+        _raise_for_block(body)
+        raise ProviderResponseError(
+            f"response has no candidates (keys: {', '.join(sorted(body)) or 'none'})"
+        )
+    candidate = candidates[0] if isinstance(candidates[0], dict) else {}
+    content = candidate.get("content") or {}
+    parts = (content.get("parts") or []) if isinstance(content, dict) else []
+    if not isinstance(parts, list):
+        raise ProviderResponseError(f"candidate parts is not a list: {parts!r}")
+
+    text: list[str] = []
+    thoughts: list[str] = []
+    calls: list[ToolCallRequest] = []
+    for part in parts:
+        if not isinstance(part, dict):
+            continue
+        call = part.get("functionCall")
+        if isinstance(call, dict):
+            args = call.get("args")
+            calls.append(ToolCallRequest(
+                call_id=str(call["id"]) if call.get("id") else f"call_{len(calls)}",
+                name=str(call.get("name") or ""),
+                arguments_raw=json.dumps(args if args is not None else {}),
+            ))
+        elif isinstance(part.get("text"), str):
+            (thoughts if part.get("thought") else text).append(part["text"])
+
+    return AssistantTurn(
+        content="".join(text) or None,
+        tool_calls=calls,
+        finish_reason=_finish_reason(candidate, bool(calls)),
+        usage=parse_usage(body.get("usageMetadata")),
+        reasoning="".join(thoughts) or None,
+        raw=body,
+        provider_meta={"gemini_parts": copy.deepcopy(parts)},
+    )
+
+
+def _finish_reason(candidate: dict[str, Any], has_calls: bool) -> str | None:
+    reason = candidate.get("finishReason")
+    if reason is None:
+        return None
+    if reason not in FINISH_REASONS:
+        detail = candidate.get("finishMessage")
+        raise ProviderResponseError(
+            f"unknown finishReason {reason!r}" + (f": {detail}" if detail else "")
+            + f" (understood: {', '.join(FINISH_REASONS)})"
+        )
+    if reason == "STOP" and has_calls:
+        return "tool_calls"
+    return FINISH_REASONS[reason]
+
+
+def _raise_for_error(body: dict[str, Any]) -> None:
+    error = body.get("error")
+    if error is None:
+        return
+    if isinstance(error, dict):
+        summary = " ".join(str(error[k]) for k in ("code", "status") if error.get(k))
+        message = error.get("message") or error
+        raise ProviderResponseError(
+            f"provider returned an error object: {summary + ': ' if summary else ''}{message}"
+        )
+    raise ProviderResponseError(f"provider returned an error object: {error}")
+
+
+def _raise_for_block(body: dict[str, Any]) -> None:
+    feedback = body.get("promptFeedback")
+    if isinstance(feedback, dict) and feedback.get("blockReason"):
+        detail = feedback.get("blockReasonMessage")
+        raise ProviderResponseError(
+            f"prompt blocked: {feedback['blockReason']}" + (f" ({detail})" if detail else "")
+        )
+
+
+def parse_usage(data: Any) -> Usage | None:
+    """usageMetadata -> Usage. Thoughts are not in candidatesTokenCount: both are billed."""
+    if not isinstance(data, dict):
+        return None
+    thoughts = int(data.get("thoughtsTokenCount") or 0)
+    return Usage(
+        input_tokens=int(data.get("promptTokenCount") or 0),
+        cached_input_tokens=int(data.get("cachedContentTokenCount") or 0),
+        output_tokens=int(data.get("candidatesTokenCount") or 0) + thoughts,
+        reasoning_tokens=thoughts,
+    )
+
+
+def retry_after_from_body(body: Any) -> float | None:
+    """RetryInfo.retryDelay ("37s", "1.5s") from an error body, in seconds; else None."""
+    if isinstance(body, str | bytes):
+        try:
+            body = json.loads(body)
+        except ValueError:
+            return None
+    if isinstance(body, list) and body:  # streamGenerateContent without alt=sse
+        body = body[0]
+    if not isinstance(body, dict) or not isinstance(body.get("error"), dict):
+        return None
+    for detail in body["error"].get("details") or []:
+        if not isinstance(detail, dict):
+            continue
+        if not str(detail.get("@type", "")).endswith("google.rpc.RetryInfo"):
+            continue
+        delay = detail.get("retryDelay")
+        if isinstance(delay, dict):  # the proto shape, should a proxy send it
+            try:
+                return max(0.0, float(delay.get("seconds") or 0)
+                           + float(delay.get("nanos") or 0) / 1e9)
+            except (TypeError, ValueError):
+                return None
+        if isinstance(delay, int | float) and not isinstance(delay, bool):
+            return max(0.0, float(delay))
+        if isinstance(delay, str):
+            match = _DURATION.match(delay)
+            if match:
+                return float(match.group(1))
+        return None
+    return None
+
+
+# ------------------------------------------------------------------ streaming
+
+
+class GeminiAggregator:
+    """Assembles one ``streamGenerateContent?alt=sse`` response.
+
+    Every event is a GenerateContentResponse chunk. Function calls arrive
+    whole. Parts are accumulated (merge and signature rules in the module
+    docstring); ``usageMetadata`` is a running total, so the last one wins; the
+    stream is complete once a chunk carried ``finishReason``. :meth:`result`
+    assembles the equivalent non-streaming body and parses it with
+    :func:`parse_response`, so both paths give the same turn.
+    """
+
+    def __init__(self) -> None:
+        self._parts: list[dict[str, Any]] = []
+        self._finish: str | None = None
+        self._finish_message: str | None = None
+        self._usage: dict[str, Any] | None = None
+        self._extra: dict[str, Any] = {}
+
+    @property
+    def finished(self) -> bool:
+        return self._finish is not None
+
+    def feed(self, event: SSEEvent) -> StreamDelta | None:
+        data = (event.data or "").strip()
+        if not data:
+            return None
+        try:
+            chunk = json.loads(data)
+        except ValueError as exc:
+            raise ProviderResponseError(f"unparseable stream chunk: {data[:200]!r}") from exc
+        if isinstance(chunk, list) and len(chunk) == 1:
+            chunk = chunk[0]
+        if not isinstance(chunk, dict):
+            raise ProviderResponseError(f"stream chunk is not an object: {data[:200]!r}")
+        _raise_for_error(chunk)
+        if chunk.get("usageMetadata") is not None:
+            self._usage = chunk["usageMetadata"]
+        for key in ("modelVersion", "responseId"):
+            if key in chunk:
+                self._extra[key] = chunk[key]
+        candidates = chunk.get("candidates")
+        if not candidates:
+            _raise_for_block(chunk)
+            return None
+        candidate = candidates[0] if isinstance(candidates[0], dict) else {}
+        content = candidate.get("content") or {}
+        delta = StreamDelta()
+        for part in (content.get("parts") or []) if isinstance(content, dict) else []:
+            if not isinstance(part, dict):
+                continue
+            if isinstance(part.get("text"), str) and "functionCall" not in part:
+                if part.get("thought"):
+                    delta.reasoning += part["text"]
+                else:
+                    delta.content += part["text"]
+            self._add(part)
+        reason = candidate.get("finishReason")
+        if reason is not None:
+            if candidate.get("finishMessage"):
+                self._finish_message = candidate["finishMessage"]
+            _finish_reason({"finishReason": reason, "finishMessage": self._finish_message},
+                           False)  # an unknown reason fails now, not at the end
+            self._finish = reason
+        return delta or None
+
+    def _add(self, part: dict[str, Any]) -> None:
+        part = copy.deepcopy(part)
+        last = self._parts[-1] if self._parts else None
+        signature = part.get("thoughtSignature")
+        if _is_text(part):
+            if (last is not None and _is_text(last) and "thoughtSignature" not in last
+                    and bool(last.get("thought")) == bool(part.get("thought"))):
+                last["text"] = last.get("text", "") + part.get("text", "")
+                if signature:
+                    last["thoughtSignature"] = signature
+                return
+            if not part.get("text"):
+                if not signature:
+                    return  # nothing in it
+                if last is not None and "thoughtSignature" not in last:
+                    last["thoughtSignature"] = signature  # a late signature
+                    return
+        self._parts.append(part)
+
+    def result(self) -> AssistantTurn:
+        if self._finish is None:
+            raise ProviderResponseError(
+                "stream ended without a finishReason (the response is incomplete)"
+            )
+        candidate: dict[str, Any] = {
+            "content": {"role": "model", "parts": self._parts},
+            "finishReason": self._finish,
+            "index": 0,
+        }
+        if self._finish_message:
+            candidate["finishMessage"] = self._finish_message
+        body: dict[str, Any] = {"candidates": [candidate]}
+        if self._usage is not None:
+            body["usageMetadata"] = self._usage
+        body.update(self._extra)
+        return parse_response(body)
+
+
+def _is_text(part: dict[str, Any]) -> bool:
+    """A part holding only text (possibly empty or absent), the thought flag, a signature."""
+    return isinstance(part.get("text", ""), str) and set(part) <= _TEXT_PART_KEYS
+
+
+# -------------------------------------------------------------------- dialect
+
+
+class GeminiDialect:
+    """The Gemini generateContent wire format (see the module docstring)."""
+
+    name = NAME
+
+    def render(
+        self,
+        settings: ProviderSettings,
+        messages: list[ChatMessage],
+        tools: list[dict[str, Any]],
+        *,
+        stream: bool = False,
+        llm_params: dict[str, Any] | None = None,
+        reasoning_effort: str | None = None,
+        max_tokens: int | None = None,
+        reasoning_strategies: list[str] | None = None,
+    ) -> RenderedRequest:
+        return render_request(
+            settings, messages, tools, stream=stream, llm_params=llm_params,
+            reasoning_effort=reasoning_effort, max_tokens=max_tokens,
+            reasoning_strategies=reasoning_strategies,
+        )
+
+    def auth_headers(self, settings: ProviderSettings, api_key: str | None) -> dict[str, str]:
+        return {"x-goog-api-key": api_key} if api_key else {}
+
+    def parse(self, body: Any) -> AssistantTurn:
+        return parse_response(body)
+
+    def aggregator(self) -> GeminiAggregator:
+        return GeminiAggregator()
+
+    def retry_after_from_body(self, body: Any) -> float | None:
+        return retry_after_from_body(body)

@@ -1,0 +1,22 @@
+"""Dialects by name: the ``dialect`` value of an agent's ``llm`` settings."""
+
+from __future__ import annotations
+
+from .dialect import Dialect
+from .types import DIALECTS
+
+
+def get_dialect(name: str) -> Dialect:
+    if name == "openai":
+        from .openai import OpenAIDialect
+
+        return OpenAIDialect()
+    if name == "anthropic":
+        from .anthropic import AnthropicDialect
+
+        return AnthropicDialect()
+    if name == "gemini":
+        from .gemini import GeminiDialect
+
+        return GeminiDialect()
+    raise ValueError(f"unknown llm dialect {name!r}; known: {', '.join(DIALECTS)}")
