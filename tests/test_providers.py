@@ -279,3 +279,54 @@ def test_invalid_tool_call_json_from_the_model_is_a_tool_error(app, session, llm
     call = session.scalars(select(ToolCall)).one()
     assert call.is_success is False
     assert "not a JSON object" in call.result["content"][0]["text"]
+
+
+def test_streamed_partials_reach_the_hidden_shell_but_never_the_history(app, session, llm,
+                                                                        database_url):
+    import threading
+
+    import psycopg
+
+    from flask_solidloop.queue.broker import libpq_url
+
+    other = create_app(SOLIDLOOP_STREAM_UPDATE_INTERVAL=0.05)
+    agent = agent_for("watched", llm, streaming=True)
+    llm.fault_next("slow_stream", seconds=0.05)
+    llm.script("watch", {"content": "one two three four five six seven eight nine ten " * 3})
+    seen: list[tuple[str, bool, str]] = []
+    done = threading.Event()
+
+    def watch():
+        with psycopg.connect(libpq_url(database_url), autocommit=True) as pg:
+            while not done.is_set():
+                seen.extend(pg.execute(
+                    "SELECT status, is_hidden, coalesce(content, '') FROM solidloop_messages "
+                    "WHERE role = 'assistant'").fetchall())
+                time.sleep(0.02)
+
+    with other.app_context():
+        loop_id = agent.start(message="watch me stream").id
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            run(other)
+        finally:
+            done.set()
+            watcher.join()
+    other.extensions["solidloop"].broker.close()
+    partials = [content for status, hidden, content in seen
+                if status == "processing" and hidden and content]
+    assert partials, "no partial text was written to the shell while streaming"
+    assert all(p.startswith("one two") for p in partials)
+    assert finished(session, loop_id).status == "completed"
+
+
+def test_a_stream_without_usage_still_completes(app, session, llm):
+    agent = agent_for("no_usage", llm, streaming=True)
+    llm.fault_next("no_usage")
+    llm.script("quiet", {"content": "no numbers here"})
+    loop = agent.start(message="quiet")
+    run(app)
+    assert finished(session, loop.id).status == "completed"
+    turn = session.scalars(select(Message).where(Message.role == "assistant")).one()
+    assert turn.usage is None and turn.cost is None
