@@ -156,6 +156,14 @@ class Agent:
         from .llm.reasoning import validate_strategies
 
         validate_strategies(self.option("reasoning_strategies"), agent=str(name))
+        effort = self.option("reasoning_effort")
+        dialect = self.provider().dialect
+        if effort is not None and dialect in ("anthropic", "gemini") \
+                and effort not in ("low", "medium", "high"):
+            raise AgentDefinitionError(
+                f"agent {name!r}: reasoning_effort {effort!r} is not understood by the "
+                f"{dialect} dialect; use 'low', 'medium' or 'high' (or None)"
+            )
         params = self.option("llm_params")
         if params is not None and not isinstance(params, dict):
             raise AgentDefinitionError(f"agent {name!r}: llm_params must be a dict or None")

@@ -14,6 +14,7 @@ so a host can catch the whole family in one clause::
     ├── ProviderError             the LLM provider failed the turn
     │   ├── ProviderHTTPError     ... with a non-2xx status
     │   └── ProviderResponseError ... with a body we could not understand
+    │       └── ProviderAnswerError   ... or an answer a retry would only repeat
     ├── ToolDefinitionError       a tool was declared with an invalid name or schema
     ├── LimitExceededError        max_steps / max_duration reached (the loop pauses)
     ├── LostLeaseError            this worker no longer owns the turn; write nothing
@@ -92,6 +93,11 @@ class ProviderHTTPError(ProviderError):
 
 class ProviderResponseError(ProviderError):
     """The provider answered 2xx with a body we could not interpret."""
+
+
+class ProviderAnswerError(ProviderResponseError):
+    """The provider answered in a way a retry would only repeat (an unknown
+    finish reason, a blocked prompt): fail the turn without re-sending it."""
 
 
 class ToolDefinitionError(SolidLoopError, ValueError):

@@ -343,16 +343,16 @@ def test_an_agent_that_cannot_even_build_its_settings_fails_visibly(app, session
     from .support_app import llm_settings, solidloop
 
     class Flaky(Agent):
-        _calls = 0
+        _broken = False
 
         def llm(self):
-            Flaky._calls += 1
-            if Flaky._calls > 1:  # fine at start(), broken in the worker
+            if Flaky._broken:  # fine at start(), broken in the worker
                 raise KeyError("PROVIDER_URL")
             return llm_settings()
 
     solidloop.agent("flaky")(Flaky)
     loop = Flaky.start(message="flaky")
+    Flaky._broken = True
     drain()
     session.expire_all()
     loop = session.get(Loop, loop.id)

@@ -330,3 +330,46 @@ def test_a_stream_without_usage_still_completes(app, session, llm):
     assert finished(session, loop.id).status == "completed"
     turn = session.scalars(select(Message).where(Message.role == "assistant")).one()
     assert turn.usage is None and turn.cost is None
+
+
+def test_a_key_with_a_trailing_newline_is_cleaned_and_never_leaks(app, session, llm,
+                                                                   monkeypatch):
+    monkeypatch.setenv("SOLIDLOOP_TEST_API_KEY", "sk-live-SECRET123\n")
+    agent = agent_for("newline_key", llm)
+    llm.script("newline", {"content": "fine"})
+    loop = agent.start(message="newline")
+    run(app)
+    assert finished(session, loop.id).status == "completed"
+    assert llm.requests[-1].headers["authorization"] == "Bearer sk-live-SECRET123"
+    monkeypatch.setenv("SOLIDLOOP_TEST_API_KEY", "sk-live-SE\x01CRET123")
+    loop = agent.start(message="newline")
+    run(app)
+    row = finished(session, loop.id)
+    assert row.status == "failed" and "control characters" in row.error_message
+    dump = session.connection().exec_driver_sql(
+        "SELECT coalesce(string_agg(t::text, ''), '') FROM (SELECT error_message FROM "
+        "solidloop_loops UNION ALL SELECT payload::text FROM solidloop_events) t").scalar_one()
+    assert "SECRET123" not in dump
+
+
+def test_pausing_a_streaming_turn_closes_the_stream(app, session, llm):
+    import threading
+
+    agent = agent_for("long_stream", llm, streaming=True)
+    llm.fault_next("slow_stream", seconds=0.3)
+    llm.script("long", {"content": " ".join(["word"] * 200)})  # ~60 s at this pace
+    other = create_app()
+    loop_id = agent.start(message="long story").id
+
+    def pause_soon():
+        time.sleep(1.0)
+        with other.app_context():
+            agent(loop_id).pause()
+
+    threading.Thread(target=pause_soon).start()
+    started = time.monotonic()
+    with other.app_context():
+        run(other)
+    other.extensions["solidloop"].broker.close()
+    assert time.monotonic() - started < 5
+    assert finished(session, loop_id).status == "paused"

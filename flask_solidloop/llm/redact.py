@@ -21,17 +21,38 @@ def redact_headers(headers: dict[str, str]) -> dict[str, str]:
     return {k: (REDACTED if is_secret_header(k) else v) for k, v in headers.items()}
 
 
+#: Shorter values ("none", "x") are placeholders, not secrets; replacing every
+#: occurrence of them would garble the log.
+MIN_SECRET_LENGTH = 8
+
+
+def secret_forms(secrets: list[str]) -> list[str]:
+    """Each secret as it may appear in text: raw, and escaped as repr() shows it."""
+    forms: list[str] = []
+    for secret in secrets:
+        if secret and len(secret) >= MIN_SECRET_LENGTH:
+            forms.append(secret)
+            escaped = repr(secret)[1:-1]
+            if escaped != secret:
+                forms.append(escaped)
+    return sorted(set(forms), key=len, reverse=True)
+
+
 def redact_secrets(value: Any, secrets: list[str]) -> Any:
     """Replace every occurrence of each secret string anywhere inside ``value``."""
-    secrets = [s for s in secrets if s]
+    secrets = secret_forms(secrets)
     if not secrets:
         return value
+    return _redact(value, secrets)
+
+
+def _redact(value: Any, secrets: list[str]) -> Any:
     if isinstance(value, str):
         for secret in secrets:
             value = value.replace(secret, REDACTED)
         return value
     if isinstance(value, dict):
-        return {k: redact_secrets(v, secrets) for k, v in value.items()}
+        return {k: _redact(v, secrets) for k, v in value.items()}
     if isinstance(value, list):
-        return [redact_secrets(v, secrets) for v in value]
+        return [_redact(v, secrets) for v in value]
     return value

@@ -10,7 +10,8 @@ piece of content has been handed to the caller (``on_delta``), the attempt is
 never repeated, because the caller already shows or stores it and a second
 generation would be glued onto the first. Before that point a broken stream, a
 mid-stream error event or a retryable status is retried like any transient
-failure.
+failure; an answer a retry would only repeat (ProviderAnswerError: an unknown
+finish reason, a blocked prompt) is not.
 """
 
 from __future__ import annotations
@@ -21,11 +22,19 @@ from typing import Any
 
 import httpx
 
-from ..errors import ProviderError, ProviderHTTPError, ProviderResponseError
-from .client import RetryPolicy, WireRecord, _sleep, retry_delay
+from ..errors import (
+    ProviderAnswerError,
+    ProviderError,
+    ProviderHTTPError,
+    ProviderResponseError,
+)
+from .client import AbortedError, RetryPolicy, WireRecord, _sleep, retry_delay, shared_client
 from .dialect import StreamAggregator, StreamDelta
 from .redact import redact_headers, redact_secrets
 from .types import AssistantTurn
+
+#: How often a stream checks whether its loop was paused or stopped meanwhile.
+ABORT_CHECK_SECONDS = 1.0
 
 
 def post_stream(
@@ -54,8 +63,7 @@ def post_stream(
                         request_body=redact_secrets(payload, secrets))
     timeout = httpx.Timeout(connect=connect_timeout, read=read_timeout, write=read_timeout,
                             pool=connect_timeout)
-    own_client = client is None
-    http = client or httpx.Client(timeout=timeout)
+    http = client or shared_client()
     started = time.monotonic()
     attempt = 0
     try:
@@ -88,7 +96,14 @@ def post_stream(
                                                 redact_secrets(body_text, secrets), url)
                     record.status = response.status_code
                     parser = SSEParser()
+                    next_check = time.monotonic() + ABORT_CHECK_SECONDS
                     for raw in response.iter_bytes():
+                        if should_abort is not None and time.monotonic() >= next_check:
+                            next_check = time.monotonic() + ABORT_CHECK_SECONDS
+                            if should_abort():
+                                # Closing the response ends the generation (and its bill).
+                                raise AbortedError(
+                                    "the loop was paused or stopped while streaming")
                         received += len(raw)
                         for event in parser.feed(raw):
                             events += 1
@@ -125,7 +140,8 @@ def post_stream(
                 message = f"{type(exc).__name__}: {exc}"
                 entry.update(error=message, duration_ms=_ms(attempt_started), events=events,
                              handed_content=handed)
-                if not handed and attempt <= policy.retries:
+                repeatable = not isinstance(exc, ProviderAnswerError)
+                if repeatable and not handed and attempt <= policy.retries:
                     delay = min(policy.max_delay, policy.base_delay * 2 ** (attempt - 1))
                     entry["retry_in_s"] = delay
                     _sleep(delay, should_abort)
@@ -158,8 +174,6 @@ def post_stream(
         raise
     finally:
         record.duration_ms = (time.monotonic() - started) * 1000
-        if own_client:
-            http.close()
 
 
 def _ms(since: float) -> float:

@@ -106,19 +106,33 @@ class ProviderSettings:
         )
 
     def resolve_api_key(self) -> str | None:
-        """The key, read now from the environment when configured that way."""
-        if self.api_key:
-            return self.api_key
-        if self.api_key_env:
+        """The key, read now from the environment when configured that way.
+
+        Surrounding whitespace (a trailing newline from a secrets file) is
+        stripped; a key with control characters inside is refused without
+        echoing it, because an HTTP library would put it in an error message.
+        """
+        source = "llm api_key"
+        value = self.api_key
+        if not value and self.api_key_env:
+            source = f"environment variable {self.api_key_env}"
             value = os.environ.get(self.api_key_env)
-            if not value:
+            if not value or not value.strip():
                 raise ConfigurationError(
-                    self.api_key_env, value,
+                    self.api_key_env, "(unset)" if value is None else "(empty)",
                     "the agent's llm api_key_env names this environment variable, but it is "
                     "unset or empty in the worker's environment",
                 )
-            return value
-        return None
+        if not value:
+            return None
+        value = value.strip()
+        if any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
+            raise ConfigurationError(
+                self.api_key_env or "llm.api_key", "(hidden)",
+                f"the API key from {source} contains control characters; check how the "
+                "secret is written (the value is not shown)",
+            )
+        return value
 
 
 @dataclass

@@ -29,9 +29,9 @@ from sqlalchemy import func, select, update
 
 from ..errors import LimitExceededError, LostLeaseError, ProviderError
 from ..llm import pricing, reasoning
-from ..llm.client import RetryPolicy, post_json
+from ..llm.client import AbortedError, RetryPolicy, post_json
 from ..llm.dialect import StreamDelta
-from ..llm.redact import is_secret_header
+from ..llm.redact import is_secret_header, redact_secrets
 from ..llm.registry import get_dialect
 from ..llm.streaming import post_stream
 from ..llm.types import ChatMessage, ToolCallRequest
@@ -56,10 +56,16 @@ class ErrorHandling:
         except LimitExceededError as exc:
             ctx.session.rollback()
             _end_turn(ctx, to="paused", error_message=str(exc))
+        except AbortedError:
+            ctx.session.rollback()
+            logger.info("loop %s: the turn stopped: the loop was paused or stopped", ctx.loop_id)
         except ProviderError as exc:
             ctx.session.rollback()
-            logger.warning("loop %s: provider error: %s", ctx.loop_id, exc)
-            _end_turn(ctx, to="failed", error_message=f"{type(exc).__name__}: {exc}")
+            # Exception text can quote a request (and so a key): scrub it first.
+            message = redact_secrets(f"{type(exc).__name__}: {exc}",
+                                     ctx.extras.get("secrets", []))
+            logger.warning("loop %s: provider error: %s", ctx.loop_id, message)
+            _end_turn(ctx, to="failed", error_message=message)
         return None
 
 
@@ -219,6 +225,7 @@ class NetworkCalling:
             should_abort=lambda: _no_longer_ours(ctx),
             retry_after_from_body=dialect.retry_after_from_body,
         )
+        ctx.extras["secrets"] = common["secrets"]
         url = settings.base_url + rendered.path
         # No transaction may stay open across the network call: it would pin a
         # connection, hold locks and trip idle_in_transaction_session_timeout.
@@ -235,7 +242,9 @@ class NetworkCalling:
                 ctx.metrics = {"duration_ms": round((time.monotonic() - started) * 1000, 1)}
                 ctx.response = dialect.parse(body)
         except ProviderError as exc:
-            ctx.wire = getattr(exc, "wire", None)
+            # Keep the record we have: a 2xx whose body would not parse is exactly
+            # the response someone will want to look at.
+            ctx.wire = getattr(exc, "wire", None) or ctx.wire
             raise
         if not streaming and ctx.response.usage and ctx.response.usage.output_tokens:
             seconds = max(time.monotonic() - started, 1e-6)
