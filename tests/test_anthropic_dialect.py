@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 
 import pytest
 
@@ -389,8 +390,14 @@ def test_stream_malformed_data():
         broken_json.feed(event)
     broken_json.feed(sse("content_block_delta", index=3,
                          delta={"type": "input_json_delta", "partial_json": '{"city": '}))
-    with pytest.raises(ProviderResponseError, match="not JSON"):
-        broken_json.feed(sse("content_block_stop", index=3))
+    broken_json.feed(sse("content_block_stop", index=3))
+    for event in events[-3:]:  # message_delta x2, message_stop
+        broken_json.feed(event)
+    # broken tool JSON is not a failed turn: the call keeps the raw text (the loop
+    # turns it into a tool error the model can correct); the block goes back as {}
+    turn = broken_json.result()
+    assert turn.tool_calls[0].arguments_raw == '{"city": '
+    assert turn.provider_meta["anthropic_blocks"][3]["input"] == {}
 
     orphan = AnthropicAggregator()
     orphan.feed(events[0])
@@ -407,3 +414,69 @@ def test_stream_ignores_unknown_events_and_blank_data():
     for event in events:
         aggregator.feed(event)
     assert aggregator.result() == DIALECT.parse(body())
+
+
+# -- aggregation cost ------------------------------------------------------------
+
+
+def piece(i: int) -> str:
+    """A ~40-character delta, the size of a few streamed words."""
+    return f"{i % 10} lorem ipsum dolor sit amet, consec "
+
+
+def test_many_small_deltas_aggregate_in_linear_time():
+    # Appending every delta to the block's string copied the whole text each time:
+    # quadratic, about 20 s here. Pieces are now joined once per block.
+    count = 50_000
+    start = body(content=[], stop_reason=None, usage={"input_tokens": 1, "output_tokens": 1})
+    events = [
+        sse("message_start", message=start),
+        sse("content_block_start", index=0,
+            content_block={"type": "thinking", "thinking": "", "signature": ""}),
+        *(sse("content_block_delta", index=0,
+              delta={"type": "thinking_delta", "thinking": piece(i)}) for i in range(1000)),
+        sse("content_block_delta", index=0, delta={"type": "signature_delta", "signature": "s"}),
+        sse("content_block_stop", index=0),
+        sse("content_block_start", index=1, content_block={"type": "text", "text": ""}),
+        *(sse("content_block_delta", index=1, delta={"type": "text_delta", "text": piece(i)})
+          for i in range(count)),
+        # no content_block_stop for the text block: result() closes it
+        sse("message_delta", delta={"stop_reason": "end_turn"}, usage={"output_tokens": 9}),
+        sse("message_stop"),
+    ]
+    aggregator = AnthropicAggregator()
+    began = time.perf_counter()
+    for event in events:
+        aggregator.feed(event)
+    turn = aggregator.result()
+    elapsed = time.perf_counter() - began
+    text = "".join(piece(i) for i in range(count))
+    thought = "".join(piece(i) for i in range(1000))
+    assert (turn.content, turn.reasoning) == (text, thought)
+    assert turn.provider_meta["anthropic_blocks"] == [
+        {"type": "thinking", "thinking": thought, "signature": "s"},
+        {"type": "text", "text": text}]
+    assert elapsed < 1.0, f"{count} text deltas took {elapsed:.2f}s"
+
+
+def test_deltas_into_a_block_that_started_without_text_and_empty_deltas():
+    # A block whose start omits "text"/"thinking" still gets the key once a delta
+    # (even an empty one) arrives, exactly as concatenation did.
+    start = body(content=[], stop_reason=None, usage={"input_tokens": 1, "output_tokens": 1})
+    aggregator = AnthropicAggregator()
+    for event in [
+        sse("message_start", message=start),
+        sse("content_block_start", index=0, content_block={"type": "thinking"}),
+        sse("content_block_delta", index=0, delta={"type": "thinking_delta", "thinking": ""}),
+        sse("content_block_stop", index=0),
+        sse("content_block_start", index=1, content_block={"type": "text", "text": "Hi"}),
+        sse("content_block_delta", index=1, delta={"type": "text_delta", "text": ", you"}),
+        sse("content_block_stop", index=1),
+        sse("message_delta", delta={"stop_reason": "end_turn"}),
+        sse("message_stop"),
+    ]:
+        aggregator.feed(event)
+    turn = aggregator.result()
+    assert turn.provider_meta["anthropic_blocks"] == [
+        {"type": "thinking", "thinking": ""}, {"type": "text", "text": "Hi, you"}]
+    assert turn.content == "Hi, you" and aggregator.result() == turn  # result() repeatable

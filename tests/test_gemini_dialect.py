@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import copy
 import json
+import re
+import time
 
 import pytest
 
-from flask_solidloop.errors import ProviderResponseError
+from flask_solidloop.errors import ProviderAnswerError, ProviderResponseError
 from flask_solidloop.llm.dialect import SSEEvent
 from flask_solidloop.llm.gemini import (
     UNSUPPORTED_SCHEMA_KEYS,
@@ -301,9 +303,11 @@ def test_auth_headers():
 # ------------------------------------------------------------------- parse
 
 
-def body_with(parts, finish="STOP", usage=None):
+def body_with(parts, finish="STOP", usage=None, response_id=None):
     body = {"candidates": [{"content": {"role": "model", "parts": parts},
                             "finishReason": finish, "index": 0}]}
+    if response_id is not None:
+        body["responseId"] = response_id
     if usage is not None:
         body["usageMetadata"] = usage
     return body
@@ -317,10 +321,10 @@ def test_parse_text_thoughts_calls_and_meta():
     turn = DIALECT.parse(body_with(parts, usage=usage))
     assert turn.content == "Let me check."
     assert turn.reasoning == "The user wants Paris weather."
-    assert [(c.call_id, c.name, json.loads(c.arguments_raw)) for c in turn.tool_calls] == [
-        ("call_0", "get_weather", {"city": "Paris"}),
-        ("fc-2", "get_weather", {"city": "Lyon"}),
-    ]
+    assert [(c.name, json.loads(c.arguments_raw)) for c in turn.tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Lyon"})]
+    assert re.fullmatch(r"call_[0-9a-f]{16}", turn.tool_calls[0].call_id)  # invented
+    assert turn.tool_calls[1].call_id == "fc-2"  # Gemini's own
     assert turn.finish_reason == "tool_calls"
     assert turn.provider_meta == {"gemini_parts": parts}
     assert turn.usage.to_dict() == {"input_tokens": 120, "cached_input_tokens": 100,
@@ -339,14 +343,20 @@ def test_parse_usage_without_thoughts_or_cache():
     ("STOP", "stop"), ("MAX_TOKENS", "length"), ("SAFETY", "content_filter"),
     ("RECITATION", "content_filter"), ("BLOCKLIST", "content_filter"),
     ("PROHIBITED_CONTENT", "content_filter"), ("SPII", "content_filter"),
+    ("LANGUAGE", "content_filter"), ("IMAGE_SAFETY", "content_filter"),
+    ("OTHER", "other"), ("MALFORMED_FUNCTION_CALL", "malformed_function_call"),
+    ("UNEXPECTED_TOOL_CALL", "unexpected_tool_call"),
+    ("TOO_MANY_TOOL_CALLS", "too_many_tool_calls"),
 ])
 def test_finish_reason_mapping(reason, expected):
     assert DIALECT.parse(body_with([{"text": "x"}], finish=reason)).finish_reason == expected
+    aggregator, _ = run_stream(chunk([{"text": "x"}], finish=reason))
+    assert aggregator.result().finish_reason == expected
 
 
-@pytest.mark.parametrize("reason", ["MALFORMED_FUNCTION_CALL", "OTHER", "SOMETHING_NEW"])
+@pytest.mark.parametrize("reason", ["SOMETHING_NEW", "FINISH_REASON_UNSPECIFIED", "stop"])
 def test_unknown_finish_reason_is_an_error(reason):
-    with pytest.raises(ProviderResponseError, match=reason):
+    with pytest.raises(ProviderAnswerError, match=f"unknown finishReason '{reason}'"):
         DIALECT.parse(body_with([], finish=reason))
 
 
@@ -379,7 +389,8 @@ def chunk(parts, finish=None, usage=None):
     candidate = {"content": {"role": "model", "parts": parts}, "index": 0}
     if finish:
         candidate["finishReason"] = finish
-    body = {"candidates": [candidate], "modelVersion": "gemini-2.5-flash"}
+    body = {"candidates": [candidate], "modelVersion": "gemini-2.5-flash",
+            "responseId": "resp-1"}
     if usage:
         body["usageMetadata"] = usage
     return body
@@ -416,7 +427,8 @@ def test_stream_assembles_the_same_turn_as_the_non_streaming_body():
         None, None, None,
     ]
     streamed = aggregator.result()
-    parsed = DIALECT.parse(body_with(copy.deepcopy(SIGNED_PARTS), usage=final_usage))
+    parsed = DIALECT.parse(body_with(copy.deepcopy(SIGNED_PARTS), usage=final_usage,
+                                     response_id="resp-1"))
     compare(streamed, parsed)
     assert streamed.provider_meta["gemini_parts"] == SIGNED_PARTS
     assert streamed.usage.output_tokens == 42 and streamed.usage.reasoning_tokens == 30
@@ -431,7 +443,8 @@ def test_stream_text_only_with_finish_on_the_last_text_chunk():
               usage={"promptTokenCount": 3, "candidatesTokenCount": 2}),
     )
     parsed = DIALECT.parse(body_with([{"text": "Hello!", "thoughtSignature": "sig"}],
-                                     usage={"promptTokenCount": 3, "candidatesTokenCount": 2}))
+                                     usage={"promptTokenCount": 3, "candidatesTokenCount": 2},
+                                     response_id="resp-1"))
     compare(aggregator.result(), parsed)
     assert aggregator.result().finish_reason == "stop"
 
@@ -484,8 +497,82 @@ def test_stream_blocked_prompt_and_garbage_raise():
 
 
 def test_stream_unknown_finish_reason_fails_at_once():
-    with pytest.raises(ProviderResponseError, match="MALFORMED_FUNCTION_CALL"):
-        run_stream(chunk([], finish="MALFORMED_FUNCTION_CALL"))
+    with pytest.raises(ProviderAnswerError, match="SOMETHING_NEW"):
+        run_stream(chunk([], finish="SOMETHING_NEW"))
+
+
+def test_many_small_text_chunks_aggregate_in_linear_time():
+    # Each chunk's text used to be appended to the string held in the part (and
+    # every part deep-copied): quadratic, several seconds here. Now joined once.
+    count = 50_000
+
+    def piece(i: int) -> str:  # ~40 characters, a few streamed words
+        return f"{i % 10} lorem ipsum dolor sit amet, consec "
+
+    chunks = [chunk([{"text": piece(i), "thought": True} if i < 1000 else {"text": piece(i)}])
+              for i in range(count)]
+    chunks.append(chunk([{"text": "", "thoughtSignature": "sig"}], finish="STOP"))
+    feed = events(*chunks)
+    aggregator = GeminiAggregator()
+    began = time.perf_counter()
+    for event in feed:
+        aggregator.feed(event)
+    turn = aggregator.result()
+    elapsed = time.perf_counter() - began
+    thought = "".join(piece(i) for i in range(1000))
+    text = "".join(piece(i) for i in range(1000, count))
+    assert (turn.content, turn.reasoning) == (text, thought)
+    assert turn.provider_meta["gemini_parts"] == [
+        {"text": thought, "thought": True}, {"text": text, "thoughtSignature": "sig"}]
+    assert elapsed < 1.0, f"{count} chunks took {elapsed:.2f}s"
+
+
+def test_stream_result_is_repeatable_and_feeding_continues_the_open_part():
+    aggregator, _ = run_stream(chunk([{"text": "Hel"}]), chunk([{"text": "lo"}]))
+    with pytest.raises(ProviderResponseError):
+        aggregator.result()  # not finished yet
+    aggregator.feed(events(chunk([{"text": " there"}], finish="STOP"))[0])
+    first = aggregator.result()
+    assert first.provider_meta["gemini_parts"] == [{"text": "Hello there"}]
+    assert aggregator.result().provider_meta == first.provider_meta
+
+
+# ------------------------------------------------------------- invented ids
+
+
+CALL_PARTS = [{"functionCall": {"name": "list_files", "args": {}}},
+              {"functionCall": {"name": "list_files", "args": {}}}]
+
+
+def test_invented_call_ids_are_unique_across_responses_and_within_one():
+    first = DIALECT.parse({**body_with(copy.deepcopy(CALL_PARTS)), "responseId": "r-1"})
+    second = DIALECT.parse({**body_with(copy.deepcopy(CALL_PARTS)), "responseId": "r-2"})
+    ids = [c.call_id for c in first.tool_calls + second.tool_calls]
+    assert len(set(ids)) == 4, ids  # used to be call_0, call_1, call_0, call_1
+    assert all(re.fullmatch(r"call_[0-9a-f]{16}", i) for i in ids)
+    # The same response parsed again gives the same ids (the stream matches the body).
+    again = DIALECT.parse({**body_with(copy.deepcopy(CALL_PARTS)), "responseId": "r-1"})
+    assert [c.call_id for c in again.tool_calls] == ids[:2]
+    # Without a responseId the ids are random, still unique.
+    anonymous = [c.call_id for _ in range(2)
+                 for c in DIALECT.parse(body_with(copy.deepcopy(CALL_PARTS))).tool_calls]
+    assert len(set(anonymous) | set(ids)) == 8
+    assert all(re.fullmatch(r"call_[0-9a-f]{16}", i) for i in anonymous)
+
+
+def test_invented_ids_round_trip_into_a_later_turn_without_going_on_the_wire():
+    turn = DIALECT.parse({**body_with(copy.deepcopy(CALL_PARTS[:1])), "responseId": "r-9"})
+    call_id = turn.tool_calls[0].call_id
+    messages = [
+        ChatMessage(role="user", content="ls"),
+        ChatMessage(role="assistant", tool_calls=turn.tool_calls,
+                    meta=copy.deepcopy(turn.provider_meta)),
+        ChatMessage(role="tool", content="a.txt", tool_call_id=call_id),
+    ]
+    contents = DIALECT.render(SETTINGS, messages, []).payload["contents"]
+    assert contents[2]["parts"] == [{"functionResponse": {
+        "name": "list_files", "response": {"result": "a.txt"}}}]
+    assert call_id not in json.dumps(contents)
 
 
 # ------------------------------------------------------------------- retry

@@ -6,10 +6,11 @@ import json
 
 import pytest
 
-from flask_solidloop.errors import ProviderResponseError
+from flask_solidloop.errors import ProviderAnswerError, ProviderResponseError
 from flask_solidloop.llm import openai
 from flask_solidloop.llm.dialect import SSEEvent, StreamDelta
 from flask_solidloop.llm.openai import OpenAIAggregator, OpenAIDialect
+from flask_solidloop.llm.reasoning import ThinkTagSplitter, split_think
 from flask_solidloop.llm.sse import SSEParser
 from flask_solidloop.llm.types import ChatMessage, ProviderSettings, ToolCallRequest
 
@@ -108,6 +109,19 @@ def test_render_weld_with_no_content():
     payload = OpenAIDialect().render(SETTINGS, messages, [], reasoning_strategies=["xml"]).payload
     assert payload["messages"][0]["content"] == "<think>hm</think>"
     assert "tools" not in payload
+
+
+def test_render_empty_assistant_message_has_empty_string_content():
+    # OpenAI rejects {"role": "assistant", "content": null} without tool_calls.
+    empty = ChatMessage(role="assistant", content=None)
+    assert openai.render_message(empty) == {"role": "assistant", "content": ""}
+    field_only = ChatMessage(role="assistant", content=None, reasoning="hm")
+    rendered = OpenAIDialect().render(SETTINGS, [field_only], []).payload["messages"][0]
+    assert rendered == {"role": "assistant", "content": "", "reasoning_content": "hm"}
+    # With tool calls, null content is what OpenAI expects: kept.
+    calling = ChatMessage(role="assistant", content=None,
+                          tool_calls=[ToolCallRequest("c1", "add", "{}")])
+    assert openai.render_message(calling)["content"] is None
 
 
 @pytest.mark.parametrize("strategies, expected", [
@@ -226,13 +240,109 @@ def test_parse_content_with_angle_brackets_is_untouched():
     assert (turn.content, turn.reasoning) == ("a <b> c", None)
 
 
+@pytest.mark.parametrize("text", [
+    "wrap text in <think> and </think>. Done.",
+    "Use <think>tags</think> like this.",
+    "Answer first.\n<think>late</think>",
+    "<thinking>not the tag</thinking>",
+    "x <think>unterminated later",
+])
+def test_parse_think_tag_later_in_the_content_is_ordinary_content(text):
+    turn = openai.parse_response(body({"content": text}))
+    assert (turn.content, turn.reasoning) == (text, None)
+
+
+def test_parse_leading_think_after_whitespace_and_later_tags_stay():
+    turn = openai.parse_response(body(
+        {"content": "\n  <think>plan</think>\n\nWrite <think> and </think> literally."}))
+    assert (turn.content, turn.reasoning) == ("Write <think> and </think> literally.", "plan")
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (None, (None, None)), ("", ("", None)), ("plain", ("plain", None)),
+    ("<think>a</think>b", ("b", "a")), (" \n<think>a</think>\n\nb", ("b", "a")),
+    ("<think>a</think>", (None, "a")), ("<think>cut", (None, "cut")),
+    ("<think></think>\nb", ("b", "")), ("b<think>a</think>", ("b<think>a</think>", None)),
+    ("<think>a</think>b<think>c</think>", ("b<think>c</think>", "a")),
+    ("  ", ("  ", None)), ("<thi", ("<thi", None)),
+])
+def test_split_think(text, expected):
+    assert split_think(text) == expected
+
+
+# What the parse of a whole content and the stream of it in any pieces must agree on.
+THINK_CASES = [
+    "plain answer", "a < b and c > d", "<think>plan</think>\n\nThe answer <th",
+    "wrap text in <think> and </think>. Done.", "  \n<think>x</think>y <think>z</think>",
+    "<think>cut off</thi", "<think></think>\n\nok", "\n\n<thi", " <b>bold</b>", "  ",
+    "<think>a</think>", "<think>é🚀</think>ok",
+]
+
+
+def stream_content(pieces):
+    events = [chunk({"content": p}) for p in pieces]
+    aggregator, deltas = run(*events, chunk({}, "stop"), DONE)
+    return aggregator.result(), [d for d in deltas if d]
+
+
+@pytest.mark.parametrize("text", THINK_CASES)
+def test_stream_agrees_with_parse_for_every_split(text):
+    parsed = openai.parse_response(body({"content": text}))
+    expected = (parsed.content, parsed.reasoning)
+    splits = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
+    for pieces in splits:
+        turn, visible = stream_content(pieces)
+        assert (turn.content, turn.reasoning) == expected, pieces
+        # What was shown live is the start of the result (a held-back tail, like
+        # "</thi" or a lone "<thi", only joins it at the end; newlines after
+        # </think> are trimmed from the result only).
+        assert (turn.reasoning or "").startswith("".join(d.reasoning for d in visible))
+        assert (turn.content or "").startswith(
+            "".join(d.content for d in visible).lstrip("\n"))
+
+
+def test_splitter_only_looks_for_the_tag_at_the_start():
+    splitter = ThinkTagSplitter()
+    assert splitter.feed("Say ") == ("Say ", "")
+    assert splitter.feed("<think>") == ("<think>", "")
+    assert splitter.flush() == ("", "")
+    splitter = ThinkTagSplitter()
+    assert splitter.feed("\n ") == ("", "")  # whitespace held: a tag may follow
+    assert splitter.feed("<th") == ("", "")
+    assert splitter.feed("ink>r") == ("", "r")
+    assert splitter.matched
+    assert splitter.feed("</think>a <think>b</think>") == ("a <think>b</think>", "")
+    assert splitter.feed("<") == ("<", "")  # after the closing tag nothing is held back
+    assert splitter.flush() == ("", "")
+    splitter = ThinkTagSplitter()
+    assert splitter.feed(" \n") == ("", "")
+    assert splitter.flush() == (" \n", "")  # no tag came: the whitespace is content
+    assert not splitter.matched
+
+
 @pytest.mark.parametrize("bad", [
     "not a dict", {"error": {"message": "boom"}}, {"choices": []},
-    body({"content": "x"}, "weird_reason"),
+    body({"content": "x"}, "weird_reason"), body({"content": "x"}, {"type": "stop"}),
 ])
 def test_parse_errors(bad):
     with pytest.raises(ProviderResponseError):
         OpenAIDialect().parse(bad)
+
+
+def test_extra_finish_reasons_of_compatible_servers():
+    # Mistral: the context window filled up, a truncation like "length".
+    assert openai.parse_response(body({"content": "x"}, "model_length")).finish_reason \
+        == "length"
+    aggregator, _ = run(chunk({"content": "x"}), chunk({}, "model_length"), DONE)
+    assert aggregator.result().finish_reason == "length"
+    # DeepSeek / Mistral: the server gave up; the answer is unusable.
+    for reason in ("insufficient_system_resource", "error"):
+        with pytest.raises(ProviderAnswerError, match=f"could not finish.*{reason}"):
+            openai.parse_response(body({"content": "x"}, reason))
+        with pytest.raises(ProviderAnswerError, match=f"could not finish.*{reason}"):
+            run(chunk({"content": "x"}), chunk({}, reason))
+    with pytest.raises(ProviderAnswerError, match="unknown finish_reason 'weird_reason'"):
+        openai.parse_response(body({"content": "x"}, "weird_reason"))
 
 
 # -- aggregator --------------------------------------------------------------------------------
@@ -384,10 +494,29 @@ def test_think_tags_split_across_chunks():
     aggregator, deltas = run(*(chunk({"content": p}) for p in pieces), chunk({}, "stop"), DONE)
     visible = [d for d in deltas if d]
     assert "".join(d.reasoning for d in visible) == "planning"
-    assert "".join(d.content for d in visible) == "\n\nThe answer "
-    turn = aggregator.result()  # "<th" was held back as a possible tag start, then flushed
+    # after </think> everything is content: "<th" is not held back as a tag start
+    assert "".join(d.content for d in visible) == "\n\nThe answer <th"
+    turn = aggregator.result()
     assert turn.reasoning == "planning"
     assert turn.content == "The answer <th"  # the newlines after </think> dropped, as parse does
+
+
+def test_think_tag_later_in_the_stream_is_content():
+    pieces = ["wrap text in <th", "ink> and </th", "ink>. Done."]
+    aggregator, deltas = run(*(chunk({"content": p}) for p in pieces), chunk({}, "stop"), DONE)
+    assert [d.content for d in deltas if d] == pieces  # nothing held back
+    turn = aggregator.result()
+    assert (turn.content, turn.reasoning) == ("wrap text in <think> and </think>. Done.", None)
+
+
+def test_leading_whitespace_then_think_tag_in_the_stream():
+    pieces = ["\n", " <", "think>idea", "</think>\n\nAnswer <think>"]
+    aggregator, deltas = run(*(chunk({"content": p}) for p in pieces), chunk({}, "stop"), DONE)
+    # the whitespace and "<" are held until the tag is certain, then dropped
+    assert [(d.content, d.reasoning) for d in deltas if d] == [
+        ("", "idea"), ("\n\nAnswer <think>", "")]
+    turn = aggregator.result()
+    assert (turn.content, turn.reasoning) == ("Answer <think>", "idea")
 
 
 def test_think_tag_unterminated_at_end_is_reasoning():
@@ -455,7 +584,7 @@ def test_json_that_is_not_an_object_or_has_the_wrong_shape_raises():
 
 
 def test_unknown_finish_reason_raises():
-    with pytest.raises(ProviderResponseError, match="unknown finish_reason 'exploded'"):
+    with pytest.raises(ProviderAnswerError, match="unknown finish_reason 'exploded'"):
         OpenAIAggregator().feed(chunk({}, "exploded"))
 
 

@@ -34,7 +34,7 @@ import copy
 import json
 from typing import Any
 
-from ..errors import ProviderResponseError
+from ..errors import ProviderAnswerError, ProviderResponseError
 from . import reasoning
 from .dialect import RenderedRequest, SSEEvent, StreamDelta
 from .openai import deep_merge
@@ -61,6 +61,8 @@ STOP_REASONS: dict[str | None, str | None] = {
     None: None,
 }
 THINKING_TYPES = ("thinking", "redacted_thinking")
+#: Streamed text deltas -> the block field they extend.
+_TEXT_DELTAS = {"text_delta": "text", "thinking_delta": "thinking"}
 
 
 class AnthropicDialect:
@@ -252,7 +254,7 @@ def parse_message(body: Any) -> AssistantTurn:
         )
     stop_reason = body.get("stop_reason")
     if stop_reason not in STOP_REASONS:
-        raise ProviderResponseError(
+        raise ProviderAnswerError(
             f"unknown stop_reason {stop_reason!r}; known: "
             + ", ".join(k for k in STOP_REASONS if k)
         )
@@ -318,13 +320,19 @@ class AnthropicAggregator:
     API would have returned, then parses it with :func:`parse_message`.
 
     Unknown event and delta types are ignored (Anthropic may add new ones).
+    Text, thinking and tool-input deltas are collected as pieces per block and
+    joined once, when the block closes (or at :meth:`result`), never appended
+    to a growing string.
     """
 
     def __init__(self) -> None:
+        self._invalid_inputs: dict[Any, str] = {}
         self._message: dict[str, Any] | None = None
         self._usage: dict[str, Any] = {}
         self._blocks: dict[int, dict[str, Any]] = {}
         self._json: dict[int, list[str]] = {}
+        #: (block index, "text" | "thinking") -> pieces not yet joined into the block
+        self._pieces: dict[tuple[int, str], list[str]] = {}
         self._finished = False
 
     @property
@@ -375,12 +383,16 @@ class AnthropicAggregator:
             raise ProviderResponseError("stream ended without message_stop")
         if self._message is None:
             raise ProviderResponseError("stream ended without message_start")
-        for index in list(self._json):
+        for index in sorted({*self._json, *(index for index, _ in self._pieces)}):
             self._close(index)
         body = dict(self._message)
         body["content"] = [self._blocks[i] for i in sorted(self._blocks)]
         body["usage"] = dict(self._usage)
-        return parse_message(body)
+        turn = parse_message(body)
+        for call in turn.tool_calls:
+            if call.call_id in self._invalid_inputs:
+                call.arguments_raw = self._invalid_inputs[call.call_id]
+        return turn
 
     def _index(self, data: dict[str, Any]) -> int:
         index = data.get("index")
@@ -393,15 +405,17 @@ class AnthropicAggregator:
         if block is None:
             raise ProviderResponseError(f"content_block_delta for unstarted block {index}")
         kind = delta.get("type")
-        if kind == "text_delta":
-            text = str(delta.get("text") or "")
-            block["text"] = (block.get("text") or "") + text
-            return StreamDelta(content=text) if text else None
-        if kind == "thinking_delta":
-            text = str(delta.get("thinking") or "")
-            block["thinking"] = (block.get("thinking") or "") + text
-            return StreamDelta(reasoning=text) if text else None
-        if kind == "signature_delta":
+        if kind in _TEXT_DELTAS:
+            field = _TEXT_DELTAS[kind]
+            text = str(delta.get(field) or "")
+            pieces = self._pieces.get((index, field))
+            if pieces is None:
+                pieces = self._pieces[(index, field)] = [block.get(field) or ""]
+            pieces.append(text)
+            if not text:
+                return None
+            return StreamDelta(content=text) if field == "text" else StreamDelta(reasoning=text)
+        if kind == "signature_delta":  # sent whole, once per thinking block
             block["signature"] = delta.get("signature")
         elif kind == "input_json_delta":
             self._json.setdefault(index, []).append(str(delta.get("partial_json") or ""))
@@ -413,16 +427,22 @@ class AnthropicAggregator:
         block = self._blocks.get(index)
         if block is None:
             raise ProviderResponseError(f"content_block_stop for unstarted block {index}")
+        for field in ("text", "thinking"):
+            pieces = self._pieces.pop((index, field), None)
+            if pieces is not None:
+                block[field] = "".join(pieces)
         parts = self._json.pop(index, None)
         if parts is None:
             return
         text = "".join(parts)
         try:
             block["input"] = json.loads(text) if text.strip() else block.get("input") or {}
-        except ValueError as exc:
-            raise ProviderResponseError(
-                f"tool input of block {index} ({block.get('name')!r}) is not JSON: {text[:200]!r}"
-            ) from exc
+        except ValueError:
+            # The model emitted broken tool JSON. Like on the other dialects this
+            # becomes a tool error the model can correct, not a failed turn: the
+            # raw text is kept for the tool call, the block gets an empty input.
+            block["input"] = {}
+            self._invalid_inputs[block.get("id")] = text
 
     def _merge_usage(self, usage: Any) -> None:
         """Counts are cumulative: any value present replaces the earlier one."""

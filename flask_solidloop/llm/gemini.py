@@ -23,7 +23,13 @@ Decisions worth knowing:
   ``tool_call_id`` in the nearest earlier assistant message (then the tool
   message's own ``name``). ``functionResponse.id`` is sent only when the call's
   id came from Gemini itself (it is in that message's ``gemini_parts``), never
-  for the ``call_N`` ids this module makes up.
+  for the ids this module makes up.
+* A ``functionCall`` without an ``id`` gets an invented ``call_<16 hex>`` id,
+  unique per response: a hash of the response's ``responseId``, the call's
+  position, name and args (so a stream and the equivalent body agree), or
+  random when the response has no ``responseId``. A bare ``call_0`` would
+  repeat every turn, which other dialects reject (Anthropic wants tool_use ids
+  unique across the conversation) should the agent switch dialect later.
 * Function-declaration parameters lose the JSON-schema keys Gemini's schema
   subset rejects, at every depth: :data:`UNSUPPORTED_SCHEMA_KEYS`. Property
   *names* are never touched (a property called ``title`` stays). An object
@@ -39,17 +45,20 @@ Decisions worth knowing:
   part with empty text is attached to the part right before it when that part
   has none yet; otherwise the empty part is kept as it came. With parallel calls
   only the first ``functionCall`` carries a signature and the others are left
-  without one, as received.
+  without one, as received. The text of the part being merged is kept as a list
+  of pieces and joined once (never appended to a growing string).
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import re
+import uuid
 from typing import Any
 
-from ..errors import ProviderResponseError
+from ..errors import ProviderAnswerError, ProviderResponseError
 from . import reasoning as reasoning_mod
 from .dialect import RenderedRequest, SSEEvent, StreamDelta
 from .openai import deep_merge
@@ -70,16 +79,27 @@ UNSUPPORTED_SCHEMA_KEYS = frozenset(
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
 
 #: Gemini finishReason -> the neutral finish_reason ("STOP" becomes "tool_calls"
-#: when the turn has function calls). Anything else is a ProviderResponseError.
+#: when the turn has function calls). Anything else (FINISH_REASON_UNSPECIFIED,
+#: values added later) is a ProviderAnswerError.
 FINISH_REASONS = {
     "STOP": "stop",
     "MAX_TOKENS": "length",
+    # Stopped by a content policy (LANGUAGE: a language Gemini refuses to answer in).
     "SAFETY": "content_filter",
     "RECITATION": "content_filter",
     "BLOCKLIST": "content_filter",
     "PROHIBITED_CONTENT": "content_filter",
     "SPII": "content_filter",
+    "LANGUAGE": "content_filter",
+    "IMAGE_SAFETY": "content_filter",
+    "OTHER": "other",
+    # The model's function calling went wrong; the turn carries no usable call.
+    "MALFORMED_FUNCTION_CALL": "malformed_function_call",
+    "UNEXPECTED_TOOL_CALL": "unexpected_tool_call",
+    "TOO_MANY_TOOL_CALLS": "too_many_tool_calls",
 }
+#: Hex digits of an invented call id after ``call_``.
+CALL_ID_DIGITS = 16
 
 _TEXT_PART_KEYS = frozenset({"text", "thought", "thoughtSignature"})
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*s?\s*$")
@@ -295,16 +315,20 @@ def parse_response(body: Any) -> AssistantTurn:
     text: list[str] = []
     thoughts: list[str] = []
     calls: list[ToolCallRequest] = []
+    response_id = body.get("responseId")
     for part in parts:
         if not isinstance(part, dict):
             continue
         call = part.get("functionCall")
         if isinstance(call, dict):
             args = call.get("args")
+            name = str(call.get("name") or "")
+            arguments = json.dumps(args if args is not None else {})
             calls.append(ToolCallRequest(
-                call_id=str(call["id"]) if call.get("id") else f"call_{len(calls)}",
-                name=str(call.get("name") or ""),
-                arguments_raw=json.dumps(args if args is not None else {}),
+                call_id=str(call["id"]) if call.get("id")
+                else _invent_call_id(response_id, len(calls), name, arguments),
+                name=name,
+                arguments_raw=arguments,
             ))
         elif isinstance(part.get("text"), str):
             (thoughts if part.get("thought") else text).append(part["text"])
@@ -320,13 +344,25 @@ def parse_response(body: Any) -> AssistantTurn:
     )
 
 
+def _invent_call_id(response_id: Any, index: int, name: str, arguments: str) -> str:
+    """An id for a functionCall that came without one, unique per response.
+
+    Derived from the ``responseId`` when there is one, so the streamed and the
+    non-streamed form of a response get the same ids; random otherwise.
+    """
+    if not response_id:
+        return f"call_{uuid.uuid4().hex[:CALL_ID_DIGITS]}"
+    basis = json.dumps([str(response_id), index, name, arguments], ensure_ascii=False)
+    return f"call_{hashlib.sha256(basis.encode('utf-8')).hexdigest()[:CALL_ID_DIGITS]}"
+
+
 def _finish_reason(candidate: dict[str, Any], has_calls: bool) -> str | None:
     reason = candidate.get("finishReason")
     if reason is None:
         return None
     if reason not in FINISH_REASONS:
         detail = candidate.get("finishMessage")
-        raise ProviderResponseError(
+        raise ProviderAnswerError(
             f"unknown finishReason {reason!r}" + (f": {detail}" if detail else "")
             + f" (understood: {', '.join(FINISH_REASONS)})"
         )
@@ -352,7 +388,7 @@ def _raise_for_block(body: dict[str, Any]) -> None:
     feedback = body.get("promptFeedback")
     if isinstance(feedback, dict) and feedback.get("blockReason"):
         detail = feedback.get("blockReasonMessage")
-        raise ProviderResponseError(
+        raise ProviderAnswerError(
             f"prompt blocked: {feedback['blockReason']}" + (f" ({detail})" if detail else "")
         )
 
@@ -419,6 +455,9 @@ class GeminiAggregator:
 
     def __init__(self) -> None:
         self._parts: list[dict[str, Any]] = []
+        #: Text pieces of the last part while text is being merged into it (its
+        #: "text" is stale until :meth:`_join_open` writes the joined pieces).
+        self._open: list[str] | None = None
         self._finish: str | None = None
         self._finish_message: str | None = None
         self._usage: dict[str, Any] | None = None
@@ -472,13 +511,16 @@ class GeminiAggregator:
         return delta or None
 
     def _add(self, part: dict[str, Any]) -> None:
-        part = copy.deepcopy(part)
+        # ``part`` was parsed from this chunk and is referenced nowhere else: it is
+        # kept (and later mutated) as is, no copy needed.
         last = self._parts[-1] if self._parts else None
         signature = part.get("thoughtSignature")
         if _is_text(part):
             if (last is not None and _is_text(last) and "thoughtSignature" not in last
                     and bool(last.get("thought")) == bool(part.get("thought"))):
-                last["text"] = last.get("text", "") + part.get("text", "")
+                if self._open is None:
+                    self._open = [last.get("text", "")]
+                self._open.append(part.get("text", ""))
                 if signature:
                     last["thoughtSignature"] = signature
                 return
@@ -488,13 +530,21 @@ class GeminiAggregator:
                 if last is not None and "thoughtSignature" not in last:
                     last["thoughtSignature"] = signature  # a late signature
                     return
+        self._join_open()
         self._parts.append(part)
+
+    def _join_open(self) -> None:
+        """Write the merged text into the last part (once per part, or per result())."""
+        if self._open is not None:
+            self._parts[-1]["text"] = "".join(self._open)
+            self._open = None
 
     def result(self) -> AssistantTurn:
         if self._finish is None:
             raise ProviderResponseError(
                 "stream ended without a finishReason (the response is incomplete)"
             )
+        self._join_open()
         candidate: dict[str, Any] = {
             "content": {"role": "model", "parts": self._parts},
             "finishReason": self._finish,

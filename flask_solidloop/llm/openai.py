@@ -8,10 +8,12 @@ else that speaks ``POST /v1/chat/completions``. :class:`OpenAIDialect` is the
 that predate it.
 
 Reasoning comes back as a ``reasoning_content`` field (DeepSeek, older vLLM,
-llama.cpp), a ``reasoning`` field (newer vLLM, Ollama) or ``<think>`` tags inside
-the content; all three end up in ``AssistantTurn.reasoning``, and the content
-never keeps the tags. How it goes back on later requests is the agent's
-``reasoning_strategies`` (see :mod:`.reasoning`).
+llama.cpp), a ``reasoning`` field (newer vLLM, Ollama) or a ``<think>...</think>``
+block that opens the content; all three end up in ``AssistantTurn.reasoning``.
+Only a leading ``<think>`` (after optional whitespace) is reasoning: a tag later
+in the content is ordinary text and stays (see :func:`.reasoning.split_think`).
+How reasoning goes back on later requests is the agent's ``reasoning_strategies``
+(see :mod:`.reasoning`).
 """
 
 from __future__ import annotations
@@ -21,13 +23,21 @@ import json
 import json.scanner
 from typing import Any
 
-from ..errors import ProviderResponseError
+from ..errors import ProviderAnswerError, ProviderResponseError
 from . import reasoning as _reasoning
 from .dialect import RenderedRequest, SSEEvent, StreamDelta
 from .types import AssistantTurn, ChatMessage, ProviderSettings, ToolCallRequest, Usage
 
 PATH = "/v1/chat/completions"
 KNOWN_FINISH_REASONS = {"stop", "tool_calls", "length", "content_filter", "function_call", None}
+#: finish_reason values OpenAI-compatible servers send beyond OpenAI's own, mapped
+#: to the neutral value; ``None`` means the server gave up on the response, which
+#: fails the turn (ProviderAnswerError). Any other unknown value fails it too.
+EXTRA_FINISH_REASONS: dict[str, str | None] = {
+    "model_length": "length",  # Mistral: the context window is full
+    "insufficient_system_resource": None,  # DeepSeek: inference interrupted
+    "error": None,  # Mistral: generation failed
+}
 DONE = "[DONE]"
 _EXCERPT = 200
 #: The stdlib's C JSON scanner, called directly: ``json.loads`` adds three Python
@@ -49,12 +59,23 @@ def _excerpt(text: str) -> str:
     return repr(text if len(text) <= _EXCERPT else text[:_EXCERPT] + "...")
 
 
-def _check_finish_reason(finish_reason: Any) -> None:
-    if finish_reason not in KNOWN_FINISH_REASONS:
-        raise ProviderResponseError(
-            f"unknown finish_reason {finish_reason!r}; known: "
-            + ", ".join(sorted(r for r in KNOWN_FINISH_REASONS if r))
-        )
+def _finish_reason(finish_reason: Any) -> str | None:
+    """The neutral finish_reason for a wire value; ProviderAnswerError when unusable."""
+    if finish_reason is None or (isinstance(finish_reason, str)
+                                 and finish_reason in KNOWN_FINISH_REASONS):
+        return finish_reason
+    if isinstance(finish_reason, str) and finish_reason in EXTRA_FINISH_REASONS:
+        mapped = EXTRA_FINISH_REASONS[finish_reason]
+        if mapped is None:
+            raise ProviderAnswerError(
+                f"the server reported it could not finish the response "
+                f"(finish_reason {finish_reason!r})"
+            )
+        return mapped
+    raise ProviderAnswerError(
+        f"unknown finish_reason {finish_reason!r}; known: "
+        + ", ".join(sorted([*(r for r in KNOWN_FINISH_REASONS if r), *EXTRA_FINISH_REASONS]))
+    )
 
 
 def _plans(
@@ -78,10 +99,16 @@ def reasoning_carried(
 def render_message(
     message: ChatMessage, plan: _reasoning.ReasoningPlan | None = None
 ) -> dict[str, Any]:
-    """One history entry on the wire; ``plan`` says where its reasoning goes (if anywhere)."""
+    """One history entry on the wire; ``plan`` says where its reasoning goes (if anywhere).
+
+    An assistant message's content is ``null`` only next to ``tool_calls``;
+    without them OpenAI rejects ``null``, so it becomes ``""``.
+    """
     content = message.content
     if plan is not None and plan.weld:
         content = _reasoning.weld(content, message.reasoning)
+    if content is None and message.role == "assistant" and not message.tool_calls:
+        content = ""
     out: dict[str, Any] = {"role": message.role, "content": content}
     if plan is not None and plan.field and message.reasoning:
         out[plan.field] = message.reasoning
@@ -132,8 +159,7 @@ def parse_response(body: Any) -> AssistantTurn:
         )
     choice = choices[0]
     message = choice.get("message") or {}
-    finish_reason = choice.get("finish_reason")
-    _check_finish_reason(finish_reason)
+    finish_reason = _finish_reason(choice.get("finish_reason"))
     content = message.get("content")
     if isinstance(content, list):  # some servers return content parts
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
@@ -250,9 +276,10 @@ class OpenAIAggregator:
     * Tool-call deltas are merged by ``index``: ``id`` and ``name`` are SET when
       present (llama.cpp repeats them in every delta; appending would double
       them), ``arguments`` are APPENDED.
-    * Reasoning deltas come from ``reasoning_content`` or ``reasoning``; ``<think>``
-      tags inside content deltas are split out even when a tag is cut across
-      chunks.
+    * Reasoning deltas come from ``reasoning_content`` or ``reasoning``; a
+      ``<think>`` block opening the content is split out, even when a tag is cut
+      across chunks. Content that does not open with the tag, and all content
+      after ``</think>``, is passed through as is.
     * Usage: any non-null ``usage`` (top level; or, on a final chunk, inside the
       choice or Groq's ``x_groq``), last wins: with ``include_usage`` OpenAI sends
       it on a last chunk whose ``choices`` is empty; vLLM can send a running total
@@ -261,7 +288,7 @@ class OpenAIAggregator:
     """
 
     __slots__ = ("_calls", "_content", "_done", "_finish_reason", "_first", "_reasoning",
-                 "_splitter", "_think_seen", "_turn", "_usage")
+                 "_splitter", "_think_seen", "_turn", "_usage", "_wire_finish_reason")
 
     def __init__(self) -> None:
         self._content: list[str] = []
@@ -270,9 +297,12 @@ class OpenAIAggregator:
         self._calls: dict[int, list[Any]] = {}
         self._usage: dict[str, Any] | None = None
         self._finish_reason: str | None = None
+        self._wire_finish_reason: str | None = None
         self._done = False
-        #: Engaged at the first "<" seen in content; until then content has no tag.
-        self._splitter: _reasoning.ThinkTagSplitter | None = None
+        #: Watches the start of the content for a leading <think>; dropped (None)
+        #: once the rest of the content is known to be plain.
+        self._splitter: _reasoning.ThinkTagSplitter | None = _reasoning.ThinkTagSplitter()
+        #: The content opened with <think>: newlines after </think> are trimmed.
         self._think_seen = False
         self._first: dict[str, Any] | None = None
         self._turn: AssistantTurn | None = None
@@ -319,8 +349,8 @@ class OpenAIAggregator:
                     return None
             finish_reason = choice.get("finish_reason")
             if finish_reason is not None:
-                _check_finish_reason(finish_reason)
-                self._finish_reason = finish_reason
+                self._finish_reason = _finish_reason(finish_reason)
+                self._wire_finish_reason = finish_reason
                 self._extra_usage(chunk, choice)
             delta = choice.get("delta")
             if not delta:
@@ -328,7 +358,7 @@ class OpenAIAggregator:
             content = delta.get("content")
             # The hot path: a delta that is one piece of plain text.
             if (content and len(delta) == 1 and content.__class__ is str
-                    and self._splitter is None and "<" not in content):
+                    and self._splitter is None):
                 self._content.append(content)
                 return StreamDelta(content)
             return self._delta(delta, content)
@@ -369,14 +399,15 @@ class OpenAIAggregator:
         if content:
             if type(content) is not str:  # content parts
                 content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            if self._splitter is not None or "<" in content:
-                if self._splitter is None:
-                    self._splitter = _reasoning.ThinkTagSplitter()
-                content, tagged = self._splitter.feed(content)
+            splitter = self._splitter
+            if splitter is not None:
+                content, tagged = splitter.feed(content)
                 if tagged:
-                    self._think_seen = True
                     self._reasoning.append(tagged)
                     thought = f"{thought}{tagged}" if thought else tagged
+                if splitter.passthrough:
+                    self._think_seen = splitter.matched
+                    self._splitter = None
             if content:
                 self._content.append(content)
         if content or thought:
@@ -437,8 +468,9 @@ class OpenAIAggregator:
             if tail_content:
                 self._content.append(tail_content)
             if tail_thought:
-                self._think_seen = True
                 self._reasoning.append(tail_thought)
+            self._think_seen = self._splitter.matched
+            self._splitter = None
         content = "".join(self._content)
         if self._think_seen:
             content = content.lstrip("\n")
@@ -459,7 +491,8 @@ class OpenAIAggregator:
             ]
         raw = {
             "id": first.get("id"), "object": "chat.completion", "model": first.get("model"),
-            "choices": [{"index": 0, "message": message, "finish_reason": self._finish_reason}],
+            "choices": [{"index": 0, "message": message,
+                         "finish_reason": self._wire_finish_reason}],
             "usage": self._usage, "streamed": True,
         }
         self._turn = AssistantTurn(

@@ -10,7 +10,7 @@ next request must decide what to do with it. An agent's
   that field of the assistant message (OpenAI-compatible dialect only);
 * ``"anthropic_signed"`` / ``"gemini_signed"``: the signed native shape, sent
   back unchanged; needs the signature captured with it, else it does not apply;
-* ``"xml"``: weld ``<think>...</think>`` into the content, but only when no
+* ``"xml"``: weld ``<think>...</think>`` in front of the content, but only when no
   native strategy applied to that message (so it is the fallback of a signed
   strategy that could not apply);
 * ``"xml!"``: weld even alongside a native strategy;
@@ -51,10 +51,12 @@ def validate_strategies(value: Any, *, agent: str) -> list[str] | None:
             f"agent {agent!r}: reasoning_strategies must be a list (e.g. ['xml']) or None, "
             f"got {value!r}"
         )
+    known = (*FIELDS, *SIGNED, *XML)
     for item in value:
-        if not isinstance(item, str) or not item:
+        if item not in known:
             raise AgentDefinitionError(
-                f"agent {agent!r}: reasoning_strategies entries are strings, got {item!r}"
+                f"agent {agent!r}: unknown reasoning strategy {item!r}; known: "
+                f"{', '.join(known)} (or [] to send no reasoning back)"
             )
     return list(value)
 
@@ -118,49 +120,84 @@ def weld(content: str | None, reasoning: str | None) -> str | None:
 
 
 def split_think(text: str | None) -> tuple[str | None, str | None]:
-    """Split ``<think>...</think>`` out of a whole content string: (content, reasoning)."""
-    if not text or THINK_OPEN not in text:
+    """Split a leading ``<think>...</think>`` out of a whole content: (content, reasoning).
+
+    Only a tag that opens the content (after optional whitespace) is reasoning, the
+    way reasoning models emit it; a ``<think>`` anywhere later is ordinary text (a
+    model explaining the tag, code, ...) and stays untouched. The whitespace
+    before the tag and the newlines right after ``</think>`` are dropped. An
+    unterminated leading tag makes everything after it reasoning.
+    """
+    if not text:
         return text, None
-    before, _, rest = text.partition(THINK_OPEN)
-    thought, closed, after = rest.partition(THINK_CLOSE)
-    if not closed:  # an unterminated tag: everything after it is reasoning
-        return (before or None), thought
-    return (before + after).lstrip("\n") or None, thought
+    stripped = text.lstrip()
+    if not stripped.startswith(THINK_OPEN):
+        return text, None
+    thought, closed, after = stripped[len(THINK_OPEN):].partition(THINK_CLOSE)
+    if not closed:
+        return None, thought
+    return after.lstrip("\n") or None, thought
 
 
 class ThinkTagSplitter:
-    """Separates ``<think>`` reasoning from content in a stream, where a tag can
-    be split across chunks (``"<thi"`` + ``"nk>"``). Feed chunks in order."""
+    """The streaming :func:`split_think`: separates a leading ``<think>`` block from
+    the content of a stream, where a tag can be split across chunks (``"<thi"`` +
+    ``"nk>"``). Feed the content chunks in order.
+
+    Only the start of the content is examined: leading whitespace and a possible
+    beginning of ``<think>`` are held back until it is known whether the tag
+    opens the content. Without it, everything is content from then on; with it,
+    text up to ``</think>`` is reasoning (a possible beginning of the closing tag
+    held back), and everything after is content, later tags included.
+    (:func:`split_think` also drops the newlines right after ``</think>``; a
+    stream consumer does that on the joined content when :attr:`matched`.)
+    """
+
+    _START, _INSIDE, _CONTENT = range(3)
 
     def __init__(self) -> None:
         self._buffer = ""
-        self._inside = False
+        self._state = self._START
+        #: Whether the content opened with ``<think>``.
+        self.matched = False
+
+    @property
+    def passthrough(self) -> bool:
+        """Nothing held back and every further chunk is plain content."""
+        return self._state == self._CONTENT
 
     def feed(self, chunk: str) -> tuple[str, str]:
         """Return (content, reasoning) made certain by this chunk."""
+        if self._state == self._CONTENT:
+            return chunk, ""
         self._buffer += chunk
-        content: list[str] = []
-        reasoning: list[str] = []
-        while self._buffer:
-            tag = THINK_CLOSE if self._inside else THINK_OPEN
-            index = self._buffer.find(tag)
-            if index >= 0:
-                (reasoning if self._inside else content).append(self._buffer[:index])
-                self._buffer = self._buffer[index + len(tag):]
-                self._inside = not self._inside
-                continue
-            # Keep back a tail that could be the start of a tag.
-            keep = _partial_suffix(self._buffer, tag)
-            emit = self._buffer[:len(self._buffer) - keep]
-            (reasoning if self._inside else content).append(emit)
-            self._buffer = self._buffer[len(self._buffer) - keep:]
-            break
-        return "".join(content), "".join(reasoning)
+        if self._state == self._START:
+            head = self._buffer.lstrip()
+            if len(head) < len(THINK_OPEN) and THINK_OPEN.startswith(head):
+                return "", ""  # whitespace, maybe the beginning of the tag: wait
+            if not head.startswith(THINK_OPEN):
+                content, self._buffer = self._buffer, ""
+                self._state = self._CONTENT
+                return content, ""
+            self._buffer = head[len(THINK_OPEN):]
+            self._state = self._INSIDE
+            self.matched = True
+        index = self._buffer.find(THINK_CLOSE)
+        if index >= 0:
+            thought, content = self._buffer[:index], self._buffer[index + len(THINK_CLOSE):]
+            self._buffer = ""
+            self._state = self._CONTENT
+            return content, thought
+        # Keep back a tail that could be the start of the closing tag.
+        keep = _partial_suffix(self._buffer, THINK_CLOSE)
+        thought = self._buffer[:len(self._buffer) - keep]
+        self._buffer = self._buffer[len(self._buffer) - keep:]
+        return "", thought
 
     def flush(self) -> tuple[str, str]:
         """The held-back tail at end of stream."""
         tail, self._buffer = self._buffer, ""
-        return ("", tail) if self._inside else (tail, "")
+        return ("", tail) if self._state == self._INSIDE else (tail, "")
 
 
 def _partial_suffix(text: str, tag: str) -> int:
