@@ -16,6 +16,7 @@ so a host can catch the whole family in one clause::
     │   └── ProviderResponseError ... with a body we could not understand
     │       └── ProviderAnswerError   ... or an answer a retry would only repeat
     ├── ToolDefinitionError       a tool was declared with an invalid name or schema
+    ├── McpTransportError         an MCP server could not be reached or answered badly
     ├── LimitExceededError        max_steps / max_duration reached (the loop pauses)
     ├── LostLeaseError            this worker no longer owns the turn; write nothing
     └── BrokerError               the Postgres job queue could not do what was asked
@@ -102,6 +103,18 @@ class ProviderAnswerError(ProviderResponseError):
 
 class ToolDefinitionError(SolidLoopError, ValueError):
     """A tool was declared with an invalid name, schema or signature."""
+
+
+class McpTransportError(SolidLoopError):
+    """An MCP server could not be reached, timed out, refused us or broke the
+    protocol. ``kind`` classifies it for the admin and the loop policy:
+    ``connect``, ``timeout``, ``auth``, ``http``, ``protocol``, ``session``, ``spawn``.
+    The tool turn turns it into a tool error the model sees (infra-classified)."""
+
+    def __init__(self, kind: str, message: str, *, server: str | None = None) -> None:
+        self.kind = kind
+        self.server = server
+        super().__init__(f"{server}: {message}" if server else message)
 
 
 class LimitExceededError(SolidLoopError):
