@@ -147,6 +147,7 @@ class ChaosAgent(Agent):
     system_prompt = "You run chaos tools."
     mcps = [{"name": "chaos", "toolset": chaos_tools}]
     max_steps = 20
+    streaming = True  # so kills also land mid-stream, between partial writes
 
     def llm(self) -> dict:
         settings = llm_settings()
