@@ -57,4 +57,6 @@ if ! .venv/bin/python -m pip install -q -e '.[test]' >"$log" 2>&1; then
   exit 1
 fi
 rm -f "$log"
-echo "setup: ready (PostgreSQL on 127.0.0.1:$PG_PORT, virtualenv in .venv)" >&2
+# The real MCP servers the tests talk to (npm and PyPI packages, pinned).
+bash scripts/mcp_peers.sh >&2
+echo "setup: ready (PostgreSQL on 127.0.0.1:$PG_PORT, virtualenv in .venv, MCP peers)" >&2
