@@ -93,7 +93,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs
 
-from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler, make_server
+from werkzeug.serving import BaseWSGIServer
+
+from ._local_server import LocalServer
 
 __all__ = ["LLMEmulator", "RecordedRequest"]
 
@@ -254,24 +256,6 @@ class _Rendered:
 
 
 # --------------------------------------------------------------------------- server plumbing
-
-
-class _NoDelayRequestHandler(WSGIRequestHandler):
-    """werkzeug handler with TCP_NODELAY and without per-request access logging."""
-
-    def setup(self) -> None:
-        super().setup()
-        with contextlib.suppress(OSError):
-            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
-        pass  # tests fire hundreds of requests; access logs are noise
-
-    def log(self, type: str, message: str, *args: Any) -> None:
-        if type == "error":
-            logger.error("LLMEmulator: " + message, *args)
-        else:
-            logger.debug("LLMEmulator: " + message, *args)
 
 
 def _trickle(response: _Response, sock: socket.socket | None) -> Iterator[bytes]:
@@ -743,7 +727,7 @@ def _openai_view(request_json: dict[str, Any], dialect: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------- emulator
 
 
-class LLMEmulator:
+class LLMEmulator(LocalServer):
     """A scriptable fake of the OpenAI, Anthropic and Gemini chat APIs on a real socket.
 
     Resolution order for each chat request: auth (if ``api_key``), validation, queued
@@ -774,49 +758,6 @@ class LLMEmulator:
         self._thread: threading.Thread | None = None
 
     # ---- lifecycle -------------------------------------------------------------------
-
-    def start(self) -> LLMEmulator:
-        """Bind the socket and serve from a daemon thread. Returns ``self``."""
-        if self._server is not None:
-            raise RuntimeError("LLMEmulator is already running")
-        server = make_server(
-            self.host, self.port, self._wsgi_app, threaded=True,
-            request_handler=_NoDelayRequestHandler,
-        )
-        thread = threading.Thread(
-            target=server.serve_forever,
-            kwargs={"poll_interval": 0.01},
-            name=f"LLMEmulator:{server.server_port}",
-            daemon=True,
-        )
-        self._server, self._thread = server, thread
-        thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop serving and close the socket. Safe to call more than once."""
-        server, thread = self._server, self._thread
-        self._server = self._thread = None
-        if server is None:
-            return
-        server.shutdown()
-        server.server_close()
-        if thread is not None:
-            thread.join(timeout=5)
-
-    def __enter__(self) -> LLMEmulator:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    @property
-    def base_url(self) -> str:
-        """Origin of the running server, e.g. ``http://127.0.0.1:54321`` (no ``/v1``)."""
-        if self._server is None:
-            raise RuntimeError("LLMEmulator is not running; call start() first")
-        host = self.host if ":" not in self.host else f"[{self.host}]"
-        return f"http://{host}:{self._server.server_port}"
 
     # ---- configuration ---------------------------------------------------------------
 

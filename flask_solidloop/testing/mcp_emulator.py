@@ -92,13 +92,11 @@ OAuth-style JSON body (not JSON-RPC), as real servers answer.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import http
 import json
 import logging
 import re
-import socket
 import threading
 import time
 import uuid
@@ -136,7 +134,9 @@ from mcp.types.version import (
     MODERN_PROTOCOL_VERSIONS,
 )
 from pydantic import BaseModel, ValidationError
-from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler, make_server
+from werkzeug.serving import BaseWSGIServer
+
+from ._local_server import LocalServer
 
 __all__ = ["MCPEmulator", "RecordedCall", "RecordedRequest"]
 
@@ -236,24 +236,6 @@ class _Response:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-class _NoDelayRequestHandler(WSGIRequestHandler):
-    """werkzeug handler with TCP_NODELAY and without per-request access logging."""
-
-    def setup(self) -> None:
-        super().setup()
-        with contextlib.suppress(OSError):
-            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
-        pass
-
-    def log(self, type: str, message: str, *args: Any) -> None:
-        if type == "error":
-            logger.error("MCPEmulator: " + message, *args)
-        else:
-            logger.debug("MCPEmulator: " + message, *args)
 
 
 def _dumps(value: Any) -> bytes:
@@ -368,7 +350,7 @@ def _meta_version(params: Any) -> str | None:
 # --------------------------------------------------------------------------- the emulator
 
 
-class MCPEmulator:
+class MCPEmulator(LocalServer):
     """A scriptable MCP server (Streamable HTTP) on a real socket. See the module docstring."""
 
     FAILURE_KINDS = tuple(_FAILURE_OPTIONS)
@@ -407,49 +389,6 @@ class MCPEmulator:
         self._thread: threading.Thread | None = None
 
     # ---- lifecycle -------------------------------------------------------------------
-
-    def start(self) -> MCPEmulator:
-        """Bind the socket and serve from a daemon thread. Returns ``self``."""
-        if self._server is not None:
-            raise RuntimeError("MCPEmulator is already running")
-        server = make_server(
-            self.host, self.port, self._wsgi_app, threaded=True,
-            request_handler=_NoDelayRequestHandler,
-        )
-        thread = threading.Thread(
-            target=server.serve_forever,
-            kwargs={"poll_interval": 0.01},
-            name=f"MCPEmulator:{server.server_port}",
-            daemon=True,
-        )
-        self._server, self._thread = server, thread
-        thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop serving and close the socket. Safe to call more than once."""
-        server, thread = self._server, self._thread
-        self._server = self._thread = None
-        if server is None:
-            return
-        server.shutdown()
-        server.server_close()
-        if thread is not None:
-            thread.join(timeout=5)
-
-    def __enter__(self) -> MCPEmulator:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    @property
-    def base_url(self) -> str:
-        """Origin of the running server, e.g. ``http://127.0.0.1:54321``."""
-        if self._server is None:
-            raise RuntimeError("MCPEmulator is not running; call start() first")
-        host = self.host if ":" not in self.host else f"[{self.host}]"
-        return f"http://{host}:{self._server.server_port}"
 
     @property
     def url(self) -> str:
