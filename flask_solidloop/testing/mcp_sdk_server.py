@@ -22,7 +22,8 @@ Tools
 ``fail(message)``
     answers ``isError: true`` with ``message``.
 ``record_meta(note="")``
-    stores the request's ``_meta`` in :attr:`McpSdkServer.received_meta` and returns it.
+    stores the request's ``_meta`` in :attr:`McpSdkServer.received_meta` and returns
+    it as JSON text.
 
 Pass ``tools=[callable, ...]`` to add your own (any function MCPServer accepts).
 
@@ -40,6 +41,7 @@ What the wrapper around the SDK app adds
   and a JSON-RPC error, so clients fall back to ``initialize``);
   ``era="modern"`` refuses the ``initialize`` handshake with ``-32022``
   naming the modern versions. ``"both"`` (default) is the SDK as it is.
+  Assigning :attr:`McpSdkServer.era` while it runs simulates a server upgrade.
 * **Faults** (:meth:`fault_next`): answer the next matching request with a
   status (``503`` ...) or a body that is not JSON-RPC.
 * **Session loss** (:meth:`restart`): stop and start the server on the same
@@ -57,6 +59,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import threading
 import time
@@ -98,7 +101,14 @@ class _Fault:
 
 def _build_mcp_server(name: str, extra_tools: Iterable[Callable[..., Any]],
                       received_meta: list[dict[str, Any]]) -> MCPServer:
-    server = MCPServer(name, version="1.0", log_level="WARNING")
+    # MCPServer() calls logging.basicConfig(): keep the host's root logger as it was.
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    try:
+        server = MCPServer(name, version="1.0", log_level="WARNING")
+    finally:
+        root.setLevel(level)
+        root.handlers[:] = handlers
 
     @server.tool(description="Return the text unchanged.")
     def echo(text: str) -> str:
