@@ -142,7 +142,7 @@ class Agent:
 
         name = self.agent_name
         self.provider()
-        ToolRegistry.build(self.tool_entries(), agent=str(name))
+        ToolRegistry.build(self.tool_entries(), agent=str(name), remote=False)
         for option in ("max_steps", "max_duration", "max_tokens"):
             value = self.option(option)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)

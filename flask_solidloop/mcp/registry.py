@@ -8,11 +8,13 @@ checks ``required_tools``. It routes a call by its advertised name.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import AgentDefinitionError
+from ..errors import AgentDefinitionError, ConfigurationError, McpTransportError
 from .toolset import CallContext, ToolResult, Toolset
+from .transport import IDEMPOTENCY_META_KEY, McpTransport
 
 ENTRY_KINDS = ("toolset", "url", "command", "transport")
 ENTRY_KEYS = {
@@ -21,13 +23,99 @@ ENTRY_KEYS = {
 }
 
 
+class ToolServer:
+    """One ``mcps`` entry, callable by tool name. Subclasses own their transport."""
+
+    name: str
+
+    def tools(self) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def call(self, tool_name: str, arguments: Any, ctx: CallContext) -> ToolResult:
+        raise NotImplementedError
+
+
+class ToolsetServer(ToolServer):
+    """An in-process toolset: no network hop."""
+
+    def __init__(self, name: str, toolset: Toolset) -> None:
+        self.name = name
+        self.toolset = toolset
+
+    def tools(self) -> list[dict[str, Any]]:
+        return self.toolset.list_tools()
+
+    def call(self, tool_name: str, arguments: Any, ctx: CallContext) -> ToolResult:
+        return self.toolset.call(tool_name, arguments, ctx)
+
+
+class TransportServer(ToolServer):
+    """A server behind an McpTransport (Streamable HTTP, stdio, or the host's own).
+
+    Infrastructure failures come back as tool errors the model sees, classified
+    ``infra:<kind>`` on the tool call so an operator can tell a dead server from a
+    tool that refused its input.
+    """
+
+    def __init__(self, name: str, transport: McpTransport) -> None:
+        self.name = name
+        self.transport = transport
+
+    def tools(self) -> list[dict[str, Any]]:
+        return self.transport.list_tools()
+
+    def call(self, tool_name: str, arguments: Any, ctx: CallContext) -> ToolResult:
+        if not isinstance(arguments, dict):
+            return ToolResult.error(
+                f"arguments for tool {tool_name!r} must be a JSON object, "
+                f"got {type(arguments).__name__}")
+        meta = {IDEMPOTENCY_META_KEY: ctx.idempotency_key} if ctx.idempotency_key else None
+        try:
+            return self.transport.call_tool(tool_name, arguments, meta=meta)
+        except McpTransportError as exc:
+            result = ToolResult.error(
+                f"the tool server {self.name!r} could not run {tool_name!r} "
+                f"({exc.kind}): {exc}")
+            result.error_kind = f"infra:{exc.kind}"
+            return result
+
+
+def make_server(entry: dict[str, Any]) -> ToolServer:
+    """The ToolServer for one validated ``mcps`` entry."""
+    name = str(entry["name"])
+    if entry.get("toolset") is not None:
+        return ToolsetServer(name, entry["toolset"])
+    if entry.get("transport") is not None:
+        return TransportServer(name, entry["transport"])
+    timeout = float(entry.get("timeout") or 60)
+    if entry.get("url") is not None:
+        from .http_transport import HttpTransport
+
+        token = entry.get("api_token")
+        if token is None and entry.get("api_token_env"):
+            token = os.environ.get(entry["api_token_env"])
+            if not token:
+                raise ConfigurationError(
+                    entry["api_token_env"], "(unset)",
+                    f"the mcps entry {name!r} reads its token from this environment "
+                    "variable, but it is unset or empty in the worker's environment")
+        return TransportServer(name, HttpTransport(
+            entry["url"], headers=entry.get("headers"), api_token=token, timeout=timeout,
+            server_name=name))
+    from .stdio_transport import StdioTransport
+
+    return TransportServer(name, StdioTransport(
+        entry["command"], env=entry.get("env"), cwd=entry.get("cwd"), timeout=timeout,
+        server_name=name))
+
+
 @dataclass(frozen=True)
 class ToolRoute:
     advertised_name: str
     server_name: str
     tool_name: str
     definition: dict[str, Any]
-    toolset: Toolset
+    server: ToolServer
 
 
 def validate_entry(entry: Any, agent: str) -> str:
@@ -54,6 +142,17 @@ def validate_entry(entry: Any, agent: str) -> str:
             f"toolset=, url=, command=, transport= (found: {', '.join(kinds) or 'none'})"
         )
     kind = kinds[0]
+    name = entry["name"]
+    if kind == "url" and not str(entry["url"]).startswith(("http://", "https://")):
+        raise AgentDefinitionError(
+            f"agent {agent!r}: mcps entry {name!r}: url must start with http:// or https://, "
+            f"got {entry['url']!r}")
+    if kind == "command" and not entry["command"]:
+        raise AgentDefinitionError(f"agent {agent!r}: mcps entry {name!r}: command is empty")
+    if kind == "transport" and not isinstance(entry["transport"], McpTransport):
+        raise AgentDefinitionError(
+            f"agent {agent!r}: mcps entry {name!r}: transport= must implement "
+            "list_tools(), call_tool(), session_state() and close() (see mcp/transport.py)")
     if kind == "toolset" and not isinstance(entry["toolset"], Toolset):
         raise AgentDefinitionError(
             f"agent {agent!r}: mcps entry {entry['name']!r}: toolset= must be a Toolset, "
@@ -69,31 +168,36 @@ class ToolRegistry:
         self.routes = {route.advertised_name: route for route in routes}
 
     @classmethod
-    def build(cls, mcps: list[dict[str, Any]], *, agent: str) -> ToolRegistry:
+    def build(cls, mcps: list[dict[str, Any]], *, agent: str,
+              remote: bool = True) -> ToolRegistry:
+        """Resolve every entry. With ``remote=False`` only in-process toolsets are
+        listed and remote entries are checked for shape alone (no network)."""
         routes: dict[str, ToolRoute] = {}
         seen_servers: set[str] = set()
         for entry in mcps:
             kind = validate_entry(entry, agent)
-            server = str(entry["name"])
-            if server in seen_servers:
+            server_name = str(entry["name"])
+            if server_name in seen_servers:
                 raise AgentDefinitionError(
-                    f"agent {agent!r}: two mcps entries are named {server!r}; names must be unique"
+                    f"agent {agent!r}: two mcps entries are named {server_name!r}; "
+                    "names must be unique"
                 )
-            seen_servers.add(server)
-            if kind != "toolset":
-                raise AgentDefinitionError(
-                    f"agent {agent!r}: mcps entry {server!r} uses {kind}=, a transport this "
-                    "version does not ship yet; use toolset= (in-process) for now"
-                )
-            toolset: Toolset = entry["toolset"]
-            available = {tool["name"]: tool for tool in toolset.list_tools()}
+            seen_servers.add(server_name)
+            if kind == "toolset":
+                server: ToolServer = ToolsetServer(server_name, entry["toolset"])
+            elif not remote:
+                # start() validates shapes only: it never reaches out to a server.
+                continue
+            else:
+                server = make_server(entry)
+            available = {tool["name"]: tool for tool in server.tools()}
             whitelist = entry.get("tools")
             if whitelist is not None:
                 missing = [t for t in whitelist if t not in available]
                 if missing:
                     raise AgentDefinitionError(
-                        f"agent {agent!r}: mcps entry {server!r} whitelists tool(s) "
-                        f"{', '.join(missing)} that server {server!r} does not offer; "
+                        f"agent {agent!r}: mcps entry {server_name!r} whitelists tool(s) "
+                        f"{', '.join(missing)} that server {server_name!r} does not offer; "
                         f"it offers: {', '.join(available) or 'nothing'}"
                     )
                 available = {name: available[name] for name in whitelist}
@@ -101,7 +205,7 @@ class ToolRegistry:
                 if required not in available:
                     raise AgentDefinitionError(
                         f"agent {agent!r}: required tool {required!r} is not offered by "
-                        f"server {server!r}; it offers: {', '.join(available) or 'nothing'}"
+                        f"server {server_name!r}; it offers: {', '.join(available) or 'nothing'}"
                     )
             prefix = entry.get("prefix")
             for tool_name, definition in available.items():
@@ -110,14 +214,14 @@ class ToolRegistry:
                     other = routes[advertised].server_name
                     raise AgentDefinitionError(
                         f"agent {agent!r}: tool name {advertised!r} is offered by both "
-                        f"{other!r} and {server!r}; add prefix= to one of the entries"
+                        f"{other!r} and {server_name!r}; add prefix= to one of the entries"
                     )
                 routes[advertised] = ToolRoute(
                     advertised_name=advertised,
-                    server_name=server,
+                    server_name=server_name,
                     tool_name=tool_name,
                     definition={**definition, "name": advertised},
-                    toolset=toolset,
+                    server=server,
                 )
         return cls(list(routes.values()))
 
@@ -137,4 +241,14 @@ class ToolRegistry:
             return ToolResult.error(
                 f"unknown tool {name!r}; available tools: {', '.join(self.routes) or 'none'}"
             )
-        return route.toolset.call(route.tool_name, arguments, ctx)
+        return route.server.call(route.tool_name, arguments, ctx)
+
+
+def call_on_server(mcps: list[dict[str, Any]], server_name: str, tool_name: str,
+                   arguments: Any, ctx: CallContext) -> ToolResult | None:
+    """Call ``tool_name`` on the entry named ``server_name`` without listing any
+    server first (the tool turn already knows the route). None if no such entry."""
+    for entry in mcps:
+        if str(entry.get("name")) == server_name:
+            return make_server(entry).call(tool_name, arguments, ctx)
+    return None

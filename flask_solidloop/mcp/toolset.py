@@ -137,6 +137,9 @@ class ToolResult:
     content: list[dict]
     structured_content: dict | None = None
     is_error: bool = False
+    #: Set when the failure was the infrastructure's, not the tool's
+    #: (``infra:<kind>``); stored on the tool call, never sent to the model.
+    error_kind: str | None = None
 
     def text(self) -> str:
         """All text blocks joined with a newline (other block types are skipped)."""

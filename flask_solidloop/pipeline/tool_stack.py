@@ -23,7 +23,7 @@ from sqlalchemy import func, select
 
 from ..errors import LostLeaseError
 from ..loops.fence import lock_loop, owns
-from ..mcp.registry import ToolRegistry
+from ..mcp.registry import ToolRegistry, call_on_server
 from ..mcp.toolset import CallContext, ToolResult
 from ..models import Event, Message, ToolCall
 from .builder import Handler
@@ -66,6 +66,7 @@ class ToolExecution:
             raise LostLeaseError(f"tool call {call.id} was already executed")
         checkpoint.result = result.to_mcp()
         checkpoint.is_success = not result.is_error
+        checkpoint.error_kind = result.error_kind
         checkpoint.executed_at = func.now()
         checkpoint.duration_ms = duration_ms
         ctx.session.add(Event(
@@ -92,11 +93,9 @@ class ToolExecution:
                 "matching the tool's input schema."
             )
         else:
-            registry = ctx.tools or ToolRegistry.build(
-                ctx.agent.tool_entries(), agent=str(ctx.agent.agent_name)
-            )
-            ctx.tools = registry
+            entries = ctx.agent.tool_entries()
             name, arguments, key = call.name, call.arguments, call.idempotency_key
+            server_name, tool_name = call.server_name, call.tool_name
             # The tool sees a detached snapshot of the loop, so reading it never
             # reopens a transaction on our session.
             loop = ctx.loop
@@ -104,11 +103,16 @@ class ToolExecution:
             # End the read transaction: a tool may run for minutes and must not
             # hold a snapshot or a connection's transaction open meanwhile.
             ctx.session.commit()
+            call_ctx = CallContext(agent=ctx.agent, loop=loop, idempotency_key=key)
             try:
-                result = registry.call(
-                    name, arguments,
-                    CallContext(agent=ctx.agent, loop=loop, idempotency_key=key),
-                )
+                # The route was resolved when the model's answer was parsed: call that
+                # server directly, without listing any server again.
+                routed = (call_on_server(entries, server_name, tool_name, arguments, call_ctx)
+                          if server_name and tool_name else None)
+                if routed is None:  # a tool no server offers: the model learns which do
+                    registry = ToolRegistry.build(entries, agent=str(ctx.agent.agent_name))
+                    routed = registry.call(name, arguments, call_ctx)
+                result = routed
             finally:
                 # A tool that used db.session without committing (or left it failed)
                 # must not leak into our checkpoint: its uncommitted writes are

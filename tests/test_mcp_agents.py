@@ -1,0 +1,145 @@
+"""Agents whose tools live on remote MCP servers: Streamable HTTP and stdio, real peers."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from flask_solidloop import Agent
+from flask_solidloop.models import Loop, Message, ToolCall
+from flask_solidloop.testing import drain as run
+from flask_solidloop.testing.mcp_emulator import MCPEmulator
+
+from .support_app import llm_settings, solidloop
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT / ".mcp-peers" / "node_modules" / ".bin"
+
+
+def remote_agent(name: str, mcps: list[dict]) -> type[Agent]:
+    class Remote(Agent):
+        system_prompt = "You use remote tools."
+
+        def llm(self):
+            return llm_settings()
+
+    Remote.mcps = mcps
+    return solidloop.agent(name)(Remote)
+
+
+def finished(session, loop_id):
+    session.expire_all()
+    return session.get(Loop, loop_id)
+
+
+def test_an_http_mcp_server_runs_a_tool_with_the_idempotency_key(app, session, llm):
+    with MCPEmulator(token="mcp-secret-token") as server:
+        server.tool("lookup", description="Find a record",
+                    input_schema={"type": "object", "properties": {"key": {"type": "string"}},
+                                  "required": ["key"]},
+                    handler=lambda arguments, meta: f"record {arguments['key']} is green")
+        agent = remote_agent("http_remote", [{"name": "records", "url": server.url,
+                                              "api_token": "mcp-secret-token",
+                                              "prefix": "db"}])
+        llm.script("look up", {"tool_calls": [{"name": "db__lookup",
+                                               "arguments": {"key": "k1"}}]})
+        llm.script("green", {"content": "It is green."})
+        loop = agent.start(message="please look up k1")
+        run(app)
+        assert finished(session, loop.id).status == "completed"
+        call = session.scalars(select(ToolCall)).one()
+        assert (call.server_name, call.tool_name, call.is_success) == ("records", "lookup", True)
+        assert server.calls[-1].meta["solidloop/idempotencyKey"] == call.idempotency_key
+        answer = session.scalars(select(Message).where(Message.role == "tool")).one()
+        assert answer.content == "record k1 is green"
+        assert llm.requests[0].json["tools"][0]["function"]["name"] == "db__lookup"
+
+
+def test_a_failing_mcp_server_is_a_classified_tool_error_the_loop_survives(
+        app, session, llm):
+    with MCPEmulator() as server:
+        server.tool("ping", result="pong")
+        agent = remote_agent("flaky_remote", [{"name": "flaky", "url": server.url,
+                                               "timeout": 5}])
+        llm.script("ping", {"tool_calls": [{"name": "ping", "arguments": {}}]})
+        llm.script(lambda body: body["messages"][-1]["role"] == "tool",
+                   {"content": "the server is struggling"})
+        loop = agent.start(message="ping it")
+        run(app, queues=("solidloop_llm",))
+        server.fail_next("status", status=503, method="tools/call")
+        run(app)
+    row = finished(session, loop.id)
+    assert row.status == "completed", row.error_message
+    call = session.scalars(select(ToolCall)).one()
+    assert call.is_success is False and call.error_kind == "infra:http"
+    assert "could not run 'ping' (http)" in call.result["content"][0]["text"]
+
+
+def test_start_never_contacts_a_remote_server(app, session):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()[1]
+    agent = remote_agent("gone_remote", [{"name": "gone", "url": f"http://127.0.0.1:{dead}/mcp"}])
+    loop = agent.start(message="nothing listens there")
+    assert loop.status == "queued"
+    # the first turn is where the server is needed; its absence fails the loop readably
+    run(app)
+    row = finished(session, loop.id)
+    assert row.status == "failed"
+    assert "McpTransportError" in row.error_message and "gone" in row.error_message
+    assert "cannot connect" in row.error_message
+
+
+def _needs_peers():
+    if not (PEERS / "mcp-server-filesystem").exists():
+        pytest.fail("the MCP peers are missing: run `bash scripts/mcp_peers.sh`")
+
+
+def test_a_stdio_filesystem_server_reads_a_file(app, session, llm, tmp_path):
+    _needs_peers()
+    (tmp_path / "notes.txt").write_text("the answer is 42")
+    agent = remote_agent("fs_remote", [{"name": "fs", "timeout": 30,
+                                        "command": [str(PEERS / "mcp-server-filesystem"),
+                                                    str(tmp_path)],
+                                        "tools": ["read_text_file"]}])
+    llm.script("read", {"tool_calls": [{"name": "read_text_file",
+                                        "arguments": {"path": str(tmp_path / "notes.txt")}}]})
+    llm.script("42", {"content": "The answer is 42."})
+    loop = agent.start(message="read my notes")
+    run(app)
+    assert finished(session, loop.id).status == "completed"
+    assert [t["function"]["name"] for t in llm.requests[0].json["tools"]] == ["read_text_file"]
+    answer = session.scalars(select(Message).where(Message.role == "tool")).one()
+    assert "the answer is 42" in answer.content
+
+
+def test_a_stdio_python_server_tells_the_time(app, session, llm):
+    _needs_peers()
+    agent = remote_agent("time_remote", [{"name": "time", "timeout": 60,
+                                          "command": [str(ROOT / ".venv" / "bin" /
+                                                          "mcp-server-time"),
+                                                      "--local-timezone", "UTC"],
+                                          "required_tools": ["get_current_time"]}])
+    llm.script("time", {"tool_calls": [{"name": "get_current_time",
+                                        "arguments": {"timezone": "UTC"}}]})
+    llm.script("UTC", {"content": "Got the time."})
+    loop = agent.start(message="what time is it")
+    run(app)
+    assert finished(session, loop.id).status == "completed"
+    answer = session.scalars(select(Message).where(Message.role == "tool")).one()
+    assert "UTC" in answer.content
+
+
+def test_a_missing_required_tool_fails_the_loop_naming_tool_and_server(app, session, llm):
+    with MCPEmulator() as server:
+        server.tool("ping", result="pong")
+        agent = remote_agent("needs_more", [{"name": "tiny", "url": server.url,
+                                             "required_tools": ["launch"]}])
+        loop = agent.start(message="go")
+        run(app)
+    row = finished(session, loop.id)
+    assert row.status == "failed"
+    assert "'launch'" in row.error_message and "'tiny'" in row.error_message
