@@ -143,3 +143,34 @@ def test_a_missing_required_tool_fails_the_loop_naming_tool_and_server(app, sess
     row = finished(session, loop.id)
     assert row.status == "failed"
     assert "'launch'" in row.error_message and "'tiny'" in row.error_message
+
+
+def test_the_tool_list_seen_at_the_first_turn_is_the_loops_snapshot(app, session, llm):
+    from flask_solidloop.models import McpSession
+
+    with MCPEmulator() as server:
+        server.tool("ping", result="pong")
+        agent = remote_agent("snapshot_remote", [{"name": "snap", "url": server.url,
+                                                  "timeout": 5}])
+        llm.script("ping", {"tool_calls": [{"name": "ping", "arguments": {}}]})
+        llm.script("pong", {"tool_calls": [{"name": "ping", "arguments": {}}]}, times=1)
+        llm.script(lambda body: len([m for m in body["messages"] if m["role"] == "tool"]) == 2,
+                   {"content": "pinged twice"})
+        loop = agent.start(message="ping it twice")
+        run(app, queues=("solidloop_llm",))
+        server.tool("shiny_new_tool", result="new")  # the server changes its tools later
+        run(app, queues=("solidloop_tool",))
+        run(app, queues=("solidloop_llm",))           # second turn: from the snapshot
+        listed = [r for r in server.requests if r.rpc_method == "tools/list"]
+        assert len(listed) == 1
+        advertised = [t["function"]["name"] for t in llm.requests[-1].json["tools"]]
+        assert advertised == ["ping"]
+    # the server is gone now: the next turn still runs from the snapshot, and only
+    # the call made to the dead server fails (as a classified tool error)
+    run(app)
+    row = finished(session, loop.id)
+    assert row.status == "completed", row.error_message
+    snapshot = session.scalars(select(McpSession)).one()
+    assert [t["name"] for t in snapshot.tools] == ["ping"]
+    calls = list(session.scalars(select(ToolCall).order_by(ToolCall.id)))
+    assert [c.error_kind for c in calls] == [None, "infra:connect"]

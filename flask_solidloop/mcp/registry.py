@@ -64,6 +64,9 @@ class TransportServer(ToolServer):
     def tools(self) -> list[dict[str, Any]]:
         return self.transport.list_tools()
 
+    def session_state(self) -> dict[str, Any]:
+        return self.transport.session_state()
+
     def call(self, tool_name: str, arguments: Any, ctx: CallContext) -> ToolResult:
         if not isinstance(arguments, dict):
             return ToolResult.error(
@@ -166,13 +169,20 @@ class ToolRegistry:
 
     def __init__(self, routes: list[ToolRoute]) -> None:
         self.routes = {route.advertised_name: route for route in routes}
+        self.new_snapshots: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = {}
 
     @classmethod
-    def build(cls, mcps: list[dict[str, Any]], *, agent: str,
-              remote: bool = True) -> ToolRegistry:
+    def build(cls, mcps: list[dict[str, Any]], *, agent: str, remote: bool = True,
+              snapshots: dict[str, list[dict[str, Any]]] | None = None) -> ToolRegistry:
         """Resolve every entry. With ``remote=False`` only in-process toolsets are
-        listed and remote entries are checked for shape alone (no network)."""
+        listed and remote entries are checked for shape alone (no network).
+
+        ``snapshots`` maps a remote server's name to the tool list a loop already
+        saw: those servers are not asked again. Servers listed now are reported
+        in ``new_snapshots`` (tools and session state) for the caller to persist.
+        """
         routes: dict[str, ToolRoute] = {}
+        new_snapshots: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = {}
         seen_servers: set[str] = set()
         for entry in mcps:
             kind = validate_entry(entry, agent)
@@ -190,7 +200,13 @@ class ToolRegistry:
                 continue
             else:
                 server = make_server(entry)
-            available = {tool["name"]: tool for tool in server.tools()}
+            if kind != "toolset" and snapshots is not None and server_name in snapshots:
+                listed = snapshots[server_name]
+            else:
+                listed = server.tools()
+                if isinstance(server, TransportServer):
+                    new_snapshots[server_name] = (listed, server.session_state())
+            available = {tool["name"]: tool for tool in listed}
             whitelist = entry.get("tools")
             if whitelist is not None:
                 missing = [t for t in whitelist if t not in available]
@@ -223,7 +239,9 @@ class ToolRegistry:
                     definition={**definition, "name": advertised},
                     server=server,
                 )
-        return cls(list(routes.values()))
+        registry = cls(list(routes.values()))
+        registry.new_snapshots = new_snapshots
+        return registry
 
     @property
     def names(self) -> list[str]:

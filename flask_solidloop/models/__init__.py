@@ -10,6 +10,7 @@ from .base import Base, metadata
 from .event import Event
 from .job import Job
 from .loop import RESUMABLE_STATUSES, TERMINAL_STATUSES, Loop, LoopStatus
+from .mcp_session import McpSession
 from .message import Message
 from .tool_call import ToolCall
 
@@ -21,6 +22,7 @@ __all__ = [
     "Job",
     "Loop",
     "LoopStatus",
+    "McpSession",
     "Message",
     "ToolCall",
     "metadata",

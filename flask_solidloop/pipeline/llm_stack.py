@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from sqlalchemy import func, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from ..errors import LimitExceededError, LostLeaseError, ProviderError
 from ..llm import pricing, reasoning
@@ -37,7 +38,7 @@ from ..llm.streaming import post_stream
 from ..llm.types import ChatMessage, ToolCallRequest
 from ..loops.fence import lock_loop, owns, transition
 from ..mcp.registry import ToolRegistry
-from ..models import Event, Loop, Message, ToolCall
+from ..models import Event, Loop, McpSession, Message, ToolCall
 from .builder import Handler
 from .context import LlmContext
 
@@ -116,10 +117,30 @@ class AgentInitialization:
                 f"max_duration reached ({int(elapsed)}s of {max_duration}s in this run); "
                 "resume() starts a new run"
             )
-        ctx.tools = ToolRegistry.build(ctx.agent.tool_entries(), agent=str(ctx.agent.agent_name))
+        ctx.tools = _tools_with_snapshots(ctx)
         ctx.history = load_history(ctx)
         ctx.session.commit()  # end the read transaction before the network call
         return self.next_step(ctx)
+
+
+def _tools_with_snapshots(ctx: LlmContext) -> ToolRegistry:
+    """The agent's tools, remote servers taken from the loop's snapshot when it has
+    one. A server listed for the first time becomes part of the snapshot: later
+    turns advertise the same tools without asking it again, and a server that is
+    briefly down fails only the calls made to it, not the turn."""
+    session = ctx.session
+    snapshots = {row.server_name: row.tools for row in session.scalars(
+        select(McpSession).where(McpSession.loop_id == ctx.loop_id))}
+    registry = ToolRegistry.build(ctx.agent.tool_entries(), agent=str(ctx.agent.agent_name),
+                                  snapshots=snapshots)
+    for server_name, (tools, state) in registry.new_snapshots.items():
+        session.execute(
+            pg_insert(McpSession)
+            .values(loop_id=ctx.loop_id, server_name=server_name, tools=tools,
+                    session_state=state)
+            .on_conflict_do_nothing(index_elements=["loop_id", "server_name"])
+        )
+    return registry
 
 
 #: Keys of a message's metadata that its dialect gets back next turn.
