@@ -174,3 +174,25 @@ def test_the_tool_list_seen_at_the_first_turn_is_the_loops_snapshot(app, session
     assert [t["name"] for t in snapshot.tools] == ["ping"]
     calls = list(session.scalars(select(ToolCall).order_by(ToolCall.id)))
     assert [c.error_kind for c in calls] == [None, "infra:connect"]
+
+
+def test_calls_resume_the_loops_stored_http_session(app, session, llm):
+    from flask_solidloop.models import McpSession
+
+    with MCPEmulator(stateless=False) as server:  # the handshake era: real sessions
+        server.tool("ping", result="pong")
+        agent = remote_agent("resume_remote", [{"name": "sess", "url": server.url,
+                                                "timeout": 5}])
+        llm.script("ping", {"tool_calls": [{"name": "ping", "arguments": {}}]})
+        llm.script("pong", {"tool_calls": [{"name": "ping", "arguments": {}}]}, times=1)
+        llm.script(lambda body: len([m for m in body["messages"] if m["role"] == "tool"]) == 2,
+                   {"content": "done"})
+        loop = agent.start(message="ping twice")
+        run(app)
+        assert finished(session, loop.id).status == "completed"
+        initializes = [r for r in server.requests if r.rpc_method == "initialize"]
+        calls = [c for c in server.calls if c.name == "ping"]
+        stored = session.scalars(select(McpSession)).one().session_state
+    assert len(calls) == 2
+    assert len(initializes) == 1  # listing opened it; both calls resumed it
+    assert {c.session_id for c in calls} == {stored.get("session_id")}

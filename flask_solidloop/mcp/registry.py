@@ -57,15 +57,31 @@ class TransportServer(ToolServer):
     tool that refused its input.
     """
 
-    def __init__(self, name: str, transport: McpTransport) -> None:
+    def __init__(self, name: str, transport: McpTransport, *, owned: bool = True) -> None:
         self.name = name
         self.transport = transport
+        self.owned = owned
 
     def tools(self) -> list[dict[str, Any]]:
-        return self.transport.list_tools()
+        try:
+            return self.transport.list_tools()
+        finally:
+            self.release()
 
     def session_state(self) -> dict[str, Any]:
         return self.transport.session_state()
+
+    def release(self) -> None:
+        """Free local resources after use, keeping a server-side session alive so
+        the loop's stored session_state can resume it on a later call."""
+        if not self.owned:
+            return  # a host's transport= object: its lifetime is the host's business
+        try:
+            self.transport.close(end_session=False)  # type: ignore[call-arg]
+        except TypeError:
+            self.transport.close()
+        except Exception:
+            pass
 
     def call(self, tool_name: str, arguments: Any, ctx: CallContext) -> ToolResult:
         if not isinstance(arguments, dict):
@@ -76,6 +92,7 @@ class TransportServer(ToolServer):
         try:
             return self.transport.call_tool(tool_name, arguments, meta=meta)
         except McpTransportError as exc:
+            self.release()
             result = ToolResult.error(
                 f"the tool server {self.name!r} could not run {tool_name!r} "
                 f"({exc.kind}): {exc}")
@@ -83,13 +100,14 @@ class TransportServer(ToolServer):
             return result
 
 
-def make_server(entry: dict[str, Any]) -> ToolServer:
-    """The ToolServer for one validated ``mcps`` entry."""
+def make_server(entry: dict[str, Any], session_state: dict[str, Any] | None = None) -> ToolServer:
+    """The ToolServer for one validated ``mcps`` entry; ``session_state`` resumes
+    an HTTP session the loop stored earlier."""
     name = str(entry["name"])
     if entry.get("toolset") is not None:
         return ToolsetServer(name, entry["toolset"])
     if entry.get("transport") is not None:
-        return TransportServer(name, entry["transport"])
+        return TransportServer(name, entry["transport"], owned=False)
     timeout = float(entry.get("timeout") or 60)
     if entry.get("url") is not None:
         from .http_transport import HttpTransport
@@ -104,7 +122,7 @@ def make_server(entry: dict[str, Any]) -> ToolServer:
                     "variable, but it is unset or empty in the worker's environment")
         return TransportServer(name, HttpTransport(
             entry["url"], headers=entry.get("headers"), api_token=token, timeout=timeout,
-            server_name=name))
+            session_state=session_state or None, server_name=name))
     from .stdio_transport import StdioTransport
 
     return TransportServer(name, StdioTransport(
@@ -262,11 +280,24 @@ class ToolRegistry:
         return route.server.call(route.tool_name, arguments, ctx)
 
 
-def call_on_server(mcps: list[dict[str, Any]], server_name: str, tool_name: str,
-                   arguments: Any, ctx: CallContext) -> ToolResult | None:
+def call_on_server(
+    mcps: list[dict[str, Any]], server_name: str, tool_name: str, arguments: Any,
+    ctx: CallContext, session_state: dict[str, Any] | None = None,
+) -> tuple[ToolResult, dict[str, Any] | None] | None:
     """Call ``tool_name`` on the entry named ``server_name`` without listing any
-    server first (the tool turn already knows the route). None if no such entry."""
+    server first (the tool turn already knows the route).
+
+    Returns the result and, for a remote server, its session state after the
+    call (to store when it changed); None if no entry has that name.
+    """
     for entry in mcps:
         if str(entry.get("name")) == server_name:
-            return make_server(entry).call(tool_name, arguments, ctx)
+            server = make_server(entry, session_state)
+            try:
+                result = server.call(tool_name, arguments, ctx)
+            finally:
+                if isinstance(server, TransportServer):
+                    server.release()
+            state = server.session_state() if isinstance(server, TransportServer) else None
+            return result, state
     return None

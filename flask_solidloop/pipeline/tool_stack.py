@@ -19,13 +19,13 @@ import logging
 import time
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from ..errors import LostLeaseError
 from ..loops.fence import lock_loop, owns
 from ..mcp.registry import ToolRegistry, call_on_server
 from ..mcp.toolset import CallContext, ToolResult
-from ..models import Event, Message, ToolCall
+from ..models import Event, McpSession, Message, ToolCall
 from .builder import Handler
 from .context import ToolContext
 
@@ -96,6 +96,11 @@ class ToolExecution:
             entries = ctx.agent.tool_entries()
             name, arguments, key = call.name, call.arguments, call.idempotency_key
             server_name, tool_name = call.server_name, call.tool_name
+            stored = ctx.session.scalars(
+                select(McpSession).where(McpSession.loop_id == ctx.loop_id,
+                                         McpSession.server_name == server_name)
+            ).first() if server_name else None
+            stored_state = dict(stored.session_state) if stored is not None else None
             # The tool sees a detached snapshot of the loop, so reading it never
             # reopens a transaction on our session.
             loop = ctx.loop
@@ -107,18 +112,37 @@ class ToolExecution:
             try:
                 # The route was resolved when the model's answer was parsed: call that
                 # server directly, without listing any server again.
-                routed = (call_on_server(entries, server_name, tool_name, arguments, call_ctx)
+                routed = (call_on_server(entries, server_name, tool_name, arguments, call_ctx,
+                                         stored_state)
                           if server_name and tool_name else None)
                 if routed is None:  # a tool no server offers: the model learns which do
                     registry = ToolRegistry.build(entries, agent=str(ctx.agent.agent_name))
-                    routed = registry.call(name, arguments, call_ctx)
-                result = routed
+                    result = registry.call(name, arguments, call_ctx)
+                else:
+                    result, new_state = routed
+                    if new_state is not None and stored_state is not None \
+                            and new_state != stored_state:
+                        self._store_session_state(ctx, server_name, new_state)
             finally:
                 # A tool that used db.session without committing (or left it failed)
                 # must not leak into our checkpoint: its uncommitted writes are
                 # discarded here. Tools that want their writes kept commit them.
                 ctx.session.rollback()
         return result, (time.monotonic() - started) * 1000
+
+
+    @staticmethod
+    def _store_session_state(ctx: ToolContext, server_name: str | None,
+                             state: dict[str, Any]) -> None:
+        """Keep the loop's stored MCP session current (a server re-initialized it,
+        or the protocol era changed), so the next call resumes instead of probing."""
+        ctx.session.rollback()
+        ctx.session.execute(
+            update(McpSession)
+            .where(McpSession.loop_id == ctx.loop_id, McpSession.server_name == server_name)
+            .values(session_state=state)
+        )
+        ctx.session.commit()
 
 
 class ResponseCreation:
