@@ -196,3 +196,100 @@ def test_calls_resume_the_loops_stored_http_session(app, session, llm):
     assert len(calls) == 2
     assert len(initializes) == 1  # listing opened it; both calls resumed it
     assert {c.session_id for c in calls} == {stored.get("session_id")}
+
+
+# -- each real peer in a loop, and bad input through the agent path -------------------------
+
+
+def test_a_loop_uses_the_sdk_built_http_server(app, session, llm):
+    from flask_solidloop.testing.mcp_sdk_server import McpSdkServer
+
+    server = McpSdkServer().start()
+    try:
+        agent = remote_agent("sdk_http", [{"name": "sdk", "url": server.url, "timeout": 10,
+                                           "tools": ["add"]}])
+        llm.script("sum", {"tool_calls": [{"name": "add", "arguments": {"a": 20, "b": 22}}]})
+        llm.script("42", {"content": "It is 42."})
+        loop = agent.start(message="sum 20 and 22")
+        run(app)
+    finally:
+        server.stop()
+    assert finished(session, loop.id).status == "completed"
+    call = session.scalars(select(ToolCall)).one()
+    assert call.is_success is True and "42" in call.result["content"][0]["text"]
+
+
+def test_a_loop_uses_the_everything_stdio_server(app, session, llm):
+    _needs_peers()
+    agent = remote_agent("everything", [{"name": "ev", "timeout": 30, "prefix": "ev",
+                                         "command": [str(PEERS / "mcp-server-everything"),
+                                                     "stdio"],
+                                         "tools": ["echo", "get-sum"]}])
+    llm.script("echo", {"tool_calls": [{"name": "ev__echo", "arguments": {"message": "hi"}},
+                                       {"name": "ev__get-sum", "arguments": {"a": 2, "b": 40}}]})
+    llm.script(lambda body: body["messages"][-1]["role"] == "tool", {"content": "done"})
+    loop = agent.start(message="echo and sum")
+    run(app)
+    assert finished(session, loop.id).status == "completed"
+    texts = [c.result["content"][0]["text"] for c in
+             session.scalars(select(ToolCall).order_by(ToolCall.position))]
+    assert "hi" in texts[0] and "42" in texts[1]
+
+
+def test_arguments_that_fail_a_remote_schema_are_a_tool_error(app, session, llm):
+    _needs_peers()
+    agent = remote_agent("bad_remote_args", [{"name": "ev", "timeout": 30,
+                                              "command": [str(PEERS / "mcp-server-everything"),
+                                                          "stdio"],
+                                              "tools": ["get-sum"]}])
+    llm.script("sum", {"tool_calls": [{"name": "get-sum", "arguments": {"a": "two"}}]})
+    llm.script(lambda body: body["messages"][-1]["role"] == "tool", {"content": "oops"})
+    loop = agent.start(message="sum badly")
+    run(app)
+    assert finished(session, loop.id).status == "completed"
+    call = session.scalars(select(ToolCall)).one()
+    assert call.is_success is False and call.error_kind is None  # the tool's refusal
+
+
+def test_malformed_json_rpc_is_a_classified_tool_error(app, session, llm):
+    from flask_solidloop.testing.mcp_sdk_server import McpSdkServer
+
+    server = McpSdkServer().start()
+    try:
+        agent = remote_agent("garbled_rpc", [{"name": "sdk", "url": server.url, "timeout": 10,
+                                              "tools": ["echo"]}])
+        llm.script("garble", {"tool_calls": [{"name": "echo", "arguments": {"text": "x"}}]})
+        llm.script(lambda body: body["messages"][-1]["role"] == "tool", {"content": "hm"})
+        loop = agent.start(message="garble it")
+        run(app, queues=("solidloop_llm",))
+        server.fault_next("malformed", method="tools/call")
+        run(app)
+    finally:
+        server.stop()
+    assert finished(session, loop.id).status == "completed"
+    call = session.scalars(select(ToolCall)).one()
+    assert call.error_kind == "infra:protocol"
+
+
+def test_a_stdio_command_that_does_not_exist_fails_the_first_turn_readably(app, session):
+    agent = remote_agent("no_binary", [{"name": "ghost", "command": ["no-such-mcp-server-x"]}])
+    loop = agent.start(message="anyone?")
+    run(app)
+    row = finished(session, loop.id)
+    assert row.status == "failed"
+    assert "ghost" in row.error_message and "no-such-mcp-server-x" in row.error_message
+
+
+def test_a_server_that_hangs_past_its_timeout_is_a_tool_error(app, session, llm):
+    with MCPEmulator() as server:
+        server.tool("nap", result="rested")
+        agent = remote_agent("sleepy", [{"name": "sleepy", "url": server.url, "timeout": 1}])
+        llm.script("nap", {"tool_calls": [{"name": "nap", "arguments": {}}]})
+        llm.script(lambda body: body["messages"][-1]["role"] == "tool", {"content": "gave up"})
+        loop = agent.start(message="take a nap")
+        run(app, queues=("solidloop_llm",))
+        server.fail_next("slow", seconds=3, method="tools/call")
+        run(app)
+    assert finished(session, loop.id).status == "completed"
+    call = session.scalars(select(ToolCall)).one()
+    assert call.error_kind == "infra:timeout"
