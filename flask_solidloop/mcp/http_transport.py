@@ -658,7 +658,8 @@ class HttpTransport:
     def _remember(self, conn: _Connection) -> None:
         state: dict[str, Any] = {
             "transport": "streamable-http",
-            "url": self.url,
+            # Stored in the database: the URL without userinfo or query (credentials).
+            "url": self._display_url,
             "era": conn.era,
             "protocol_version": conn.protocol_version,
         }
@@ -837,7 +838,7 @@ def _valid_state(state: dict[str, Any] | None, url: str) -> dict[str, Any]:
     """A usable copy of a persisted session_state, or {} (other URL, unknown era, junk)."""
     if not isinstance(state, dict) or not state:
         return {}
-    if state.get("url") not in (None, url):
+    if state.get("url") not in (None, url, _display_url(url)):
         return {}
     era, version = state.get("era"), state.get("protocol_version")
     if era == "legacy" and version in HANDSHAKE_PROTOCOL_VERSIONS:
