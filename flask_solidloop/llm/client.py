@@ -103,6 +103,11 @@ def shared_client() -> httpx.Client:
         return _shared
 
 
+def backoff_delay(policy: RetryPolicy, attempt: int) -> float:
+    """Exponential backoff for attempt N (base * 2**(N-1)), capped by max_delay."""
+    return min(policy.max_delay, policy.base_delay * 2 ** (attempt - 1))
+
+
 def retry_delay(response: httpx.Response, body_text: str, attempt: int, policy: RetryPolicy,
                 retry_after_from_body: Callable[[Any], float | None] | None = None) -> float | None:
     """The wait before the next attempt, or None when this response must not be retried.
@@ -120,8 +125,9 @@ def retry_delay(response: httpx.Response, body_text: str, attempt: int, policy: 
             server_wait = retry_after_from_body(json.loads(body_text))
         except (ValueError, TypeError):
             server_wait = None
-    backoff = policy.base_delay * 2 ** (attempt - 1)
-    return min(policy.max_delay, server_wait if server_wait is not None else backoff)
+    if server_wait is None:
+        return backoff_delay(policy, attempt)
+    return min(policy.max_delay, server_wait)
 
 
 def _sleep(seconds: float, should_abort: Callable[[], bool] | None) -> None:
@@ -203,7 +209,7 @@ def _send(
             entry.update(error=f"connect failed: {exc}",
                          duration_ms=(time.monotonic() - attempt_started) * 1000)
             if attempt <= policy.retries:
-                delay = min(policy.max_delay, policy.base_delay * 2 ** (attempt - 1))
+                delay = backoff_delay(policy, attempt)
                 entry["retry_in_s"] = delay
                 _sleep(delay, should_abort)
                 continue
@@ -232,10 +238,10 @@ def _send(
                      duration_ms=(time.monotonic() - attempt_started) * 1000)
         status = response.status_code
         if status >= 400:
-            delay = retry_delay(response, response.text, attempt, policy, retry_after_from_body)
-            if delay is not None:
-                entry.update(retry_in_s=delay, body=redact_secrets(response.text[:2000], secrets))
-                _sleep(delay, should_abort)
+            wait = retry_delay(response, response.text, attempt, policy, retry_after_from_body)
+            if wait is not None:
+                entry.update(retry_in_s=wait, body=redact_secrets(response.text[:2000], secrets))
+                _sleep(wait, should_abort)
                 continue
             record.status = status
             record.response_body = redact_secrets(response.text[:20000], secrets)

@@ -28,7 +28,15 @@ from ..errors import (
     ProviderHTTPError,
     ProviderResponseError,
 )
-from .client import AbortedError, RetryPolicy, WireRecord, _sleep, retry_delay, shared_client
+from .client import (
+    AbortedError,
+    RetryPolicy,
+    WireRecord,
+    _sleep,
+    backoff_delay,
+    retry_delay,
+    shared_client,
+)
 from .dialect import StreamAggregator, StreamDelta
 from .redact import redact_headers, redact_secrets
 from .types import AssistantTurn
@@ -121,7 +129,7 @@ def post_stream(
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 entry.update(error=f"connect failed: {exc}", duration_ms=_ms(attempt_started))
                 if attempt <= policy.retries:
-                    delay = min(policy.max_delay, policy.base_delay * 2 ** (attempt - 1))
+                    delay = backoff_delay(policy, attempt)
                     entry["retry_in_s"] = delay
                     _sleep(delay, should_abort)
                     continue
@@ -142,7 +150,7 @@ def post_stream(
                              handed_content=handed)
                 repeatable = not isinstance(exc, ProviderAnswerError)
                 if repeatable and not handed and attempt <= policy.retries:
-                    delay = min(policy.max_delay, policy.base_delay * 2 ** (attempt - 1))
+                    delay = backoff_delay(policy, attempt)
                     entry["retry_in_s"] = delay
                     _sleep(delay, should_abort)
                     continue

@@ -9,7 +9,7 @@ import logging
 import socket
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any, Self
+from typing import Any, Generic, Self, TypeVar
 
 from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler, make_server
 
@@ -34,11 +34,17 @@ class NoDelayRequestHandler(WSGIRequestHandler):
             logger.debug(message, *args)
 
 
-class LocalServer:
-    """Start/stop/base_url for a WSGI app served on ``host``:``port`` (0 = any free)."""
+R = TypeVar("R")
+
+
+class LocalServer(Generic[R]):
+    """Start/stop/base_url for a WSGI app served on ``host``:``port`` (0 = any free),
+    and the thread-safe log of the requests it received."""
 
     host: str
     port: int
+    _lock: threading.Lock
+    _requests: list[R]
     _server: BaseWSGIServer | None = None
     _thread: threading.Thread | None = None
 
@@ -83,3 +89,16 @@ class LocalServer:
             raise RuntimeError(f"{type(self).__name__} is not running; call start() first")
         host = self.host if ":" not in self.host else f"[{self.host}]"
         return f"http://{host}:{self._server.server_port}"
+
+    @property
+    def requests(self) -> list[R]:
+        """Every request received so far, in arrival order (a snapshot copy)."""
+        with self._lock:
+            return list(self._requests)
+
+    def last_request(self) -> R:
+        """The most recent request; raises ``IndexError`` if none was received."""
+        with self._lock:
+            if not self._requests:
+                raise IndexError(f"{type(self).__name__} has not received any request")
+            return self._requests[-1]

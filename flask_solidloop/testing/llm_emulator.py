@@ -727,7 +727,7 @@ def _openai_view(request_json: dict[str, Any], dialect: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------- emulator
 
 
-class LLMEmulator(LocalServer):
+class LLMEmulator(LocalServer[RecordedRequest]):
     """A scriptable fake of the OpenAI, Anthropic and Gemini chat APIs on a real socket.
 
     Resolution order for each chat request: auth (if ``api_key``), validation, queued
@@ -847,19 +847,6 @@ class LLMEmulator(LocalServer):
             raise TypeError("status must be an int")
         with self._lock:
             self._faults.append(_Fault(kind, merged, times))
-
-    @property
-    def requests(self) -> list[RecordedRequest]:
-        """Every request received so far, in arrival order (a snapshot copy)."""
-        with self._lock:
-            return list(self._requests)
-
-    def last_request(self) -> RecordedRequest:
-        """The most recent request; raises ``IndexError`` if none was received."""
-        with self._lock:
-            if not self._requests:
-                raise IndexError("LLMEmulator has not received any request")
-            return self._requests[-1]
 
     def reset(self) -> None:
         """Forget all scripts, queued faults and recorded requests."""

@@ -350,7 +350,7 @@ def _meta_version(params: Any) -> str | None:
 # --------------------------------------------------------------------------- the emulator
 
 
-class MCPEmulator(LocalServer):
+class MCPEmulator(LocalServer[RecordedRequest]):
     """A scriptable MCP server (Streamable HTTP) on a real socket. See the module docstring."""
 
     FAILURE_KINDS = tuple(_FAILURE_OPTIONS)
@@ -500,19 +500,6 @@ class MCPEmulator(LocalServer):
             raise ValueError("seconds must be a number >= 0")
         with self._lock:
             self._failures.append(_Failure(kind, merged, times, method, tool))
-
-    @property
-    def requests(self) -> list[RecordedRequest]:
-        """Every request received so far, in arrival order (a snapshot list)."""
-        with self._lock:
-            return list(self._requests)
-
-    def last_request(self) -> RecordedRequest:
-        """The most recent request; raises ``IndexError`` if none was received."""
-        with self._lock:
-            if not self._requests:
-                raise IndexError("MCPEmulator has not received any request")
-            return self._requests[-1]
 
     @property
     def calls(self) -> list[RecordedCall]:
