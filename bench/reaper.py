@@ -26,7 +26,7 @@ What it does:
    indexes match the models.
 2. Baseline: the same schema, empty (database ``solidloop_bench_reaper_empty``,
    re-created by the migrations every run).
-3. Times ``reap(state)`` (flask_solidloop.durability.reaper) in a minimal Flask app
+3. Times ``reap(state)`` (flask_solidloop.maintenance.reaper) in a minimal Flask app
    per database: one warm-up pass each, then ``--passes`` passes alternating big /
    empty. Reports min / median / p95 of ``ReapReport.duration_ms`` and of the
    wall time around the call, the ratio big / empty, and PASS/MISS of the big
@@ -62,11 +62,11 @@ from sqlalchemy.schema import CreateIndex
 
 from flask_solidloop import SolidLoop
 from flask_solidloop.database import ensure_database
-from flask_solidloop.durability import reaper
-from flask_solidloop.durability.reaper import ReapReport, reap
+from flask_solidloop.loops import store as heal_sql
+from flask_solidloop.maintenance.reaper import ReapReport, reap
 from flask_solidloop.migrations import VERSION_TABLE, head_revision, upgrade
 from flask_solidloop.models import metadata
-from flask_solidloop.queue import broker as broker_module
+from flask_solidloop.queue import sql as broker_module
 from flask_solidloop.queue.broker import libpq_url
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/solidloop_bench_reaper"
@@ -84,13 +84,13 @@ TABLES = ("solidloop_loops", "solidloop_messages", "solidloop_tool_calls",
 
 # (name, SQL, parameters): the reaper's queries in the order one pass runs them.
 QUERIES: list[tuple[str, str, dict[str, Any]]] = [
-    ("recover_jobs", broker_module._RECOVER, {"max_deliveries": 5}),
-    ("expired_llm", reaper._EXPIRED_LLM, {}),
-    ("stalled_tools", reaper._STALLED_TOOLS, {}),
-    ("dropped_tools", reaper._DROPPED_TOOLS, {"grace": GRACE}),
-    ("stuck_tool_phase", reaper._STUCK_TOOL_PHASE, {"grace": GRACE}),
-    ("stuck_queued", reaper._STUCK_QUEUED, {"grace": GRACE}),
-    ("orphan_shells", reaper._ORPHAN_SHELLS, {}),
+    ("recover_jobs", broker_module.RECOVER, {"max_deliveries": 5}),
+    ("expired_llm", heal_sql.EXPIRED_LLM, {}),
+    ("stalled_tools", heal_sql.STALLED_TOOLS, {}),
+    ("dropped_tools", heal_sql.DROPPED_TOOLS, {"grace": GRACE}),
+    ("stuck_tool_phase", heal_sql.STUCK_TOOL_PHASE, {"grace": GRACE}),
+    ("stuck_queued", heal_sql.STUCK_QUEUED, {"grace": GRACE}),
+    ("orphan_shells", heal_sql.ORPHAN_SHELLS, {}),
 ]
 DRIVER_SQL = {"recover_jobs"}  # psycopg %(name)s parameters, not SQLAlchemy :name
 

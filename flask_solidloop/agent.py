@@ -24,17 +24,16 @@ import difflib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from flask import current_app
-from sqlalchemy import select
-
 from ._typing import SessionLike
-from .errors import AgentDefinitionError, NotInitializedError
+from .errors import AgentDefinitionError
 from .llm.types import ProviderSettings
+from .loops import control, queries, store
 from .mcp.registry import validate_entry
 from .models import RESUMABLE_STATUSES, Loop, Message, ToolCall
+from .state import get_state
 
 if TYPE_CHECKING:
-    from .extension import SolidLoop, SolidLoopState
+    from .extension import SolidLoop
     from .pipeline.builder import Builder
 
 OPTIONS: dict[str, str] = {
@@ -114,7 +113,7 @@ class Agent:
     @property
     def loop(self) -> Loop | None:
         if self._loop is None and self._loop_id is not None:
-            self._loop = _state().db.session.get(Loop, self._loop_id)
+            self._loop = queries.get_loop(get_state().db.session, self._loop_id)
         return self._loop
 
     def provider(self) -> ProviderSettings:
@@ -221,7 +220,7 @@ class Agent:
     @classmethod
     def _create(cls, *, message: str, subject: Any, session: SessionLike | None, commit: bool,
                 state: dict[str, Any] | None, enqueue: bool) -> Loop:
-        ext_state = _state()
+        ext_state = get_state()
         name = cls._registered_name()
         agent = cls()
         agent.validate()
@@ -230,22 +229,11 @@ class Agent:
         session = session or ext_state.db.session
         assert session is not None
         subject_type, subject_id = _subject_key(subject)
-        loop = Loop(
-            agent_name=name,
-            subject_type=subject_type,
-            subject_id=subject_id,
-            status="queued" if enqueue else "init",
-            state=dict(state or {}),
+        loop = store.create_loop(
+            ext_state, session, agent_name=name, subject_type=subject_type,
+            subject_id=subject_id, system_prompt=agent.render_system_prompt(),
+            message=message, loop_state=dict(state or {}), enqueue=enqueue,
         )
-        session.add(loop)
-        session.flush()
-        prompt = agent.render_system_prompt()
-        if prompt:
-            session.add(Message(loop_id=loop.id, role="system", content=prompt))
-        session.add(Message(loop_id=loop.id, role="user", content=message))
-        session.flush()
-        if enqueue:
-            ext_state.dispatch.llm_turn(session, loop.id)
         if commit:
             session.commit()
         return loop
@@ -268,45 +256,31 @@ class Agent:
 
         Returns False when the loop was not live.
         """
-        from .loops.control import pause_loop
-
-        session = session or _state().db.session
-        return pause_loop(session, self._require_loop())
+        return control.pause(get_state(), self._require_loop(), session=session)
 
     def stop(
         self, *, reason: str = "stopped by request", session: SessionLike | None = None
     ) -> bool:
         """End a loop for good (status failed, with ``reason``). False if already terminal."""
-        from .loops.control import stop_loop
-
-        session = session or _state().db.session
-        return stop_loop(session, self._require_loop(), reason=reason)
+        return control.stop(get_state(), self._require_loop(), reason=reason, session=session)
 
     def force_stop(self, *, reason: str = "by request",
                    session: SessionLike | None = None) -> bool:
         """Stop now: like stop(), and also cancel queued jobs and revoke tool leases."""
-        from .loops.control import force_stop_loop
-
-        return force_stop_loop(session or _state().db.session, self._require_loop(),
-                               reason=reason)
+        return control.force_stop(get_state(), self._require_loop(), reason=reason,
+                                  session=session)
 
     def freeze(self, *, session: SessionLike | None = None) -> bool:
         """Pause the loop if live and lock it; resume() refuses until unfreeze()."""
-        from .loops.control import freeze_loop
-
-        return freeze_loop(session or _state().db.session, self._require_loop())
+        return control.freeze(get_state(), self._require_loop(), session=session)
 
     def unfreeze(self, *, session: SessionLike | None = None) -> bool:
         """Lift a freeze. The loop stays paused until resumed."""
-        from .loops.control import unfreeze_loop
-
-        return unfreeze_loop(session or _state().db.session, self._require_loop())
+        return control.unfreeze(get_state(), self._require_loop(), session=session)
 
     def observe(self, on: bool = True, *, session: SessionLike | None = None) -> bool:
         """Mark the loop as watched live (or not). Returns True when the flag changed."""
-        from .loops.control import set_observed
-
-        return set_observed(session or _state().db.session, self._require_loop(), on)
+        return control.observe(get_state(), self._require_loop(), on, session=session)
 
     def resume(
         self,
@@ -323,41 +297,12 @@ class Agent:
         (queued, running) raises ValueError. ``message`` appends a user message
         first. Returns False when the loop's status is not in ``from_``.
         """
-        from .loops.control import resume_loop
-
-        allowed = (from_,) if isinstance(from_, str) else tuple(from_)
-        bad = [s for s in allowed if s not in RESUMABLE_STATUSES]
-        if bad:
-            raise ValueError(
-                f"status(es) {', '.join(map(repr, bad))} can never be resumed; "
-                f"resumable statuses: {', '.join(RESUMABLE_STATUSES)}"
-            )
-        session = session or _state().db.session
-        return resume_loop(session, self._require_loop(), allowed, message=message)
+        return control.resume(get_state(), self._require_loop(), from_=from_, message=message,
+                              session=session)
 
     def history(self, *, include_hidden: bool = False) -> list[Message]:
-        session = _state().db.session
-        query = select(Message).where(Message.loop_id == self._require_loop())
-        if not include_hidden:
-            query = query.where(Message.is_hidden.is_(False))
-        return list(session.scalars(query.order_by(Message.id)))
+        return queries.messages(get_state().db.session, self._require_loop(),
+                                include_hidden=include_hidden)
 
     def tool_calls(self) -> list[ToolCall]:
-        session = _state().db.session
-        return list(
-            session.scalars(
-                select(ToolCall).where(ToolCall.loop_id == self._require_loop())
-                .order_by(ToolCall.id)
-            )
-        )
-
-
-def _state() -> SolidLoopState:
-    try:
-        return current_app.extensions["solidloop"]
-    except (RuntimeError, KeyError):
-        raise NotInitializedError(
-            "flask-solidloop is not initialised for the current app (or there is no app "
-            "context). Did you forget solidloop.init_app(app, db=db) or `with app.app_context()`?"
-        ) from None
-
+        return queries.tool_calls(get_state().db.session, self._require_loop())

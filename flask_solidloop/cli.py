@@ -8,10 +8,10 @@ import sys
 import click
 from flask import current_app
 from flask.cli import ScriptInfo, with_appcontext
-from sqlalchemy import select
 
 from .config import QUEUES
 from .errors import DatabaseUnavailableError, SolidLoopError
+from .state import SolidLoopState, get_state
 
 
 @click.group("solidloop")
@@ -19,8 +19,8 @@ def solidloop_cli() -> None:
     """Durable LLM agent loops: workers, migrations, loops."""
 
 
-def _state():
-    return current_app.extensions["solidloop"]
+def _state() -> SolidLoopState:
+    return get_state()
 
 
 # -- database -------------------------------------------------------------------
@@ -155,27 +155,24 @@ def start(agent: str, message: str) -> None:
 @with_appcontext
 def status(loop_id: int) -> None:
     """Show a loop, its messages and its tool calls."""
-    from .models import Loop, Message, ToolCall
+    from .loops import queries
     from .render import format_loop, format_message
 
     session = _state().db.session
-    loop = session.get(Loop, loop_id)
+    loop = queries.get_loop(session, loop_id)
     if loop is None:
         raise click.ClickException(f"no loop with id {loop_id}")
     click.echo(format_loop(loop))
-    calls = {c.id: c for c in session.scalars(
-        select(ToolCall).where(ToolCall.loop_id == loop_id))}
-    for message in session.scalars(
-        select(Message).where(Message.loop_id == loop_id).order_by(Message.id)
-    ):
+    calls = {c.id: c for c in queries.tool_calls(session, loop_id)}
+    for message in queries.messages(session, loop_id, include_hidden=True):
         click.echo(format_message(message, calls, show_hidden=True))
 
 
 def _control(loop_id: int, action: str, **kwargs) -> None:
-    from .models import Loop
+    from .loops import queries
 
     state = _state()
-    loop = state.db.session.get(Loop, loop_id)
+    loop = queries.get_loop(state.db.session, loop_id)
     if loop is None:
         raise click.ClickException(f"no loop with id {loop_id}")
     try:
@@ -255,7 +252,7 @@ def reap_command(every: float | None) -> None:
 
     Idempotent and safe to run from several processes at once.
     """
-    from .durability.reaper import reap
+    from .maintenance.reaper import reap
 
     _every(every, lambda: reap(_state()).summary(), "reap")
 
@@ -266,7 +263,7 @@ def reap_command(every: float | None) -> None:
 @with_appcontext
 def prune_command(every: float | None) -> None:
     """Delete events and finished jobs past their retention (off unless configured)."""
-    from .durability.janitor import prune
+    from .maintenance.janitor import prune
 
     def run() -> str:
         report = prune(_state())

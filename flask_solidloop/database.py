@@ -7,7 +7,7 @@ from psycopg import sql
 from sqlalchemy.engine import make_url
 
 from .errors import DatabaseUnavailableError
-from .queue.broker import libpq_url, redact_url
+from .urls import libpq_url, redact_url
 
 
 def check_connection(url: str) -> None:

@@ -17,19 +17,19 @@ import time
 
 import click
 from flask import Flask
-from sqlalchemy import select
 
 from .cli import worker_command, worker_env
 from .database import ensure_database, upgrade_database
 from .errors import SolidLoopError
-from .models import Loop, Message, ToolCall
+from .loops import queries
 from .render import format_message
+from .state import get_state
 
 OFFLINE_URL_ENV = "SOLIDLOOP_OFFLINE_LLM_URL"
 
 
 def _pick_agent(app: Flask, name: str | None) -> str:
-    agents = app.extensions["solidloop"].extension.agents
+    agents = get_state(app).extension.agents
     if name:
         return name
     if len(agents) == 1:
@@ -43,7 +43,7 @@ def run_demo(app: Flask, import_path: str | None, *, agent: str | None, message:
              timeout: float, processes: int = 1, threads: int = 4) -> int:
     from .testing.llm_emulator import LLMEmulator
 
-    state = app.extensions["solidloop"]
+    state = get_state(app)
     url = state.database_url
     try:
         if ensure_database(url):
@@ -83,20 +83,19 @@ def run_demo(app: Flask, import_path: str | None, *, agent: str | None, message:
 
 def _follow(app: Flask, loop_id: int, timeout: float, workers: subprocess.Popen,
             log_path: str) -> int:
-    state = app.extensions["solidloop"]
+    state = get_state(app)
     session = state.db.session
     printed: set[int] = set()
     deadline = time.monotonic() + timeout
     while True:
         session.expire_all()
-        loop = session.get(Loop, loop_id)
+        loop = queries.get_loop(session, loop_id)
         assert loop is not None
-        calls = {c.id: c for c in session.scalars(
-            select(ToolCall).where(ToolCall.loop_id == loop_id))}
-        for message in session.scalars(
-            select(Message).where(Message.loop_id == loop_id, Message.is_hidden.is_(False),
-                                  Message.status == "completed").order_by(Message.id)
-        ):
+        # Messages before tool calls: a turn's calls commit with its message, so
+        # every call of a message read here is in the read that follows.
+        messages = [m for m in queries.messages(session, loop_id) if m.status == "completed"]
+        calls = {c.id: c for c in queries.tool_calls(session, loop_id)}
+        for message in messages:
             if message.id not in printed and message.role != "system":
                 printed.add(message.id)
                 click.echo(format_message(message, calls))

@@ -1,95 +1,36 @@
 """The Flask extension: ``SolidLoop(app=None, db=None)`` and ``init_app``.
 
 Per-app state (validated config, broker, actors, dispatcher) lives in
-``app.extensions["solidloop"]`` as a :class:`SolidLoopState`; the
-``SolidLoop`` object itself only holds what is app-independent: the agent
-registry and the global middleware hooks.
+``app.extensions["solidloop"]`` as a :class:`~flask_solidloop.state.SolidLoopState`
+(read it with :func:`~flask_solidloop.state.get_state`); the ``SolidLoop``
+object itself only holds what is app-independent: the agent registry and the
+global middleware hooks.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import dramatiq
-from dramatiq.middleware import Retries, TimeLimit
+from dramatiq.middleware import Retries
 from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
 
 from .agent import Agent
-from .config import QUEUE_LLM, QUEUE_MAINTENANCE, QUEUE_TOOL, Config
-from .durability.renewer import LeaseRenewer
-from .errors import AgentDefinitionError, ConfigurationError, UnknownAgentError
-from .models import Loop
+from .config import Config
+from .errors import AgentDefinitionError, ConfigurationError
+from .leases import RenewerSlot
 from .pipeline.builder import Builder
-from .pipeline.llm_stack import DEFAULT_LLM_STACK
-from .pipeline.tool_stack import DEFAULT_TOOL_STACK
-from .queue.app_context import AppContextMiddleware
-from .queue.broker import PostgresBroker, libpq_url
-from .queue.current_job import CurrentJobMiddleware
-from .queue.dispatch import Dispatcher
-from .queue.renewer_middleware import LeaseRenewerMiddleware
+from .queue.broker import PostgresBroker
+from .queue.middleware import AppContextMiddleware, CurrentJobMiddleware, LeaseRenewerMiddleware
+from .runtime.actors import declare_actors
+from .state import EXTENSION_KEY, SolidLoopState
+from .urls import libpq_url, redact_url
 
 A = TypeVar("A", bound=type[Agent])
 StackHook = Callable[[Builder], None]
-#: Thirty days: effectively no dramatiq time limit for the solidloop actors.
-NO_TIME_LIMIT_MS = 30 * 24 * 3600 * 1000
 
-
-@dataclass
-class SolidLoopState:
-    """Everything flask-solidloop knows about one app."""
-
-    extension: SolidLoop
-    app: Flask
-    db: SQLAlchemy
-    config: Config
-    database_url: str
-    broker: PostgresBroker
-    actors: dict[str, dramatiq.Actor]
-    dispatch: Dispatcher
-    extras: dict[str, Any] = field(default_factory=dict)
-    #: Unix time of this process's last successful reap / prune (process-local).
-    last_reaped_at: float | None = None
-    last_pruned_at: float | None = None
-    _renewer: LeaseRenewer | None = field(default=None, repr=False)
-    _renewer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def renewer(self) -> LeaseRenewer:
-        """This process's lease renewer (one per process, created on first use)."""
-        with self._renewer_lock:
-            if self._renewer is None:
-                self._renewer = LeaseRenewer(libpq_url(self.broker.url))
-            return self._renewer
-
-    def stop_renewer(self) -> None:
-        with self._renewer_lock:
-            renewer, self._renewer = self._renewer, None
-        if renewer is not None:
-            renewer.stop()
-
-    def agent_class(self, name: str) -> type[Agent]:
-        try:
-            return self.extension.agents[name]
-        except KeyError:
-            raise UnknownAgentError(name, list(self.extension.agents)) from None
-
-    def agent_for(self, name: str, loop: Loop | None = None) -> Agent:
-        return self.agent_class(name)(loop)
-
-    def llm_stack(self) -> Builder:
-        builder = Builder(DEFAULT_LLM_STACK)
-        for hook in self.extension.llm_middleware_hooks:
-            hook(builder)
-        return builder
-
-    def tool_stack(self) -> Builder:
-        builder = Builder(DEFAULT_TOOL_STACK)
-        for hook in self.extension.tool_middleware_hooks:
-            hook(builder)
-        return builder
+__all__ = ["SolidLoop", "SolidLoopState"]
 
 
 class SolidLoop:
@@ -151,7 +92,7 @@ class SolidLoop:
     # -- app binding --------------------------------------------------------------
 
     def init_app(self, app: Flask, db: SQLAlchemy | None = None) -> None:
-        if "solidloop" in app.extensions:
+        if EXTENSION_KEY in app.extensions:
             raise RuntimeError(
                 "flask-solidloop is already initialised on this app; call init_app once"
             )
@@ -169,14 +110,11 @@ class SolidLoop:
         for middleware in broker.middleware:
             if isinstance(middleware, Retries):
                 middleware.max_retries = config.job_max_retries
-        state = SolidLoopState(
-            extension=self, app=app, db=db, config=config, database_url=url, broker=broker,
-            actors={}, dispatch=None,  # type: ignore[arg-type]
-        )
-        broker.add_middleware(LeaseRenewerMiddleware(state))
-        state.actors = _declare_actors(state)
-        state.dispatch = Dispatcher(broker, state.actors)
-        app.extensions["solidloop"] = state
+        state = SolidLoopState(extension=self, app=app, db=db, config=config, database_url=url,
+                               broker=broker, leases=RenewerSlot(libpq_url(broker.url)))
+        broker.add_middleware(LeaseRenewerMiddleware(state.leases))
+        state.bind_actors(declare_actors(state))
+        app.extensions[EXTENSION_KEY] = state
         from .cli import solidloop_cli
 
         app.cli.add_command(solidloop_cli)
@@ -209,8 +147,6 @@ def _check_urls(config: Config, session_url: Any) -> str:
 
 
 def _safe(url: str) -> str:
-    from .queue.broker import redact_url
-
     return redact_url(url)
 
 
@@ -222,40 +158,3 @@ def _find_sqlalchemy(app: Flask) -> SQLAlchemy:
             "init_app(app, db=db), or initialise SQLAlchemy on the app first"
         )
     return db
-
-
-def _declare_actors(state: SolidLoopState) -> dict[str, dramatiq.Actor]:
-    """Bind the three actors to this app's broker (ids in, nothing returned)."""
-    from .loops.turns import run_llm_turn, run_tool_call
-
-    config = state.config
-    common: dict[str, Any] = {"max_retries": config.job_max_retries, "min_backoff": 1000,
-                              "max_backoff": 30000}
-    if any(isinstance(m, TimeLimit) for m in state.broker.middleware):
-        # dramatiq's TimeLimit kills a thread asynchronously, possibly mid-commit.
-        # Turn length is bounded by our own leases and max_duration instead.
-        common["time_limit"] = NO_TIME_LIMIT_MS
-
-    def llm_turn(loop_id: int) -> None:
-        run_llm_turn(state, loop_id)
-
-    def tool_call(tool_call_id: int, execution_token: str,
-                  reaper_lease_token: str | None = None) -> None:
-        run_tool_call(state, tool_call_id, execution_token, reaper_lease_token)
-
-    def maintenance(task: str) -> None:
-        from .durability import run_maintenance
-
-        run_maintenance(state, task)
-
-    broker = state.broker
-    return {
-        "llm_turn": dramatiq.Actor(llm_turn, broker=broker, actor_name="solidloop.llm_turn",
-                                   queue_name=QUEUE_LLM, priority=0, options=dict(common)),
-        "tool_call": dramatiq.Actor(tool_call, broker=broker, actor_name="solidloop.tool_call",
-                                    queue_name=QUEUE_TOOL, priority=0, options=dict(common)),
-        "maintenance": dramatiq.Actor(maintenance, broker=broker,
-                                      actor_name="solidloop.maintenance",
-                                      queue_name=QUEUE_MAINTENANCE, priority=10,
-                                      options=dict(common)),
-    }

@@ -204,7 +204,7 @@ def prepare_effects_table(database_url: str) -> None:
 def run_chaos(settings: ChaosSettings, *, database_url: str, emulator: Any, log_dir: Path,
               make_app: Any, progress: Any = None) -> ChaosResult:
     """Run the whole scenario and return what happened (verified)."""
-    from flask_solidloop.durability.reaper import reap
+    from flask_solidloop.maintenance.reaper import reap
 
     rng = random.Random(settings.seed)
     result = ChaosResult(loops=settings.loops)

@@ -21,10 +21,13 @@ from sqlalchemy import select, text
 
 from flask_solidloop.config import QUEUE_LLM, QUEUE_MAINTENANCE, QUEUE_TOOL
 from flask_solidloop.loops.fence import transition
-from flask_solidloop.loops.turns import run_tool_call
 from flask_solidloop.models import Loop, Message, ToolCall
-from flask_solidloop.queue.broker import _CLAIM, CHANNEL_PREFIX, PostgresMessageProxy, libpq_url
+from flask_solidloop.queue.broker import PostgresMessageProxy
 from flask_solidloop.queue.current_job import current_job, mark_current_job_done
+from flask_solidloop.queue.sql import CHANNEL_PREFIX
+from flask_solidloop.queue.sql import CLAIM as _CLAIM
+from flask_solidloop.runtime.turns import run_tool_call
+from flask_solidloop.urls import libpq_url
 
 from .support_app import SIDE_EFFECTS, Assistant
 

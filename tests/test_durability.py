@@ -11,9 +11,9 @@ import psycopg
 import pytest
 from sqlalchemy import func, select, text, update
 
-from flask_solidloop.durability.janitor import prune
-from flask_solidloop.durability.reaper import reap
-from flask_solidloop.durability.renewer import APPLICATION_NAME, LeaseRenewer
+from flask_solidloop.leases import APPLICATION_NAME, LeaseRenewer
+from flask_solidloop.maintenance.janitor import prune
+from flask_solidloop.maintenance.reaper import reap
 from flask_solidloop.models import Event, Job, Loop, Message, ToolCall
 from flask_solidloop.queue.broker import libpq_url
 from flask_solidloop.testing import drain as run

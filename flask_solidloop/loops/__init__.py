@@ -1,4 +1,6 @@
-"""The loop state machine: fenced transitions and the turns that drive them."""
+"""Loop state: the fence (the primitive), the store (every write of loop,
+message and tool-call rows and their successor jobs), the queries (every
+read) and control (the host commands)."""
 
 from .fence import lock_loop, owns, transition
 

@@ -7,16 +7,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._typing import SessionLike
+from ..loops.queries import get_loop
+from ..loops.store import fenced_transition
 
 if TYPE_CHECKING:
-    from ..agent import Agent
-    from ..durability.renewer import RenewerHandle
-    from ..extension import SolidLoopState
+    from ..leases import RenewerHandle
     from ..llm.client import WireRecord
     from ..llm.types import AssistantTurn, ChatMessage
     from ..mcp.registry import ToolRegistry
     from ..mcp.toolset import ToolResult
     from ..models import Loop, Message, ToolCall
+    from ..state import AgentLike, SolidLoopState
 
 
 @dataclass
@@ -25,7 +26,7 @@ class TurnContext:
     session: SessionLike
     loop_id: int
     execution_token: uuid.UUID
-    agent: Agent
+    agent: AgentLike
     extras: dict[str, Any] = field(default_factory=dict)
     #: Set once the turn's canonical write has committed; errors after it are
     #: reported but no longer fail the loop.
@@ -33,9 +34,7 @@ class TurnContext:
 
     @property
     def loop(self) -> Loop:
-        from ..models import Loop
-
-        loop = self.session.get(Loop, self.loop_id)
+        loop = get_loop(self.session, self.loop_id)
         assert loop is not None
         return loop
 
@@ -44,20 +43,11 @@ class TurnContext:
 
         Returns False (and writes nothing) when the loop is no longer ours.
         """
-        from ..loops.fence import transition
-
         lease = getattr(self, "lease", None)
         if lease is not None and lease.lost():
             return False
-        loop = transition(
-            self.session, self.loop_id, from_=from_, to=to,
-            expected_token=self.execution_token, **changes,
-        )
-        if loop is None:
-            self.session.rollback()
-            return False
-        self.session.commit()
-        return True
+        return fenced_transition(self.session, self.loop_id, self.execution_token,
+                                 from_=from_, to=to, **changes)
 
 
 @dataclass

@@ -25,9 +25,6 @@ import logging
 import time
 from typing import Any
 
-from sqlalchemy import func, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-
 from ..errors import LimitExceededError, LostLeaseError, ProviderError
 from ..llm import pricing, reasoning
 from ..llm.client import AbortedError, RetryPolicy, post_json
@@ -35,10 +32,8 @@ from ..llm.dialect import StreamDelta
 from ..llm.redact import is_secret_header, redact_secrets
 from ..llm.registry import get_dialect
 from ..llm.streaming import post_stream
-from ..llm.types import ChatMessage, ToolCallRequest
-from ..loops.fence import lock_loop, owns, transition
+from ..loops import queries, store
 from ..mcp.registry import ToolRegistry
-from ..models import Event, Loop, McpSession, Message, ToolCall
 from .builder import Handler
 from .context import LlmContext
 
@@ -73,25 +68,8 @@ class ErrorHandling:
 def _end_turn(ctx: LlmContext, *, to: str, error_message: str) -> None:
     if ctx.lease is not None and ctx.lease.lost():
         return  # not ours any more: the reaper or the new generation decides
-    loop = transition(
-        ctx.session, ctx.loop_id, from_="running", to=to,
-        expected_token=ctx.execution_token, error_message=error_message,
-    )
-    if loop is None:
-        ctx.session.rollback()
-        return
-    if ctx.shell_id is not None:
-        shell = ctx.session.get(Message, ctx.shell_id)
-        if shell is not None and shell.status == "processing":
-            shell.status = "failed"
-            shell.is_hidden = True
-    if ctx.wire is not None:
-        ctx.session.add(Event(
-            loop_id=ctx.loop_id, message_id=ctx.shell_id, kind="llm_request",
-            status_code=ctx.wire.status, duration_ms=ctx.wire.duration_ms,
-            error=error_message, payload=ctx.wire.to_payload(),
-        ))
-    ctx.session.commit()
+    store.end_llm_turn(ctx.session, ctx.loop_id, ctx.execution_token, to=to,
+                       error_message=error_message, shell_id=ctx.shell_id, wire=ctx.wire)
 
 
 class AgentInitialization:
@@ -108,17 +86,14 @@ class AgentInitialization:
                 "resume() starts a new run"
             )
         max_duration = ctx.agent.effective_max_duration(ctx.state.config.default_max_duration)
-        elapsed = ctx.session.scalar(
-            select(func.extract("epoch", func.now() - Loop.run_started_at))
-            .where(Loop.id == ctx.loop_id)
-        )
-        if elapsed is not None and float(elapsed) > max_duration:
+        elapsed = queries.run_elapsed_seconds(ctx.session, ctx.loop_id)
+        if elapsed is not None and elapsed > max_duration:
             raise LimitExceededError(
                 f"max_duration reached ({int(elapsed)}s of {max_duration}s in this run); "
                 "resume() starts a new run"
             )
         ctx.tools = _tools_with_snapshots(ctx)
-        ctx.history = load_history(ctx)
+        ctx.history = queries.history(ctx.session, ctx.loop_id)
         ctx.session.commit()  # end the read transaction before the network call
         return self.next_step(ctx)
 
@@ -128,68 +103,10 @@ def _tools_with_snapshots(ctx: LlmContext) -> ToolRegistry:
     one. A server listed for the first time becomes part of the snapshot: later
     turns advertise the same tools without asking it again, and a server that is
     briefly down fails only the calls made to it, not the turn."""
-    session = ctx.session
-    snapshots = {row.server_name: row.tools for row in session.scalars(
-        select(McpSession).where(McpSession.loop_id == ctx.loop_id))}
     registry = ToolRegistry.build(ctx.agent.tool_entries(), agent=str(ctx.agent.agent_name),
-                                  snapshots=snapshots)
-    for server_name, (tools, state) in registry.new_snapshots.items():
-        session.execute(
-            pg_insert(McpSession)
-            .values(loop_id=ctx.loop_id, server_name=server_name, tools=tools,
-                    session_state=state)
-            .on_conflict_do_nothing(index_elements=["loop_id", "server_name"])
-        )
+                                  snapshots=queries.tool_snapshots(ctx.session, ctx.loop_id))
+    store.record_tool_snapshots(ctx.session, ctx.loop_id, registry.new_snapshots)
     return registry
-
-
-#: Keys of a message's metadata that its dialect gets back next turn.
-PROVIDER_META_KEYS = ("anthropic_blocks", "gemini_parts")
-
-
-def load_history(ctx: LlmContext) -> list[ChatMessage]:
-    """The visible, completed history in the provider-neutral shape."""
-    session = ctx.session
-    messages = list(session.scalars(
-        select(Message)
-        .where(Message.loop_id == ctx.loop_id, Message.is_hidden.is_(False),
-               Message.status == "completed")
-        .order_by(Message.id)
-    ))
-    calls_by_message: dict[int, list[ToolCall]] = {}
-    calls_by_id: dict[int, ToolCall] = {}
-    call_ids: dict[int, str] = {}
-    for call in session.scalars(
-        select(ToolCall).where(ToolCall.loop_id == ctx.loop_id).order_by(ToolCall.position)
-    ):
-        calls_by_message.setdefault(call.message_id, []).append(call)
-        calls_by_id[call.id] = call
-        call_ids[call.id] = call.call_id or f"call_{call.id}"
-    history = []
-    for message in messages:
-        if message.role == "assistant":
-            meta = message.meta or {}
-            history.append(ChatMessage(
-                role="assistant",
-                content=message.content,
-                reasoning=message.reasoning,
-                meta={k: meta[k] for k in PROVIDER_META_KEYS if k in meta},
-                tool_calls=[
-                    ToolCallRequest(call_ids[c.id], c.name, c.arguments_raw or "")
-                    for c in calls_by_message.get(message.id, [])
-                ],
-            ))
-        elif message.role == "tool":
-            answered = calls_by_id.get(message.tool_call_id or -1)
-            history.append(ChatMessage(
-                role="tool", content=message.content,
-                tool_call_id=call_ids.get(message.tool_call_id or -1),
-                name=answered.name if answered else None,
-                is_error=bool((message.meta or {}).get("is_error")),
-            ))
-        else:
-            history.append(ChatMessage(role=message.role, content=message.content))
-    return history
 
 
 class NetworkCalling:
@@ -199,16 +116,7 @@ class NetworkCalling:
     def __call__(self, ctx: LlmContext) -> Any:
         settings = ctx.agent.provider()
         _check_lease(ctx)
-        loop = lock_loop(ctx.session, ctx.loop_id)
-        if not owns(loop, ctx.execution_token):
-            ctx.session.rollback()
-            raise LostLeaseError(f"loop {ctx.loop_id} changed hands before the request")
-        shell = Message(loop_id=ctx.loop_id, role="assistant", status="processing",
-                        is_hidden=True, content="")
-        ctx.session.add(shell)
-        ctx.session.flush()
-        ctx.shell_id = shell.id  # read before the commit: afterwards it would reload
-        ctx.session.commit()
+        ctx.shell_id = store.open_shell(ctx.session, ctx.loop_id, ctx.execution_token)
 
         dialect = get_dialect(settings.dialect)
         strategies = ctx.agent.option("reasoning_strategies")
@@ -297,12 +205,9 @@ class PartialWriter:
         ctx = self.ctx
         if ctx.lease is not None and ctx.lease.lost():
             return
-        ctx.session.execute(
-            update(Message)
-            .where(Message.id == ctx.shell_id, Message.status == "processing")
-            .values(content="".join(self.content), reasoning="".join(self.reasoning) or None)
-        )
-        ctx.session.commit()
+        assert ctx.shell_id is not None
+        store.record_partial(ctx.session, ctx.shell_id, "".join(self.content),
+                             "".join(self.reasoning) or None)
 
 
 def _check_lease(ctx: LlmContext) -> None:
@@ -314,11 +219,9 @@ def _check_lease(ctx: LlmContext) -> None:
 def _no_longer_ours(ctx: LlmContext) -> bool:
     if ctx.lease is not None and ctx.lease.lost():
         return True
-    row = ctx.session.execute(
-        select(Loop.status, Loop.execution_token).where(Loop.id == ctx.loop_id)
-    ).one_or_none()
+    owned = queries.is_owned(ctx.session, ctx.loop_id, ctx.execution_token)
     ctx.session.rollback()
-    return row is None or row.status != "running" or row.execution_token != ctx.execution_token
+    return not owned
 
 
 class ResponseParsing:
@@ -328,74 +231,33 @@ class ResponseParsing:
     def __call__(self, ctx: LlmContext) -> Any:
         response = ctx.response
         assert response is not None and ctx.shell_id is not None
-        session = ctx.session
         _check_lease(ctx)
-        loop = lock_loop(session, ctx.loop_id)
-        if not owns(loop, ctx.execution_token):
-            session.rollback()
-            raise LostLeaseError(f"loop {ctx.loop_id} changed hands during the request")
-        assert loop is not None
-        shell = session.get(Message, ctx.shell_id)
-        assert shell is not None
-        shell.content = response.content
-        shell.reasoning = response.reasoning
-        shell.finish_reason = response.finish_reason
-        shell.status = "completed"
-        shell.is_hidden = False
-        shell.completed_at = func.now()
         model = ctx.agent.provider().model
         meta: dict[str, Any] = {**response.provider_meta, "model": model,
                                 "metrics": ctx.metrics,
                                 "reasoning_carried": ctx.reasoning_carried}
+        turn_cost = None
         if response.usage is not None:
-            shell.usage = response.usage.to_dict()
-            loop.input_tokens += response.usage.input_tokens
-            loop.output_tokens += response.usage.output_tokens
             turn_cost = pricing.cost(response.usage, ctx.state.config.prices.get(model))
             if turn_cost is None:
                 meta["unpriced"] = True
-            else:
-                shell.cost = turn_cost
-                loop.cost = (loop.cost or 0) + turn_cost
-        shell.meta = meta
-        loop.step_count += 1
         calls = []
-        for position, request in enumerate(response.tool_calls):
-            arguments, route = _parse_arguments(request.arguments_raw), None
-            if ctx.tools is not None:
-                route = ctx.tools.resolve(request.name)
-            call = ToolCall(
-                loop_id=ctx.loop_id, message_id=shell.id, position=position,
+        for request in response.tool_calls:
+            route = ctx.tools.resolve(request.name) if ctx.tools is not None else None
+            calls.append(store.NewToolCall(
                 call_id=request.call_id or None, name=request.name,
+                arguments_raw=request.arguments_raw,
+                arguments=_parse_arguments(request.arguments_raw),
                 server_name=route.server_name if route else None,
                 tool_name=route.tool_name if route else None,
-                arguments_raw=request.arguments_raw, arguments=arguments,
-            )
-            session.add(call)
-            calls.append(call)
-        if ctx.wire is not None:
-            session.add(Event(
-                loop_id=ctx.loop_id, message_id=shell.id, kind="llm_request",
-                status_code=ctx.wire.status, duration_ms=ctx.wire.duration_ms,
-                payload=ctx.wire.to_payload(),
             ))
-        session.flush()
-        if not calls:
-            loop.status = "completed"
-            loop.execution_token = None
-            loop.lease_expires_at = None
-            loop.finished_at = func.now()
-            loop.error_message = None
-        else:
-            # Tool phase: the loop stays running under this generation; no LLM lease.
-            loop.lease_expires_at = None
-            to_enqueue = calls[:1] if ctx.agent.option("sequential_tool_calls") else calls
-            for call in to_enqueue:
-                ctx.state.dispatch.tool_call(session, call.id, ctx.execution_token,
-                                             loop_id=ctx.loop_id)
-        session.commit()
+        ctx.message = store.finish_llm_turn(
+            ctx.state, ctx.session, loop_id=ctx.loop_id, token=ctx.execution_token,
+            shell_id=ctx.shell_id, response=response, meta=meta, turn_cost=turn_cost,
+            calls=calls, wire=ctx.wire,
+            sequential=bool(ctx.agent.option("sequential_tool_calls")),
+        )
         ctx.committed = True
-        ctx.message = shell
         return self.next_step(ctx)
 
 

@@ -19,33 +19,14 @@ import logging
 import time
 from typing import Any
 
-from sqlalchemy import func, select, update
-
-from ..errors import LostLeaseError
-from ..loops.fence import lock_loop, owns
+from ..loops import queries, store
 from ..mcp.registry import ToolRegistry, call_on_server
 from ..mcp.toolset import CallContext, ToolResult
-from ..models import Event, McpSession, Message, ToolCall
+from ..models import ToolCall
 from .builder import Handler
 from .context import ToolContext
 
 logger = logging.getLogger("flask_solidloop.tools")
-
-
-def _lock_and_check(ctx: ToolContext, *, need_lease: bool) -> ToolCall:
-    """Lock loop then tool call (always that order) and verify both tokens."""
-    loop = lock_loop(ctx.session, ctx.loop_id)
-    if not owns(loop, ctx.execution_token):
-        ctx.session.rollback()
-        raise LostLeaseError(f"loop {ctx.loop_id} changed generation during tool call")
-    call = ctx.session.execute(
-        select(ToolCall).where(ToolCall.id == ctx.tool_call_id).with_for_update()
-        .execution_options(populate_existing=True)
-    ).scalar_one()
-    if need_lease and call.lease_token != ctx.lease_token:
-        ctx.session.rollback()
-        raise LostLeaseError(f"tool call {call.id}: its lease was reclaimed")
-    return call
 
 
 class ToolExecution:
@@ -60,27 +41,10 @@ class ToolExecution:
             return self.next_step(ctx)
 
         result, duration_ms = self._run(ctx, call)
-        checkpoint = _lock_and_check(ctx, need_lease=True)
-        if checkpoint.executed_at is not None:  # someone else checkpointed first
-            ctx.session.rollback()
-            raise LostLeaseError(f"tool call {call.id} was already executed")
-        checkpoint.result = result.to_mcp()
-        checkpoint.is_success = not result.is_error
-        checkpoint.error_kind = result.error_kind
-        checkpoint.executed_at = func.now()
-        checkpoint.duration_ms = duration_ms
-        ctx.session.add(Event(
-            loop_id=ctx.loop_id, tool_call_id=call.id, kind="tool_call",
-            duration_ms=duration_ms,
-            error=result.text()[:2000] if result.is_error else None,
-            payload={
-                "name": call.name, "server": call.server_name, "tool": call.tool_name,
-                "arguments": call.arguments if call.arguments is not None else call.arguments_raw,
-                "idempotency_key": call.idempotency_key, "result": result.to_mcp(),
-            },
-        ))
-        ctx.session.commit()
-        ctx.tool_call = checkpoint
+        ctx.tool_call = store.checkpoint_tool_call(
+            ctx.session, loop_id=ctx.loop_id, token=ctx.execution_token,
+            tool_call_id=call.id, lease_token=ctx.lease_token, result=result,
+            duration_ms=duration_ms)
         ctx.result = result
         return self.next_step(ctx)
 
@@ -96,11 +60,8 @@ class ToolExecution:
             entries = ctx.agent.tool_entries()
             name, arguments, key = call.name, call.arguments, call.idempotency_key
             server_name, tool_name = call.server_name, call.tool_name
-            stored = ctx.session.scalars(
-                select(McpSession).where(McpSession.loop_id == ctx.loop_id,
-                                         McpSession.server_name == server_name)
-            ).first() if server_name else None
-            stored_state = dict(stored.session_state) if stored is not None else None
+            stored_state = (queries.mcp_session_state(ctx.session, ctx.loop_id, server_name)
+                            if server_name else None)
             # The tool sees a detached snapshot of the loop, so reading it never
             # reopens a transaction on our session.
             loop = ctx.loop
@@ -122,7 +83,8 @@ class ToolExecution:
                     result, new_state = routed
                     if new_state is not None and stored_state is not None \
                             and new_state != stored_state:
-                        self._store_session_state(ctx, server_name, new_state)
+                        store.store_mcp_session_state(ctx.session, ctx.loop_id, server_name,
+                                                      new_state)
             finally:
                 # A tool that used db.session without committing (or left it failed)
                 # must not leak into our checkpoint: its uncommitted writes are
@@ -131,61 +93,24 @@ class ToolExecution:
         return result, (time.monotonic() - started) * 1000
 
 
-    @staticmethod
-    def _store_session_state(ctx: ToolContext, server_name: str | None,
-                             state: dict[str, Any]) -> None:
-        """Keep the loop's stored MCP session current (a server re-initialized it,
-        or the protocol era changed), so the next call resumes instead of probing."""
-        ctx.session.rollback()
-        ctx.session.execute(
-            update(McpSession)
-            .where(McpSession.loop_id == ctx.loop_id, McpSession.server_name == server_name)
-            .values(session_state=state)
-        )
-        ctx.session.commit()
-
-
 class ResponseCreation:
     def __init__(self, next_step: Handler) -> None:
         self.next_step = next_step
 
     def __call__(self, ctx: ToolContext) -> Any:
-        session = ctx.session
-        call = _lock_and_check(ctx, need_lease=ctx.lease_token is not None)
-        if call.response_message_id is not None:  # a duplicate delivery: already answered
-            session.rollback()
-            ctx.committed = True
-            return self.next_step(ctx)
         result = ctx.result
         assert result is not None
         limit = ctx.state.config.tool_output_limit
         text = result.text() or json.dumps(result.to_mcp().get("structuredContent") or "")
         if len(text) > limit:
             text = text[:limit] + f"\n[output truncated: {len(text)} characters, showing {limit}]"
-        message = Message(loop_id=ctx.loop_id, role="tool", content=text, tool_call_id=call.id,
-                          meta={"is_error": result.is_error, "tool_name": call.name})
-        session.add(message)
-        session.flush()
-        call.response_message_id = message.id
-        call.lease_token = None
-        call.leased_until = None
-        remaining = list(session.scalars(
-            select(ToolCall).where(ToolCall.message_id == call.message_id,
-                                   ToolCall.response_message_id.is_(None))
-            .order_by(ToolCall.position)
-        ))
-        if not remaining:
-            loop = lock_loop(session, ctx.loop_id)
-            assert loop is not None
-            loop.status = "queued"
-            loop.execution_token = None
-            loop.lease_expires_at = None
-            session.flush()
-            ctx.state.dispatch.llm_turn(session, ctx.loop_id)
-        elif ctx.agent.option("sequential_tool_calls"):
-            ctx.state.dispatch.tool_call(session, remaining[0].id, ctx.execution_token,
-                                         loop_id=ctx.loop_id)
-        session.commit()
+        # False for a duplicate delivery (already answered): nothing to do either way.
+        store.answer_tool_call(
+            ctx.state, ctx.session, loop_id=ctx.loop_id, token=ctx.execution_token,
+            tool_call_id=ctx.tool_call_id, lease_token=ctx.lease_token, content=text,
+            is_error=result.is_error,
+            sequential=bool(ctx.agent.option("sequential_tool_calls")),
+        )
         ctx.committed = True
         return self.next_step(ctx)
 

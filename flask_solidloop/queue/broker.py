@@ -39,94 +39,13 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 from ..errors import BrokerError
+from ..urls import libpq_url, redact_url
+from . import sql as jobs_sql
 
 logger = logging.getLogger("flask_solidloop.broker")
 
-CHANNEL_PREFIX = "solidloop_q_"
-
-_INSERT = (
-    "INSERT INTO solidloop_jobs (queue_name, actor_name, message_id, message, eta, loop_id) "
-    "VALUES (%(queue_name)s, %(actor_name)s, %(message_id)s, %(message)s, "
-    "now() + make_interval(secs => %(delay)s), %(loop_id)s) RETURNING id"
-)
-_INSERT_AND_NOTIFY = (
-    "WITH job AS (" + _INSERT + ") "
-    "SELECT job.id, pg_notify(%(channel)s, '') FROM job"
-)
-_CLAIM = """
-UPDATE solidloop_jobs AS j
-   SET state = 'running', lease_token = gen_random_uuid(),
-       lease_until = now() + make_interval(secs => %(lease)s),
-       attempts = j.attempts + 1, started_at = now()
-  FROM (SELECT id FROM solidloop_jobs
-         WHERE queue_name = %(queue)s AND state = 'queued' AND eta <= now()
-         ORDER BY eta, id
-         LIMIT %(limit)s
-         FOR UPDATE SKIP LOCKED) AS due
- WHERE j.id = due.id
-RETURNING j.id, j.lease_token, j.message, j.attempts
-"""
-_NEXT_ETA = (
-    "SELECT EXTRACT(EPOCH FROM (min(eta) - now())) FROM solidloop_jobs "
-    "WHERE queue_name = %s AND state = 'queued'"
-)
-_ACK = (
-    "UPDATE solidloop_jobs SET state = 'done', finished_at = now(), lease_until = NULL "
-    "WHERE id = %s AND lease_token = %s AND state = 'running'"
-)
-_NACK = (
-    "UPDATE solidloop_jobs SET state = 'dead', finished_at = now(), lease_until = NULL, "
-    "last_error = %s WHERE id = %s AND lease_token = %s AND state = 'running'"
-)
-_REQUEUE = (
-    "UPDATE solidloop_jobs SET state = 'queued', lease_token = NULL, lease_until = NULL, "
-    "attempts = greatest(attempts - 1, 0) "
-    "WHERE id = %s AND lease_token = %s AND state = 'running'"
-)
-# Fenced on the lease token too: a consumer whose job was redelivered to
-# another holder must not keep extending the new holder's lease.
-_RENEW = (
-    "UPDATE solidloop_jobs AS j SET lease_until = now() + make_interval(secs => %s) "
-    "FROM unnest(%s::bigint[], %s::uuid[]) AS h(id, lease_token) "
-    "WHERE j.id = h.id AND j.lease_token = h.lease_token AND j.state = 'running'"
-)
-# A job whose holder died returns to the queue; one that has been delivered
-# max_deliveries times without an ack is presumed poisonous and dead-lettered.
-_RECOVER = """
-WITH expired AS (
-    SELECT id FROM solidloop_jobs
-     WHERE state = 'running' AND lease_until < now()
-     ORDER BY lease_until
-     LIMIT 1000
-     FOR UPDATE SKIP LOCKED
-)
-UPDATE solidloop_jobs AS j
-   SET state = CASE WHEN j.attempts >= %(max_deliveries)s THEN 'dead' ELSE 'queued' END,
-       finished_at = CASE WHEN j.attempts >= %(max_deliveries)s THEN now() END,
-       last_error = 'job lease expired: the worker holding it stopped acknowledging',
-       lease_token = NULL, lease_until = NULL
-  FROM expired WHERE j.id = expired.id
-RETURNING j.id, j.queue_name, j.state
-"""
-
-
-def libpq_url(url: str) -> str:
-    """Turn a SQLAlchemy URL (``postgresql+psycopg://``) into one libpq accepts."""
-    if "+" in url.split("://", 1)[0]:
-        scheme, rest = url.split("://", 1)
-        return scheme.split("+", 1)[0] + "://" + rest
-    return url
-
-
-def redact_url(url: str) -> str:
-    """The URL with any password replaced, for error messages and logs."""
-    try:
-        from sqlalchemy.engine import make_url
-
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return url.split("@")[-1]
-
+# Kept importable from here for callers of the first release.
+CHANNEL_PREFIX = jobs_sql.CHANNEL_PREFIX
 
 class PostgresMessageProxy(MessageProxy):
     """A dramatiq message plus the job row that carries it."""
@@ -256,7 +175,7 @@ class PostgresBroker(dramatiq.Broker):
             "loop_id": options.get("solidloop_loop_id"),
             "channel": CHANNEL_PREFIX + message.queue_name,
         }
-        query = _INSERT if delay else _INSERT_AND_NOTIFY
+        query = jobs_sql.INSERT if delay else jobs_sql.INSERT_AND_NOTIFY
         if connection is None:
             self._run(query, params)
         else:
@@ -268,8 +187,7 @@ class PostgresBroker(dramatiq.Broker):
         return set()
 
     def flush(self, queue_name: str) -> None:
-        self._run("DELETE FROM solidloop_jobs WHERE queue_name = %s AND state = 'queued'",
-                  (queue_name,))
+        self._run(jobs_sql.FLUSH, (queue_name,))
 
     def flush_all(self) -> None:
         for queue_name in self.queues:
@@ -279,11 +197,7 @@ class PostgresBroker(dramatiq.Broker):
         """Block until ``queue_name`` has no queued or running jobs (tests only)."""
         deadline = None if timeout is None else time.monotonic() + timeout / 1000
         while True:
-            rows = self._run(
-                "SELECT count(*) FROM solidloop_jobs WHERE queue_name = %s "
-                "AND state IN ('queued', 'running')",
-                (queue_name,),
-            )
+            rows = self._run(jobs_sql.LIVE_COUNT, (queue_name,))
             if rows[0][0] == 0:
                 return
             if deadline is not None and time.monotonic() > deadline:
@@ -295,8 +209,8 @@ class PostgresBroker(dramatiq.Broker):
     def recover_expired(self, connection: Any = None) -> int:
         """Return jobs whose holder stopped renewing to the queue. Idempotent."""
         params = {"max_deliveries": self.max_deliveries}
-        rows = self._run(_RECOVER, params) if connection is None else execute_on(
-            connection, _RECOVER, params, fetch=True
+        rows = self._run(jobs_sql.RECOVER, params) if connection is None else execute_on(
+            connection, jobs_sql.RECOVER, params, fetch=True
         )
         for job_id, queue_name, state in rows:
             if state == "dead":
@@ -305,12 +219,16 @@ class PostgresBroker(dramatiq.Broker):
             else:
                 logger.warning("job %s on %s redelivered: its lease expired", job_id, queue_name)
         for queue_name in {row[1] for row in rows if row[2] == "queued"}:
-            notify = ("SELECT pg_notify(%s, '')", (CHANNEL_PREFIX + queue_name,))
+            notify = (jobs_sql.NOTIFY, (CHANNEL_PREFIX + queue_name,))
             if connection is None:
                 self._run(*notify)
             else:  # wake consumers when the caller's transaction commits, not before
                 execute_on(connection, *notify)
         return len(rows)
+
+    def cancel_loop_jobs(self, connection: Any, loop_id: int, *, reason: str) -> None:
+        """Mark every queued job of ``loop_id`` done, inside the caller's transaction."""
+        execute_on(connection, jobs_sql.CANCEL_LOOP_JOBS, (reason, loop_id))
 
     def maybe_recover_expired(self) -> None:
         now = time.monotonic()
@@ -395,9 +313,9 @@ class PostgresConsumer(Consumer):
             room = self.prefetch - len(self.held)
         if room <= 0:
             return False
-        rows = self.conn.execute(
-            _CLAIM, {"lease": self.broker.job_lease, "queue": self.queue_name, "limit": room}
-        ).fetchall()
+        rows = self.conn.execute(jobs_sql.CLAIM, {
+            "lease": self.broker.job_lease, "queue": self.queue_name, "limit": room,
+        }).fetchall()
         rows.sort(key=lambda row: row[0])
         for job_id, lease_token, data, attempts in rows:
             if isinstance(data, str | bytes):
@@ -423,7 +341,7 @@ class PostgresConsumer(Consumer):
             for _notify in self.conn.notifies(timeout=0.0):
                 pass
             return
-        row = self.conn.execute(_NEXT_ETA, (self.queue_name,)).fetchone()
+        row = self.conn.execute(jobs_sql.NEXT_ETA, (self.queue_name,)).fetchone()
         if row and row[0] is not None:
             wait = max(0.0, min(wait, float(row[0])))
         if wait <= 0:
@@ -442,8 +360,9 @@ class PostgresConsumer(Consumer):
         with self.held_lock:
             held = list(self.held.items())
         if held:
-            self.conn.execute(_RENEW, (self.broker.job_lease, [job_id for job_id, _ in held],
-                                       [token for _, token in held]))
+            self.conn.execute(jobs_sql.RENEW, (self.broker.job_lease,
+                                               [job_id for job_id, _ in held],
+                                               [token for _, token in held]))
 
     def _release(self, message: MessageProxy) -> tuple[int, uuid.UUID] | None:
         if not isinstance(message, PostgresMessageProxy):
@@ -456,21 +375,21 @@ class PostgresConsumer(Consumer):
     def ack(self, message: MessageProxy) -> None:
         key = self._release(message)
         if key:
-            self.broker._run(_ACK, key)
+            self.broker._run(jobs_sql.MARK_DONE, key)
 
     def nack(self, message: MessageProxy) -> None:
         key = self._release(message)
         if key:
             error = (message.options.get("traceback")
                      or str(getattr(message, "_exception", "")) or None)
-            self.broker._run(_NACK, (error, *key))
+            self.broker._run(jobs_sql.NACK, (error, *key))
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
         for message in [*messages, *self.buffer]:
             key = self._release(message)
             if key:
                 try:
-                    self.broker._run(_REQUEUE, key)
+                    self.broker._run(jobs_sql.REQUEUE, key)
                 except Exception:  # the lease will expire and redeliver it anyway
                     logger.warning("could not requeue job %s; its lease will expire", key[0])
         self.buffer.clear()

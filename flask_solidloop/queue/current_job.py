@@ -3,7 +3,8 @@
 An actor that changes loop state calls :func:`mark_current_job_done` inside
 the same transaction: if that transaction commits, the job is done even if the
 worker dies a microsecond later; if it rolls back, the job stays claimed and is
-acknowledged (or redelivered) by the broker as usual.
+acknowledged (or redelivered) by the broker as usual. The thread-local is set
+by :class:`~flask_solidloop.queue.middleware.current_job.CurrentJobMiddleware`.
 """
 
 from __future__ import annotations
@@ -12,16 +13,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import dramatiq
-
-from .broker import PostgresMessageProxy, execute_on
+from . import sql as jobs_sql
+from .broker import execute_on
 
 _local = threading.local()
-
-_MARK_DONE = (
-    "UPDATE solidloop_jobs SET state = 'done', finished_at = now(), lease_until = NULL "
-    "WHERE id = %s AND lease_token = %s AND state = 'running'"
-)
 
 
 @dataclass(frozen=True)
@@ -35,6 +30,10 @@ def current_job() -> CurrentJob | None:
     return getattr(_local, "job", None)
 
 
+def set_current_job(job: CurrentJob | None) -> None:
+    _local.job = job
+
+
 def mark_current_job_done(connection: Any) -> bool:
     """Mark the running job done on ``connection`` (inside the caller's transaction).
 
@@ -44,21 +43,5 @@ def mark_current_job_done(connection: Any) -> bool:
     job = current_job()
     if job is None:
         return False
-    execute_on(connection, _MARK_DONE, (job.job_id, job.lease_token))
+    execute_on(connection, jobs_sql.MARK_DONE, (job.job_id, job.lease_token))
     return True
-
-
-class CurrentJobMiddleware(dramatiq.Middleware):
-    """Publishes the job row of the message being processed to the worker thread."""
-
-    def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
-        if isinstance(message, PostgresMessageProxy):
-            _local.job = CurrentJob(message.job_id, message.lease_token, message.attempts)
-        else:
-            _local.job = None
-
-    def after_process_message(self, broker, message, *, result=None, exception=None) -> None:
-        _local.job = None
-
-    def after_skip_message(self, broker: dramatiq.Broker, message: Any) -> None:
-        _local.job = None

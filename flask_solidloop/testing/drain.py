@@ -17,7 +17,9 @@ from dramatiq.message import Message
 from flask import Flask
 
 from ..config import QUEUES
-from ..queue.broker import _ACK, _CLAIM, _NACK, PostgresMessageProxy
+from ..queue import sql as jobs_sql
+from ..queue.broker import PostgresMessageProxy
+from ..state import get_state
 
 
 class DrainError(AssertionError):
@@ -26,7 +28,7 @@ class DrainError(AssertionError):
 
 def _claim_one(broker: Any, conn: Any, queues: tuple[str, ...]) -> PostgresMessageProxy | None:
     for queue in queues:
-        rows = conn.execute(_CLAIM, {"lease": broker.job_lease, "queue": queue, "limit": 1})
+        rows = conn.execute(jobs_sql.CLAIM, {"lease": broker.job_lease, "queue": queue, "limit": 1})
         row = rows.fetchone()
         if row:
             job_id, lease_token, data, attempts = row
@@ -49,7 +51,7 @@ def drain(
     With ``raise_errors`` an actor exception is re-raised (as DrainError) after
     the broker middleware has handled it, so a test sees the real failure.
     """
-    state = app.extensions["solidloop"]
+    state = get_state(app)
     broker = state.broker
     try:
         return _drain(broker, queues, max_jobs, raise_errors, timeout)
@@ -82,10 +84,10 @@ def _drain(broker: Any, queues: tuple[str, ...], max_jobs: int, raise_errors: bo
                 message.stuff_exception(exc)
                 broker.emit_after("process_message", message, exception=exc)
             if message.failed:
-                conn.execute(_NACK, (str(error) if error else None, message.job_id,
+                conn.execute(jobs_sql.NACK, (str(error) if error else None, message.job_id,
                                      message.lease_token))
             else:
-                conn.execute(_ACK, (message.job_id, message.lease_token))
+                conn.execute(jobs_sql.MARK_DONE, (message.job_id, message.lease_token))
             if error is not None and raise_errors:
                 raise DrainError(
                     f"job {message.job_id} ({message.actor_name}) raised "

@@ -19,12 +19,10 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 from sqlalchemy import text
 
-if TYPE_CHECKING:
-    from ..extension import SolidLoopState
+from ..state import SolidLoopState
 
 logger = logging.getLogger("flask_solidloop.janitor")
 

@@ -1,5 +1,11 @@
 """The lease renewer: one thread and one connection per process for every lease.
 
+This module owns lease *renewal* only: it extends ``lease_expires_at`` and
+``leased_until`` of leases a turn already holds, and never changes a loop's
+status, token or anything else (loops/store.py owns every state change; the
+layering test checks that these are the only columns written here). It sits
+low in the layer order so the queue's worker middleware can start and stop it.
+
 An LLM turn's lease (``solidloop_loops.lease_expires_at``) is derived from the
 agent's read timeout, but a healthy turn can run far longer than that: the
 read timeout counts silence between reads, not the whole response. So each
@@ -42,6 +48,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
+
+from .errors import LostLeaseError
 
 logger = logging.getLogger("flask_solidloop.renewer")
 
@@ -277,8 +285,6 @@ class RenewerHandle:
         return self.registration is not None and self.registration.lost()
 
     def check(self) -> None:
-        from ..errors import LostLeaseError
-
         registration = self.registration
         if registration is not None and registration.lost():
             raise LostLeaseError(
@@ -289,3 +295,29 @@ class RenewerHandle:
         if self.renewer is not None and self.registration is not None:
             self.renewer.deregister(self.registration)
         self.registration = None
+
+
+class RenewerSlot:
+    """This process's renewer, created on first use and shared by every thread."""
+
+    def __init__(self, conninfo: str) -> None:
+        self.conninfo = conninfo
+        self._renewer: LeaseRenewer | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> LeaseRenewer:
+        with self._lock:
+            if self._renewer is None:
+                self._renewer = LeaseRenewer(self.conninfo)
+            return self._renewer
+
+    def stop(self) -> None:
+        """Stop and forget the renewer (the next get() starts a new one)."""
+        with self._lock:
+            renewer, self._renewer = self._renewer, None
+        if renewer is not None:
+            renewer.stop()
+
+    @property
+    def current(self) -> LeaseRenewer | None:
+        return self._renewer

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import dramatiq
 
-if TYPE_CHECKING:
-    from ..extension import SolidLoopState
+from ...leases import RenewerSlot
 
 
 class LeaseRenewerMiddleware(dramatiq.Middleware):
@@ -18,11 +17,11 @@ class LeaseRenewerMiddleware(dramatiq.Middleware):
     being renewed until they do.
     """
 
-    def __init__(self, state: SolidLoopState) -> None:
-        self.state = state
+    def __init__(self, slot: RenewerSlot) -> None:
+        self.slot = slot
 
     def after_worker_boot(self, broker: dramatiq.Broker, worker: Any) -> None:
-        self.state.renewer().start()
+        self.slot.get().start()
 
     def after_worker_shutdown(self, broker: dramatiq.Broker, worker: Any) -> None:
-        self.state.stop_renewer()
+        self.slot.stop()

@@ -1,4 +1,4 @@
-"""Durability: the lease renewer, the reaper and the janitor.
+"""Maintenance: the reaper (heals loops whose worker died) and the janitor (retention).
 
 The maintenance actor (queue ``solidloop_maintenance``) runs these tasks for
 hosts with their own scheduler; ``flask solidloop reap`` / ``prune`` run them
@@ -8,10 +8,10 @@ from the command line, once or ``--every N`` seconds.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from ..extension import SolidLoopState
+from ..state import SolidLoopState
+from .janitor import prune
+from .reaper import reap
 
 logger = logging.getLogger("flask_solidloop.maintenance")
 
@@ -21,12 +21,8 @@ TASKS = ("reap", "prune", "recover_jobs")
 def run_maintenance(state: SolidLoopState, task: str) -> None:
     """Run one named maintenance task. Unknown names are logged and dropped."""
     if task == "reap":
-        from .reaper import reap
-
         reap(state)
     elif task == "prune":
-        from .janitor import prune
-
         prune(state)
     elif task == "recover_jobs":
         recovered = state.broker.recover_expired()

@@ -1,0 +1,814 @@
+"""The only writer of loop, message, tool-call, MCP-session and event rows, and
+of the jobs that follow their changes.
+
+Every function here is one named transition: it takes the row locks it needs
+(always the loop row first, then a tool-call row), re-checks the generation
+fence where a turn writes, makes the change, enqueues the successor job on the
+same session, and commits, so state and job land together or not at all
+(docs/decisions/0009-one-owner-for-loop-state.md). The exceptions say so in
+their docstring: :func:`create_loop` and :func:`record_tool_snapshots` leave
+the commit to their caller, who adds its own writes to the same transaction.
+
+Callers: the pipeline middlewares (a turn's writes), the runtime (claims and
+unhandled failures), loops.control (host commands), the reaper (heals) and the
+Agent facade (creation). A turn whose fence closed gets ``LostLeaseError``
+from the turn-path functions and writes nothing; host commands and heals
+return False or an empty list instead.
+
+Lease *renewal* (extending the lease columns of a lease a turn holds) is the
+one write elsewhere: leases.py, on the renewer's own connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from decimal import Decimal
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import func, or_, select, text, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from .._typing import SessionLike
+from ..errors import LostLeaseError
+from ..models import Event, Loop, McpSession, Message, ToolCall
+from ..queue.current_job import mark_current_job_done
+from . import queries
+from .fence import lock_loop, owns, transition
+
+if TYPE_CHECKING:
+    from ..llm.client import WireRecord
+    from ..llm.types import AssistantTurn
+    from ..mcp.toolset import ToolResult
+    from ..state import SolidLoopState
+
+logger = logging.getLogger("flask_solidloop.store")
+
+#: Longest error text stored on a loop (a database error can carry a whole
+#: SQL statement and its parameters).
+MAX_ERROR_TEXT = 2000
+#: Longest tool error text kept on a tool call's event.
+MAX_EVENT_ERROR = 2000
+#: Candidates one heal step handles per pass.
+HEAL_BATCH = 500
+
+
+def error_text(exc: BaseException) -> str:
+    """``Class: message`` for error_message, cut to a readable length."""
+    text_ = f"{type(exc).__name__}: {exc}"
+    return text_ if len(text_) <= MAX_ERROR_TEXT else text_[:MAX_ERROR_TEXT] + " [truncated]"
+
+
+# -- shared pieces ----------------------------------------------------------------
+
+
+def calls_to_run(call_ids: Sequence[int], *, sequential: bool) -> list[int]:
+    """The tool calls of a phase to enqueue now: the head of the line in
+    sequential mode (each answer enqueues the next), all of them otherwise."""
+    return list(call_ids[:1]) if sequential else list(call_ids)
+
+
+def _dispatch_tool_calls(state: SolidLoopState, session: SessionLike, loop_id: int,
+                         token: uuid.UUID, call_ids: Sequence[int], *, sequential: bool) -> None:
+    for call_id in calls_to_run(call_ids, sequential=sequential):
+        state.dispatch.tool_call(session, call_id, token, loop_id=loop_id)
+
+
+def _requeue_for_llm(state: SolidLoopState, session: SessionLike, loop: Loop) -> None:
+    """Queue the loop's next LLM turn (the caller holds the loop row lock)."""
+    loop.status = "queued"
+    loop.execution_token = None
+    loop.lease_expires_at = None
+    session.flush()
+    state.dispatch.llm_turn(session, loop.id)
+
+
+def _hide_shells(session: SessionLike, loop_id: int) -> None:
+    """Fail and hide the loop's ``processing`` shells: a partial never enters the history."""
+    session.execute(
+        update(Message)
+        .where(Message.loop_id == loop_id, Message.status == "processing")
+        .values(status="failed", is_hidden=True)
+    )
+
+
+def _wire_event(session: SessionLike, loop_id: int, message_id: int | None,
+                wire: WireRecord | None, *, error: str | None = None) -> None:
+    if wire is not None:
+        session.add(Event(
+            loop_id=loop_id, message_id=message_id, kind="llm_request",
+            status_code=wire.status, duration_ms=wire.duration_ms, error=error,
+            payload=wire.to_payload(),
+        ))
+
+
+def _lock_call(session: SessionLike, loop_id: int, token: uuid.UUID, tool_call_id: int,
+               lease_token: uuid.UUID | None, *, need_lease: bool) -> ToolCall:
+    """Lock loop then tool call (always that order) and verify both tokens."""
+    loop = lock_loop(session, loop_id)
+    if not owns(loop, token):
+        session.rollback()
+        raise LostLeaseError(f"loop {loop_id} changed generation during tool call")
+    call = session.execute(
+        select(ToolCall).where(ToolCall.id == tool_call_id).with_for_update()
+        .execution_options(populate_existing=True)
+    ).scalar_one()
+    if need_lease and call.lease_token != lease_token:
+        session.rollback()
+        raise LostLeaseError(f"tool call {call.id}: its lease was reclaimed")
+    return call
+
+
+def fenced_transition(session: SessionLike, loop_id: int, token: uuid.UUID, *,
+                      from_: str | tuple[str, ...], to: str, **changes: Any) -> bool:
+    """A turn's own transition on its generation, committed now. False (and
+    nothing written) when the loop is no longer that generation's."""
+    loop = transition(session, loop_id, from_=from_, to=to, expected_token=token, **changes)
+    if loop is None:
+        session.rollback()
+        return False
+    session.commit()
+    return True
+
+
+# -- creation ---------------------------------------------------------------------
+
+
+def create_loop(state: SolidLoopState, session: SessionLike, *, agent_name: str,
+                subject_type: str | None, subject_id: str | None, system_prompt: str,
+                message: str, loop_state: dict[str, Any], enqueue: bool) -> Loop:
+    """Insert a loop (queued, or init), its system and user messages and, when
+    ``enqueue``, its first llm_turn job. Does not commit: the caller may add
+    its own writes to the same transaction."""
+    loop = Loop(agent_name=agent_name, subject_type=subject_type, subject_id=subject_id,
+                status="queued" if enqueue else "init", state=dict(loop_state))
+    session.add(loop)
+    session.flush()
+    if system_prompt:
+        session.add(Message(loop_id=loop.id, role="system", content=system_prompt))
+    session.add(Message(loop_id=loop.id, role="user", content=message))
+    session.flush()
+    if enqueue:
+        state.dispatch.llm_turn(session, loop.id)
+    return loop
+
+
+# -- the LLM turn -----------------------------------------------------------------
+
+
+def fail_unclaimed(session: SessionLike, loop_id: int, error_message: str) -> None:
+    """Fail a queued loop that cannot run at all (an unregistered agent, a broken
+    definition), marking its job done, so it never sits queued forever."""
+    session.rollback()
+    if transition(session, loop_id, from_="queued", to="failed",
+                  error_message=error_message) is not None:
+        mark_current_job_done(session)
+    session.commit()
+
+
+def claim_llm_turn(session: SessionLike, loop_id: int, *, lease_seconds: float,
+                   ) -> uuid.UUID | None:
+    """queued → running under a fresh execution token and lease, with the job
+    marked done in the same commit. None when another claim won."""
+    token = uuid.uuid4()
+    # Leases are stamped and compared with the database clock, never a worker's.
+    claimed = session.execute(
+        update(Loop)
+        .where(Loop.id == loop_id, Loop.status == "queued")
+        .values(status="running", execution_token=token,
+                lease_expires_at=func.now() + timedelta(seconds=lease_seconds),
+                started_at=func.coalesce(Loop.started_at, func.now()),
+                run_started_at=func.coalesce(Loop.run_started_at, func.now()))
+    ).rowcount  # type: ignore[attr-defined]
+    if not claimed:
+        session.rollback()
+        return None
+    mark_current_job_done(session)
+    session.commit()
+    return token
+
+
+def record_tool_snapshots(session: SessionLike, loop_id: int,
+                          snapshots: dict[str, tuple[Any, Any]]) -> None:
+    """Keep the tools a remote server listed for the first time as the loop's
+    snapshot (the first writer wins). Does not commit: it joins the turn's
+    initialization transaction."""
+    for server_name, (tools, session_state) in snapshots.items():
+        session.execute(
+            pg_insert(McpSession)
+            .values(loop_id=loop_id, server_name=server_name, tools=tools,
+                    session_state=session_state)
+            .on_conflict_do_nothing(index_elements=["loop_id", "server_name"])
+        )
+
+
+def open_shell(session: SessionLike, loop_id: int, token: uuid.UUID) -> int:
+    """Insert the hidden ``processing`` assistant message a turn streams into."""
+    loop = lock_loop(session, loop_id)
+    if not owns(loop, token):
+        session.rollback()
+        raise LostLeaseError(f"loop {loop_id} changed hands before the request")
+    shell = Message(loop_id=loop_id, role="assistant", status="processing", is_hidden=True,
+                    content="")
+    session.add(shell)
+    session.flush()
+    shell_id = shell.id  # read before the commit: afterwards it would reload
+    session.commit()
+    return shell_id
+
+
+def record_partial(session: SessionLike, shell_id: int, content: str,
+                   reasoning: str | None) -> None:
+    """A streaming turn's text so far, onto its still-hidden shell."""
+    session.execute(
+        update(Message)
+        .where(Message.id == shell_id, Message.status == "processing")
+        .values(content=content, reasoning=reasoning)
+    )
+    session.commit()
+
+
+@dataclass(frozen=True)
+class NewToolCall:
+    """A tool call the model asked for, routed to its server (if any offers it)."""
+
+    call_id: str | None
+    name: str
+    arguments_raw: str | None
+    arguments: dict[str, Any] | None
+    server_name: str | None = None
+    tool_name: str | None = None
+
+
+def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int,
+                    token: uuid.UUID, shell_id: int, response: AssistantTurn,
+                    meta: dict[str, Any], turn_cost: Decimal | None,
+                    calls: Sequence[NewToolCall], wire: WireRecord | None,
+                    sequential: bool) -> Message:
+    """The LLM turn's canonical write, under the row lock and the fence: finalize
+    the shell, record usage, cost, tool calls and the wire event, then complete
+    the loop or enter the tool phase with its tool jobs, all in one commit."""
+    loop = lock_loop(session, loop_id)
+    if not owns(loop, token):
+        session.rollback()
+        raise LostLeaseError(f"loop {loop_id} changed hands during the request")
+    assert loop is not None
+    shell = session.get(Message, shell_id)
+    assert shell is not None
+    shell.content = response.content
+    shell.reasoning = response.reasoning
+    shell.finish_reason = response.finish_reason
+    shell.status = "completed"
+    shell.is_hidden = False
+    shell.completed_at = func.now()
+    if response.usage is not None:
+        shell.usage = response.usage.to_dict()
+        loop.input_tokens += response.usage.input_tokens
+        loop.output_tokens += response.usage.output_tokens
+        if turn_cost is not None:
+            shell.cost = turn_cost
+            loop.cost = (loop.cost or 0) + turn_cost
+    shell.meta = meta
+    loop.step_count += 1
+    rows = [ToolCall(loop_id=loop_id, message_id=shell.id, position=position,
+                     call_id=call.call_id or None, name=call.name,
+                     server_name=call.server_name, tool_name=call.tool_name,
+                     arguments_raw=call.arguments_raw, arguments=call.arguments)
+            for position, call in enumerate(calls)]
+    session.add_all(rows)
+    _wire_event(session, loop_id, shell.id, wire)
+    session.flush()
+    if not rows:
+        loop.status = "completed"
+        loop.execution_token = None
+        loop.lease_expires_at = None
+        loop.finished_at = func.now()
+        loop.error_message = None
+    else:
+        # Tool phase: the loop stays running under this generation; no LLM lease.
+        loop.lease_expires_at = None
+        _dispatch_tool_calls(state, session, loop_id, token, [row.id for row in rows],
+                             sequential=sequential)
+    session.commit()
+    return shell
+
+
+def end_llm_turn(session: SessionLike, loop_id: int, token: uuid.UUID, *, to: str,
+                 error_message: str, shell_id: int | None,
+                 wire: WireRecord | None) -> bool:
+    """End a turn with an expected outcome (a limit pauses, a provider error
+    fails): the shell is failed and hidden, the wire record kept."""
+    loop = transition(session, loop_id, from_="running", to=to, expected_token=token,
+                      error_message=error_message)
+    if loop is None:
+        session.rollback()
+        return False
+    if shell_id is not None:
+        shell = session.get(Message, shell_id)
+        if shell is not None and shell.status == "processing":
+            shell.status = "failed"
+            shell.is_hidden = True
+    _wire_event(session, loop_id, shell_id, wire, error=error_message)
+    session.commit()
+    return True
+
+
+def fail_turn(session: SessionLike, loop_id: int, token: uuid.UUID,
+              error_message: str) -> bool:
+    """Fail the loop for an error nothing else handled, if ``token`` still owns it."""
+    loop = transition(session, loop_id, from_="running", to="failed", expected_token=token,
+                      error_message=error_message)
+    if loop is None:
+        session.rollback()
+        return False
+    _hide_shells(session, loop_id)
+    session.commit()
+    return True
+
+
+# -- the tool turn ----------------------------------------------------------------
+
+
+class ToolClaim(Enum):
+    """How a tool job's claim ended."""
+
+    #: The per-call lease is this job's: run the tool.
+    CLAIMED = "claimed"
+    #: The tool already ran (checkpointed); only its answer is missing.
+    CONTINUATION = "continuation"
+    #: Sequential mode, out of order: the head of the line was enqueued instead.
+    REDIRECTED = "redirected"
+    #: The generation rotated, or another live lease holds the call.
+    LOST = "lost"
+
+
+def claim_tool_call(state: SolidLoopState, session: SessionLike, call: ToolCall,
+                    token: uuid.UUID, *, sequential: bool, lease_seconds: float,
+                    reaper_lease_token: uuid.UUID | None = None,
+                    ) -> tuple[ToolClaim, uuid.UUID | None]:
+    """Claim a tool call for this job, marking the job done in the same commit.
+
+    Returns the outcome and, when CLAIMED, the per-call lease token. A reaper
+    reclaim arrives with the lease the reaper minted, which is adopted if it
+    is still the call's.
+    """
+    loop_id = call.loop_id
+    if sequential:
+        pending = queries.unresolved_tool_calls(session, loop_id)
+        if pending and pending[0].id != call.id:
+            # Out of order: run nothing, but make sure the head of the line runs.
+            state.dispatch.tool_call(session, pending[0].id, token, loop_id=loop_id)
+            mark_current_job_done(session)
+            session.commit()
+            return ToolClaim.REDIRECTED, None
+    if call.executed_at is not None:
+        mark_current_job_done(session)
+        session.commit()
+        return ToolClaim.CONTINUATION, None
+    loop = lock_loop(session, loop_id)
+    if not owns(loop, token):
+        session.rollback()
+        return ToolClaim.LOST, None
+    if reaper_lease_token is not None:
+        session.refresh(call)
+        if call.lease_token != reaper_lease_token:
+            session.rollback()
+            return ToolClaim.LOST, None
+        mark_current_job_done(session)
+        session.commit()
+        return ToolClaim.CLAIMED, reaper_lease_token
+    candidate = uuid.uuid4()
+    claimed = session.execute(
+        update(ToolCall)
+        .where(ToolCall.id == call.id, ToolCall.executed_at.is_(None),
+               or_(ToolCall.lease_token.is_(None), ToolCall.leased_until < func.now()))
+        .values(lease_token=candidate,
+                leased_until=func.now() + timedelta(seconds=lease_seconds))
+    ).rowcount  # type: ignore[attr-defined]
+    if not claimed:
+        session.rollback()
+        return ToolClaim.LOST, None
+    mark_current_job_done(session)
+    session.commit()
+    return ToolClaim.CLAIMED, candidate
+
+
+def checkpoint_tool_call(session: SessionLike, *, loop_id: int, token: uuid.UUID,
+                         tool_call_id: int, lease_token: uuid.UUID | None,
+                         result: ToolResult, duration_ms: float) -> ToolCall:
+    """Record a tool's canonical result (``executed_at``) under both fences, with
+    its wire event. Exactly once: a second checkpoint finds it executed."""
+    call = _lock_call(session, loop_id, token, tool_call_id, lease_token, need_lease=True)
+    if call.executed_at is not None:  # someone else checkpointed first
+        session.rollback()
+        raise LostLeaseError(f"tool call {tool_call_id} was already executed")
+    stored = result.to_mcp()
+    call.result = stored
+    call.is_success = not result.is_error
+    call.error_kind = result.error_kind
+    call.executed_at = func.now()
+    call.duration_ms = duration_ms
+    session.add(Event(
+        loop_id=loop_id, tool_call_id=call.id, kind="tool_call", duration_ms=duration_ms,
+        error=result.text()[:MAX_EVENT_ERROR] if result.is_error else None,
+        payload={
+            "name": call.name, "server": call.server_name, "tool": call.tool_name,
+            "arguments": call.arguments if call.arguments is not None else call.arguments_raw,
+            "idempotency_key": call.idempotency_key, "result": stored,
+        },
+    ))
+    session.commit()
+    return call
+
+
+def store_mcp_session_state(session: SessionLike, loop_id: int, server_name: str | None,
+                            session_state: dict[str, Any]) -> None:
+    """Keep the loop's stored MCP session current (a server re-initialized it,
+    or the protocol era changed), so the next call resumes instead of probing."""
+    session.rollback()
+    session.execute(
+        update(McpSession)
+        .where(McpSession.loop_id == loop_id, McpSession.server_name == server_name)
+        .values(session_state=session_state)
+    )
+    session.commit()
+
+
+def answer_tool_call(state: SolidLoopState, session: SessionLike, *, loop_id: int,
+                     token: uuid.UUID, tool_call_id: int, lease_token: uuid.UUID | None,
+                     content: str, is_error: bool, sequential: bool) -> bool:
+    """Write the one tool message answering the call; when it was the phase's
+    last open call, queue the next LLM turn in the same commit (in sequential
+    mode, the next call instead). False for a duplicate delivery: the call was
+    already answered and nothing was written."""
+    call = _lock_call(session, loop_id, token, tool_call_id, lease_token,
+                      need_lease=lease_token is not None)
+    if call.response_message_id is not None:
+        session.rollback()
+        return False
+    message = Message(loop_id=loop_id, role="tool", content=content, tool_call_id=call.id,
+                      meta={"is_error": is_error, "tool_name": call.name})
+    session.add(message)
+    session.flush()
+    call.response_message_id = message.id
+    call.lease_token = None
+    call.leased_until = None
+    remaining = list(session.scalars(
+        select(ToolCall.id).where(ToolCall.message_id == call.message_id,
+                                  ToolCall.response_message_id.is_(None))
+        .order_by(ToolCall.position)
+    ))
+    if not remaining:
+        loop = lock_loop(session, loop_id)
+        assert loop is not None
+        _requeue_for_llm(state, session, loop)
+    elif sequential:
+        _dispatch_tool_calls(state, session, loop_id, token, remaining, sequential=True)
+    session.commit()
+    return True
+
+
+def fail_tool_call(session: SessionLike, *, loop_id: int, tool_call_id: int,
+                   token: uuid.UUID, lease_token: uuid.UUID | None,
+                   error_message: str) -> bool:
+    """Fail the loop for a tool turn's unhandled error, if this job still holds
+    the generation and (when it claimed one) the call's lease."""
+    loop = lock_loop(session, loop_id)
+    if not owns(loop, token):
+        session.rollback()
+        return False
+    call = session.get(ToolCall, tool_call_id)
+    if lease_token is not None and (call is None or call.lease_token != lease_token):
+        session.rollback()
+        return False
+    transition(session, loop_id, from_="running", to="failed", expected_token=token,
+               error_message=f"tool call {tool_call_id}: {error_message}")
+    session.commit()
+    return True
+
+
+# -- host commands ----------------------------------------------------------------
+
+
+def pause(session: SessionLike, loop_id: int) -> bool:
+    loop = transition(session, loop_id, from_=("queued", "running"), to="paused")
+    if loop is None:
+        session.rollback()
+        return False
+    _hide_shells(session, loop_id)
+    session.commit()
+    return True
+
+
+def stop(session: SessionLike, loop_id: int, *, reason: str) -> bool:
+    loop = transition(session, loop_id, from_=("init", "queued", "running", "paused"),
+                      to="failed", error_message=reason)
+    if loop is None:
+        session.rollback()
+        return False
+    _hide_shells(session, loop_id)
+    session.commit()
+    return True
+
+
+def force_stop(state: SolidLoopState, session: SessionLike, loop_id: int, *,
+               reason: str) -> bool:
+    """Fail the loop, cancel its queued jobs and revoke its tool leases, at once."""
+    if not _stopped(session, loop_id, f"force stopped: {reason}"):
+        return False
+    session.execute(
+        update(ToolCall)
+        .where(ToolCall.loop_id == loop_id, ToolCall.executed_at.is_(None))
+        .values(lease_token=None, leased_until=None)
+    )
+    state.broker.cancel_loop_jobs(session, loop_id, reason="cancelled by force stop")
+    session.commit()
+    return True
+
+
+def _stopped(session: SessionLike, loop_id: int, error_message: str) -> bool:
+    loop = transition(session, loop_id, from_=("init", "queued", "running", "paused"),
+                      to="failed", error_message=error_message)
+    if loop is None:
+        session.rollback()
+        return False
+    _hide_shells(session, loop_id)
+    return True
+
+
+def freeze(session: SessionLike, loop_id: int) -> bool:
+    loop = lock_loop(session, loop_id)
+    if loop is None or loop.frozen or loop.status in ("completed", "failed"):
+        session.rollback()
+        return False
+    if loop.status in ("queued", "running"):
+        transition(session, loop_id, from_=("queued", "running"), to="paused",
+                   error_message="frozen")
+        _hide_shells(session, loop_id)
+    loop.frozen = True
+    session.commit()
+    return True
+
+
+def unfreeze(session: SessionLike, loop_id: int) -> bool:
+    loop = lock_loop(session, loop_id)
+    if loop is None or not loop.frozen:
+        session.rollback()
+        return False
+    loop.frozen = False
+    session.commit()
+    return True
+
+
+def set_observed(session: SessionLike, loop_id: int, observed: bool) -> bool:
+    changed = session.execute(
+        update(Loop).where(Loop.id == loop_id, Loop.observed.is_not(observed))
+        .values(observed=observed)
+    ).rowcount  # type: ignore[attr-defined]
+    session.commit()
+    return bool(changed)
+
+
+def _cancel_tool_calls(session: SessionLike, calls: Iterable[ToolCall], *, reason: str) -> None:
+    """Answer pending calls: a call that already ran gets its recorded result (its
+    effect happened; the model must not be told otherwise), the others an error."""
+    from ..mcp.toolset import ToolResult
+
+    for call in calls:
+        if call.executed_at is not None and call.result is not None:
+            content = ToolResult.from_mcp(call.result).text()
+            meta: dict[str, Any] = {"is_error": not call.is_success, "tool_name": call.name}
+        else:
+            content = f"tool call {call.name!r} was not run: {reason}"
+            meta = {"is_error": True, "tool_name": call.name, "cancelled": True}
+        message = Message(loop_id=call.loop_id, role="tool", content=content,
+                          tool_call_id=call.id, meta=meta)
+        session.add(message)
+        session.flush()
+        call.response_message_id = message.id
+        call.lease_token = None
+        call.leased_until = None
+        if call.executed_at is None:
+            call.is_success = False
+            call.error_kind = "cancelled"
+
+
+def resume(state: SolidLoopState, session: SessionLike, loop_id: int, allowed: Iterable[str],
+           *, message: str | None, sequential: Callable[[Loop], bool]) -> bool:
+    """Re-enter a loop whose status is in ``allowed``, in one locked transaction.
+
+    If the newest assistant turn still has unanswered tool calls, the loop
+    re-enters its tool phase under a fresh generation: the calls' leases are
+    revoked first, then their jobs are enqueued. Otherwise it is queued for a
+    new LLM turn. ``message`` appends a user message first (answering pending
+    calls, since nothing may sit between a tool-call turn and its results).
+    """
+    loop = lock_loop(session, loop_id)
+    if loop is None or loop.status not in tuple(allowed):
+        session.rollback()
+        return False
+    if loop.frozen:
+        logger.warning("loop %s is frozen; unfreeze it before resuming", loop_id)
+        session.rollback()
+        return False
+    _hide_shells(session, loop_id)
+    loop.error_message = None
+    loop.finished_at = None
+    loop.run_started_at = None  # limits apply per run; the next claim starts the clock
+    loop.run_step_base = loop.step_count
+    pending = queries.unresolved_tool_calls(session, loop_id)
+    if message:
+        _cancel_tool_calls(session, pending, reason="the loop was resumed with a new message")
+        pending = []
+        session.add(Message(loop_id=loop_id, role="user", content=message))
+    if pending:
+        token = uuid.uuid4()
+        loop.status = "running"
+        loop.execution_token = token
+        loop.lease_expires_at = None
+        ids = [call.id for call in pending]
+        session.execute(
+            update(ToolCall).where(ToolCall.id.in_(ids), ToolCall.executed_at.is_(None))
+            .values(lease_token=None, leased_until=None)
+        )
+        session.flush()
+        _dispatch_tool_calls(state, session, loop_id, token, ids,
+                             sequential=sequential(loop))
+    else:
+        _requeue_for_llm(state, session, loop)
+    session.commit()
+    return True
+
+
+# -- heals (the reaper's repairs) ---------------------------------------------------
+#
+# Each selects its candidates with FOR UPDATE SKIP LOCKED and changes rows with
+# a compare-and-set, so reapers racing on one loop resolve to one repair; each
+# repair and the job it implies commit together.
+
+_LIVE_JOB = (
+    "EXISTS (SELECT 1 FROM solidloop_jobs j WHERE j.loop_id = l.id "
+    "AND j.state IN ('queued', 'running'))"
+)
+# A job already queued for the call (a reclaim waiting behind a backlog) will
+# adopt or re-claim the lease when it runs: minting yet another one would only
+# churn, so such calls are left alone.
+_LIVE_TOOL_JOB = (
+    "EXISTS (SELECT 1 FROM solidloop_jobs j WHERE j.loop_id = t.loop_id "
+    "AND j.state IN ('queued', 'running') AND j.actor_name = 'solidloop.tool_call' "
+    "AND j.message->'args'->>0 = t.id::text)"
+)
+
+EXPIRED_LLM = f"""
+SELECT l.id FROM solidloop_loops l
+ WHERE l.status = 'running' AND l.lease_expires_at < now()
+ ORDER BY l.lease_expires_at
+ LIMIT {HEAL_BATCH}
+ FOR UPDATE SKIP LOCKED
+"""
+STALLED_TOOLS = f"""
+SELECT t.id, t.lease_token, t.loop_id, l.execution_token
+  FROM solidloop_tool_calls t
+  JOIN solidloop_loops l ON l.id = t.loop_id
+ WHERE t.response_message_id IS NULL AND t.executed_at IS NULL
+   AND t.lease_token IS NOT NULL AND t.leased_until < now()
+   AND l.status = 'running'
+   AND NOT {_LIVE_TOOL_JOB}
+ ORDER BY t.leased_until
+ LIMIT {HEAL_BATCH}
+ FOR UPDATE OF l SKIP LOCKED
+"""
+# A tool call nobody holds (no lease, or executed and waiting for its answer)
+# while its loop has no live job at all: its job was lost.
+DROPPED_TOOLS = f"""
+SELECT t.id, t.loop_id, l.execution_token
+  FROM solidloop_tool_calls t
+  JOIN solidloop_loops l ON l.id = t.loop_id
+ WHERE t.response_message_id IS NULL
+   AND (t.lease_token IS NULL OR t.executed_at IS NOT NULL)
+   AND l.status = 'running' AND l.lease_expires_at IS NULL
+   AND t.updated_at < now() - make_interval(secs => :grace)
+   AND NOT {_LIVE_JOB}
+ ORDER BY t.id
+ LIMIT {HEAL_BATCH}
+ FOR UPDATE OF l SKIP LOCKED
+"""
+STUCK_TOOL_PHASE = f"""
+SELECT l.id FROM solidloop_loops l
+ WHERE l.status = 'running' AND l.lease_expires_at IS NULL
+   AND l.updated_at < now() - make_interval(secs => :grace)
+   AND NOT EXISTS (SELECT 1 FROM solidloop_tool_calls t
+                    WHERE t.loop_id = l.id AND t.response_message_id IS NULL)
+   AND NOT {_LIVE_JOB}
+ LIMIT {HEAL_BATCH}
+ FOR UPDATE SKIP LOCKED
+"""
+STUCK_QUEUED = f"""
+SELECT l.id FROM solidloop_loops l
+ WHERE l.status = 'queued'
+   AND l.updated_at < now() - make_interval(secs => :grace)
+   AND NOT {_LIVE_JOB}
+ LIMIT {HEAL_BATCH}
+ FOR UPDATE SKIP LOCKED
+"""
+ORPHAN_SHELLS = f"""
+UPDATE solidloop_messages m SET status = 'failed', is_hidden = true, updated_at = now()
+ WHERE m.id IN (SELECT m2.id FROM solidloop_messages m2
+                  JOIN solidloop_loops l ON l.id = m2.loop_id
+                 WHERE m2.status = 'processing' AND l.status <> 'running'
+                 LIMIT {HEAL_BATCH})
+RETURNING m.id
+"""
+_REQUEUE_LOOP = (
+    "UPDATE solidloop_loops SET status = 'queued', execution_token = NULL, "
+    "lease_expires_at = NULL, updated_at = now() WHERE id = :id"
+)
+_HIDE_SHELLS = (
+    "UPDATE solidloop_messages SET status = 'failed', is_hidden = true, "
+    "updated_at = now() WHERE loop_id = :id AND status = 'processing'"
+)
+_MINT_TOOL_LEASE = (
+    "UPDATE solidloop_tool_calls SET lease_token = :new, updated_at = now(), "
+    "leased_until = now() + :lease WHERE id = :id AND lease_token = :old "
+    "AND executed_at IS NULL"
+)
+_TOUCH_TOOL_CALL = "UPDATE solidloop_tool_calls SET updated_at = now() WHERE id = :id"
+_TOUCH_LOOP = "UPDATE solidloop_loops SET updated_at = now() WHERE id = :id"
+
+
+def heal_expired_llm(state: SolidLoopState, session: SessionLike) -> list[int]:
+    """Running loops whose LLM lease expired: the generation is rotated away,
+    shells hidden, and a new llm_turn queued."""
+    ids = list(session.execute(text(EXPIRED_LLM)).scalars())
+    for loop_id in ids:
+        session.execute(text(_REQUEUE_LOOP), {"id": loop_id})
+        session.execute(text(_HIDE_SHELLS), {"id": loop_id})
+        state.dispatch.llm_turn(session, loop_id)
+    session.commit()
+    return ids
+
+
+def heal_stalled_tools(state: SolidLoopState, session: SessionLike,
+                       lease_seconds: Callable[[int], float]) -> list[int]:
+    """Unexecuted tool calls whose lease expired: a fresh lease (CAS on the old
+    one) goes to a new tool job, so healthy siblings are not fenced.
+    ``lease_seconds(loop_id)`` gives the lease for the call's loop."""
+    healed = []
+    for call_id, old_lease, loop_id, token in session.execute(text(STALLED_TOOLS)).all():
+        new_lease = uuid.uuid4()
+        claimed = session.execute(text(_MINT_TOOL_LEASE), {
+            "new": new_lease, "lease": timedelta(seconds=lease_seconds(loop_id)),
+            "id": call_id, "old": old_lease}).rowcount  # type: ignore[attr-defined]
+        if claimed:
+            state.dispatch.tool_call(session, call_id, token, loop_id=loop_id,
+                                     reaper_lease_token=new_lease)
+            healed.append(call_id)
+    session.commit()
+    return healed
+
+
+def heal_dropped_tools(state: SolidLoopState, session: SessionLike, *,
+                       grace: float) -> list[int]:
+    """Tool calls of a running tool phase that nobody holds and no live job will
+    run: a new tool job (the checkpoint keeps the body from running twice)."""
+    healed = []
+    for call_id, loop_id, token in session.execute(text(DROPPED_TOOLS),
+                                                   {"grace": grace}).all():
+        session.execute(text(_TOUCH_TOOL_CALL), {"id": call_id})
+        state.dispatch.tool_call(session, call_id, token, loop_id=loop_id)
+        healed.append(call_id)
+    session.commit()
+    return healed
+
+
+def heal_stuck_tool_phase(state: SolidLoopState, session: SessionLike, *,
+                          grace: float) -> list[int]:
+    """Tool phases with nothing left to answer and no live job: next LLM turn."""
+    ids = list(session.execute(text(STUCK_TOOL_PHASE), {"grace": grace}).scalars())
+    for loop_id in ids:
+        session.execute(text(_REQUEUE_LOOP), {"id": loop_id})
+        state.dispatch.llm_turn(session, loop_id)
+    session.commit()
+    return ids
+
+
+def heal_stuck_queued(state: SolidLoopState, session: SessionLike, *,
+                      threshold: float) -> list[int]:
+    """Queued loops with no live job (for example a dead-lettered one): a new job."""
+    ids = list(session.execute(text(STUCK_QUEUED), {"grace": threshold}).scalars())
+    for loop_id in ids:
+        session.execute(text(_TOUCH_LOOP), {"id": loop_id})
+        state.dispatch.llm_turn(session, loop_id)
+    session.commit()
+    return ids
+
+
+def heal_orphan_shells(session: SessionLike) -> list[int]:
+    """``processing`` shells of loops that are not running: failed and hidden."""
+    ids = list(session.execute(text(ORPHAN_SHELLS)).scalars())
+    session.commit()
+    return ids

@@ -1,0 +1,106 @@
+"""The reaper: finds loops that lost their worker and puts them back on their feet.
+
+Idempotent and safe to run from any number of processes at once: every case
+selects candidates with ``FOR UPDATE SKIP LOCKED`` (or re-checks its condition
+under the loop row lock) and changes rows with a compare-and-set, so two
+reapers racing on one loop resolve to one repair. Each repair and the job it
+implies commit together, like every other transition. The repairs themselves
+are the ``heal_*`` transitions of loops/store.py; this module orders them,
+reports what they did, and owns nothing else.
+
+Cases, in the order one pass runs them (after first returning broker jobs
+with expired leases to their queue, case 7):
+
+1. ``expired_llm``: a running loop whose LLM lease expired (its worker died or
+   its renewer lost the lease). The generation is rotated away (token cleared,
+   status queued), any ``processing`` shell is failed and hidden, and a new
+   llm_turn job is enqueued.
+2. ``stalled_tools``: an unexecuted tool call whose per-call lease expired. The
+   reaper mints a fresh lease (CAS on the old token) and hands it to a new
+   tool job, so its healthy siblings are not fenced.
+3. ``dropped_tools``: a tool call of a running tool phase that nobody holds
+   and no live job will run: never claimed (its job was lost), or executed but
+   never answered (the continuation was dropped). A new tool job is enqueued;
+   the executed_at checkpoint keeps the tool body from running twice.
+4. ``stuck_tool_phase``: a running loop in its tool phase with nothing left to
+   answer and no live job: queued for its next LLM turn.
+5. ``stuck_queued``: a queued loop with no live job in the job table (for
+   example its job was dead-lettered). A new llm_turn job is enqueued.
+6. ``orphan_shells``: ``processing`` assistant shells on loops that are not
+   running: failed and hidden, so a partial never enters the history.
+7. ``expired_jobs``: broker jobs whose holder stopped renewing: back to queued,
+   or dead after too many deliveries.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from ..loops import queries, store
+from ..state import SolidLoopState
+
+logger = logging.getLogger("flask_solidloop.reaper")
+
+
+@dataclass
+class ReapReport:
+    expired_llm: list[int] = field(default_factory=list)
+    stalled_tools: list[int] = field(default_factory=list)
+    dropped_tools: list[int] = field(default_factory=list)
+    stuck_tool_phase: list[int] = field(default_factory=list)
+    stuck_queued: list[int] = field(default_factory=list)
+    orphan_shells: list[int] = field(default_factory=list)
+    expired_jobs: int = 0
+    duration_ms: float = 0.0
+
+    @property
+    def healed(self) -> int:
+        return (len(self.expired_llm) + len(self.stalled_tools) + len(self.dropped_tools)
+                + len(self.stuck_tool_phase) + len(self.stuck_queued)
+                + len(self.orphan_shells) + self.expired_jobs)
+
+    def summary(self) -> str:
+        parts = [f"{name}={len(value) if isinstance(value, list) else value}"
+                 for name, value in vars(self).items() if name != "duration_ms"]
+        return ", ".join(parts) + f" ({self.duration_ms:.1f} ms)"
+
+
+def reap(state: SolidLoopState) -> ReapReport:
+    """One reaper pass over every case. Commits per case; returns what it healed."""
+    started = time.perf_counter()
+    report = ReapReport()
+    session = state.db.session
+    grace = float(state.config.lease_margin)
+    try:
+        report.expired_jobs = state.broker.recover_expired()
+        report.expired_llm = store.heal_expired_llm(state, session)
+        report.stalled_tools = store.heal_stalled_tools(
+            state, session, lambda loop_id: _tool_lease_seconds(state, loop_id))
+        report.dropped_tools = store.heal_dropped_tools(state, session, grace=grace)
+        report.stuck_tool_phase = store.heal_stuck_tool_phase(state, session, grace=grace)
+        report.stuck_queued = store.heal_stuck_queued(
+            state, session, threshold=float(state.config.queued_reap_threshold))
+        report.orphan_shells = store.heal_orphan_shells(session)
+    except Exception:
+        session.rollback()
+        raise
+    report.duration_ms = (time.perf_counter() - started) * 1000
+    state.last_reaped_at = time.time()
+    if report.healed:
+        logger.warning("reaper healed: %s", report.summary())
+    else:
+        logger.debug("reaper: nothing to heal (%.1f ms)", report.duration_ms)
+    return report
+
+
+def _tool_lease_seconds(state: SolidLoopState, loop_id: int) -> float:
+    """The lease a reclaimed call of ``loop_id`` gets (its agent's, or the default)."""
+    loop = queries.get_loop(state.db.session, loop_id)
+    try:
+        if loop is not None:
+            return state.tool_lease_seconds(state.agent_for(loop.agent_name, loop))
+    except Exception:
+        pass
+    return state.config.tool_lease_seconds([])

@@ -1,0 +1,4 @@
+"""The transactional job queue: a dramatiq broker over PostgreSQL (broker.py),
+its statements (sql.py), enqueue helpers for solidloop's own actors
+(dispatch.py), the current job of a worker thread (current_job.py) and the
+worker middleware (middleware/, one per file)."""

@@ -1,0 +1,7 @@
+"""dramatiq middleware of the Postgres broker's workers, one per file."""
+
+from .app_context import AppContextMiddleware
+from .current_job import CurrentJobMiddleware
+from .lease_renewer import LeaseRenewerMiddleware
+
+__all__ = ["AppContextMiddleware", "CurrentJobMiddleware", "LeaseRenewerMiddleware"]

@@ -1,0 +1,50 @@
+"""Declare solidloop's three actors on an app's broker: ids in, nothing returned."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dramatiq
+from dramatiq.middleware import TimeLimit
+
+from ..config import QUEUE_LLM, QUEUE_MAINTENANCE, QUEUE_TOOL
+from ..state import SolidLoopState
+
+#: Thirty days: effectively no dramatiq time limit for the solidloop actors.
+NO_TIME_LIMIT_MS = 30 * 24 * 3600 * 1000
+
+
+def declare_actors(state: SolidLoopState) -> dict[str, dramatiq.Actor]:
+    """Bind llm_turn, tool_call and maintenance to ``state.broker``."""
+    from ..maintenance import run_maintenance
+    from .turns import run_llm_turn, run_tool_call
+
+    config = state.config
+    common: dict[str, Any] = {"max_retries": config.job_max_retries, "min_backoff": 1000,
+                              "max_backoff": 30000}
+    if any(isinstance(m, TimeLimit) for m in state.broker.middleware):
+        # dramatiq's TimeLimit kills a thread asynchronously, possibly mid-commit.
+        # Turn length is bounded by our own leases and max_duration instead.
+        common["time_limit"] = NO_TIME_LIMIT_MS
+
+    def llm_turn(loop_id: int) -> None:
+        run_llm_turn(state, loop_id)
+
+    def tool_call(tool_call_id: int, execution_token: str,
+                  reaper_lease_token: str | None = None) -> None:
+        run_tool_call(state, tool_call_id, execution_token, reaper_lease_token)
+
+    def maintenance(task: str) -> None:
+        run_maintenance(state, task)
+
+    broker = state.broker
+    return {
+        "llm_turn": dramatiq.Actor(llm_turn, broker=broker, actor_name="solidloop.llm_turn",
+                                   queue_name=QUEUE_LLM, priority=0, options=dict(common)),
+        "tool_call": dramatiq.Actor(tool_call, broker=broker, actor_name="solidloop.tool_call",
+                                    queue_name=QUEUE_TOOL, priority=0, options=dict(common)),
+        "maintenance": dramatiq.Actor(maintenance, broker=broker,
+                                      actor_name="solidloop.maintenance",
+                                      queue_name=QUEUE_MAINTENANCE, priority=10,
+                                      options=dict(common)),
+    }

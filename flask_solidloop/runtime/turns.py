@@ -1,0 +1,157 @@
+"""The bodies of the two turn actors: one LLM call, or one tool execution.
+
+Both take ids only and are idempotent: a duplicate or stale delivery finds the
+loop in a state it does not own and returns having written nothing. Each marks
+its own job done inside the transaction of its claim (loops/store.py), so from
+then on recovery belongs to the loop and tool leases (and the reaper), never
+to a blind job redelivery.
+
+The path of a turn goes down the layers once: read (loops.queries), claim
+(loops.store), run the pipeline (which writes through loops.store), and on an
+unhandled error fail the loop (loops.store) if this generation still owns it.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import psycopg
+from sqlalchemy.exc import SQLAlchemyError
+
+from ..errors import LostLeaseError
+from ..leases import RenewerHandle
+from ..loops import queries, store
+from ..loops.fence import owns
+from ..pipeline.context import LlmContext, ToolContext
+from ..pipeline.stacks import llm_stack, tool_stack
+from ..state import SolidLoopState
+
+logger = logging.getLogger("flask_solidloop.turns")
+
+#: Kept importable from here (the first release documented it here).
+error_text = store.error_text
+
+
+def run_llm_turn(state: SolidLoopState, loop_id: int) -> None:
+    session = state.db.session
+    loop = queries.get_loop(session, loop_id)
+    if loop is None:
+        logger.warning("llm_turn: loop %s does not exist; dropping the job", loop_id)
+        return
+    if loop.status != "queued":
+        logger.debug("llm_turn: loop %s is %s, not queued; stale job", loop_id, loop.status)
+        session.rollback()
+        return
+    try:
+        agent = state.agent_for(loop.agent_name, loop)
+        agent.validate()
+        lease = state.config.llm_lease_seconds(agent.provider().read_timeout)
+        max_duration = agent.effective_max_duration(state.config.default_max_duration)
+    except (SQLAlchemyError, psycopg.Error):
+        raise  # the database, not the agent: let dramatiq retry the job
+    except Exception as exc:
+        # Fail visibly, before any claim: an unregistered agent or a broken
+        # definition will not heal by retrying, and the loop must not sit queued.
+        logger.error("llm_turn: loop %s cannot run: %s", loop_id, exc)
+        store.fail_unclaimed(session, loop_id, store.error_text(exc))
+        return
+
+    token = store.claim_llm_turn(session, loop_id, lease_seconds=lease)
+    if token is None:
+        return
+
+    # From here the lease is renewed by this process's renewer until the turn ends.
+    lease_handle = RenewerHandle(None, None)
+    ctx = LlmContext(state=state, session=session, loop_id=loop_id, execution_token=token,
+                     agent=agent, lease=lease_handle)
+    try:
+        renewer = state.renewer()
+        lease_handle.renewer = renewer
+        lease_handle.registration = renewer.register(
+            loop_id, token, lease_seconds=lease,
+            ceiling_seconds=max_duration + state.config.lease_leak_grace,
+        )
+        llm_stack(state, agent).build()(ctx)
+    except LostLeaseError as exc:
+        session.rollback()
+        logger.info("llm_turn: loop %s: lease lost, yielding the turn: %s", loop_id, exc)
+    except Exception as exc:
+        session.rollback()
+        if ctx.committed:
+            # The turn's canonical write is in; a middleware after it failed. The
+            # loop is fine and its successor job is queued: report, do not fail it.
+            logger.exception("llm_turn: loop %s: error after the turn committed", loop_id)
+        else:
+            logger.exception("loop %s failed with an unhandled error", loop_id, exc_info=exc)
+            if not store.fail_turn(session, loop_id, token, store.error_text(exc)):
+                raise
+    finally:
+        lease_handle.release()
+
+
+def run_tool_call(
+    state: SolidLoopState,
+    tool_call_id: int,
+    execution_token: str,
+    reaper_lease_token: str | None = None,
+) -> None:
+    session = state.db.session
+    token = uuid.UUID(execution_token)
+    call = queries.get_tool_call(session, tool_call_id)
+    if call is None:
+        logger.warning("tool_call: tool call %s does not exist; dropping the job", tool_call_id)
+        return
+    loop = queries.get_loop(session, call.loop_id)
+    if not owns(loop, token):
+        session.rollback()
+        return
+    assert loop is not None
+    loop_id = loop.id
+    ctx = ToolContext(state=state, session=session, loop_id=loop_id, execution_token=token,
+                      agent=None, tool_call_id=tool_call_id)  # type: ignore[arg-type]
+    tool_lease = RenewerHandle(None, None)
+    try:
+        agent = state.agent_for(loop.agent_name, loop)
+        ctx.agent = agent
+        lease_seconds = state.tool_lease_seconds(agent)
+        outcome, lease_token = store.claim_tool_call(
+            state, session, call, token,
+            sequential=bool(agent.option("sequential_tool_calls")),
+            lease_seconds=lease_seconds,
+            reaper_lease_token=uuid.UUID(reaper_lease_token) if reaper_lease_token else None,
+        )
+        if outcome is store.ToolClaim.REDIRECTED:
+            return
+        if outcome is store.ToolClaim.LOST:
+            logger.info(
+                "tool_call: lease claim for tool call %s lost (generation rotated, or "
+                "another live lease holds it); no-op", tool_call_id,
+            )
+            return
+        if lease_token is not None:
+            max_duration = agent.effective_max_duration(state.config.default_max_duration)
+            renewer = state.renewer()
+            tool_lease = RenewerHandle(renewer, renewer.register_tool(
+                tool_call_id, lease_token, lease_seconds=lease_seconds,
+                ceiling_seconds=max_duration + state.config.lease_leak_grace,
+            ))
+        ctx.lease_token = lease_token
+        ctx.tool_call = queries.get_tool_call(session, tool_call_id)
+        tool_stack(state, agent).build()(ctx)
+    except LostLeaseError as exc:
+        session.rollback()
+        logger.info("tool_call %s: yielding: %s", tool_call_id, exc)
+    except Exception as exc:
+        session.rollback()
+        if ctx.committed:
+            logger.exception("tool_call %s: error after the result committed", tool_call_id)
+        else:
+            logger.exception("tool call %s failed with an unhandled error", tool_call_id,
+                             exc_info=exc)
+            if not store.fail_tool_call(session, loop_id=loop_id, tool_call_id=tool_call_id,
+                                        token=token, lease_token=ctx.lease_token,
+                                        error_message=store.error_text(exc)):
+                raise
+    finally:
+        tool_lease.release()

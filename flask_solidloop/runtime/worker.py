@@ -1,0 +1,36 @@
+"""What ``dramatiq flask_solidloop.worker`` runs: load the app, bind its broker.
+
+Loads the Flask app named by ``FLASK_APP`` (the same value ``flask --app``
+takes, factories included) so init_app runs and declares the actors, then makes
+the app's Postgres broker dramatiq's global broker, which the dramatiq CLI uses.
+init_app itself never touches the global broker, so a host's own dramatiq
+setup is left alone everywhere but in these worker processes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import dramatiq
+from flask import Flask
+from flask.cli import ScriptInfo
+
+from ..queue.broker import PostgresBroker
+from ..state import EXTENSION_KEY, get_state
+
+
+def load_worker_app() -> tuple[Flask, PostgresBroker]:
+    """Load the app of ``FLASK_APP`` and make its broker dramatiq's global one."""
+    import_path = os.environ.get("FLASK_APP")
+    if not import_path:
+        raise RuntimeError(
+            "set FLASK_APP to your app (e.g. FLASK_APP=myapp or FLASK_APP='myapp:create_app()') "
+            "before running `dramatiq flask_solidloop.worker`"
+        )
+    app = ScriptInfo(app_import_path=import_path).load_app()
+    if EXTENSION_KEY not in app.extensions:
+        raise RuntimeError(f"the app loaded from FLASK_APP={import_path!r} does not "
+                           "initialise flask-solidloop (SolidLoop(app, db) or init_app)")
+    broker = get_state(app).broker
+    dramatiq.set_broker(broker)
+    return app, broker
