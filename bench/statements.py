@@ -68,7 +68,7 @@ def prepare_database() -> None:
 
 def shape(sql: str) -> str:
     """A statement reduced to its verb and first table, for the breakdown."""
-    words = sql.strip().split()
+    words = sql.replace(",", " ").strip().split()
     if not words:
         return "?"
     verb = words[0].upper()
@@ -76,15 +76,25 @@ def shape(sql: str) -> str:
     return f"{verb} {table}".strip()
 
 
-def count_since(log: Path, offset: int) -> collections.Counter[str]:
-    counts: collections.Counter[str] = collections.Counter()
+def statements_since(log: Path, offset: int) -> list[str]:
+    """The statements of our database logged after ``offset``, continuation
+    lines (a multi-line statement) joined to their first line."""
+    found: list[str] = []
+    in_ours = False
     with log.open("rb") as handle:
         handle.seek(offset)
         for raw in handle:
-            match = STATEMENT.search(raw.decode("utf-8", "replace"))
-            if match and match.group("db") == DATABASE:
-                counts[shape(match.group("sql"))] += 1
-    return counts
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            match = STATEMENT.search(line)
+            if match:
+                in_ours = match.group("db") == DATABASE
+                if in_ours:
+                    found.append(match.group("sql"))
+            elif line.startswith(("\t", " ")) and in_ours and found:
+                found[-1] += " " + line.strip()
+            else:
+                in_ours = False
+    return found
 
 
 def scripted_llm(turns: int):
@@ -159,6 +169,8 @@ def main() -> None:
     parser.add_argument("--log", default=DEFAULT_LOG)
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--dump", default=None, metavar="FILE",
+                        help="write every statement, in order, to FILE (one mode only)")
     args = parser.parse_args()
 
     log = Path(args.log)
@@ -176,13 +188,17 @@ def main() -> None:
             offset = log.stat().st_size
             turns, elapsed = run_workload(mode, args.loops, args.turns, args.timeout)
             time.sleep(1.0)  # let the server flush its log
-            counts = count_since(log, offset)
-            total = sum(counts.values())
+            found = statements_since(log, offset)
+            counts = collections.Counter(shape(sql) for sql in found)
+            total = len(found)
             print(f"\n[{mode}] {args.loops} loops, {turns} LLM turns, "
                   f"{turns - args.loops} tool calls, {elapsed:.1f} s")
             print(f"  statements: {total}   per LLM turn: {total / turns:.1f}")
             for name, n in counts.most_common(args.top):
                 print(f"    {n / turns:6.2f}/turn  {n:6d}  {name}")
+            if args.dump:
+                Path(args.dump).write_text("\n".join(found) + "\n")
+                print(f"  every statement, in order: {args.dump}")
     finally:
         emulator.stop()
 

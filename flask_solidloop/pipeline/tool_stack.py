@@ -43,7 +43,7 @@ class ToolExecution:
         result, duration_ms = self._run(ctx, call)
         ctx.tool_call = store.checkpoint_tool_call(
             ctx.session, loop_id=ctx.loop_id, token=ctx.execution_token,
-            tool_call_id=call.id, lease_token=ctx.lease_token, result=result,
+            tool_call_id=ctx.tool_call_id, lease_token=ctx.lease_token, result=result,
             duration_ms=duration_ms)
         ctx.result = result
         return self.next_step(ctx)
