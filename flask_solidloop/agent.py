@@ -33,8 +33,8 @@ from .models import RESUMABLE_STATUSES, Loop, Message, ToolCall
 from .state import get_state
 
 if TYPE_CHECKING:
-    from .extension import SolidLoop
     from .pipeline.builder import Builder
+    from .state import AgentRegistry
 
 OPTIONS: dict[str, str] = {
     "system_prompt": "str, or a method returning one",
@@ -84,7 +84,7 @@ class Agent:
 
     #: The stable registry name, stored on every loop of this agent.
     agent_name: ClassVar[str | None] = None
-    _extension: ClassVar[SolidLoop | None] = None
+    _extension: ClassVar[AgentRegistry | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -11,6 +11,8 @@ from flask.cli import ScriptInfo, with_appcontext
 
 from .config import QUEUES
 from .errors import DatabaseUnavailableError, SolidLoopError
+from .runtime.worker import worker_command
+from .runtime.worker import worker_env as launch_env
 from .state import SolidLoopState, get_state
 
 
@@ -76,31 +78,11 @@ def db_current() -> None:
 # -- workers --------------------------------------------------------------------
 
 
-def worker_command(
-    *,
-    processes: int,
-    threads: int,
-    queues: tuple[str, ...],
-    extra: tuple[str, ...] = (),
-) -> list[str]:
-    """The dramatiq command line that runs workers for this app."""
-    cmd = [sys.executable, "-m", "dramatiq", "flask_solidloop.worker",
-           "--processes", str(processes), "--threads", str(threads)]
-    if queues:
-        cmd += ["--queues", *queues]
-    return [*cmd, *extra]
-
-
 def worker_env(app_import_path: str | None) -> dict[str, str]:
-    env = dict(os.environ)
-    if app_import_path:
-        env["FLASK_APP"] = app_import_path
-    if not env.get("FLASK_APP"):
-        raise click.ClickException(
-            "cannot tell workers which app to load: run with `flask --app yourapp solidloop "
-            "worker` or set FLASK_APP"
-        )
-    return env
+    try:
+        return launch_env(app_import_path)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
 
 
 @solidloop_cli.command("worker", context_settings={"ignore_unknown_options": True})

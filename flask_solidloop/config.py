@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
+from decimal import Decimal
 from typing import Any
 
 from .errors import ConfigurationError
@@ -49,9 +50,39 @@ def _optional_positive_int(key: str, value: Any) -> int | None:
     return _positive_int(key, value)
 
 
-def _prices(key: str, value: Any) -> dict[str, Any]:
-    from .llm.pricing import parse_prices
+#: The prices of a SOLIDLOOP_PRICES entry, per million tokens (llm/pricing.py bills them).
+PRICE_KEYS = ("input", "cached_input", "output")
 
+
+def parse_prices(key: str, value: Any) -> dict[str, dict[str, Decimal]]:
+    if value is None or value == "":
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigurationError(key, value, "must be a dict of model -> {input, output, ...}")
+    table: dict[str, dict[str, Decimal]] = {}
+    for model, prices in value.items():
+        if not isinstance(prices, dict):
+            raise ConfigurationError(key, value, f"prices for {model!r} must be a dict")
+        unknown = set(prices) - set(PRICE_KEYS)
+        if unknown or "input" not in prices or "output" not in prices:
+            raise ConfigurationError(
+                key, value,
+                f"prices for {model!r} need input and output (per million tokens), optionally "
+                f"cached_input; got keys {sorted(prices)}",
+            )
+        try:
+            parsed = {k: Decimal(str(v)) for k, v in prices.items()}
+        except ArithmeticError:
+            raise ConfigurationError(key, value, f"prices for {model!r} must be numbers") from None
+        if any(v < 0 for v in parsed.values()):
+            raise ConfigurationError(key, value, f"prices for {model!r} must be >= 0")
+        parsed.setdefault("cached_input", parsed["input"])
+        table[str(model)] = parsed
+    return table
+
+
+
+def _prices(key: str, value: Any) -> dict[str, Any]:
     return parse_prices(key, value)
 
 

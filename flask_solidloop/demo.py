@@ -18,11 +18,11 @@ import time
 import click
 from flask import Flask
 
-from .cli import worker_command, worker_env
 from .database import ensure_database, upgrade_database
 from .errors import SolidLoopError
 from .loops import queries
 from .render import format_message
+from .runtime.worker import worker_command, worker_env
 from .state import get_state
 
 OFFLINE_URL_ENV = "SOLIDLOOP_OFFLINE_LLM_URL"
@@ -55,7 +55,10 @@ def run_demo(app: Flask, import_path: str | None, *, agent: str | None, message:
 
     emulator = LLMEmulator(offline_model=True).start()
     os.environ.setdefault(OFFLINE_URL_ENV, emulator.base_url)
-    env = worker_env(import_path)
+    try:
+        env = worker_env(import_path)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
     cmd = worker_command(processes=processes, threads=threads, queues=())
     log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - outlives this block: workers write it
         prefix="solidloop-demo-workers-", suffix=".log",

@@ -16,40 +16,15 @@ from the table costs nothing and is recorded as unpriced.
 from __future__ import annotations
 
 from decimal import Decimal
-from typing import Any
 
-from ..errors import ConfigurationError
+from ..config import PRICE_KEYS, parse_prices
 from .types import Usage
 
-PRICE_KEYS = ("input", "cached_input", "output")
 MILLION = Decimal(1_000_000)
 
-
-def parse_prices(key: str, value: Any) -> dict[str, dict[str, Decimal]]:
-    if value is None or value == "":
-        return {}
-    if not isinstance(value, dict):
-        raise ConfigurationError(key, value, "must be a dict of model -> {input, output, ...}")
-    table: dict[str, dict[str, Decimal]] = {}
-    for model, prices in value.items():
-        if not isinstance(prices, dict):
-            raise ConfigurationError(key, value, f"prices for {model!r} must be a dict")
-        unknown = set(prices) - set(PRICE_KEYS)
-        if unknown or "input" not in prices or "output" not in prices:
-            raise ConfigurationError(
-                key, value,
-                f"prices for {model!r} need input and output (per million tokens), optionally "
-                f"cached_input; got keys {sorted(prices)}",
-            )
-        try:
-            parsed = {k: Decimal(str(v)) for k, v in prices.items()}
-        except ArithmeticError:
-            raise ConfigurationError(key, value, f"prices for {model!r} must be numbers") from None
-        if any(v < 0 for v in parsed.values()):
-            raise ConfigurationError(key, value, f"prices for {model!r} must be >= 0")
-        parsed.setdefault("cached_input", parsed["input"])
-        table[str(model)] = parsed
-    return table
+# The table is parsed and validated with the rest of the settings (config.py);
+# re-exported here, where its users look for it.
+__all__ = ["MILLION", "PRICE_KEYS", "cost", "parse_prices"]
 
 
 def cost(usage: Usage | None, prices: dict[str, Decimal] | None) -> Decimal | None:

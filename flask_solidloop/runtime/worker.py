@@ -10,6 +10,7 @@ setup is left alone everywhere but in these worker processes.
 from __future__ import annotations
 
 import os
+import sys
 
 import dramatiq
 from flask import Flask
@@ -34,3 +35,34 @@ def load_worker_app() -> tuple[Flask, PostgresBroker]:
     broker = get_state(app).broker
     dramatiq.set_broker(broker)
     return app, broker
+
+
+def worker_command(
+    *,
+    processes: int,
+    threads: int,
+    queues: tuple[str, ...],
+    extra: tuple[str, ...] = (),
+) -> list[str]:
+    """The dramatiq command line that runs workers for an app."""
+    cmd = [sys.executable, "-m", "dramatiq", "flask_solidloop.worker",
+           "--processes", str(processes), "--threads", str(threads)]
+    if queues:
+        cmd += ["--queues", *queues]
+    return [*cmd, *extra]
+
+
+def worker_env(app_import_path: str | None) -> dict[str, str]:
+    """The environment of worker processes: ours, with ``FLASK_APP`` set.
+
+    ValueError, naming the fix, when there is no app to tell them about.
+    """
+    env = dict(os.environ)
+    if app_import_path:
+        env["FLASK_APP"] = app_import_path
+    if not env.get("FLASK_APP"):
+        raise ValueError(
+            "cannot tell workers which app to load: run with `flask --app yourapp solidloop "
+            "worker` or set FLASK_APP"
+        )
+    return env
