@@ -494,23 +494,33 @@ def fail_tool_call(session: SessionLike, *, loop_id: int, tool_call_id: int,
 # -- host commands ----------------------------------------------------------------
 
 
-def pause(session: SessionLike, loop_id: int) -> bool:
-    loop = transition(session, loop_id, from_=("queued", "running"), to="paused")
+def _leave(session: SessionLike, loop_id: int, *, from_: tuple[str, ...], to: str,
+           error_message: str | None) -> bool:
+    """A host-driven exit from ``from_`` (no fence: the host outranks any
+    generation), hiding the loop's shells. Does not commit."""
+    changes: dict[str, Any] = {} if error_message is None else {"error_message": error_message}
+    loop = transition(session, loop_id, from_=from_, to=to, **changes)
     if loop is None:
         session.rollback()
         return False
     _hide_shells(session, loop_id)
+    return True
+
+
+_STOPPABLE = ("init", "queued", "running", "paused")
+
+
+def pause(session: SessionLike, loop_id: int) -> bool:
+    if not _leave(session, loop_id, from_=("queued", "running"), to="paused",
+                  error_message=None):
+        return False
     session.commit()
     return True
 
 
 def stop(session: SessionLike, loop_id: int, *, reason: str) -> bool:
-    loop = transition(session, loop_id, from_=("init", "queued", "running", "paused"),
-                      to="failed", error_message=reason)
-    if loop is None:
-        session.rollback()
+    if not _leave(session, loop_id, from_=_STOPPABLE, to="failed", error_message=reason):
         return False
-    _hide_shells(session, loop_id)
     session.commit()
     return True
 
@@ -518,7 +528,8 @@ def stop(session: SessionLike, loop_id: int, *, reason: str) -> bool:
 def force_stop(state: SolidLoopState, session: SessionLike, loop_id: int, *,
                reason: str) -> bool:
     """Fail the loop, cancel its queued jobs and revoke its tool leases, at once."""
-    if not _stopped(session, loop_id, f"force stopped: {reason}"):
+    if not _leave(session, loop_id, from_=_STOPPABLE, to="failed",
+                  error_message=f"force stopped: {reason}"):
         return False
     session.execute(
         update(ToolCall)
@@ -527,16 +538,6 @@ def force_stop(state: SolidLoopState, session: SessionLike, loop_id: int, *,
     )
     state.broker.cancel_loop_jobs(session, loop_id, reason="cancelled by force stop")
     session.commit()
-    return True
-
-
-def _stopped(session: SessionLike, loop_id: int, error_message: str) -> bool:
-    loop = transition(session, loop_id, from_=("init", "queued", "running", "paused"),
-                      to="failed", error_message=error_message)
-    if loop is None:
-        session.rollback()
-        return False
-    _hide_shells(session, loop_id)
     return True
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 
 import psycopg
 from sqlalchemy.exc import SQLAlchemyError
@@ -65,7 +66,8 @@ def run_llm_turn(state: SolidLoopState, loop_id: int) -> None:
     lease_handle = RenewerHandle(None, None)
     ctx = LlmContext(state=state, session=session, loop_id=loop_id, execution_token=token,
                      agent=agent, lease=lease_handle)
-    try:
+
+    def run() -> None:
         renewer = state.renewer()
         lease_handle.renewer = renewer
         lease_handle.registration = renewer.register(
@@ -73,21 +75,37 @@ def run_llm_turn(state: SolidLoopState, loop_id: int) -> None:
             ceiling_seconds=max_duration + state.config.lease_leak_grace,
         )
         llm_stack(state, agent).build()(ctx)
+
+    try:
+        _guarded(ctx, run, f"llm_turn: loop {loop_id}",
+                 fail=lambda error: store.fail_turn(session, loop_id, token, error))
+    finally:
+        lease_handle.release()
+
+
+def _guarded(ctx: LlmContext | ToolContext, run: Callable[[], None], label: str, *,
+             fail: Callable[[str], bool]) -> None:
+    """Run a turn; turn what escapes it into the outcome the fence allows.
+
+    A lost lease yields silently. An error after the turn's canonical commit is
+    reported and leaves the loop alone (its successor job is queued). Any other
+    error fails the loop through ``fail`` if this generation still owns it, and
+    is re-raised otherwise (dramatiq's retry policy then sees it).
+    """
+    session = ctx.session
+    try:
+        run()
     except LostLeaseError as exc:
         session.rollback()
-        logger.info("llm_turn: loop %s: lease lost, yielding the turn: %s", loop_id, exc)
+        logger.info("%s: lease lost, yielding: %s", label, exc)
     except Exception as exc:
         session.rollback()
         if ctx.committed:
-            # The turn's canonical write is in; a middleware after it failed. The
-            # loop is fine and its successor job is queued: report, do not fail it.
-            logger.exception("llm_turn: loop %s: error after the turn committed", loop_id)
-        else:
-            logger.exception("loop %s failed with an unhandled error", loop_id, exc_info=exc)
-            if not store.fail_turn(session, loop_id, token, store.error_text(exc)):
-                raise
-    finally:
-        lease_handle.release()
+            logger.exception("%s: error after the turn committed", label)
+            return
+        logger.exception("%s failed with an unhandled error", label, exc_info=exc)
+        if not fail(store.error_text(exc)):
+            raise
 
 
 def run_tool_call(
@@ -111,7 +129,9 @@ def run_tool_call(
     ctx = ToolContext(state=state, session=session, loop_id=loop_id, execution_token=token,
                       agent=None, tool_call_id=tool_call_id)  # type: ignore[arg-type]
     tool_lease = RenewerHandle(None, None)
-    try:
+
+    def run() -> None:
+        nonlocal tool_lease
         agent = state.agent_for(loop.agent_name, loop)
         ctx.agent = agent
         lease_seconds = state.tool_lease_seconds(agent)
@@ -139,19 +159,10 @@ def run_tool_call(
         ctx.lease_token = lease_token
         ctx.tool_call = queries.get_tool_call(session, tool_call_id)
         tool_stack(state, agent).build()(ctx)
-    except LostLeaseError as exc:
-        session.rollback()
-        logger.info("tool_call %s: yielding: %s", tool_call_id, exc)
-    except Exception as exc:
-        session.rollback()
-        if ctx.committed:
-            logger.exception("tool_call %s: error after the result committed", tool_call_id)
-        else:
-            logger.exception("tool call %s failed with an unhandled error", tool_call_id,
-                             exc_info=exc)
-            if not store.fail_tool_call(session, loop_id=loop_id, tool_call_id=tool_call_id,
-                                        token=token, lease_token=ctx.lease_token,
-                                        error_message=store.error_text(exc)):
-                raise
+
+    try:
+        _guarded(ctx, run, f"tool_call {tool_call_id}", fail=lambda error: store.fail_tool_call(
+            session, loop_id=loop_id, tool_call_id=tool_call_id, token=token,
+            lease_token=ctx.lease_token, error_message=error))
     finally:
         tool_lease.release()
