@@ -124,10 +124,10 @@ def get_state(app: Flask | None = None) -> SolidLoopState:
                 "(or pass the app)"
             ) from None
     assert app is not None
-    state = app.extensions.get(EXTENSION_KEY)
+    state: SolidLoopState | None = app.extensions.get(EXTENSION_KEY)
     if state is None:
         raise NotInitializedError(
             f"flask-solidloop is not initialised on app {app.name!r}. Did you forget "
             "solidloop.init_app(app, db=db)?"
         )
-    return state  # type: ignore[no-any-return]
+    return state
