@@ -26,7 +26,7 @@ from flask_solidloop.models import Loop, Message, ToolCall
 from flask_solidloop.queue.broker import _CLAIM, CHANNEL_PREFIX, PostgresMessageProxy, libpq_url
 from flask_solidloop.queue.current_job import current_job, mark_current_job_done
 
-from .support_app import SIDE_EFFECTS, Assistant
+from ..support_app import SIDE_EFFECTS, Assistant
 
 LLM_CHANNEL = CHANNEL_PREFIX + QUEUE_LLM  # "solidloop_q_solidloop_llm"
 MAINTENANCE_CHANNEL = CHANNEL_PREFIX + QUEUE_MAINTENANCE

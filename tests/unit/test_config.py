@@ -11,7 +11,7 @@ from flask_sqlalchemy import SQLAlchemy
 from flask_solidloop import ConfigurationError, SolidLoop
 from flask_solidloop.config import SETTINGS, Config
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def test_defaults_match_the_seed():

@@ -6,7 +6,7 @@ Both protocol eras are covered: the "legacy" server refuses the 2026-07-28 probe
 (so ``mode="auto"`` falls back to the initialize handshake), the "modern" one
 refuses the handshake.
 
-``python tests/test_mcp_http_transport.py`` runs :func:`measure_bridge`, the
+``python tests/integration/test_mcp_http_transport.py`` runs :func:`measure_bridge`, the
 measurement behind docs/decisions/0008-mcp-sync-bridge.md.
 """
 

@@ -26,7 +26,7 @@ from flask_solidloop.mcp.stdio_transport import StdioTransport
 from flask_solidloop.mcp.toolset import ToolResult
 from flask_solidloop.mcp.transport import IDEMPOTENCY_META_KEY, McpTransport
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NPM_BIN = ROOT / ".mcp-peers" / "node_modules" / ".bin"
 FILESYSTEM = NPM_BIN / "mcp-server-filesystem"
 EVERYTHING = NPM_BIN / "mcp-server-everything"

@@ -67,7 +67,7 @@ def test_global_and_agent_hooks_apply_in_order(app, session, llm, drain):
     emulator_url = llm.base_url
     from flask_solidloop import Agent
 
-    from .support_app import solidloop
+    from ..support_app import solidloop
 
     seen = []
 
