@@ -440,16 +440,3 @@ def test_malformed_result_is_a_protocol_error(fake):
         fake("bad_result").call_tool("echo_meta", {})
     assert caught.value.kind == "protocol"
     assert "not a valid MCP result" in str(caught.value)
-
-
-def test_constructor_validation():
-    with pytest.raises(ValueError):
-        StdioTransport([])
-    with pytest.raises(ValueError):
-        StdioTransport("   ")
-    with pytest.raises(ValueError):
-        StdioTransport(["server"], timeout=0)
-    with pytest.raises(ValueError):
-        StdioTransport(["server"], env={"A": 1})  # type: ignore[dict-item]
-    with pytest.raises(ValueError):
-        StdioTransport(["server"]).call_tool("x", {}, meta={"progressToken": [1]})
