@@ -6,7 +6,7 @@
 #   .mcp-peers/node_modules/.bin/mcp-server-everything   npm @modelcontextprotocol/server-everything
 #   .venv/bin/mcp-server-time                            PyPI mcp-server-time
 #
-# Versions are pinned to the ones tests/test_mcp_stdio_transport.py was written
+# Versions are pinned to the ones tests/integration/test_mcp_stdio_transport.py was written
 # against. Idempotent: a peer already installed at its pinned version is left
 # alone, so running it again costs a few hundred milliseconds.
 #

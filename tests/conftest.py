@@ -1,5 +1,13 @@
 """Shared fixtures: a real PostgreSQL database per test session, cleaned between
-tests; a real LLM emulator on 127.0.0.1; the support app."""
+tests; a real LLM emulator on 127.0.0.1; the support app.
+
+They serve tests/integration, tests/acceptance and tests/migration, and are all
+lazy: nothing here connects until a test asks for ``database_url``, ``llm`` or a
+fixture built on them. tests/unit/conftest.py overrides ``database_url`` and
+``llm`` with fixtures that fail the asking test, so a unit-only run never creates
+the session database, and never reaches the ``pytest.exit`` below when
+PostgreSQL is down.
+"""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ Both protocol eras are covered: the "legacy" server refuses the 2026-07-28 probe
 (so ``mode="auto"`` falls back to the initialize handshake), the "modern" one
 refuses the handshake.
 
-``python tests/test_mcp_http_transport.py`` runs :func:`measure_bridge`, the
+``python tests/integration/test_mcp_http_transport.py`` runs :func:`measure_bridge`, the
 measurement behind docs/decisions/0008-mcp-sync-bridge.md.
 """
 
@@ -301,36 +301,6 @@ def test_credentials_in_the_url_never_reach_messages():
 
 
 # --------------------------------------------------------------------------- the bridge
-
-
-def test_bridge_runs_coroutines_and_cancels_on_timeout():
-    import anyio
-
-    assert bridge.run_sync(_answer, timeout=5) == 42
-    cancelled = threading.Event()
-
-    async def forever() -> None:
-        try:
-            await anyio.sleep(30)
-        except BaseException:
-            cancelled.set()
-            raise
-
-    with pytest.raises(TimeoutError):
-        bridge.run_sync(forever, timeout=0.2)
-    assert cancelled.wait(2)
-
-    def from_the_loop() -> Any:
-        async def inner() -> Any:
-            return bridge.run_sync(_answer)
-        return bridge.run_sync(inner, timeout=5)
-
-    with pytest.raises(RuntimeError, match="deadlock"):
-        from_the_loop()
-
-
-async def _answer() -> int:
-    return 42
 
 
 class Killed(BaseException):

@@ -25,7 +25,7 @@ from flask_solidloop.migrations import (
 from flask_solidloop.models import metadata
 from flask_solidloop.queue.broker import libpq_url
 
-from .conftest import drop_database
+from ..conftest import drop_database
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ from sqlalchemy import select
 
 from flask_solidloop.models import Loop, Message, ToolCall
 
-from .support_app import DATABASE_URL_ENV, LLM_URL_ENV, Assistant
+from ..support_app import DATABASE_URL_ENV, LLM_URL_ENV, Assistant
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
 
 

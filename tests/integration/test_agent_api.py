@@ -8,21 +8,7 @@ from sqlalchemy import select
 from flask_solidloop import RESUMABLE_STATUSES, Agent, AgentDefinitionError, Toolset
 from flask_solidloop.models import Job, Loop, Message, ToolCall
 
-from .support_app import Assistant, solidloop
-
-
-def test_unknown_option_is_an_error_with_a_suggestion():
-    with pytest.raises(AgentDefinitionError, match=r"'streming'.*did you mean 'streaming'"):
-        class Typo(Agent):
-            streming = True
-
-
-def test_helper_methods_are_allowed():
-    class WithHelper(Agent):
-        def summarize(self) -> str:
-            return "ok"
-
-    assert WithHelper().summarize() == "ok"
+from ..support_app import Assistant, solidloop
 
 
 def test_unknown_llm_setting_and_v1_base_url_are_rejected(app):
