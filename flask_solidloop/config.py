@@ -86,6 +86,12 @@ def _prices(key: str, value: Any) -> dict[str, Any]:
     return parse_prices(key, value)
 
 
+def _non_negative_float(key: str, value: Any) -> float:
+    if value in (0, "0", 0.0):
+        return 0.0
+    return _positive_float(key, value)
+
+
 def _positive_float(key: str, value: Any) -> float:
     if isinstance(value, bool):
         raise ConfigurationError(key, value, "must be a positive number, not a bool")
@@ -121,16 +127,25 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("SOLIDLOOP_LEASE_MARGIN", 60, _positive_int,
-            "Seconds added to the read timeout (LLM) or tool timeout when a lease is derived. "
-            "Must be > 0 so a lease always outlives the client timeout."),
+    Setting("SOLIDLOOP_LIVENESS_TTL", 20.0, _positive_float,
+            "Seconds a running LLM turn, tool call or claimed job stays leased without a "
+            "heartbeat. Each worker process's renewer re-stamps its leases every TTL/4, so a "
+            "worker that is alive (however slow) keeps its work and a dead or frozen one loses "
+            "it after one TTL."),
+    Setting("SOLIDLOOP_REAPER_INTERVAL", 2.0, _non_negative_float,
+            "Seconds between reaper passes run inside worker processes (one pass at a time "
+            "across all workers, by an advisory lock); 0 turns the in-worker reaper off."),
+    Setting("SOLIDLOOP_LEASE_MARGIN", 10, _positive_int,
+            "Seconds a tool call or tool phase that no worker holds may wait for its job before "
+            "the reaper enqueues it again."),
     Setting("SOLIDLOOP_QUEUED_REAP_THRESHOLD", 300, _positive_int,
             "A loop queued longer than this with no live job is re-enqueued by the reaper."),
     Setting("SOLIDLOOP_DEFAULT_READ_TIMEOUT", 600, _positive_int,
-            "Read timeout (silence allowed between reads) for agents whose llm config sets none; "
-            "also the base of their lease."),
+            "Read timeout (silence allowed between reads) for agents whose llm config sets none."),
     Setting("SOLIDLOOP_DEFAULT_TOOL_TIMEOUT", 600, _positive_int,
-            "Ceiling for an in-process or custom tool; the base of the per-tool lease."),
+            "Longest a tool call may run (a remote server entry's own timeout counts if "
+            "longer). Past it plus SOLIDLOOP_LEASE_LEAK_GRACE the worker stops renewing the "
+            "call's lease, so a hung tool is taken over instead of held forever."),
     Setting("SOLIDLOOP_LEASE_LEAK_GRACE", 300, _positive_int,
             "Grace added to an agent's max_duration to form the lease renewer's leak ceiling."),
     Setting("SOLIDLOOP_DEFAULT_MAX_DURATION", 7200, _positive_int,
@@ -143,9 +158,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Ceiling on any single retry wait, a server's Retry-After included."),
     Setting("SOLIDLOOP_LLM_RETRY_STATUSES", (408, 409, 429, 500, 502, 503, 504, 529), _status_list,
             "HTTP statuses that count as transient and are retried."),
-    Setting("SOLIDLOOP_JOB_LEASE", 60, _positive_int,
+    Setting("SOLIDLOOP_JOB_LEASE", None, _optional_positive_int,
             "Seconds a claimed job may stay unacknowledged before the broker redelivers it; "
-            "renewed while the worker holds it."),
+            "renewed while the worker holds it. Unset (the default): the liveness TTL."),
     Setting("SOLIDLOOP_JOB_MAX_RETRIES", 3, _non_negative_int,
             "dramatiq retries of a job whose actor raised, before it is dead-lettered."),
     Setting("SOLIDLOOP_JOB_MAX_DELIVERIES", 10, _positive_int,
@@ -177,6 +192,8 @@ _BY_KEY = {s.key: s for s in SETTINGS}
 class Config:
     """Validated settings of one app. Field names are the keys without the prefix."""
 
+    liveness_ttl: float
+    reaper_interval: float
     lease_margin: int
     queued_reap_threshold: int
     default_read_timeout: int
@@ -187,7 +204,7 @@ class Config:
     llm_retry_base_delay: float
     llm_retry_max_delay: float
     llm_retry_statuses: tuple[int, ...]
-    job_lease: int
+    job_lease: int | None
     job_max_retries: int
     job_max_deliveries: int
     poll_interval: float
@@ -224,13 +241,9 @@ class Config:
         data.update(changes)
         return Config(**data)
 
-    # Lease arithmetic lives here so the lease and the client timeout share one source.
+    # Lease arithmetic lives here so every lease has one source.
 
-    def llm_lease_seconds(self, read_timeout: float | None) -> float:
-        if not read_timeout or read_timeout <= 0:
-            read_timeout = self.default_read_timeout
-        return float(read_timeout) + self.lease_margin
-
-    def tool_lease_seconds(self, http_timeouts: list[float] | None = None) -> float:
-        slowest = max([self.default_tool_timeout, *(http_timeouts or [])])
-        return float(slowest) + self.lease_margin
+    @property
+    def job_lease_seconds(self) -> float:
+        """The broker's job lease: SOLIDLOOP_JOB_LEASE, or the liveness TTL."""
+        return float(self.job_lease) if self.job_lease else self.liveness_ttl

@@ -20,9 +20,16 @@ from .agent import Agent
 from .config import Config
 from .errors import AgentDefinitionError, ConfigurationError
 from .leases import RenewerSlot
+from .maintenance.janitor import prune
+from .maintenance.reaper import reap
 from .pipeline.builder import Builder
 from .queue.broker import PostgresBroker
-from .queue.middleware import AppContextMiddleware, CurrentJobMiddleware, LeaseRenewerMiddleware
+from .queue.middleware import (
+    AppContextMiddleware,
+    CurrentJobMiddleware,
+    LeaseRenewerMiddleware,
+    PeriodicTaskMiddleware,
+)
 from .runtime.actors import declare_actors
 from .state import EXTENSION_KEY, SolidLoopState
 from .urls import libpq_url, redact_url
@@ -101,7 +108,7 @@ class SolidLoop:
         url = _check_urls(config, app.config.get("SQLALCHEMY_DATABASE_URI"))
         broker = PostgresBroker(
             url,
-            job_lease=config.job_lease,
+            job_lease=config.job_lease_seconds,
             poll_interval=config.poll_interval,
             max_deliveries=config.job_max_deliveries,
         )
@@ -113,11 +120,42 @@ class SolidLoop:
         state = SolidLoopState(extension=self, app=app, db=db, config=config, database_url=url,
                                broker=broker, leases=RenewerSlot(libpq_url(broker.url)))
         broker.add_middleware(LeaseRenewerMiddleware(state.leases))
+        for middleware in _maintenance_in_workers(state):
+            broker.add_middleware(middleware)
         state.bind_actors(declare_actors(state))
         app.extensions[EXTENSION_KEY] = state
         from .cli import solidloop_cli
 
         app.cli.add_command(solidloop_cli)
+
+
+#: How often workers run the janitor when a retention setting turns it on.
+JANITOR_INTERVAL = 300.0
+
+
+def _maintenance_in_workers(state: SolidLoopState) -> list[PeriodicTaskMiddleware]:
+    """The reaper (every SOLIDLOOP_REAPER_INTERVAL seconds) and, when a retention
+    is set, the janitor, run by worker processes themselves: recovery needs
+    nothing but workers."""
+    def in_app_context(task: Callable[[SolidLoopState], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            with state.app.app_context():
+                try:
+                    return task(state)
+                finally:
+                    state.db.session.remove()
+        return run
+
+    config = state.config
+    conninfo = libpq_url(state.broker.url)
+    tasks = []
+    if config.reaper_interval > 0:
+        tasks.append(PeriodicTaskMiddleware("reaper", config.reaper_interval,
+                                            in_app_context(reap), conninfo=conninfo))
+    if config.event_retention or config.finished_job_retention:
+        tasks.append(PeriodicTaskMiddleware("janitor", JANITOR_INTERVAL,
+                                            in_app_context(prune), conninfo=conninfo))
+    return tasks
 
 
 def _check_urls(config: Config, session_url: Any) -> str:

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import socket
 import threading
 import time
 import uuid
@@ -54,6 +56,13 @@ from .errors import LostLeaseError
 logger = logging.getLogger("flask_solidloop.renewer")
 
 MIN_INTERVAL = 1.0
+
+
+def worker_identity() -> str:
+    """``host:pid`` of this process: who holds a lease, for status and the admin.
+    Computed per call, so a forked worker process names itself, not its parent."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
 #: Shown in pg_stat_activity, so an operator can find the renewer connections.
 APPLICATION_NAME = "solidloop-lease-renewer"
 
@@ -127,6 +136,8 @@ class LeaseRenewer:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._conn: psycopg.Connection | None = None
+        #: Monotonic time of the thread's next planned tick.
+        self._next_tick = 0.0
         self.renewals = 0
         self.errors = 0
 
@@ -148,10 +159,15 @@ class LeaseRenewer:
     def _add(self, registration: Registration) -> Registration:
         with self._lock:
             self._registrations[registration.key] = registration
+            # The claim has just stamped this lease: the planned tick is soon
+            # enough unless it falls later than a quarter of the new lease (a
+            # thread sleeping out a longer interval computed for bigger leases).
+            # Waking for nothing would re-renew a fresh lease every turn.
+            due = time.monotonic() + max(MIN_INTERVAL, registration.lease_seconds / 4)
+            wake = self._next_tick > due
         self.start()
-        # Wake the thread: it may be sleeping out a longer interval computed for
-        # bigger leases, and this one must be renewed within a quarter of its own.
-        self._wake.set()
+        if wake:
+            self._wake.set()
         return registration
 
     def deregister(self, registration: Registration) -> None:
@@ -202,7 +218,10 @@ class LeaseRenewer:
 
     def _run(self) -> None:
         while not self._stopping.is_set():
-            self._wake.wait(self.interval())
+            interval = self.interval()
+            with self._lock:
+                self._next_tick = time.monotonic() + interval
+            self._wake.wait(interval)
             self._wake.clear()
             if self._stopping.is_set():
                 break

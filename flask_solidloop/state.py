@@ -90,12 +90,12 @@ class SolidLoopState:
     def stop_renewer(self) -> None:
         self.leases.stop()
 
-    def tool_lease_seconds(self, agent: AgentLike) -> float:
-        """The per-call lease of the agent's tool calls: long enough for its
-        slowest remote server's timeout (and never shorter than the default)."""
+    def tool_timeout_seconds(self, agent: AgentLike) -> float:
+        """How long the agent's tool calls may run: SOLIDLOOP_DEFAULT_TOOL_TIMEOUT,
+        or its slowest remote server's timeout if that is longer."""
         timeouts = [float(entry.get("timeout") or 60) for entry in agent.tool_entries()
                     if entry.get("url") is not None]
-        return self.config.tool_lease_seconds(timeouts)
+        return max([float(self.config.default_tool_timeout), *timeouts])
 
     def agent_class(self, name: str) -> Any:
         """The Agent subclass registered as ``name`` (UnknownAgentError if none)."""

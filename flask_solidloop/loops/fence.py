@@ -69,6 +69,7 @@ def transition(
     if to in (*TERMINAL_STATUSES, "paused", "queued"):
         changes.setdefault("execution_token", None)
         changes.setdefault("lease_expires_at", None)
+        changes.setdefault("lease_holder", None)
     if to in TERMINAL_STATUSES:
         changes.setdefault("finished_at", func.now())
     if to in ("completed",):

@@ -35,6 +35,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from .._typing import SessionLike
 from ..errors import LostLeaseError
+from ..leases import worker_identity
 from ..models import Event, Loop, McpSession, Message, ToolCall
 from ..queue.current_job import mark_current_job_done
 from . import queries
@@ -83,6 +84,7 @@ def _requeue_for_llm(state: SolidLoopState, session: SessionLike, loop: Loop) ->
     loop.status = "queued"
     loop.execution_token = None
     loop.lease_expires_at = None
+    loop.lease_holder = None
     session.flush()
     state.dispatch.llm_turn(session, loop.id)
 
@@ -107,20 +109,28 @@ def _wire_event(session: SessionLike, loop_id: int, message_id: int | None,
 
 
 def _lock_call(session: SessionLike, loop_id: int, token: uuid.UUID, tool_call_id: int,
-               lease_token: uuid.UUID | None, *, need_lease: bool) -> ToolCall:
-    """Lock loop then tool call (always that order) and verify both tokens."""
+               lease_token: uuid.UUID | None) -> tuple[Loop, ToolCall]:
+    """Lock loop then tool call (always that order) and check the call's fence.
+
+    A job holding the call's lease (``lease_token``) is fenced on that lease
+    alone: a pause, stop or resume of the loop does not take a running tool
+    away from a live worker, so its result is never thrown away and the tool
+    never runs twice for it. Only the reaper (a lapsed lease), a force stop or
+    a cancelling resume revoke the lease. A job without a lease (a
+    continuation: the tool already ran) is fenced on the loop's generation.
+    """
     loop = lock_loop(session, loop_id)
-    if not owns(loop, token):
+    if loop is None or (lease_token is None and not owns(loop, token)):
         session.rollback()
         raise LostLeaseError(f"loop {loop_id} changed generation during tool call")
     call = session.execute(
         select(ToolCall).where(ToolCall.id == tool_call_id).with_for_update()
         .execution_options(populate_existing=True)
     ).scalar_one()
-    if need_lease and call.lease_token != lease_token:
+    if lease_token is not None and call.lease_token != lease_token:
         session.rollback()
         raise LostLeaseError(f"tool call {call.id}: its lease was reclaimed")
-    return call
+    return loop, call
 
 
 def fenced_transition(session: SessionLike, loop_id: int, token: uuid.UUID, *,
@@ -181,6 +191,7 @@ def claim_llm_turn(session: SessionLike, loop_id: int, *, lease_seconds: float,
         .where(Loop.id == loop_id, Loop.status == "queued")
         .values(status="running", execution_token=token,
                 lease_expires_at=func.now() + timedelta(seconds=lease_seconds),
+                lease_holder=worker_identity(),
                 started_at=func.coalesce(Loop.started_at, func.now()),
                 run_started_at=func.coalesce(Loop.run_started_at, func.now()))
     ).rowcount  # type: ignore[attr-defined]
@@ -282,6 +293,7 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     session.add_all(rows)
     _wire_event(session, loop_id, shell.id, wire)
     session.flush()
+    loop.lease_holder = None
     if not rows:
         loop.status = "completed"
         loop.execution_token = None
@@ -378,6 +390,7 @@ def claim_tool_call(state: SolidLoopState, session: SessionLike, call: ToolCall,
         if call.lease_token != reaper_lease_token:
             session.rollback()
             return ToolClaim.LOST, None
+        call.lease_holder = worker_identity()
         mark_current_job_done(session)
         session.commit()
         return ToolClaim.CLAIMED, reaper_lease_token
@@ -386,7 +399,7 @@ def claim_tool_call(state: SolidLoopState, session: SessionLike, call: ToolCall,
         update(ToolCall)
         .where(ToolCall.id == call.id, ToolCall.executed_at.is_(None),
                or_(ToolCall.lease_token.is_(None), ToolCall.leased_until < func.now()))
-        .values(lease_token=candidate,
+        .values(lease_token=candidate, lease_holder=worker_identity(),
                 leased_until=func.now() + timedelta(seconds=lease_seconds))
     ).rowcount  # type: ignore[attr-defined]
     if not claimed:
@@ -400,9 +413,13 @@ def claim_tool_call(state: SolidLoopState, session: SessionLike, call: ToolCall,
 def checkpoint_tool_call(session: SessionLike, *, loop_id: int, token: uuid.UUID,
                          tool_call_id: int, lease_token: uuid.UUID | None,
                          result: ToolResult, duration_ms: float) -> ToolCall:
-    """Record a tool's canonical result (``executed_at``) under both fences, with
-    its wire event. Exactly once: a second checkpoint finds it executed."""
-    call = _lock_call(session, loop_id, token, tool_call_id, lease_token, need_lease=True)
+    """Record a tool's canonical result (``executed_at``) under the call's lease,
+    with its wire event. Exactly once: a second checkpoint finds it executed.
+    The loop may be paused or stopped meanwhile: the result is recorded all the
+    same (its effect happened), and resume answers the call from it."""
+    if lease_token is None:
+        raise LostLeaseError(f"tool call {tool_call_id}: no lease to checkpoint under")
+    _, call = _lock_call(session, loop_id, token, tool_call_id, lease_token)
     if call.executed_at is not None:  # someone else checkpointed first
         session.rollback()
         raise LostLeaseError(f"tool call {tool_call_id} was already executed")
@@ -443,11 +460,12 @@ def answer_tool_call(state: SolidLoopState, session: SessionLike, *, loop_id: in
                      content: str, is_error: bool, sequential: bool) -> bool:
     """Write the one tool message answering the call; when it was the phase's
     last open call, queue the next LLM turn in the same commit (in sequential
-    mode, the next call instead). False for a duplicate delivery: the call was
-    already answered and nothing was written."""
-    call = _lock_call(session, loop_id, token, tool_call_id, lease_token,
-                      need_lease=lease_token is not None)
-    if call.response_message_id is not None:
+    mode, the next call instead). False when nothing was written: a duplicate
+    delivery (already answered), or a loop that is not running (paused or
+    stopped while the tool ran: its result is checkpointed, and resume
+    enqueues the answer)."""
+    loop, call = _lock_call(session, loop_id, token, tool_call_id, lease_token)
+    if call.response_message_id is not None or loop.status != "running":
         session.rollback()
         return False
     message = Message(loop_id=loop_id, role="tool", content=content, tool_call_id=call.id,
@@ -456,6 +474,7 @@ def answer_tool_call(state: SolidLoopState, session: SessionLike, *, loop_id: in
     session.flush()
     call.response_message_id = message.id
     call.lease_token = None
+    call.lease_holder = None
     call.leased_until = None
     remaining = list(session.scalars(
         select(ToolCall.id).where(ToolCall.message_id == call.message_id,
@@ -463,11 +482,13 @@ def answer_tool_call(state: SolidLoopState, session: SessionLike, *, loop_id: in
         .order_by(ToolCall.position)
     ))
     if not remaining:
-        loop = lock_loop(session, loop_id)
-        assert loop is not None
         _requeue_for_llm(state, session, loop)
     elif sequential:
-        _dispatch_tool_calls(state, session, loop_id, token, remaining, sequential=True)
+        # The loop's current generation: a resume may have rotated it while the
+        # tool ran under its lease.
+        assert loop.execution_token is not None
+        _dispatch_tool_calls(state, session, loop_id, loop.execution_token, remaining,
+                             sequential=True)
     session.commit()
     return True
 
@@ -592,6 +613,7 @@ def _cancel_tool_calls(session: SessionLike, calls: Iterable[ToolCall], *, reaso
         session.flush()
         call.response_message_id = message.id
         call.lease_token = None
+        call.lease_holder = None
         call.leased_until = None
         if call.executed_at is None:
             call.is_success = False
@@ -631,14 +653,28 @@ def resume(state: SolidLoopState, session: SessionLike, loop_id: int, allowed: I
         loop.status = "running"
         loop.execution_token = token
         loop.lease_expires_at = None
-        ids = [call.id for call in pending]
-        session.execute(
-            update(ToolCall).where(ToolCall.id.in_(ids), ToolCall.executed_at.is_(None))
-            .values(lease_token=None, leased_until=None)
-        )
+        loop.lease_holder = None
+        # A call whose worker still holds a live lease keeps running and answers
+        # under the new generation itself; every other call (never started, its
+        # lease lapsed, or executed while the loop was paused) is enqueued anew.
+        live = set(session.scalars(
+            select(ToolCall.id).where(ToolCall.id.in_([c.id for c in pending]),
+                                      ToolCall.executed_at.is_(None),
+                                      ToolCall.lease_token.is_not(None),
+                                      ToolCall.leased_until > func.now())))
+        ids = [call.id for call in pending if call.id not in live]
+        if ids:
+            session.execute(
+                update(ToolCall).where(ToolCall.id.in_(ids), ToolCall.executed_at.is_(None))
+                .values(lease_token=None, leased_until=None, lease_holder=None)
+            )
         session.flush()
-        _dispatch_tool_calls(state, session, loop_id, token, ids,
-                             sequential=sequential(loop))
+        if sequential(loop):
+            # One call at a time: only if none is running already.
+            if not live:
+                _dispatch_tool_calls(state, session, loop_id, token, ids, sequential=True)
+        else:
+            _dispatch_tool_calls(state, session, loop_id, token, ids, sequential=False)
     else:
         _requeue_for_llm(state, session, loop)
     session.commit()
@@ -684,7 +720,9 @@ SELECT t.id, t.lease_token, t.loop_id, l.execution_token
  FOR UPDATE OF l SKIP LOCKED
 """
 # A tool call nobody holds (no lease, or executed and waiting for its answer)
-# while its loop has no live job at all: its job was lost.
+# while its loop has no live job at all: its job was lost. A sibling still
+# running under a live lease means the phase is in hand (in sequential mode
+# the calls behind the head wait for it by design), so nothing is dropped.
 DROPPED_TOOLS = f"""
 SELECT t.id, t.loop_id, l.execution_token
   FROM solidloop_tool_calls t
@@ -694,7 +732,11 @@ SELECT t.id, t.loop_id, l.execution_token
    AND l.status = 'running' AND l.lease_expires_at IS NULL
    AND t.updated_at < now() - make_interval(secs => :grace)
    AND NOT {_LIVE_JOB}
- ORDER BY t.id
+   AND NOT EXISTS (SELECT 1 FROM solidloop_tool_calls s
+                    WHERE s.loop_id = t.loop_id AND s.response_message_id IS NULL
+                      AND s.executed_at IS NULL AND s.lease_token IS NOT NULL
+                      AND s.leased_until >= now())
+ ORDER BY t.loop_id, t.position
  LIMIT {HEAL_BATCH}
  FOR UPDATE OF l SKIP LOCKED
 """
@@ -726,14 +768,15 @@ RETURNING m.id
 """
 _REQUEUE_LOOP = (
     "UPDATE solidloop_loops SET status = 'queued', execution_token = NULL, "
-    "lease_expires_at = NULL, updated_at = now() WHERE id = :id"
+    "lease_expires_at = NULL, lease_holder = NULL, updated_at = now() WHERE id = :id"
 )
 _HIDE_SHELLS = (
     "UPDATE solidloop_messages SET status = 'failed', is_hidden = true, "
     "updated_at = now() WHERE loop_id = :id AND status = 'processing'"
 )
 _MINT_TOOL_LEASE = (
-    "UPDATE solidloop_tool_calls SET lease_token = :new, updated_at = now(), "
+    "UPDATE solidloop_tool_calls SET lease_token = :new, lease_holder = NULL, "
+    "updated_at = now(), "
     "leased_until = now() + :lease WHERE id = :id AND lease_token = :old "
     "AND executed_at IS NULL"
 )
@@ -753,16 +796,15 @@ def heal_expired_llm(state: SolidLoopState, session: SessionLike) -> list[int]:
     return ids
 
 
-def heal_stalled_tools(state: SolidLoopState, session: SessionLike,
-                       lease_seconds: Callable[[int], float]) -> list[int]:
+def heal_stalled_tools(state: SolidLoopState, session: SessionLike, *,
+                       lease_seconds: float) -> list[int]:
     """Unexecuted tool calls whose lease expired: a fresh lease (CAS on the old
-    one) goes to a new tool job, so healthy siblings are not fenced.
-    ``lease_seconds(loop_id)`` gives the lease for the call's loop."""
+    one) goes to a new tool job, so healthy siblings are not fenced."""
     healed = []
     for call_id, old_lease, loop_id, token in session.execute(text(STALLED_TOOLS)).all():
         new_lease = uuid.uuid4()
         claimed = session.execute(text(_MINT_TOOL_LEASE), {
-            "new": new_lease, "lease": timedelta(seconds=lease_seconds(loop_id)),
+            "new": new_lease, "lease": timedelta(seconds=lease_seconds),
             "id": call_id, "old": old_lease}).rowcount  # type: ignore[attr-defined]
         if claimed:
             state.dispatch.tool_call(session, call_id, token, loop_id=loop_id,
@@ -772,16 +814,21 @@ def heal_stalled_tools(state: SolidLoopState, session: SessionLike,
     return healed
 
 
-def heal_dropped_tools(state: SolidLoopState, session: SessionLike, *,
-                       grace: float) -> list[int]:
+def heal_dropped_tools(state: SolidLoopState, session: SessionLike, *, grace: float,
+                       sequential: Callable[[int], bool]) -> list[int]:
     """Tool calls of a running tool phase that nobody holds and no live job will
-    run: a new tool job (the checkpoint keeps the body from running twice)."""
-    healed = []
+    run: a new tool job (the checkpoint keeps the body from running twice). In
+    sequential mode (``sequential(loop_id)``) only the head of the line."""
+    by_loop: dict[int, tuple[uuid.UUID, list[int]]] = {}
     for call_id, loop_id, token in session.execute(text(DROPPED_TOOLS),
                                                    {"grace": grace}).all():
-        session.execute(text(_TOUCH_TOOL_CALL), {"id": call_id})
-        state.dispatch.tool_call(session, call_id, token, loop_id=loop_id)
-        healed.append(call_id)
+        by_loop.setdefault(loop_id, (token, []))[1].append(call_id)
+    healed = []
+    for loop_id, (token, call_ids) in by_loop.items():
+        for call_id in calls_to_run(call_ids, sequential=sequential(loop_id)):
+            session.execute(text(_TOUCH_TOOL_CALL), {"id": call_id})
+            state.dispatch.tool_call(session, call_id, token, loop_id=loop_id)
+            healed.append(call_id)
     session.commit()
     return healed
 

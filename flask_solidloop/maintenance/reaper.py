@@ -38,6 +38,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from ..errors import SolidLoopError
 from ..loops import queries, store
 from ..state import SolidLoopState
 
@@ -77,8 +78,9 @@ def reap(state: SolidLoopState) -> ReapReport:
         report.expired_jobs = state.broker.recover_expired()
         report.expired_llm = store.heal_expired_llm(state, session)
         report.stalled_tools = store.heal_stalled_tools(
-            state, session, lambda loop_id: _tool_lease_seconds(state, loop_id))
-        report.dropped_tools = store.heal_dropped_tools(state, session, grace=grace)
+            state, session, lease_seconds=state.config.liveness_ttl)
+        report.dropped_tools = store.heal_dropped_tools(
+            state, session, grace=grace, sequential=lambda loop_id: _sequential(state, loop_id))
         report.stuck_tool_phase = store.heal_stuck_tool_phase(state, session, grace=grace)
         report.stuck_queued = store.heal_stuck_queued(
             state, session, threshold=float(state.config.queued_reap_threshold))
@@ -95,12 +97,12 @@ def reap(state: SolidLoopState) -> ReapReport:
     return report
 
 
-def _tool_lease_seconds(state: SolidLoopState, loop_id: int) -> float:
-    """The lease a reclaimed call of ``loop_id`` gets (its agent's, or the default)."""
+def _sequential(state: SolidLoopState, loop_id: int) -> bool:
+    """Whether the loop's agent runs its tool calls one at a time (False when
+    the agent is not registered here: healing every call is the safe side)."""
     loop = queries.get_loop(state.db.session, loop_id)
     try:
-        if loop is not None:
-            return state.tool_lease_seconds(state.agent_for(loop.agent_name, loop))
-    except Exception:
-        pass
-    return state.config.tool_lease_seconds([])
+        agent = state.agent_for(loop.agent_name, loop) if loop is not None else None
+    except SolidLoopError:
+        return False
+    return bool(agent is not None and agent.option("sequential_tool_calls"))

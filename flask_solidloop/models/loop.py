@@ -79,6 +79,8 @@ class Loop(Timestamps, Base):
     status: Mapped[str] = mapped_column(String(20), nullable=False, default="init")
     execution_token: Mapped[uuid.UUID | None] = mapped_column(Uuid)
     lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    #: The worker process (``host:pid``) holding the running LLM turn's lease.
+    lease_holder: Mapped[str | None] = mapped_column(String(200))
     error_message: Mapped[str | None] = mapped_column(Text)
     step_count: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

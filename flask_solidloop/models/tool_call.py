@@ -69,6 +69,10 @@ class ToolCall(Timestamps, Base):
     executed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     lease_token: Mapped[uuid.UUID | None] = mapped_column(Uuid)
     leased_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    #: The worker process (``host:pid``) holding the lease, for status and the admin.
+    lease_holder: Mapped[str | None] = mapped_column(String(200))
+    #: Facts about the call, e.g. ``{"sanitized": [...]}`` when text had to be made storable.
+    meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSONB)
     duration_ms: Mapped[float | None] = mapped_column()
     response_message_id: Mapped[int | None] = mapped_column(
         ForeignKey("solidloop_messages.id", ondelete="SET NULL")

@@ -47,7 +47,7 @@ def run_llm_turn(state: SolidLoopState, loop_id: int) -> None:
     try:
         agent = state.agent_for(loop.agent_name, loop)
         agent.validate()
-        lease = state.config.llm_lease_seconds(agent.provider().read_timeout)
+        lease = state.config.liveness_ttl
         max_duration = agent.effective_max_duration(state.config.default_max_duration)
     except (SQLAlchemyError, psycopg.Error):
         raise  # the database, not the agent: let dramatiq retry the job
@@ -134,7 +134,7 @@ def run_tool_call(
         nonlocal tool_lease
         agent = state.agent_for(loop.agent_name, loop)
         ctx.agent = agent
-        lease_seconds = state.tool_lease_seconds(agent)
+        lease_seconds = state.config.liveness_ttl
         outcome, lease_token = store.claim_tool_call(
             state, session, call, token,
             sequential=bool(agent.option("sequential_tool_calls")),
@@ -151,10 +151,11 @@ def run_tool_call(
             return
         if lease_token is not None:
             max_duration = agent.effective_max_duration(state.config.default_max_duration)
+            limit = min(float(max_duration), state.tool_timeout_seconds(agent))
             renewer = state.renewer()
             tool_lease = RenewerHandle(renewer, renewer.register_tool(
                 tool_call_id, lease_token, lease_seconds=lease_seconds,
-                ceiling_seconds=max_duration + state.config.lease_leak_grace,
+                ceiling_seconds=limit + state.config.lease_leak_grace,
             ))
         ctx.lease_token = lease_token
         ctx.tool_call = queries.get_tool_call(session, tool_call_id)

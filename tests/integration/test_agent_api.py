@@ -154,8 +154,11 @@ def test_resume_in_tool_phase_revokes_leases_and_reenqueues_tools(app, session, 
     loop = Assistant.start(message="tools")
     run(app, queues=("solidloop_llm",))
     call = session.scalars(select(ToolCall)).one()
-    call.lease_token = __import__("uuid").uuid4()  # a dead worker's lease
-    call.leased_until = __import__("datetime").datetime(2999, 1, 1)
+    # A dead worker's lease: it stopped being renewed, so it has lapsed. (A live
+    # lease is left to its worker: see test_resume_leaves_a_running_tool_to_its_worker.)
+    call.lease_token = __import__("uuid").uuid4()
+    call.leased_until = __import__("datetime").datetime(2000, 1, 1, tzinfo=__import__(
+        "datetime").timezone.utc)
     session.commit()
     Assistant(loop).pause()
     assert Assistant(loop).resume(from_=("paused",)) is True

@@ -16,7 +16,11 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 def test_defaults_match_the_seed():
     config = Config.from_mapping({})
-    assert config.lease_margin == 60
+    # Liveness replaced the seed's timeout-derived leases (issue 9): a dead
+    # worker's lease lapses after one TTL, not after its read or tool timeout.
+    assert config.liveness_ttl == 20.0
+    assert config.reaper_interval == 2.0
+    assert config.lease_margin == 10
     assert config.queued_reap_threshold == 300
     assert config.default_read_timeout == 600
     assert config.default_tool_timeout == 600
@@ -62,12 +66,14 @@ def test_strings_from_the_environment_are_accepted():
     assert config.lease_margin == 30 and config.llm_retry_statuses == (429, 503)
 
 
-def test_lease_arithmetic_always_outlives_the_timeout():
-    config = Config.from_mapping({"SOLIDLOOP_LEASE_MARGIN": 7})
-    assert config.llm_lease_seconds(120) == 127
-    assert config.llm_lease_seconds(None) == 600 + 7
-    assert config.tool_lease_seconds([900]) == 907
-    assert config.tool_lease_seconds([]) == 607
+def test_the_job_lease_follows_the_liveness_ttl_unless_set():
+    assert Config.from_mapping({}).job_lease_seconds == 20.0
+    assert Config.from_mapping({"SOLIDLOOP_LIVENESS_TTL": 4}).job_lease_seconds == 4.0
+    assert Config.from_mapping({"SOLIDLOOP_LIVENESS_TTL": 4,
+                                "SOLIDLOOP_JOB_LEASE": 9}).job_lease_seconds == 9.0
+    assert Config.from_mapping({"SOLIDLOOP_REAPER_INTERVAL": 0}).reaper_interval == 0.0
+    with pytest.raises(ConfigurationError, match="SOLIDLOOP_LIVENESS_TTL"):
+        Config.from_mapping({"SOLIDLOOP_LIVENESS_TTL": 0})
 
 
 def test_init_app_needs_the_psycopg3_driver():

@@ -3,5 +3,11 @@
 from .app_context import AppContextMiddleware
 from .current_job import CurrentJobMiddleware
 from .lease_renewer import LeaseRenewerMiddleware
+from .periodic import PeriodicTaskMiddleware
 
-__all__ = ["AppContextMiddleware", "CurrentJobMiddleware", "LeaseRenewerMiddleware"]
+__all__ = [
+    "AppContextMiddleware",
+    "CurrentJobMiddleware",
+    "LeaseRenewerMiddleware",
+    "PeriodicTaskMiddleware",
+]
