@@ -1,9 +1,12 @@
 """Unit tests for flask_solidloop.mcp.toolset: declaration, schemas and calling."""
 
 import asyncio
+import contextvars
 import datetime
 import json
 import logging
+import threading
+import time
 from typing import Annotated, Any, Literal, Optional
 
 import mcp.types
@@ -11,7 +14,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from flask_solidloop.errors import LostLeaseError, SolidLoopError, ToolDefinitionError
-from flask_solidloop.mcp import CallContext, ToolDefinition, ToolResult, Toolset
+from flask_solidloop.mcp import CallContext, ToolDefinition, ToolResult, Toolset, bridge
 
 
 class Address(BaseModel):
@@ -762,6 +765,60 @@ def test_async_handler_called_from_running_loop() -> None:
         return ts.call("ping", {})
 
     assert asyncio.run(caller()).text() == "pong"
+
+
+def test_async_handler_runs_on_a_loop_of_its_own_not_the_mcp_portal() -> None:
+    """Thread, context variables and loop of an async tool (mcp/bridge.py, run_isolated)."""
+    ts = Toolset("demo")
+    request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id")
+    seen: dict[str, Any] = {}
+
+    @ts.tool
+    async def probe() -> str:
+        seen["thread"] = threading.get_ident()
+        seen["loop"] = asyncio.get_running_loop()
+        seen["request_id"] = request_id.get("unset")
+
+        async def via_the_portal() -> str:
+            return "transport answer"
+
+        # An async tool may call a synchronous MCP transport (which waits on the
+        # portal); on the portal's own thread this would raise "would deadlock".
+        return bridge.run_sync(via_the_portal, timeout=5)
+
+    token = request_id.set("req-7")
+    try:
+        assert ts.call("probe", {}).text() == "transport answer"
+    finally:
+        request_id.reset(token)
+    assert seen["thread"] == threading.get_ident()  # no thread hop, thread-locals work
+    assert seen["request_id"] == "req-7"
+    assert seen["loop"] is not bridge.get_portal().loop and seen["loop"].is_closed()
+
+
+def test_a_blocking_async_handler_does_not_stall_the_mcp_portal() -> None:
+    ts = Toolset("demo")
+    release = threading.Event()
+
+    @ts.tool
+    async def blocks() -> str:
+        release.wait(5)  # blocking call inside async def: a common mistake in tools
+        return "done"
+
+    async def noop() -> None:
+        return None
+
+    results: list[ToolResult] = []
+    worker = threading.Thread(target=lambda: results.append(ts.call("blocks", {})))
+    worker.start()
+    try:
+        started = time.monotonic()
+        bridge.run_sync(noop, timeout=2)  # the portal still answers at once
+        assert time.monotonic() - started < 1.0
+    finally:
+        release.set()
+        worker.join(5)
+    assert [r.text() for r in results] == ["done"]
 
 
 # --------------------------------------------------------------------------- ToolResult

@@ -54,23 +54,21 @@ each field and what was expected), and exceptions raised by the handler
 writing, which a tool result cannot express.
 
 ``async def`` handlers are supported. Each call gets a **fresh event loop**
-(``asyncio.run``); if the calling thread already runs an event loop, the
-coroutine runs with ``asyncio.run`` on a helper thread while the caller blocks.
-Async tools therefore must not rely on loop-bound state (clients, locks)
-created outside the call.
+(:func:`flask_solidloop.mcp.bridge.run_isolated`): on the calling thread, or,
+if that thread already runs an event loop, on a one-shot loop thread while the
+caller blocks. Async tools therefore must not rely on loop-bound state
+(clients, locks) created outside the call. They never run on the process's
+shared MCP loop, so a tool that blocks cannot stall the MCP transports.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import functools
 import inspect
 import json
 import logging
 import re
 import sys
-import threading
 import types
 import typing
 from collections.abc import Callable, Iterator
@@ -83,6 +81,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic.fields import FieldInfo
 
 from flask_solidloop.errors import LostLeaseError, ToolDefinitionError
+
+from . import bridge
 
 __all__ = ["CallContext", "ToolDefinition", "ToolResult", "Toolset"]
 
@@ -700,36 +700,8 @@ def _json_type_name(value: Any) -> str:
 
 
 def _run_awaitable(awaitable: Any) -> Any:
-    """Run an awaitable to completion on a fresh event loop.
-
-    With no loop running in this thread, ``asyncio.run`` runs it here. If a loop
-    is running (the caller is itself inside async code), it runs under
-    ``asyncio.run`` on a helper thread and this thread blocks until it finishes.
-    """
-
-    async def _await() -> Any:
-        return await awaitable
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(_await())
-
-    outcome: dict[str, Any] = {}
-    context = contextvars.copy_context()
-
-    def _target() -> None:
-        try:
-            outcome["value"] = context.run(asyncio.run, _await())
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=_target, name="solidloop-async-tool", daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("value")
+    """Await what an ``async def`` handler returned, on an event loop of its own."""
+    return bridge.run_isolated(lambda: awaitable)
 
 
 def _to_result(value: Any) -> ToolResult:
