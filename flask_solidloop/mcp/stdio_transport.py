@@ -13,9 +13,13 @@ Spawn per call
 Every :meth:`~StdioTransport.list_tools` and :meth:`~StdioTransport.call_tool`
 starts the process, negotiates (``mode="auto"``: a ``server/discover`` probe,
 falling back to the ``initialize`` handshake), sends one request and shuts the
-process down again, all inside one ``anyio.run`` on the calling thread. Nothing
-lives between calls, so the transport is stateless (``session_state()`` is
-``{}``), safe to share between threads, and ``close()`` has nothing to release.
+process down again, as one coroutine on the process portal
+(:func:`flask_solidloop.mcp.bridge.run_sync`) while the calling thread waits.
+Nothing lives between calls, so the transport is stateless (``session_state()``
+is ``{}``), safe to share between threads, and ``close()`` has nothing to
+release. Waiting on the portal rather than inside a loop of its own keeps the
+calling thread interruptible: a dramatiq time limit reaches it within ~0.1 s,
+and the exchange is cancelled, which stops the process as below.
 The price is the server's start-up on every call: a few hundred milliseconds for
 a Node server, one to two seconds for a Python one (tests/test_mcp_stdio_transport.py
 prints the figures measured on the machine it runs on).
@@ -23,9 +27,10 @@ prints the figures measured on the machine it runs on).
 Shutdown is the SDK's, per the MCP lifecycle: close the server's stdin, give it
 2 s to exit, SIGTERM its process group, 2 s more, SIGKILL. The server runs in a
 session of its own, so the whole tree goes, children included. That sequence
-also runs when the call fails or times out, so a ``timeout`` error is raised
-about ``timeout + 4`` seconds after the call began at the latest (``timeout + 2``
-for a server that obeys SIGTERM), with no process left behind.
+also runs when the call fails, times out or is cancelled (it is shielded from
+the cancellation), so a ``timeout`` error is raised about ``timeout + 4`` seconds
+after the call began at the latest (``timeout + 2`` for a server that obeys
+SIGTERM), with no process left behind.
 
 Environment
 -----------
@@ -70,15 +75,12 @@ of its own on every fresh connection.
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import json
 import logging
 import os
 import shlex
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -94,6 +96,7 @@ from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT
 
 from flask_solidloop.errors import McpTransportError
 
+from . import bridge
 from .toolset import ToolResult
 
 __all__ = ["StdioTransport"]
@@ -113,6 +116,11 @@ _MAX_LINE_EXCERPT = 160
 _STDERR_TAIL_BYTES = 4096
 _STDERR_TAIL_CHARS = 600
 _MAX_LIST_PAGES = 100
+#: The SDK's worst-case shutdown after the deadline (writer flush 0.5 s, stdin
+#: close 2 s, SIGTERM 2 s, reap after SIGKILL 2 s), rounded up.
+_TEARDOWN_BOUND = 7.0
+#: Extra wait the bridge allows beyond the exchange's own bounds (a safety net).
+_BRIDGE_SLACK = 10.0
 
 
 @dataclass
@@ -238,9 +246,21 @@ class StdioTransport:
         started = time.perf_counter()
         outcome = "failed"
         try:
-            result = _run_blocking(lambda: self._exchange(method, op))
+            # The exchange bounds itself (timeout, then the shielded teardown);
+            # the bridge's wait is a safety net against a teardown that hangs.
+            result = bridge.run_sync(
+                lambda: self._exchange(method, op),
+                self.timeout + _TEARDOWN_BOUND + _BRIDGE_SLACK,
+            )
             outcome = "ok"
             return result
+        except TimeoutError as exc:
+            raise self._error(
+                "timeout",
+                f"no answer to {method} within {self.timeout:g} s, and the server process "
+                "did not stop in time either",
+                "",
+            ) from exc
         finally:
             logger.debug(
                 "stdio MCP %s %s on %r: %s in %.0f ms",
@@ -450,26 +470,3 @@ def _pick_leaf(exc: BaseException) -> BaseException:
 def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else text
 
-
-def _run_blocking(fn: Callable[[], Awaitable[_T]]) -> _T:
-    """``anyio.run(fn)`` here, or on a helper thread when this thread runs a loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return anyio.run(fn)
-
-    outcome: dict[str, Any] = {}
-    context = contextvars.copy_context()
-
-    def target() -> None:
-        try:
-            outcome["value"] = context.run(anyio.run, fn)
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=target, name="solidloop-mcp-stdio", daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return cast("_T", outcome["value"])
