@@ -335,6 +335,33 @@ async def _answer() -> int:
     return 42
 
 
+#: Calls that start or enter an event loop from synchronous code.
+_LOOP_ENTRIES = {("asyncio", "run"), ("anyio", "run"), ("asyncio", "Runner"),
+                 ("anyio.from_thread", "start_blocking_portal")}
+_LOOP_ENTRY_NAMES = {"new_event_loop", "run_coroutine_threadsafe", "start_blocking_portal"}
+
+
+def test_the_bridge_is_the_only_way_into_an_event_loop():
+    """Every sync-to-async crossing goes through mcp/bridge.py (decision 0008)."""
+    import ast
+    from pathlib import Path
+
+    package = Path(bridge.__file__).resolve().parent.parent
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path == Path(bridge.__file__).resolve():
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            owner = ast.unparse(func.value) if isinstance(func, ast.Attribute) else None
+            if name in _LOOP_ENTRY_NAMES or (owner, name) in _LOOP_ENTRIES:
+                found.append(f"{path.relative_to(package)}:{node.lineno}: {ast.unparse(func)}")
+    assert found == [], "use flask_solidloop.mcp.bridge instead: " + "; ".join(found)
+
+
 def test_bridge_coroutines_see_the_callers_context_variables():
     var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="unset")
 
