@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -329,6 +330,38 @@ def test_meta_reaches_a_modern_era_server(tmp_path: Path):
         "echo_meta", {}, meta={IDEMPOTENCY_META_KEY: "solidloop:tool_call:11"})))
     assert seen["version"] == "2026-07-28"
     assert seen["meta"][IDEMPOTENCY_META_KEY] == "solidloop:tool_call:11"
+
+
+def test_listing_follows_cursors_until_none_or_repeated():
+    """mcp/sdk.py's tools/list loop, shared by the stdio and HTTP transports."""
+    import anyio
+    import mcp_types
+
+    from flask_solidloop.mcp import sdk
+
+    class Pages:
+        def __init__(self, *pages: tuple[str, str | None]) -> None:
+            self.pages = list(pages)
+            self.cursors: list[str | None] = []
+
+        async def list_tools(self, params: Any = None) -> mcp_types.ListToolsResult:
+            self.cursors.append(params.cursor if params is not None else None)
+            name, next_cursor = (self.pages.pop(0) if self.pages
+                                 else ("more", f"c{len(self.cursors)}"))  # pages forever
+            return mcp_types.ListToolsResult(
+                tools=[mcp_types.Tool(name=name, inputSchema={"type": "object"})],
+                nextCursor=next_cursor)
+
+    empty_cursor = Pages(("a", ""), ("b", None))  # "" is a cursor, as the SDK reads it
+    assert [t["name"] for t in anyio.run(sdk.list_all_tools, empty_cursor)] == ["a", "b"]
+    assert empty_cursor.cursors == [None, ""]
+
+    stuck = Pages(("a", "p2"), ("b", "p2"))  # a server stuck on one page
+    assert [t["name"] for t in anyio.run(sdk.list_all_tools, stuck)] == ["a", "b"]
+    assert stuck.cursors == [None, "p2"]
+
+    endless = Pages()  # a new cursor every time
+    assert len(anyio.run(sdk.list_all_tools, endless)) == sdk.LIST_PAGE_CAP
 
 
 def test_jsonrpc_error_to_tools_call_is_a_tool_result(fake):

@@ -82,7 +82,7 @@ import shlex
 import shutil
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import IO, Any, TypeVar, cast
 
@@ -96,7 +96,7 @@ from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT
 
 from flask_solidloop.errors import McpTransportError
 
-from . import bridge
+from . import bridge, sdk
 from .toolset import ToolResult
 
 __all__ = ["StdioTransport"]
@@ -115,7 +115,6 @@ _MAX_COMMAND_CHARS = 300
 _MAX_LINE_EXCERPT = 160
 _STDERR_TAIL_BYTES = 4096
 _STDERR_TAIL_CHARS = 600
-_MAX_LIST_PAGES = 100
 #: The SDK's worst-case shutdown after the deadline (writer flush 0.5 s, stdin
 #: close 2 s, SIGTERM 2 s, reap after SIGKILL 2 s), rounded up.
 _TEARDOWN_BOUND = 7.0
@@ -179,7 +178,7 @@ class StdioTransport:
 
     def list_tools(self) -> list[dict[str, Any]]:
         """The server's tools as MCP tool dicts (every page of the listing)."""
-        return cast("list[dict[str, Any]]", self._run("tools/list", self._list_tools))
+        return cast("list[dict[str, Any]]", self._run("tools/list", sdk.list_all_tools))
 
     def call_tool(
         self,
@@ -224,24 +223,6 @@ class StdioTransport:
 
     # -- one exchange ---------------------------------------------------------------
 
-    @staticmethod
-    async def _list_tools(session: ClientSession) -> list[dict[str, Any]]:
-        tools: list[dict[str, Any]] = []
-        cursor: str | None = None
-        seen: set[str] = set()
-        for _ in range(_MAX_LIST_PAGES):
-            params = types.PaginatedRequestParams(cursor=cursor) if cursor is not None else None
-            page = await session.list_tools(params=params)
-            tools.extend(
-                tool.model_dump(by_alias=True, mode="json", exclude_none=True)
-                for tool in page.tools
-            )
-            cursor = page.next_cursor
-            if cursor is None or cursor in seen:
-                break
-            seen.add(cursor)
-        return tools
-
     def _run(self, method: str, op: Callable[[ClientSession], Awaitable[_T]]) -> _T:
         started = time.perf_counter()
         outcome = "failed"
@@ -282,7 +263,6 @@ class StdioTransport:
         params = StdioServerParameters(
             command=self.argv[0], args=self.argv[1:], env=self._child_env(), cwd=self.cwd
         )
-        client_info = _client_info()
         with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as errlog:
             failure: Exception | None = None
             try:
@@ -293,7 +273,7 @@ class StdioTransport:
                         mode="auto",
                         cache=None,
                         message_handler=on_message,
-                        client_info=client_info,
+                        client_info=sdk.CLIENT_INFO,
                     ) as client:
                         attempt.phase = method
                         attempt.result = await op(client.session)
@@ -432,12 +412,6 @@ class StdioTransport:
 # --------------------------------------------------------------------------- helpers
 
 
-def _client_info() -> types.Implementation:
-    from flask_solidloop import __version__
-
-    return types.Implementation(name="flask-solidloop", version=__version__)
-
-
 def _is_blank_line(exc: Exception) -> bool:
     if not isinstance(exc, pydantic.ValidationError):
         return False
@@ -446,18 +420,10 @@ def _is_blank_line(exc: Exception) -> bool:
     return isinstance(value, str) and not value.strip()
 
 
-def _leaves(exc: BaseException) -> Iterator[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            yield from _leaves(inner)
-    else:
-        yield exc
-
-
 def _pick_leaf(exc: BaseException) -> BaseException:
     """The most telling exception inside (possibly nested) ExceptionGroups."""
     leaves = [
-        leaf for leaf in _leaves(exc)
+        leaf for leaf in sdk.exception_leaves(exc)
         if not isinstance(leaf, anyio.get_cancelled_exc_class())
     ] or [exc]
     for wanted in (TimeoutError, OSError, MCPError, pydantic.ValidationError):
