@@ -5,6 +5,7 @@ PostgreSQL-backed queue; all state lives in PostgreSQL, so any worker can die
 at any moment and every loop still finishes.
 """
 
+from ._version import __version__
 from .agent import Agent
 from .errors import (
     AgentDefinitionError,
@@ -20,8 +21,6 @@ from .extension import SolidLoop
 from .mcp.toolset import CallContext, ToolResult, Toolset
 from .models import RESUMABLE_STATUSES
 from .pipeline.builder import Builder
-
-__version__ = "0.1.0.dev0"
 
 __all__ = [
     "RESUMABLE_STATUSES",

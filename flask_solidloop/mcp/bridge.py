@@ -1,26 +1,40 @@
-"""The sync bridge: run the async MCP SDK from synchronous worker threads.
+"""The async bridge: every place flask_solidloop runs a coroutine from synchronous code.
 
-A dramatiq worker thread is synchronous; the MCP SDK is async (anyio). This
-module owns **one event loop per process**, running in a daemon thread (the
-*portal*), and lets any thread run a coroutine on it and block for the result::
+A dramatiq worker thread (or a Flask request thread) is synchronous; the MCP
+SDK is async (anyio), and a tool may be an ``async def``. This module is the
+one crossing between the two, with two ways across:
 
-    from flask_solidloop.mcp.bridge import run_sync
+* :func:`run_sync` runs a coroutine on **the process portal**: one event loop
+  per process in a daemon thread, shared by every thread. The MCP transports
+  use it (``HttpTransport`` keeps its sessions open there, ``StdioTransport``
+  runs its spawn-per-call exchanges there)::
 
-    result = run_sync(lambda: session.list_tools(), timeout=30)
+      from flask_solidloop.mcp.bridge import run_sync
 
-Why a long-lived loop rather than ``anyio.run()`` per call: MCP sessions,
-connection pools and TLS connections are bound to the loop that opened them,
-so only a loop that outlives the call can keep them open between tool calls.
-Measured on loopback: 4-9 ms for a call in an open session against 7-32 ms
-for connect + call + close on a fresh loop (more against a remote TLS
-server); entering the portal costs 0.1 ms. The measurements and trade-offs
-are in docs/decisions/0008-mcp-sync-bridge.md.
+      result = run_sync(lambda: session.list_tools(), timeout=30)
+
+* :func:`run_isolated` runs a coroutine on **an event loop of its own**,
+  closed when it returns. ``Toolset`` uses it for ``async def`` tools: user
+  code may block the loop or keep loop-bound state, and on the shared loop it
+  would stall the process's MCP I/O and serialise every worker thread's tools.
+
+Why a long-lived loop for the transports rather than ``anyio.run()`` per
+call: MCP sessions, connection pools and TLS connections are bound to the loop
+that opened them, so only a loop that outlives the call can keep them open
+between tool calls. Measured on loopback: 4-9 ms for a call in an open session
+against 7-32 ms for connect + call + close on a fresh loop (more against a
+remote TLS server); entering the portal costs 0.1 ms. And a thread waiting on
+the portal can be interrupted promptly (below), which a thread blocked inside
+its own loop cannot. The measurements and trade-offs are in
+docs/decisions/0008-mcp-sync-bridge.md.
 
 Rules:
 
 * Pass a **factory** (``lambda: coro(...)``), not a coroutine object: the
-  coroutine is created on the portal's loop, and a call that never starts
+  coroutine is created on the loop that runs it, and a call that never starts
   (timeout, shutdown) leaves no "never awaited" warning behind.
+* The coroutine sees the **caller's context variables** (a copy, as asyncio
+  gives every task): a Flask app context, a logging context.
 * ``timeout`` bounds the wait. When it passes, or when the waiting thread is
   interrupted (KeyboardInterrupt, dramatiq's TimeLimitExceeded, any exception
   injected into the thread), the coroutine's task is **cancelled** and the
@@ -51,7 +65,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-__all__ = ["Portal", "generation", "get_portal", "run_sync", "shutdown"]
+__all__ = [
+    "Portal", "generation", "get_portal", "run_isolated", "run_sync", "shutdown", "wait_future",
+]
 
 logger = logging.getLogger("flask_solidloop.mcp")
 
@@ -69,7 +85,7 @@ class Portal:
     """An asyncio event loop in a daemon thread that other threads submit coroutines to.
 
     Thread-safe. Use the process singleton from :func:`get_portal` unless you
-    need an isolated loop (tests, benchmarks).
+    need a loop of your own (tests, benchmarks, :func:`run_isolated`).
     """
 
     def __init__(self, name: str = "solidloop-mcp-portal") -> None:
@@ -152,11 +168,9 @@ class Portal:
     def submit(self, coro_factory: Callable[[], Awaitable[T]]) -> concurrent.futures.Future[T]:
         """Schedule ``coro_factory()`` on the loop; returns a concurrent Future."""
         loop = self._ensure_started()
-
-        async def runner() -> T:
-            return await coro_factory()
-
-        return asyncio.run_coroutine_threadsafe(runner(), loop)
+        # run_coroutine_threadsafe() schedules from this thread, so the task runs
+        # in a copy of this thread's context variables (a Flask app context...).
+        return asyncio.run_coroutine_threadsafe(_awaiting(coro_factory), loop)
 
     def call(self, coro_factory: Callable[[], Awaitable[T]], timeout: float | None = None) -> T:
         """Run ``coro_factory()`` on the loop and block until it finishes.
@@ -218,6 +232,11 @@ def _finish_loop(loop: asyncio.AbstractEventLoop,
             loop.run_until_complete(asyncio.wait_for(finalize(), _SHUTDOWN_GRACE))
         with contextlib.suppress(BaseException):
             loop.run_until_complete(loop.shutdown_asyncgens())
+        # As asyncio.run() does: a one-shot loop whose coroutine used run_in_executor
+        # would otherwise leave its executor's threads behind, one pool per call.
+        with contextlib.suppress(BaseException):
+            loop.run_until_complete(
+                asyncio.wait_for(loop.shutdown_default_executor(), _SHUTDOWN_GRACE))
     finally:
         loop.close()
 
@@ -254,6 +273,33 @@ def generation() -> int:
 def run_sync(coro_factory: Callable[[], Awaitable[T]], timeout: float | None = None) -> T:
     """Run ``coro_factory()`` on the process portal and wait (see :meth:`Portal.call`)."""
     return get_portal().call(coro_factory, timeout)
+
+
+def run_isolated(coro_factory: Callable[[], Awaitable[T]]) -> T:
+    """Run ``coro_factory()`` on an event loop of its own, closed when it finishes.
+
+    For coroutines that must not share the portal's loop (user code, which may
+    block or keep loop-bound state). With no loop running in this thread, the
+    loop runs here, with ``asyncio.run``: same thread, same thread-locals. If
+    this thread already runs a loop (the caller is async code that called
+    synchronous code), a one-shot :class:`Portal` runs the coroutine and this
+    thread waits as for :func:`run_sync`: interruptibly, cancelling the task
+    when interrupted. There is no timeout; the coroutine bounds itself.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(_awaiting(coro_factory))
+    portal = Portal(name="solidloop-isolated-loop")
+    try:
+        return portal.call(coro_factory)
+    finally:
+        portal.shutdown()
+
+
+async def _awaiting(coro_factory: Callable[[], Awaitable[T]]) -> T:
+    # asyncio.run() takes a coroutine only; a factory may return any awaitable.
+    return await coro_factory()
 
 
 def shutdown(timeout: float = _SHUTDOWN_GRACE) -> None:

@@ -87,9 +87,8 @@ from mcp_types import (
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, MODERN_PROTOCOL_VERSIONS
 from pydantic import ValidationError
 
-from flask_solidloop import __version__
 from flask_solidloop.errors import McpTransportError
-from flask_solidloop.mcp import bridge
+from flask_solidloop.mcp import bridge, sdk
 from flask_solidloop.mcp.toolset import ToolResult
 
 __all__ = ["HttpTransport"]
@@ -101,12 +100,9 @@ T = TypeVar("T")
 _SESSION_HEADER = "mcp-session-id"
 _VERSION_HEADER = "mcp-protocol-version"
 _METHOD_HEADER = "mcp-method"
-_LIST_PAGE_CAP = 100
 _CLOSE_TIMEOUT = 10.0
 #: Extra wait the bridge allows beyond the transport's own timeouts (a safety net).
 _BRIDGE_SLACK = 10.0
-
-_CLIENT_INFO = types.Implementation(name="flask-solidloop", version=__version__)
 
 # --------------------------------------------------------------------------- shared HTTP
 
@@ -380,22 +376,7 @@ class HttpTransport:
     # -- operations ---------------------------------------------------------------
 
     async def _alist_tools(self) -> list[dict[str, Any]]:
-        async def op(session: ClientSession) -> list[dict[str, Any]]:
-            tools: list[dict[str, Any]] = []
-            cursor: str | None = None
-            for _ in range(_LIST_PAGE_CAP):
-                params = types.PaginatedRequestParams(cursor=cursor) if cursor else None
-                page = await session.list_tools(params=params)
-                tools.extend(
-                    tool.model_dump(by_alias=True, mode="json", exclude_none=True)
-                    for tool in page.tools
-                )
-                cursor = page.next_cursor
-                if not cursor:
-                    break
-            return tools
-
-        return await self._request(op, "tools/list")
+        return await self._request(sdk.list_all_tools, "tools/list")
 
     async def _acall_tool(self, name: str, arguments: dict[str, Any],
                           meta: dict[str, Any] | None) -> ToolResult:
@@ -576,7 +557,7 @@ class HttpTransport:
         streams = streamable_http_client(self.url, http_client=http, terminate_on_close=False)
         if plan.resume:
             read_stream, write_stream = await stack.enter_async_context(streams)
-            session = ClientSession(read_stream, write_stream, client_info=_CLIENT_INFO)
+            session = ClientSession(read_stream, write_stream, client_info=sdk.CLIENT_INFO)
             await stack.enter_async_context(session)
             state = plan.state
             session.adopt(types.InitializeResult(
@@ -589,7 +570,7 @@ class HttpTransport:
             ))
         else:
             client = Client(streams, mode=plan.mode, prior_discover=plan.discover, cache=None,
-                            client_info=_CLIENT_INFO)
+                            client_info=sdk.CLIENT_INFO)
             await stack.enter_async_context(client)
             session = client.session
         conn.session = session
@@ -697,7 +678,7 @@ class HttpTransport:
                   what: str) -> McpTransportError:
         """Turn whatever the SDK raised (plus what the relay saw) into McpTransportError."""
         url = self._display_url
-        leaves = _leaves(exc)
+        leaves = sdk.exception_leaves(exc)
         failed = [e for e in events if e.error is not None or (e.status or 0) >= 400]
         # What the HTTP layer saw is the most precise account.
         for event in failed:
@@ -773,22 +754,6 @@ class HttpTransport:
 # --------------------------------------------------------------------------- helpers
 
 
-def _leaves(exc: BaseException) -> list[BaseException]:
-    """The exceptions inside (nested) ExceptionGroups, depth first; cancellations last."""
-    found: list[BaseException] = []
-
-    def walk(e: BaseException) -> None:
-        if isinstance(e, BaseExceptionGroup):
-            for inner in e.exceptions:
-                walk(inner)
-        else:
-            found.append(e)
-
-    walk(exc)
-    found.sort(key=lambda e: isinstance(e, asyncio.CancelledError))
-    return found
-
-
 def _answered_by_server(events: list[_HttpEvent] | None) -> bool:
     """True when the JSON-RPC error is the server's own answer, not one the SDK made up
     for a failed exchange (the last POST came back 2xx, or with a JSON body)."""
@@ -802,7 +767,7 @@ def _answered_by_server(events: list[_HttpEvent] | None) -> bool:
 def _era_rejected(exc: BaseException, events: list[_HttpEvent], era: str) -> bool:
     """Did the server refuse the protocol era we assumed (it changed since we learned it)?"""
     if any(isinstance(leaf, MCPError) and leaf.code == UNSUPPORTED_PROTOCOL_VERSION
-           for leaf in _leaves(exc)):
+           for leaf in sdk.exception_leaves(exc)):
         return True
     # A handshake-era server answers a 2026-07-28 request (no session id) with 400.
     return era == "modern" and any(e.status == 400 for e in events)

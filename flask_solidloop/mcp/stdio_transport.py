@@ -13,9 +13,13 @@ Spawn per call
 Every :meth:`~StdioTransport.list_tools` and :meth:`~StdioTransport.call_tool`
 starts the process, negotiates (``mode="auto"``: a ``server/discover`` probe,
 falling back to the ``initialize`` handshake), sends one request and shuts the
-process down again, all inside one ``anyio.run`` on the calling thread. Nothing
-lives between calls, so the transport is stateless (``session_state()`` is
-``{}``), safe to share between threads, and ``close()`` has nothing to release.
+process down again, as one coroutine on the process portal
+(:func:`flask_solidloop.mcp.bridge.run_sync`) while the calling thread waits.
+Nothing lives between calls, so the transport is stateless (``session_state()``
+is ``{}``), safe to share between threads, and ``close()`` has nothing to
+release. Waiting on the portal rather than inside a loop of its own keeps the
+calling thread interruptible: a dramatiq time limit reaches it within ~0.1 s,
+and the exchange is cancelled, which stops the process as below.
 The price is the server's start-up on every call: a few hundred milliseconds for
 a Node server, one to two seconds for a Python one (tests/test_mcp_stdio_transport.py
 prints the figures measured on the machine it runs on).
@@ -23,9 +27,10 @@ prints the figures measured on the machine it runs on).
 Shutdown is the SDK's, per the MCP lifecycle: close the server's stdin, give it
 2 s to exit, SIGTERM its process group, 2 s more, SIGKILL. The server runs in a
 session of its own, so the whole tree goes, children included. That sequence
-also runs when the call fails or times out, so a ``timeout`` error is raised
-about ``timeout + 4`` seconds after the call began at the latest (``timeout + 2``
-for a server that obeys SIGTERM), with no process left behind.
+also runs when the call fails, times out or is cancelled (it is shielded from
+the cancellation), so a ``timeout`` error is raised about ``timeout + 4`` seconds
+after the call began at the latest (``timeout + 2`` for a server that obeys
+SIGTERM), with no process left behind.
 
 Environment
 -----------
@@ -70,17 +75,14 @@ of its own on every fresh connection.
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import json
 import logging
 import os
 import shlex
 import shutil
 import tempfile
-import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import IO, Any, TypeVar, cast
 
@@ -94,6 +96,7 @@ from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT
 
 from flask_solidloop.errors import McpTransportError
 
+from . import bridge, sdk
 from .toolset import ToolResult
 
 __all__ = ["StdioTransport"]
@@ -112,7 +115,11 @@ _MAX_COMMAND_CHARS = 300
 _MAX_LINE_EXCERPT = 160
 _STDERR_TAIL_BYTES = 4096
 _STDERR_TAIL_CHARS = 600
-_MAX_LIST_PAGES = 100
+#: The SDK's worst-case shutdown after the deadline (writer flush 0.5 s, stdin
+#: close 2 s, SIGTERM 2 s, reap after SIGKILL 2 s), rounded up.
+_TEARDOWN_BOUND = 7.0
+#: Extra wait the bridge allows beyond the exchange's own bounds (a safety net).
+_BRIDGE_SLACK = 10.0
 
 
 @dataclass
@@ -171,7 +178,7 @@ class StdioTransport:
 
     def list_tools(self) -> list[dict[str, Any]]:
         """The server's tools as MCP tool dicts (every page of the listing)."""
-        return cast("list[dict[str, Any]]", self._run("tools/list", self._list_tools))
+        return cast("list[dict[str, Any]]", self._run("tools/list", sdk.list_all_tools))
 
     def call_tool(
         self,
@@ -216,31 +223,25 @@ class StdioTransport:
 
     # -- one exchange ---------------------------------------------------------------
 
-    @staticmethod
-    async def _list_tools(session: ClientSession) -> list[dict[str, Any]]:
-        tools: list[dict[str, Any]] = []
-        cursor: str | None = None
-        seen: set[str] = set()
-        for _ in range(_MAX_LIST_PAGES):
-            params = types.PaginatedRequestParams(cursor=cursor) if cursor is not None else None
-            page = await session.list_tools(params=params)
-            tools.extend(
-                tool.model_dump(by_alias=True, mode="json", exclude_none=True)
-                for tool in page.tools
-            )
-            cursor = page.next_cursor
-            if cursor is None or cursor in seen:
-                break
-            seen.add(cursor)
-        return tools
-
     def _run(self, method: str, op: Callable[[ClientSession], Awaitable[_T]]) -> _T:
         started = time.perf_counter()
         outcome = "failed"
         try:
-            result = _run_blocking(lambda: self._exchange(method, op))
+            # The exchange bounds itself (timeout, then the shielded teardown);
+            # the bridge's wait is a safety net against a teardown that hangs.
+            result = bridge.run_sync(
+                lambda: self._exchange(method, op),
+                self.timeout + _TEARDOWN_BOUND + _BRIDGE_SLACK,
+            )
             outcome = "ok"
             return result
+        except TimeoutError as exc:
+            raise self._error(
+                "timeout",
+                f"no answer to {method} within {self.timeout:g} s, and the server process "
+                "did not stop in time either",
+                "",
+            ) from exc
         finally:
             logger.debug(
                 "stdio MCP %s %s on %r: %s in %.0f ms",
@@ -262,7 +263,6 @@ class StdioTransport:
         params = StdioServerParameters(
             command=self.argv[0], args=self.argv[1:], env=self._child_env(), cwd=self.cwd
         )
-        client_info = _client_info()
         with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as errlog:
             failure: Exception | None = None
             try:
@@ -273,7 +273,7 @@ class StdioTransport:
                         mode="auto",
                         cache=None,
                         message_handler=on_message,
-                        client_info=client_info,
+                        client_info=sdk.CLIENT_INFO,
                     ) as client:
                         attempt.phase = method
                         attempt.result = await op(client.session)
@@ -412,12 +412,6 @@ class StdioTransport:
 # --------------------------------------------------------------------------- helpers
 
 
-def _client_info() -> types.Implementation:
-    from flask_solidloop import __version__
-
-    return types.Implementation(name="flask-solidloop", version=__version__)
-
-
 def _is_blank_line(exc: Exception) -> bool:
     if not isinstance(exc, pydantic.ValidationError):
         return False
@@ -426,18 +420,10 @@ def _is_blank_line(exc: Exception) -> bool:
     return isinstance(value, str) and not value.strip()
 
 
-def _leaves(exc: BaseException) -> Iterator[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            yield from _leaves(inner)
-    else:
-        yield exc
-
-
 def _pick_leaf(exc: BaseException) -> BaseException:
     """The most telling exception inside (possibly nested) ExceptionGroups."""
     leaves = [
-        leaf for leaf in _leaves(exc)
+        leaf for leaf in sdk.exception_leaves(exc)
         if not isinstance(leaf, anyio.get_cancelled_exc_class())
     ] or [exc]
     for wanted in (TimeoutError, OSError, MCPError, pydantic.ValidationError):
@@ -450,26 +436,3 @@ def _pick_leaf(exc: BaseException) -> BaseException:
 def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else text
 
-
-def _run_blocking(fn: Callable[[], Awaitable[_T]]) -> _T:
-    """``anyio.run(fn)`` here, or on a helper thread when this thread runs a loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return anyio.run(fn)
-
-    outcome: dict[str, Any] = {}
-    context = contextvars.copy_context()
-
-    def target() -> None:
-        try:
-            outcome["value"] = context.run(anyio.run, fn)
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=target, name="solidloop-mcp-stdio", daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return cast("_T", outcome["value"])

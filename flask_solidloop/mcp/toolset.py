@@ -20,14 +20,18 @@ A toolset is called on the caller's thread with no network hop::
         '''
         ...
 
+    search.add_tool(catalogue.find, name="find")  # the same, without a decorator
     search.list_tools()                     # MCP tool dicts, declaration order
     search.call("query", {"text": "tea"})   # -> ToolResult, never raises for tool faults
 
 Declaration rules
 -----------------
+* :meth:`Toolset.add_tool` is the one way a tool enters a toolset; the
+  ``@tool`` decorator is a thin wrapper over it that returns the function.
 * Tool names match ``^[A-Za-z0-9._-]{1,128}$`` and are unique within a toolset;
   breaking either raises :class:`~flask_solidloop.errors.ToolDefinitionError`
-  when the decorator runs.
+  when the tool is added, as does anything else that cannot become a tool
+  (the message says what was wrong and what to write instead).
 * The input schema is built with pydantic from the signature's type hints. A
   parameter without a hint is ``Any``; a parameter with a default is optional;
   ``*args`` / ``**kwargs`` and positional-only parameters are refused. A
@@ -54,23 +58,21 @@ each field and what was expected), and exceptions raised by the handler
 writing, which a tool result cannot express.
 
 ``async def`` handlers are supported. Each call gets a **fresh event loop**
-(``asyncio.run``); if the calling thread already runs an event loop, the
-coroutine runs with ``asyncio.run`` on a helper thread while the caller blocks.
-Async tools therefore must not rely on loop-bound state (clients, locks)
-created outside the call.
+(:func:`flask_solidloop.mcp.bridge.run_isolated`): on the calling thread, or,
+if that thread already runs an event loop, on a one-shot loop thread while the
+caller blocks. Async tools therefore must not rely on loop-bound state
+(clients, locks) created outside the call. They never run on the process's
+shared MCP loop, so a tool that blocks cannot stall the MCP transports.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import functools
 import inspect
 import json
 import logging
 import re
 import sys
-import threading
 import types
 import typing
 from collections.abc import Callable, Iterator
@@ -84,9 +86,13 @@ from pydantic.fields import FieldInfo
 
 from flask_solidloop.errors import LostLeaseError, ToolDefinitionError
 
+from . import bridge
+
 __all__ = ["CallContext", "ToolDefinition", "ToolResult", "Toolset"]
 
 logger = logging.getLogger("flask_solidloop.tools")
+
+F = typing.TypeVar("F", bound=Callable[..., Any])
 
 TOOL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _NAME_RULE = "names must match ^[A-Za-z0-9._-]{1,128}$"
@@ -223,60 +229,119 @@ class Toolset:
 
     # -- declaration ------------------------------------------------------------
 
-    def tool(
+    def add_tool(
         self,
-        fn: Callable | None = None,
+        fn: Callable[..., Any],
         *,
         name: str | None = None,
         description: str | None = None,
-        input_schema: dict | None = None,
-    ) -> Any:
-        """Declare ``fn`` as a tool; usable as ``@ts.tool`` or ``@ts.tool(name=...)``.
+        input_schema: dict[str, Any] | None = None,
+    ) -> ToolDefinition:
+        """Add ``fn`` to this toolset as a tool; return the definition it stores.
 
-        Returns the function unchanged, so it stays callable as plain Python.
-        Raises :class:`ToolDefinitionError` for a bad or duplicate name, a
-        signature that cannot become a schema, or an invalid ``input_schema``.
+        The one way a tool enters a toolset: :meth:`tool` calls it, and so will
+        anything that builds toolsets at run time (the MCP server blueprint).
+        ``name`` defaults to ``fn.__name__``, ``description`` to the first
+        paragraph of the docstring, and ``input_schema`` to a schema derived from
+        the type hints (see the module docs). ``fn`` is stored as it is, not
+        wrapped, and stays callable as plain Python.
+
+        Raises :class:`ToolDefinitionError`, saying what was wrong and what to do,
+        and adds nothing, when ``fn`` is not callable (a string, a
+        ``classmethod`` object, a coroutine or other result of calling the
+        function), the name is missing, invalid or already taken, the
+        description is not a string, the signature cannot become a schema, or
+        ``input_schema`` is not an object schema.
         """
-        if fn is not None:
-            self._register(fn, name, description, input_schema, _caller_locals())
-            return fn
-
-        def decorator(func: Callable) -> Callable:
-            self._register(func, name, description, input_schema, _caller_locals())
-            return func
-
-        return decorator
-
-    def _register(
-        self,
-        fn: Callable,
-        name: str | None,
-        description: str | None,
-        input_schema: dict | None,
-        caller_locals: dict[str, Any],
-    ) -> None:
-        if not callable(fn):
+        where = f"toolset {self.name!r}"
+        _check_handler(where, fn)
+        if name is not None and not isinstance(name, str):
             raise ToolDefinitionError(
-                f"toolset {self.name!r}: @tool needs a callable, got {type(fn).__name__}"
+                f"{where}: name= must be a string, got {type(name).__name__} {_short_repr(name)}"
             )
         tool_name = name if name is not None else getattr(fn, "__name__", None)
         if tool_name is None:
             raise ToolDefinitionError(
-                f"toolset {self.name!r}: {fn!r} has no __name__; pass name= to @tool"
+                f"{where}: {_short_repr(fn)} has no __name__ to name the tool after; "
+                "pass name='...'"
             )
         if not isinstance(tool_name, str) or not TOOL_NAME_PATTERN.match(tool_name):
+            hint = "; a lambda has no name of its own: pass name='...'" if (
+                name is None and tool_name == "<lambda>") else ""
             raise ToolDefinitionError(
-                f"toolset {self.name!r}: tool name {tool_name!r} is invalid: {_NAME_RULE}"
+                f"{where}: tool name {tool_name!r} is invalid: {_NAME_RULE}{hint}"
             )
         if tool_name in self._tools:
+            taken_by = _describe_callable(self._tools[tool_name].handler)
             raise ToolDefinitionError(
-                f"toolset {self.name!r}: tool name {tool_name!r} is already declared; "
-                "tool names must be unique within a toolset"
+                f"{where}: tool name {tool_name!r} is already declared (by {taken_by}); "
+                "tool names must be unique within a toolset: pass name= to declare this "
+                "one under another name, or put it in another Toolset"
+            )
+        if description is not None and not isinstance(description, str):
+            raise ToolDefinitionError(
+                f"{where}, tool {tool_name!r}: description= must be a string, got "
+                f"{type(description).__name__} {_short_repr(description)}"
             )
         definition = _build_definition(
-            self.name, tool_name, fn, description, input_schema, caller_locals
+            self.name, tool_name, fn, description, input_schema, _caller_locals()
         )
         self._tools[tool_name] = definition
+        return definition
+
+    @typing.overload
+    def tool(
+        self,
+        fn: F,
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        input_schema: dict[str, Any] | None = None,
+    ) -> F: ...
+
+    @typing.overload
+    def tool(
+        self,
+        fn: None = None,
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        input_schema: dict[str, Any] | None = None,
+    ) -> Callable[[F], F]: ...
+
+    def tool(
+        self,
+        fn: F | None = None,
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        input_schema: dict[str, Any] | None = None,
+    ) -> F | Callable[[F], F]:
+        """Declare a tool with a decorator: ``@ts.tool`` or ``@ts.tool(name=..., ...)``.
+
+        A thin wrapper over :meth:`add_tool` (same options, same errors) that
+        returns the function unchanged, so it stays callable as plain Python.
+        ``ts.tool(fn, name=...)`` works too.
+        """
+        if not isinstance(self, Toolset):  # @Toolset.tool: the class, not a toolset
+            raise ToolDefinitionError(
+                "Toolset.tool was used on the class, not on a toolset: create one first "
+                "(search = Toolset('search')) and decorate with @search.tool"
+            )
+        if isinstance(fn, str):  # @ts.tool("lookup")
+            raise ToolDefinitionError(
+                f"toolset {self.name!r}: @tool({fn!r}) passes the name where the function "
+                f"goes; give it by keyword: @tool(name={fn!r})"
+            )
+        if fn is not None:
+            self.add_tool(fn, name=name, description=description, input_schema=input_schema)
+            return fn
+
+        def decorator(func: F) -> F:
+            self.add_tool(func, name=name, description=description, input_schema=input_schema)
+            return func
+
+        return decorator
 
     # -- lookup -------------------------------------------------------------------
 
@@ -369,15 +434,69 @@ class Toolset:
 
 
 def _caller_locals() -> dict[str, Any]:
-    """Locals of the frame that applied the decorator (two frames up from here).
+    """Locals of the first frame outside this module: the code that declared the tool.
 
     Used only as a fallback namespace to resolve string annotations
     (``from __future__ import annotations``) of tools declared inside a function.
+    Walking out of the module, rather than a fixed number of frames, finds the
+    same frame whether the tool came through ``@tool``, ``@tool(...)`` or
+    :meth:`Toolset.add_tool`.
     """
     try:
-        return dict(sys._getframe(2).f_locals)
+        frame: types.FrameType | None = sys._getframe(1)
     except (AttributeError, ValueError):  # pragma: no cover - non-CPython
         return {}
+    while frame is not None and frame.f_globals.get("__name__") == __name__:
+        frame = frame.f_back
+    return dict(frame.f_locals) if frame is not None else {}
+
+
+def _check_handler(where: str, fn: object) -> None:
+    """Refuse what cannot be a tool handler, naming the likely mistake."""
+    if callable(fn):
+        return
+    if isinstance(fn, ToolDefinition):
+        hint = (
+            "that is a ToolDefinition, already declared in a toolset; add its handler: "
+            "add_tool(definition.handler, name=definition.name, "
+            "description=definition.description)"
+        )
+    elif isinstance(fn, classmethod | staticmethod | property):
+        hint = (
+            f"that is a {type(fn).__name__} object from a class body; declare the method "
+            "once the class exists: add_tool(MyClass.method) or add_tool(instance.method)"
+        )
+    elif inspect.iscoroutine(fn) or inspect.isawaitable(fn):
+        if inspect.iscoroutine(fn):
+            fn.close()  # it will never run; no "never awaited" warning on top of this error
+        hint = (
+            "that is what calling an async function returns; did you call it? "
+            "Pass the function itself: add_tool(fn), not add_tool(fn())"
+        )
+    elif isinstance(fn, str):
+        hint = (
+            "the function goes first, and a name by keyword: "
+            f"add_tool(fn, name={fn!r}); if that string is what the function returns, "
+            "pass the function itself, not add_tool(fn())"
+        )
+    else:
+        hint = (
+            "did you pass the result of calling the function? Pass the function "
+            "itself: add_tool(fn), not add_tool(fn())"
+        )
+    raise ToolDefinitionError(
+        f"{where}: a tool needs a function or other callable, got "
+        f"{type(fn).__name__} {_short_repr(fn)}: {hint}"
+    )
+
+
+def _describe_callable(fn: Callable[..., Any]) -> str:
+    """``module.qualname`` of a handler, for messages (its repr when it has none)."""
+    qualname = getattr(fn, "__qualname__", None)
+    module = getattr(fn, "__module__", None)
+    if qualname is None:
+        return _short_repr(fn)
+    return f"{module}.{qualname}" if module else str(qualname)
 
 
 def _build_definition(
@@ -700,36 +819,8 @@ def _json_type_name(value: Any) -> str:
 
 
 def _run_awaitable(awaitable: Any) -> Any:
-    """Run an awaitable to completion on a fresh event loop.
-
-    With no loop running in this thread, ``asyncio.run`` runs it here. If a loop
-    is running (the caller is itself inside async code), it runs under
-    ``asyncio.run`` on a helper thread and this thread blocks until it finishes.
-    """
-
-    async def _await() -> Any:
-        return await awaitable
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(_await())
-
-    outcome: dict[str, Any] = {}
-    context = contextvars.copy_context()
-
-    def _target() -> None:
-        try:
-            outcome["value"] = context.run(asyncio.run, _await())
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=_target, name="solidloop-async-tool", daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("value")
+    """Await what an ``async def`` handler returned, on an event loop of its own."""
+    return bridge.run_isolated(lambda: awaitable)
 
 
 def _to_result(value: Any) -> ToolResult:

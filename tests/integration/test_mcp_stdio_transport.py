@@ -12,12 +12,14 @@ process start-up plus one exchange, and depend on the machine's load.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -330,6 +332,38 @@ def test_meta_reaches_a_modern_era_server(tmp_path: Path):
     assert seen["meta"][IDEMPOTENCY_META_KEY] == "solidloop:tool_call:11"
 
 
+def test_listing_follows_cursors_until_none_or_repeated():
+    """mcp/sdk.py's tools/list loop, shared by the stdio and HTTP transports."""
+    import anyio
+    import mcp_types
+
+    from flask_solidloop.mcp import sdk
+
+    class Pages:
+        def __init__(self, *pages: tuple[str, str | None]) -> None:
+            self.pages = list(pages)
+            self.cursors: list[str | None] = []
+
+        async def list_tools(self, params: Any = None) -> mcp_types.ListToolsResult:
+            self.cursors.append(params.cursor if params is not None else None)
+            name, next_cursor = (self.pages.pop(0) if self.pages
+                                 else ("more", f"c{len(self.cursors)}"))  # pages forever
+            return mcp_types.ListToolsResult(
+                tools=[mcp_types.Tool(name=name, inputSchema={"type": "object"})],
+                nextCursor=next_cursor)
+
+    empty_cursor = Pages(("a", ""), ("b", None))  # "" is a cursor, as the SDK reads it
+    assert [t["name"] for t in anyio.run(sdk.list_all_tools, empty_cursor)] == ["a", "b"]
+    assert empty_cursor.cursors == [None, ""]
+
+    stuck = Pages(("a", "p2"), ("b", "p2"))  # a server stuck on one page
+    assert [t["name"] for t in anyio.run(sdk.list_all_tools, stuck)] == ["a", "b"]
+    assert stuck.cursors == [None, "p2"]
+
+    endless = Pages()  # a new cursor every time
+    assert len(anyio.run(sdk.list_all_tools, endless)) == sdk.LIST_PAGE_CAP
+
+
 def test_jsonrpc_error_to_tools_call_is_a_tool_result(fake):
     result = fake("ok").call_tool("no_such_tool", {"q": 1})
     assert result.is_error
@@ -410,6 +444,64 @@ def test_server_that_hangs_in_a_tool_call_times_out(fake):
         server.call_tool("echo_meta", {})
     assert caught.value.kind == "timeout" and "tools/call" in str(caught.value)
     _assert_gone(int(fake.pid_file.read_text()))
+
+
+class Killed(BaseException):
+    """Stands in for dramatiq's TimeLimitExceeded (also a BaseException)."""
+
+
+def test_worker_thread_killed_mid_call_stops_the_server(fake):
+    """The calling thread waits on the portal, so a time limit reaches it at once."""
+    server = fake("hang_call", timeout=30.0)
+    outcome: dict[str, float] = {}
+
+    def worker() -> None:
+        started = time.monotonic()
+        try:
+            server.call_tool("echo_meta", {})
+        except Killed:
+            outcome["killed_after"] = time.monotonic() - started
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not fake.pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.5)  # the server is up and sitting in tools/call
+    interrupted_at = time.monotonic()
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident or 0),
+                                               ctypes.py_object(Killed))
+    thread.join(5)
+    assert not thread.is_alive()
+    assert time.monotonic() - interrupted_at < 1.0  # a poll slice, not the 30 s timeout
+    assert "killed_after" in outcome
+    # The exchange was cancelled; its shielded teardown stops the process.
+    pid = int(fake.pid_file.read_text())
+    deadline = time.monotonic() + SHUTDOWN_BOUND + SLACK
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _assert_gone(pid)
+    _assert_no_children()
+
+
+def test_calls_in_a_forked_child_process(fake):
+    server = fake("ok")
+    assert server.call_tool("echo_meta", {"x": 1}).structured_content["arguments"] == {"x": 1}
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: the parent's portal thread does not exist here
+        try:
+            result = server.call_tool("echo_meta", {"x": 2})
+            os.write(write_fd, json.dumps(result.structured_content).encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as pipe:
+        child_answer = json.loads(pipe.read() or "null")
+    os.waitpid(pid, 0)
+    assert child_answer is not None and child_answer["arguments"] == {"x": 2}
+    assert server.call_tool("echo_meta", {"x": 3}).structured_content["arguments"] == {"x": 3}
+    _assert_no_children()
 
 
 def test_garbage_on_stdout_is_a_protocol_error_and_secrets_are_masked(fake):

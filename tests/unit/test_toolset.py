@@ -1,9 +1,14 @@
 """Unit tests for flask_solidloop.mcp.toolset: declaration, schemas and calling."""
 
 import asyncio
+import contextvars
 import datetime
+import functools
+import gc
 import json
 import logging
+import threading
+import time
 from typing import Annotated, Any, Literal, Optional
 
 import mcp.types
@@ -11,7 +16,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from flask_solidloop.errors import LostLeaseError, SolidLoopError, ToolDefinitionError
-from flask_solidloop.mcp import CallContext, ToolDefinition, ToolResult, Toolset
+from flask_solidloop.mcp import CallContext, ToolDefinition, ToolResult, Toolset, bridge
 
 
 class Address(BaseModel):
@@ -418,6 +423,185 @@ def test_duplicate_name_raises() -> None:
     assert issubclass(ToolDefinitionError, SolidLoopError)
 
 
+# --------------------------------------------------------------------------- add_tool
+
+
+def test_add_tool_returns_the_stored_definition_and_leaves_fn_alone() -> None:
+    ts = Toolset("orders")
+
+    def find_order(number: str, ctx: CallContext) -> str:
+        """Look up an order.
+
+        Args:
+            number: The order number.
+        """
+        return f"order {number} for {ctx.idempotency_key}"
+
+    definition = ts.add_tool(find_order)
+    assert isinstance(definition, ToolDefinition)
+    assert ts.get("find_order") is definition and list(ts) == [definition]
+    assert definition.handler is find_order and definition.context_param == "ctx"
+    assert definition.description == "Look up an order."
+    assert definition.to_mcp() == ts.list_tools()[0]
+    assert props(ts, "find_order") == {"number": {"description": "The order number.",
+                                                  "type": "string"}}
+    ctx = CallContext(idempotency_key="solidloop:tool_call:3")
+    assert ts.call("find_order", {"number": "A-1"}, ctx).text() == (
+        "order A-1 for solidloop:tool_call:3")
+    assert find_order("B-2", ctx) == "order B-2 for solidloop:tool_call:3"  # unchanged
+
+    schema = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
+    raw = ts.add_tool(lambda **kw: kw["q"], name="raw", description="Raw.",
+                      input_schema=schema)
+    assert (raw.name, raw.description, raw.input_schema) == ("raw", "Raw.", schema)
+    assert ts.call("raw", {"q": "x"}).text() == "x"
+    with pytest.raises(TypeError):
+        ts.add_tool(find_order, "positional_name")  # type: ignore[misc]  # options are keywords
+
+
+def test_the_decorator_goes_through_add_tool() -> None:
+    """add_tool is the single path into a toolset: every decorator form calls it."""
+
+    class Recording(Toolset):
+        def __init__(self, name: str) -> None:
+            super().__init__(name)
+            self.added: list[tuple[str, dict[str, Any]]] = []
+
+        def add_tool(self, fn: Any, **options: Any) -> ToolDefinition:
+            self.added.append((fn.__name__, options))
+            return super().add_tool(fn, **options)
+
+    ts = Recording("demo")
+
+    @ts.tool
+    def bare() -> None:
+        pass
+
+    @ts.tool()
+    def called() -> None:
+        pass
+
+    @ts.tool(name="renamed", description="Renamed.")
+    def options() -> None:
+        pass
+
+    def direct() -> None:
+        pass
+
+    assert ts.tool(direct) is direct
+    none = {"name": None, "description": None, "input_schema": None}
+    assert ts.added == [
+        ("bare", none),
+        ("called", none),
+        ("options", {"name": "renamed", "description": "Renamed.", "input_schema": None}),
+        ("direct", none),
+    ]
+    assert [d.name for d in ts] == ["bare", "called", "renamed", "direct"]
+
+
+def test_add_tool_resolves_string_annotations_of_local_types() -> None:
+    class Local(BaseModel):
+        v: int
+
+    def f(item: "Local", ctx: "CallContext") -> int:
+        return item.v
+
+    ts = Toolset("demo")
+    assert ts.add_tool(f).context_param == "ctx"
+    assert ts.call("f", {"item": {"v": 4}}).text() == "4"
+
+
+def misuse(call: Any) -> str:
+    """Run a declaration that must fail; return its message."""
+    with pytest.raises(ToolDefinitionError) as info:
+        call()
+    return str(info.value)
+
+
+def test_misuse_says_what_was_wrong_and_what_to_do() -> None:
+    ts = Toolset("search")
+
+    def lookup(q: str) -> str:
+        return q
+
+    # The name where the function goes.
+    message = misuse(lambda: ts.tool("lookup"))
+    assert "'search'" in message and "@tool(name='lookup')" in message
+    message = misuse(lambda: ts.add_tool("lookup"))  # type: ignore[arg-type]
+    assert "add_tool(fn, name='lookup')" in message
+
+    # The result of calling the function instead of the function.
+    message = misuse(lambda: ts.add_tool(lookup("x")))  # type: ignore[arg-type]
+    assert "got str 'x'" in message and "not add_tool(fn())" in message
+    message = misuse(lambda: ts.add_tool(42))  # type: ignore[arg-type]
+    assert "got int 42" in message and "add_tool(fn), not add_tool(fn())" in message
+
+    # The decorator used on the class instead of a toolset.
+    message = misuse(lambda: Toolset.tool(lookup))  # type: ignore[call-overload]
+    assert "on the class" in message and "Toolset('search')" in message
+
+    # Options of the wrong type.
+    assert "name= must be a string" in misuse(lambda: ts.add_tool(lookup, name=7))  # type: ignore[arg-type]
+    assert "description= must be a string" in misuse(
+        lambda: ts.add_tool(lookup, description=["Find."]))  # type: ignore[arg-type]
+
+    # A lambda has no name of its own.
+    message = misuse(lambda: ts.add_tool(lambda: None))
+    assert "'<lambda>'" in message and "pass name='...'" in message
+    # Nor does a partial.
+    assert "pass name='...'" in misuse(lambda: ts.add_tool(functools.partial(lookup)))
+    assert len(ts) == 0  # nothing was added by any of these
+
+
+def test_misuse_with_async_functions_and_class_bodies(recwarn: pytest.WarningsRecorder) -> None:
+    ts = Toolset("search")
+
+    async def fetch(url: str) -> str:
+        return url
+
+    message = misuse(lambda: ts.add_tool(fetch("https://example.com")))  # type: ignore[arg-type]
+    assert "coroutine" in message and "did you call it?" in message
+    gc.collect()
+    assert not [w for w in recwarn if "never awaited" in str(w.message)]
+
+    with pytest.raises(ToolDefinitionError, match=r"classmethod object.*add_tool\(MyClass"):
+
+        class Service:
+            @ts.tool  # type: ignore[arg-type]
+            @classmethod
+            def ping(cls) -> str:
+                return "pong"
+
+    definition = ts.add_tool(fetch)
+    message = misuse(lambda: Toolset("other").add_tool(definition))  # type: ignore[arg-type]
+    assert "ToolDefinition" in message and "definition.handler" in message
+
+
+def test_duplicate_name_names_the_tool_that_has_it_and_keeps_it() -> None:
+    ts = Toolset("search")
+
+    def find() -> str:
+        return "first"
+
+    first = ts.add_tool(find)
+    message = misuse(lambda: ts.add_tool(lambda: "second", name="find"))
+    assert "'find' is already declared" in message and "unique" in message
+    assert "test_toolset" in message and "find" in message  # who holds the name
+    assert "pass name=" in message
+    assert ts.get("find") is first and ts.call("find", {}).text() == "first"
+
+
+def test_a_failed_add_tool_adds_nothing() -> None:
+    ts = Toolset("demo")
+
+    def f(x: int) -> int:
+        return x
+
+    misuse(lambda: ts.add_tool(f, input_schema={"type": "array"}))
+    assert len(ts) == 0 and "f" not in ts
+    assert ts.add_tool(f).name == "f"  # the name is still free
+
+
 def test_invalid_toolset_name_raises() -> None:
     with pytest.raises(ToolDefinitionError, match="toolset name"):
         Toolset("bad name")
@@ -762,6 +946,60 @@ def test_async_handler_called_from_running_loop() -> None:
         return ts.call("ping", {})
 
     assert asyncio.run(caller()).text() == "pong"
+
+
+def test_async_handler_runs_on_a_loop_of_its_own_not_the_mcp_portal() -> None:
+    """Thread, context variables and loop of an async tool (mcp/bridge.py, run_isolated)."""
+    ts = Toolset("demo")
+    request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id")
+    seen: dict[str, Any] = {}
+
+    @ts.tool
+    async def probe() -> str:
+        seen["thread"] = threading.get_ident()
+        seen["loop"] = asyncio.get_running_loop()
+        seen["request_id"] = request_id.get("unset")
+
+        async def via_the_portal() -> str:
+            return "transport answer"
+
+        # An async tool may call a synchronous MCP transport (which waits on the
+        # portal); on the portal's own thread this would raise "would deadlock".
+        return bridge.run_sync(via_the_portal, timeout=5)
+
+    token = request_id.set("req-7")
+    try:
+        assert ts.call("probe", {}).text() == "transport answer"
+    finally:
+        request_id.reset(token)
+    assert seen["thread"] == threading.get_ident()  # no thread hop, thread-locals work
+    assert seen["request_id"] == "req-7"
+    assert seen["loop"] is not bridge.get_portal().loop and seen["loop"].is_closed()
+
+
+def test_a_blocking_async_handler_does_not_stall_the_mcp_portal() -> None:
+    ts = Toolset("demo")
+    release = threading.Event()
+
+    @ts.tool
+    async def blocks() -> str:
+        release.wait(5)  # blocking call inside async def: a common mistake in tools
+        return "done"
+
+    async def noop() -> None:
+        return None
+
+    results: list[ToolResult] = []
+    worker = threading.Thread(target=lambda: results.append(ts.call("blocks", {})))
+    worker.start()
+    try:
+        started = time.monotonic()
+        bridge.run_sync(noop, timeout=2)  # the portal still answers at once
+        assert time.monotonic() - started < 1.0
+    finally:
+        release.set()
+        worker.join(5)
+    assert [r.text() for r in results] == ["done"]
 
 
 # --------------------------------------------------------------------------- ToolResult
