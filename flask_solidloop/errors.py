@@ -27,7 +27,10 @@ names that would have worked.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for the annotation only: this module imports nothing of the package
+    from .llm.client import WireRecord
 
 
 class SolidLoopError(Exception):
@@ -78,7 +81,18 @@ class UnknownMiddlewareError(SolidLoopError, LookupError):
 
 
 class ProviderError(SolidLoopError):
-    """The LLM provider failed the turn."""
+    """The LLM provider failed the turn.
+
+    ``wire`` is what the turn sent and got, as the wire log keeps it (the redacted
+    request, every attempt, the response as far as it came): the send path
+    (:mod:`flask_solidloop.llm.client`) sets it on every ProviderError it raises,
+    the way httpx sets ``HTTPError.request``. It is ``None`` for an error raised
+    before anything was sent.
+    """
+
+    def __init__(self, *args: object, wire: WireRecord | None = None) -> None:
+        super().__init__(*args)
+        self.wire: WireRecord | None = wire
 
 
 class ProviderHTTPError(ProviderError):
