@@ -33,7 +33,13 @@ from typing import Any, NoReturn, TypeVar
 
 import httpx
 
-from ..errors import ProviderAnswerError, ProviderError, ProviderHTTPError, ProviderResponseError
+from ..errors import (
+    AbortedError,
+    ProviderAnswerError,
+    ProviderError,
+    ProviderHTTPError,
+    ProviderResponseError,
+)
 from .redact import redact_headers, redact_secrets
 
 T = TypeVar("T")
@@ -71,10 +77,6 @@ class WireRecord:
             "duration_ms": self.duration_ms,
             "error": self.error,
         }
-
-
-class AbortedError(ProviderError):
-    """The turn was paused or stopped while waiting to retry."""
 
 
 def retry_after_seconds(response: httpx.Response) -> float | None:

@@ -25,7 +25,8 @@ from typing import Any
 
 import httpx
 
-from .client import AbortedError, Attempt, RetryPolicy, Send, WireRecord
+from ..errors import AbortedError
+from .client import Attempt, RetryPolicy, Send, WireRecord
 from .dialect import StreamAggregator, StreamDelta
 from .sse import SSEParser
 from .types import AssistantTurn
