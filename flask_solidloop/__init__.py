@@ -3,17 +3,30 @@
 Each agent turn (one LLM call, or one tool execution) is a dramatiq job on a
 PostgreSQL-backed queue; all state lives in PostgreSQL, so any worker can die
 at any moment and every loop still finishes.
+
+This module is the public face: everything in ``__all__`` is the supported API,
+the whole exception tree of :mod:`flask_solidloop.errors` included.
 """
 
 from ._version import __version__
 from .agent import Agent
 from .errors import (
+    AbortedError,
     AgentDefinitionError,
+    AgentError,
+    BrokerError,
     ConfigurationError,
+    DatabaseUnavailableError,
     LimitExceededError,
     LostLeaseError,
+    McpTransportError,
+    NotInitializedError,
+    ProviderAnswerError,
     ProviderError,
+    ProviderHTTPError,
+    ProviderResponseError,
     SolidLoopError,
+    ToolDefinitionError,
     UnknownAgentError,
     UnknownMiddlewareError,
 )
@@ -24,16 +37,26 @@ from .pipeline.builder import Builder
 
 __all__ = [
     "RESUMABLE_STATUSES",
+    "AbortedError",
     "Agent",
     "AgentDefinitionError",
+    "AgentError",
+    "BrokerError",
     "Builder",
     "CallContext",
     "ConfigurationError",
+    "DatabaseUnavailableError",
     "LimitExceededError",
     "LostLeaseError",
+    "McpTransportError",
+    "NotInitializedError",
+    "ProviderAnswerError",
     "ProviderError",
+    "ProviderHTTPError",
+    "ProviderResponseError",
     "SolidLoop",
     "SolidLoopError",
+    "ToolDefinitionError",
     "ToolResult",
     "Toolset",
     "UnknownAgentError",

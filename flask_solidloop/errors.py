@@ -11,10 +11,11 @@ so a host can catch the whole family in one clause::
     │   ├── AgentDefinitionError  an agent class declared something invalid
     │   └── UnknownAgentError     a loop names an agent nobody registered
     ├── UnknownMiddlewareError    a pipeline edit named a middleware not in the stack
-    ├── ProviderError             the LLM provider failed the turn
+    ├── ProviderError             the LLM provider failed the turn (``wire``: what was sent)
     │   ├── ProviderHTTPError     ... with a non-2xx status
-    │   └── ProviderResponseError ... with a body we could not understand
-    │       └── ProviderAnswerError   ... or an answer a retry would only repeat
+    │   ├── ProviderResponseError ... with a body we could not understand
+    │   │   └── ProviderAnswerError   ... or an answer a retry would only repeat
+    │   └── AbortedError          the loop was paused or stopped during the request
     ├── ToolDefinitionError       a tool was declared with an invalid name or schema
     ├── McpTransportError         an MCP server could not be reached or answered badly
     ├── LimitExceededError        max_steps / max_duration reached (the loop pauses)
@@ -27,7 +28,10 @@ names that would have worked.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for the annotation only: this module imports nothing of the package
+    from .llm.client import WireRecord
 
 
 class SolidLoopError(Exception):
@@ -78,7 +82,18 @@ class UnknownMiddlewareError(SolidLoopError, LookupError):
 
 
 class ProviderError(SolidLoopError):
-    """The LLM provider failed the turn."""
+    """The LLM provider failed the turn.
+
+    ``wire`` is what the turn sent and got, as the wire log keeps it (the redacted
+    request, every attempt, the response as far as it came): the send path
+    (:mod:`flask_solidloop.llm.client`) sets it on every ProviderError it raises,
+    the way httpx sets ``HTTPError.request``. It is ``None`` for an error raised
+    before anything was sent.
+    """
+
+    def __init__(self, *args: object, wire: WireRecord | None = None) -> None:
+        super().__init__(*args)
+        self.wire: WireRecord | None = wire
 
 
 class ProviderHTTPError(ProviderError):
@@ -99,6 +114,11 @@ class ProviderResponseError(ProviderError):
 class ProviderAnswerError(ProviderResponseError):
     """The provider answered in a way a retry would only repeat (an unknown
     finish reason, a blocked prompt): fail the turn without re-sending it."""
+
+
+class AbortedError(ProviderError):
+    """The loop was paused or stopped while its turn waited to retry or read a
+    stream: the request ends there and the turn writes nothing."""
 
 
 class ToolDefinitionError(SolidLoopError, ValueError):

@@ -32,13 +32,15 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from ..errors import ProviderAnswerError, ProviderResponseError
 from . import reasoning
-from .dialect import RenderedRequest, SSEEvent, StreamDelta
-from .openai import deep_merge
+from .dialect import RenderedRequest, RenderOptions, SSEEvent, StreamDelta, input_schema
 from .types import AssistantTurn, ChatMessage, ProviderSettings, ToolCallRequest, Usage
+
+if TYPE_CHECKING:
+    from .dialect import RenderKeywords
 
 PATH = "/v1/messages"
 DEFAULT_VERSION = "2023-06-01"
@@ -70,19 +72,10 @@ class AnthropicDialect:
 
     name = "anthropic"
 
-    def render(
-        self,
-        settings: ProviderSettings,
-        messages: list[ChatMessage],
-        tools: list[dict[str, Any]],
-        *,
-        stream: bool = False,
-        llm_params: dict[str, Any] | None = None,
-        reasoning_effort: str | None = None,
-        max_tokens: int | None = None,
-        reasoning_strategies: list[str] | None = None,
-    ) -> RenderedRequest:
-        """The request for this history.
+    def render(self, settings: ProviderSettings, messages: list[ChatMessage],
+               tools: list[dict[str, Any]], options: RenderOptions = RenderOptions(),
+               **keywords: Unpack[RenderKeywords]) -> RenderedRequest:
+        """The request for this history. Of the :class:`RenderOptions`:
 
         ``max_tokens`` defaults to :data:`DEFAULT_MAX_TOKENS` (Anthropic requires
         it). ``reasoning_effort`` ``"low"``/``"medium"``/``"high"`` enables
@@ -96,6 +89,7 @@ class AnthropicDialect:
         ``top_k``, ``metadata``, ``tool_choice``, ...). Nothing is filtered, and
         Anthropic rejects unknown top-level keys with HTTP 400.
         """
+        options = options.with_keywords(keywords)
         system: list[str] = []
         wire: list[dict[str, Any]] = []
         for message in messages:
@@ -108,7 +102,7 @@ class AnthropicDialect:
             elif message.role == "tool":
                 _append_user(wire, [_tool_result(message)])
             elif message.role == "assistant":
-                blocks = _assistant_blocks(message, reasoning_strategies)
+                blocks = _assistant_blocks(message, options.reasoning_strategies)
                 if blocks:  # Anthropic rejects an assistant turn with no content
                     wire.append({"role": "assistant", "content": blocks})
             else:
@@ -117,14 +111,15 @@ class AnthropicDialect:
                 )
 
         budget = None
-        if reasoning_effort is not None:
-            budget = THINKING_BUDGETS.get(reasoning_effort)
+        effort = options.reasoning_effort
+        if effort is not None:
+            budget = THINKING_BUDGETS.get(effort)
             if budget is None:
                 raise ValueError(
-                    f"reasoning_effort {reasoning_effort!r} is not supported by the anthropic "
+                    f"reasoning_effort {effort!r} is not supported by the anthropic "
                     f"dialect; accepted: {', '.join(map(repr, THINKING_BUDGETS))} (or None)"
                 )
-        limit = max_tokens if max_tokens is not None else DEFAULT_MAX_TOKENS
+        limit = options.max_tokens if options.max_tokens is not None else DEFAULT_MAX_TOKENS
         if budget is not None and limit <= budget:
             limit = budget + THINKING_ANSWER_ROOM
 
@@ -137,19 +132,16 @@ class AnthropicDialect:
                 {
                     "name": tool["name"],
                     "description": tool.get("description") or "",
-                    "input_schema": tool.get("inputSchema")
-                    or {"type": "object", "properties": {}},
+                    "input_schema": input_schema(tool),
                 }
                 for tool in tools
             ]
         if budget is not None:
             payload["thinking"] = {"type": "enabled", "budget_tokens": budget}
-        if stream:
+        if options.stream:
             payload["stream"] = True
-        if llm_params:
-            payload = deep_merge(payload, llm_params)
         version = getattr(settings, "anthropic_version", None) or DEFAULT_VERSION
-        return RenderedRequest(path=PATH, payload=payload,
+        return RenderedRequest(path=PATH, payload=options.merge_llm_params(payload),
                                headers={"anthropic-version": str(version)})
 
     def auth_headers(self, settings: ProviderSettings, api_key: str | None) -> dict[str, str]:

@@ -1,4 +1,12 @@
-"""The HTTP side of an LLM turn: send, retry transient failures, keep a wire record.
+"""The one send path of an LLM turn: send, retry transient failures, keep a wire record.
+
+Both entry points, :func:`post_json` here and :func:`.streaming.post_stream`,
+hand :class:`Send` the exchange one attempt makes, and :meth:`Send.run` is the
+one retry loop around it. How an attempt can fail is decided in one place too:
+:func:`map_exceptions` turns httpx's exceptions into our ProviderError
+subclasses, as httpx's own ``map_httpcore_exceptions`` does for httpcore's, and
+says which failures may be repeated. Every ProviderError the send path raises
+carries the request's :class:`WireRecord` in ``ProviderError.wire``.
 
 Retry policy (SOLIDLOOP_LLM_RETRY_*): a response with a retryable status, or a
 connection that never opened, is re-sent up to ``retries`` times. The wait is
@@ -6,23 +14,35 @@ the server's Retry-After (delta-seconds or HTTP-date) or ``retry-after-ms`` when
 given, else exponential backoff, always capped by ``max_delay``. A read timeout
 is never retried: the full timeout has passed and the request may have been
 served. Waits poll ``should_abort`` so a pause or stop lands within a second.
+A stream adds one rule: once content was handed over it is never repeated
+(streaming.py sets that latch on the attempt; :func:`map_exceptions` obeys it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, NoReturn, TypeVar
 
 import httpx
 
-from ..errors import ProviderError, ProviderHTTPError, ProviderResponseError
+from ..errors import (
+    AbortedError,
+    ProviderAnswerError,
+    ProviderError,
+    ProviderHTTPError,
+    ProviderResponseError,
+)
 from .redact import redact_headers, redact_secrets
+
+T = TypeVar("T")
 
 NEVER_RETRY = {400, 401, 402, 403, 404, 413, 422}
 
@@ -57,10 +77,6 @@ class WireRecord:
             "duration_ms": self.duration_ms,
             "error": self.error,
         }
-
-
-class AbortedError(ProviderError):
-    """The turn was paused or stopped while waiting to retry."""
 
 
 def retry_after_seconds(response: httpx.Response) -> float | None:
@@ -141,6 +157,196 @@ def _sleep(seconds: float, should_abort: Callable[[], bool] | None) -> None:
         time.sleep(min(remaining, 0.5))
 
 
+@dataclass
+class Attempt:
+    """One try of a request while it runs: its wire-log entry and how far it got."""
+
+    number: int
+    stream: bool
+    #: ``time.monotonic()`` when the attempt began.
+    started: float = field(init=False)
+    #: Events read so far (streams only).
+    events: int = 0
+    #: The latch (streams only): content went to the caller, so never repeat this attempt.
+    handed: bool = False
+    #: What the wire log keeps of this attempt (one of ``WireRecord.attempts``).
+    entry: dict[str, Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.started = time.monotonic()
+        self.entry = {"attempt": self.number}
+        if self.stream:
+            self.entry["stream"] = True
+
+    def elapsed_ms(self) -> float:
+        elapsed = (time.monotonic() - self.started) * 1000
+        # Streamed attempts have always been logged to a tenth of a millisecond.
+        return round(elapsed, 1) if self.stream else elapsed
+
+    def log(self, **fields: Any) -> None:
+        """Put ``fields`` on the attempt's wire-log entry, with the time taken so far."""
+        self.entry.update(fields, duration_ms=self.elapsed_ms())
+
+
+class _Retry(Exception):  # a signal inside the send path, never raised out of it
+    """This attempt failed in a way worth repeating after ``delay`` seconds."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(delay)
+        self.delay = delay
+
+
+class Send:
+    """One request through the send path: what to send, how to retry, its wire record."""
+
+    def __init__(
+        self, url: str, payload: dict[str, Any], *, headers: dict[str, str],
+        params: dict[str, str] | None, read_timeout: float, connect_timeout: float,
+        policy: RetryPolicy | None, secrets: list[str] | None,
+        should_abort: Callable[[], bool] | None, client: httpx.Client | None,
+        retry_after_from_body: Callable[[Any], float | None] | None, stream: bool,
+    ) -> None:
+        self.url = url
+        self.payload = payload
+        self.headers = headers
+        self.params = params
+        self.read_timeout = read_timeout
+        self.timeout = httpx.Timeout(connect=connect_timeout, read=read_timeout,
+                                     write=read_timeout, pool=connect_timeout)
+        self.policy = policy or RetryPolicy()
+        self.secrets = secrets or []
+        self.should_abort = should_abort
+        self.http = client or shared_client()
+        self.retry_after_from_body = retry_after_from_body
+        self.stream = stream
+        self.record = WireRecord(url=url, request_headers=redact_headers(headers),
+                                 request_body=redact_secrets(payload, self.secrets))
+
+    def redact(self, value: Any) -> Any:
+        return redact_secrets(value, self.secrets)
+
+    def run(self, exchange: Callable[[Attempt], T]) -> T:
+        """The one retry loop: call ``exchange`` once per attempt until it returns.
+
+        An attempt ends in its result, in a wait and the next attempt (the
+        policy allowed a repeat: see :meth:`reject` and :func:`map_exceptions`),
+        or in a ProviderError, which leaves with the wire record in ``wire``.
+        """
+        started = time.monotonic()
+        try:
+            number = 0
+            while True:
+                number += 1
+                attempt = Attempt(number, self.stream)
+                self.record.attempts.append(attempt.entry)
+                try:
+                    with map_exceptions(self, attempt):
+                        return exchange(attempt)
+                except _Retry as retry:
+                    attempt.entry["retry_in_s"] = retry.delay
+                    _sleep(retry.delay, self.should_abort)
+        except ProviderError as exc:
+            exc.wire = self.record  # the failed turn's wire log
+            raise
+        finally:
+            self.record.duration_ms = (time.monotonic() - started) * 1000
+
+    def reject(self, response: httpx.Response, body_text: str, attempt: Attempt) -> NoReturn:
+        """A non-2xx response: repeated when :func:`retry_delay` allows it, else the
+        turn fails with ProviderHTTPError (its body redacted)."""
+        delay = retry_delay(response, body_text, attempt.number, self.policy,
+                            self.retry_after_from_body)
+        if delay is not None:
+            attempt.entry["body"] = self.redact(body_text[:2000])
+            raise _Retry(delay)
+        self.record.status = response.status_code
+        self.record.response_body = self.redact(body_text[:20000])
+        raise ProviderHTTPError(response.status_code, self.redact(body_text), self.url)
+
+    def fail(self, attempt: Attempt) -> None:
+        """The attempt's failure is the request's outcome: keep its reason in the record."""
+        self.record.error = attempt.entry["error"]
+
+
+@contextlib.contextmanager
+def map_exceptions(send: Send, attempt: Attempt) -> Iterator[None]:
+    """How an attempt fails, in one place: re-raise what the exchange raised as
+    the ProviderError subclass the turn fails with, or as a repeat of the attempt.
+
+    ====================================  ==========================  =====================
+    raised                                becomes                     repeated
+    ====================================  ==========================  =====================
+    ``httpx.ConnectError``,               ProviderError               yes, with backoff
+    ``httpx.ConnectTimeout``              ("cannot connect")          (nothing was sent)
+    any other ``httpx.TimeoutException``  ProviderError               never
+    any other ``httpx.TransportError``    ProviderResponseError       streams only, before
+                                          ("broke")                   content was handed
+    ProviderResponseError (streams: an    itself                      the same, and never a
+    error event, a malformed chunk)                                   ProviderAnswerError
+    ====================================  ==========================  =====================
+
+    Each failure is logged on the attempt's wire-log entry; a final one also
+    becomes the record's ``error``. Everything else passes through unchanged.
+    """
+    try:
+        yield
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        # The connection never opened: nothing was sent, so a retry is safe.
+        attempt.log(error=f"connect failed: {exc}")
+        if attempt.number <= send.policy.retries:
+            raise _Retry(backoff_delay(send.policy, attempt.number)) from None
+        send.fail(attempt)
+        raise ProviderError(f"cannot connect to {send.url}: {exc}") from exc
+    except httpx.TimeoutException as exc:
+        # Never repeated: a read timeout means the whole timeout has passed, and the
+        # provider may have done (and billed) the work.
+        name = type(exc).__name__
+        if attempt.stream:
+            attempt.log(error=f"{name}: no data for {send.read_timeout}s", events=attempt.events)
+            message = (f"{name}: {send.url} sent nothing for {send.read_timeout}s "
+                       "(read_timeout is the silence allowed between reads; not retried)")
+        else:
+            attempt.log(error=f"{name}: {exc}")
+            message = (f"{name} after {send.read_timeout}s waiting for {send.url} "
+                       "(read timeouts are not retried)")
+        send.fail(attempt)
+        raise ProviderError(message) from exc
+    except httpx.TransportError as exc:
+        if attempt.stream:
+            _broken_stream(send, attempt, exc)
+            raise ProviderResponseError(
+                f"the stream from {send.url} broke after {attempt.events} events: {exc}"
+            ) from exc
+        # The connection dropped while the request or response was in flight: the
+        # provider may have served it, so it is not repeated; the loop fails with
+        # a readable reason instead of an unexplained transport exception.
+        attempt.log(error=f"{type(exc).__name__}: {exc}")
+        send.fail(attempt)
+        raise ProviderResponseError(
+            f"the connection to {send.url} broke before the response was complete "
+            f"({type(exc).__name__}: {exc}); not retried, as it may have been served"
+        ) from exc
+    except ProviderResponseError as exc:
+        if attempt.stream:
+            _broken_stream(send, attempt, exc)
+        # Else a complete body that could not be used: sending it again would not help.
+        raise
+
+
+def _broken_stream(send: Send, attempt: Attempt,
+                   exc: httpx.TransportError | ProviderResponseError) -> None:
+    """A broken stream, a mid-stream error event, a malformed chunk: logged, and
+    repeated (raises _Retry) like any transient failure until content was handed
+    over (a second generation would be glued onto the first), unless a retry would
+    only repeat the answer. Otherwise the failure becomes the request's outcome."""
+    attempt.log(error=f"{type(exc).__name__}: {exc}", events=attempt.events,
+                handed_content=attempt.handed)
+    repeatable = not isinstance(exc, ProviderAnswerError)
+    if repeatable and not attempt.handed and attempt.number <= send.policy.retries:
+        raise _Retry(backoff_delay(send.policy, attempt.number)) from None
+    send.fail(attempt)
+
+
 def post_json(
     url: str,
     payload: dict[str, Any],
@@ -160,100 +366,28 @@ def post_json(
     Raises ProviderHTTPError for a final non-2xx status and ProviderResponseError
     for a body that is not JSON; both carry what the user needs to act.
     """
-    policy = policy or RetryPolicy()
-    secrets = secrets or []
-    record = WireRecord(
-        url=url,
-        request_headers=redact_headers(headers),
-        request_body=redact_secrets(payload, secrets),
-    )
-    timeout = httpx.Timeout(connect=connect_timeout, read=read_timeout, write=read_timeout,
-                            pool=connect_timeout)
-    http = client or shared_client()
-    started = time.monotonic()
+    send = Send(url, payload, headers=headers, params=params, read_timeout=read_timeout,
+                connect_timeout=connect_timeout, policy=policy, secrets=secrets,
+                should_abort=should_abort, client=client,
+                retry_after_from_body=retry_after_from_body, stream=False)
+    return send.run(partial(_json_attempt, send)), send.record
+
+
+def _json_attempt(send: Send, attempt: Attempt) -> Any:
+    response = send.http.post(send.url, json=send.payload, headers=send.headers,
+                              params=send.params, timeout=send.timeout)
+    status = response.status_code
+    attempt.log(status=status)
+    if status >= 400:
+        send.reject(response, response.text, attempt)
+    send.record.status = status
     try:
-        return _send(http, url, payload, headers, timeout, read_timeout, policy, secrets,
-                     should_abort, record, params, retry_after_from_body)
-    except ProviderError as exc:
-        exc.wire = record  # type: ignore[attr-defined]  # the failed turn's wire log
-        raise
-    finally:
-        record.duration_ms = (time.monotonic() - started) * 1000
-
-
-def _send(
-    http: httpx.Client,
-    url: str,
-    payload: dict[str, Any],
-    headers: dict[str, str],
-    timeout: httpx.Timeout,
-    read_timeout: float,
-    policy: RetryPolicy,
-    secrets: list[str],
-    should_abort: Callable[[], bool] | None,
-    record: WireRecord,
-    params: dict[str, str] | None = None,
-    retry_after_from_body: Callable[[Any], float | None] | None = None,
-) -> tuple[Any, WireRecord]:
-    attempt = 0
-    while True:
-        attempt += 1
-        attempt_started = time.monotonic()
-        entry: dict[str, Any] = {"attempt": attempt}
-        record.attempts.append(entry)
-        try:
-            response = http.post(url, json=payload, headers=headers, params=params,
-                                 timeout=timeout)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            # The connection never opened: nothing was sent, so a retry is safe.
-            entry.update(error=f"connect failed: {exc}",
-                         duration_ms=(time.monotonic() - attempt_started) * 1000)
-            if attempt <= policy.retries:
-                delay = backoff_delay(policy, attempt)
-                entry["retry_in_s"] = delay
-                _sleep(delay, should_abort)
-                continue
-            record.error = entry["error"]
-            raise ProviderError(f"cannot connect to {url}: {exc}") from exc
-        except httpx.TimeoutException as exc:
-            entry.update(error=f"{type(exc).__name__}: {exc}",
-                         duration_ms=(time.monotonic() - attempt_started) * 1000)
-            record.error = entry["error"]
-            raise ProviderError(
-                f"{type(exc).__name__} after {read_timeout}s waiting for {url} "
-                "(read timeouts are not retried)"
-            ) from exc
-        except httpx.TransportError as exc:
-            # The connection dropped while the request or response was in flight: the
-            # provider may have served it, so it is not repeated; the loop fails with
-            # a readable reason instead of an unexplained transport exception.
-            entry.update(error=f"{type(exc).__name__}: {exc}",
-                         duration_ms=(time.monotonic() - attempt_started) * 1000)
-            record.error = entry["error"]
-            raise ProviderResponseError(
-                f"the connection to {url} broke before the response was complete "
-                f"({type(exc).__name__}: {exc}); not retried, as it may have been served"
-            ) from exc
-        entry.update(status=response.status_code,
-                     duration_ms=(time.monotonic() - attempt_started) * 1000)
-        status = response.status_code
-        if status >= 400:
-            wait = retry_delay(response, response.text, attempt, policy, retry_after_from_body)
-            if wait is not None:
-                entry.update(retry_in_s=wait, body=redact_secrets(response.text[:2000], secrets))
-                _sleep(wait, should_abort)
-                continue
-            record.status = status
-            record.response_body = redact_secrets(response.text[:20000], secrets)
-            raise ProviderHTTPError(status, redact_secrets(response.text, secrets), url)
-        record.status = status
-        try:
-            body = response.json()
-        except (json.JSONDecodeError, ValueError) as exc:
-            record.response_body = redact_secrets(response.text[:20000], secrets)
-            raise ProviderResponseError(
-                f"HTTP {status} from {url} with a body that is not JSON: "
-                f"{response.text[:300]!r}"
-            ) from exc
-        record.response_body = redact_secrets(body, secrets)
-        return body, record
+        body = response.json()
+    except (json.JSONDecodeError, ValueError) as exc:
+        send.record.response_body = send.redact(response.text[:20000])
+        raise ProviderResponseError(
+            f"HTTP {status} from {send.url} with a body that is not JSON: "
+            f"{response.text[:300]!r}"
+        ) from exc
+    send.record.response_body = send.redact(body)
+    return body

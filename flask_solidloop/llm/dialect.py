@@ -1,10 +1,15 @@
-"""The contract every wire dialect fulfils. Dialects do no I/O.
+"""The contract every wire dialect fulfils, and the code the dialects share. No I/O.
 
 A dialect turns the provider-neutral history (:class:`ChatMessage`) and MCP tool
-definitions into one HTTP request (:meth:`Dialect.render`), turns a
-non-streaming body into an :class:`AssistantTurn` (:meth:`Dialect.parse`), and
-hands out a fresh :class:`StreamAggregator` per streamed response, which is fed
-parsed SSE events one by one.
+definitions into one HTTP request (:meth:`Dialect.render`, shaped by one
+:class:`RenderOptions`), turns a non-streaming body into an
+:class:`AssistantTurn` (:meth:`Dialect.parse`), and hands out a fresh
+:class:`StreamAggregator` per streamed response, which is fed parsed SSE events
+one by one.
+
+This module owns what is the same in every dialect: the protocol, the request
+and event shapes, the render options, and the rendering steps the three share
+(:meth:`RenderOptions.merge_llm_params`, :func:`input_schema`).
 
 Provider-specific data that must survive a round trip (Anthropic thinking
 blocks with their signatures, Gemini thought signatures) travels in
@@ -14,10 +19,79 @@ message's ``metadata`` and gives it back in ``ChatMessage.meta`` on the way out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+import copy
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, TypedDict, Unpack
 
 from .types import AssistantTurn, ChatMessage, ProviderSettings
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    """How to shape one request, beside the history and the tools.
+
+    The agent's options, as one value: every dialect's :meth:`Dialect.render`
+    takes it, so an option added here reaches all three without a new keyword in
+    each. Frozen, so the shared default ``RenderOptions()`` cannot be changed by
+    one caller for the next.
+    """
+
+    #: Ask for server-sent events (the dialect adds what its API needs for that).
+    stream: bool = False
+    #: Deep-merged into the payload last and verbatim (:func:`deep_merge`).
+    llm_params: dict[str, Any] | None = None
+    #: The agent's ``reasoning_effort``; each dialect maps it (or rejects it).
+    reasoning_effort: str | None = None
+    #: The answer's token limit; ``None`` leaves it to the dialect's default.
+    max_tokens: int | None = None
+    #: How earlier reasoning goes back to the model (see :mod:`.reasoning`).
+    reasoning_strategies: list[str] | None = None
+
+    def with_keywords(self, keywords: RenderKeywords) -> RenderOptions:
+        """These options with the transitional keywords of a ``render`` call applied."""
+        return replace(self, **keywords) if keywords else self
+
+    def merge_llm_params(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """The payload with the agent's ``llm_params`` deep-merged over it.
+
+        Always the last rendering step, in every dialect: what the agent wrote goes
+        on the wire verbatim, even over what the dialect set itself.
+        """
+        return deep_merge(payload, self.llm_params) if self.llm_params else payload
+
+
+class RenderKeywords(TypedDict, total=False):
+    """Transitional: :class:`RenderOptions`' fields as keywords of ``render``.
+
+    ``render(settings, history, tools, stream=True, ...)`` was the call form
+    before :class:`RenderOptions`; it is still accepted (the keywords replace the
+    fields of ``options``) so callers can move over one at a time. New code
+    passes a :class:`RenderOptions`.
+    """
+
+    stream: bool
+    llm_params: dict[str, Any] | None
+    reasoning_effort: str | None
+    max_tokens: int | None
+    reasoning_strategies: list[str] | None
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """``override`` merged into a copy of ``base``, dicts key by key at every depth;
+    neither argument is changed."""
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def input_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    """An MCP tool's ``inputSchema``, or an empty object schema for a tool that
+    declares none (OpenAI and Anthropic require an object schema on every tool)."""
+    return tool.get("inputSchema") or {"type": "object", "properties": {}}
 
 
 @dataclass
@@ -72,20 +146,12 @@ class StreamAggregator(Protocol):
 class Dialect(Protocol):
     name: str
 
-    def render(
-        self,
-        settings: ProviderSettings,
-        messages: list[ChatMessage],
-        tools: list[dict[str, Any]],
-        *,
-        stream: bool = False,
-        llm_params: dict[str, Any] | None = None,
-        reasoning_effort: str | None = None,
-        max_tokens: int | None = None,
-        reasoning_strategies: list[str] | None = None,
-    ) -> RenderedRequest:
+    def render(self, settings: ProviderSettings, messages: list[ChatMessage],
+               tools: list[dict[str, Any]], options: RenderOptions = RenderOptions(),
+               **keywords: Unpack[RenderKeywords]) -> RenderedRequest:
         """The request for this history. ``tools`` are MCP tool dicts
-        (name, description, inputSchema). ``llm_params`` is deep-merged last."""
+        (name, description, inputSchema). ``options.llm_params`` is deep-merged
+        last. ``keywords`` is the transitional call form (:class:`RenderKeywords`)."""
 
     def auth_headers(self, settings: ProviderSettings, api_key: str | None) -> dict[str, str]:
         """The secret headers for ``api_key`` (never stored)."""

@@ -56,13 +56,15 @@ import hashlib
 import json
 import re
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from ..errors import ProviderAnswerError, ProviderResponseError
 from . import reasoning as reasoning_mod
-from .dialect import RenderedRequest, SSEEvent, StreamDelta
-from .openai import deep_merge
+from .dialect import RenderedRequest, RenderOptions, SSEEvent, StreamDelta
 from .types import AssistantTurn, ChatMessage, ProviderSettings, ToolCallRequest, Usage
+
+if TYPE_CHECKING:
+    from .dialect import RenderKeywords
 
 API_VERSION = "v1beta"
 NAME = "gemini"
@@ -108,29 +110,23 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*s?\s*$")
 # --------------------------------------------------------------------- render
 
 
-def render_request(
-    settings: ProviderSettings,
-    messages: list[ChatMessage],
-    tools: list[dict[str, Any]],
-    *,
-    stream: bool = False,
-    llm_params: dict[str, Any] | None = None,
-    reasoning_effort: str | None = None,
-    max_tokens: int | None = None,
-    reasoning_strategies: list[str] | None = None,
-) -> RenderedRequest:
+def render_request(settings: ProviderSettings, messages: list[ChatMessage],
+                   tools: list[dict[str, Any]], options: RenderOptions = RenderOptions(),
+                   **keywords: Unpack[RenderKeywords]) -> RenderedRequest:
     """The request for this history (see the module docstring for the rules)."""
+    options = options.with_keywords(keywords)
     generation: dict[str, Any] = {}
-    if max_tokens is not None:
-        generation["maxOutputTokens"] = max_tokens
-    if reasoning_effort is not None:
-        if reasoning_effort not in THINKING_BUDGETS:
+    if options.max_tokens is not None:
+        generation["maxOutputTokens"] = options.max_tokens
+    effort = options.reasoning_effort
+    if effort is not None:
+        if effort not in THINKING_BUDGETS:
             raise ValueError(
-                f"gemini dialect: reasoning_effort {reasoning_effort!r} is not supported; "
+                f"gemini dialect: reasoning_effort {effort!r} is not supported; "
                 f"accepted: {', '.join(repr(k) for k in THINKING_BUDGETS)} or None"
             )
         generation["thinkingConfig"] = {
-            "thinkingBudget": THINKING_BUDGETS[reasoning_effort],
+            "thinkingBudget": THINKING_BUDGETS[effort],
             "includeThoughts": True,
         }
 
@@ -151,7 +147,7 @@ def render_request(
         if message.role == "system":
             system_parts.append({"text": message.content or ""})
         elif message.role == "assistant":
-            parts = _model_parts(message, reasoning_strategies)
+            parts = _model_parts(message, options.reasoning_strategies)
             if parts:
                 contents.append({"role": "model", "parts": parts})
         else:
@@ -165,15 +161,13 @@ def render_request(
         payload["tools"] = [{"functionDeclarations": [_declaration(t) for t in tools]}]
     if generation:
         payload["generationConfig"] = generation
-    if llm_params:
-        payload = deep_merge(payload, llm_params)
 
     model = settings.model.removeprefix("models/")
-    method = "streamGenerateContent" if stream else "generateContent"
+    method = "streamGenerateContent" if options.stream else "generateContent"
     return RenderedRequest(
         path=f"/{API_VERSION}/models/{model}:{method}",
-        payload=payload,
-        params={"alt": "sse"} if stream else {},
+        payload=options.merge_llm_params(payload),
+        params={"alt": "sse"} if options.stream else {},
     )
 
 
@@ -572,23 +566,10 @@ class GeminiDialect:
 
     name = NAME
 
-    def render(
-        self,
-        settings: ProviderSettings,
-        messages: list[ChatMessage],
-        tools: list[dict[str, Any]],
-        *,
-        stream: bool = False,
-        llm_params: dict[str, Any] | None = None,
-        reasoning_effort: str | None = None,
-        max_tokens: int | None = None,
-        reasoning_strategies: list[str] | None = None,
-    ) -> RenderedRequest:
-        return render_request(
-            settings, messages, tools, stream=stream, llm_params=llm_params,
-            reasoning_effort=reasoning_effort, max_tokens=max_tokens,
-            reasoning_strategies=reasoning_strategies,
-        )
+    def render(self, settings: ProviderSettings, messages: list[ChatMessage],
+               tools: list[dict[str, Any]], options: RenderOptions = RenderOptions(),
+               **keywords: Unpack[RenderKeywords]) -> RenderedRequest:
+        return render_request(settings, messages, tools, options, **keywords)
 
     def auth_headers(self, settings: ProviderSettings, api_key: str | None) -> dict[str, str]:
         return {"x-goog-api-key": api_key} if api_key else {}

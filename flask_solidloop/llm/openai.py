@@ -18,15 +18,18 @@ How reasoning goes back on later requests is the agent's ``reasoning_strategies`
 
 from __future__ import annotations
 
-import copy
 import json
 import json.scanner
-from typing import Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from ..errors import ProviderAnswerError, ProviderResponseError
 from . import reasoning as _reasoning
-from .dialect import RenderedRequest, SSEEvent, StreamDelta
+from .dialect import RenderedRequest, RenderOptions, SSEEvent, StreamDelta, input_schema
+from .dialect import deep_merge as deep_merge  # moved to .dialect; still importable here
 from .types import AssistantTurn, ChatMessage, ProviderSettings, ToolCallRequest, Usage
+
+if TYPE_CHECKING:
+    from .dialect import RenderKeywords
 
 PATH = "/v1/chat/completions"
 KNOWN_FINISH_REASONS = {"stop", "tool_calls", "length", "content_filter", "function_call", None}
@@ -43,16 +46,6 @@ _EXCERPT = 200
 #: The stdlib's C JSON scanner, called directly: ``json.loads`` adds three Python
 #: frames and a whitespace regex per call, a fifth of the cost of a small chunk.
 _scan: Any = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
-
-
-def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    merged = copy.deepcopy(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = deep_merge(merged[key], value)
-        else:
-            merged[key] = copy.deepcopy(value)
-    return merged
 
 
 def _excerpt(text: str) -> str:
@@ -126,23 +119,11 @@ def render_message(
     return out
 
 
-def render_request(
-    settings: ProviderSettings,
-    messages: list[ChatMessage],
-    tools: list[dict[str, Any]],
-    *,
-    llm_params: dict[str, Any] | None = None,
-    reasoning_effort: str | None = None,
-    max_tokens: int | None = None,
-    stream: bool = False,
-    reasoning_strategies: list[str] | None = None,
-) -> tuple[str, dict[str, Any]]:
+def render_request(settings: ProviderSettings, messages: list[ChatMessage],
+                   tools: list[dict[str, Any]], options: RenderOptions = RenderOptions(),
+                   **keywords: Unpack[RenderKeywords]) -> tuple[str, dict[str, Any]]:
     """Return (path, payload). ``tools`` are MCP tool dicts (name, description, inputSchema)."""
-    rendered = OpenAIDialect().render(
-        settings, messages, tools, stream=stream, llm_params=llm_params,
-        reasoning_effort=reasoning_effort, max_tokens=max_tokens,
-        reasoning_strategies=reasoning_strategies,
-    )
+    rendered = OpenAIDialect().render(settings, messages, tools, options, **keywords)
     return rendered.path, rendered.payload
 
 
@@ -215,25 +196,17 @@ class OpenAIDialect:
 
     name = "openai"
 
-    def render(
-        self,
-        settings: ProviderSettings,
-        messages: list[ChatMessage],
-        tools: list[dict[str, Any]],
-        *,
-        stream: bool = False,
-        llm_params: dict[str, Any] | None = None,
-        reasoning_effort: str | None = None,
-        max_tokens: int | None = None,
-        reasoning_strategies: list[str] | None = None,
-    ) -> RenderedRequest:
-        plans = _plans(messages, reasoning_strategies)
+    def render(self, settings: ProviderSettings, messages: list[ChatMessage],
+               tools: list[dict[str, Any]], options: RenderOptions = RenderOptions(),
+               **keywords: Unpack[RenderKeywords]) -> RenderedRequest:
+        options = options.with_keywords(keywords)
+        plans = _plans(messages, options.reasoning_strategies)
         payload: dict[str, Any] = {
             "model": settings.model,
             "messages": [render_message(m, plans.get(i)) for i, m in enumerate(messages)],
-            "stream": stream,
+            "stream": options.stream,
         }
-        if stream:
+        if options.stream:
             payload["stream_options"] = {"include_usage": True}
         if tools:
             payload["tools"] = [
@@ -242,19 +215,16 @@ class OpenAIDialect:
                     "function": {
                         "name": tool["name"],
                         "description": tool.get("description") or "",
-                        "parameters": tool.get("inputSchema")
-                        or {"type": "object", "properties": {}},
+                        "parameters": input_schema(tool),
                     },
                 }
                 for tool in tools
             ]
-        if reasoning_effort is not None:
-            payload["reasoning_effort"] = reasoning_effort
-        if max_tokens is not None:
-            payload[settings.max_tokens_param] = max_tokens
-        if llm_params:  # last: what the agent wrote goes on the wire verbatim
-            payload = deep_merge(payload, llm_params)
-        return RenderedRequest(path=PATH, payload=payload, headers={})
+        if options.reasoning_effort is not None:
+            payload["reasoning_effort"] = options.reasoning_effort
+        if options.max_tokens is not None:
+            payload[settings.max_tokens_param] = options.max_tokens
+        return RenderedRequest(path=PATH, payload=options.merge_llm_params(payload), headers={})
 
     def auth_headers(self, settings: ProviderSettings, api_key: str | None) -> dict[str, str]:
         return auth_headers(api_key)

@@ -14,7 +14,7 @@ from flask_solidloop.llm.anthropic import (
     AnthropicAggregator,
     AnthropicDialect,
 )
-from flask_solidloop.llm.dialect import SSEEvent
+from flask_solidloop.llm.dialect import RenderOptions, SSEEvent
 from flask_solidloop.llm.types import ChatMessage, ProviderSettings, ToolCallRequest, Usage
 
 SETTINGS = ProviderSettings(dialect="anthropic", base_url="https://api.anthropic.com",
@@ -44,7 +44,7 @@ def body(content=None, stop_reason="tool_use", usage=None):
 
 
 def render(messages, tools=(), **kwargs):
-    return DIALECT.render(SETTINGS, messages, list(tools), **kwargs)
+    return DIALECT.render(SETTINGS, messages, list(tools), RenderOptions(**kwargs))
 
 
 # -- render ------------------------------------------------------------------
@@ -127,8 +127,8 @@ def test_version_setting_auth_and_llm_params():
         anthropic_version = "2099-01-01"
 
     request = DIALECT.render(WithVersion(), [ChatMessage(role="user", content="hi")], [],
-                             llm_params={"temperature": 0.2, "max_tokens": 99,
-                                         "metadata": {"user_id": "u1"}})
+                             RenderOptions(llm_params={"temperature": 0.2, "max_tokens": 99,
+                                                       "metadata": {"user_id": "u1"}}))
     assert request.headers == {"anthropic-version": "2099-01-01"}
     assert request.payload["temperature"] == 0.2
     assert request.payload["max_tokens"] == 99  # llm_params win, merged last

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from flask_solidloop.errors import ProviderAnswerError, ProviderResponseError
-from flask_solidloop.llm.dialect import SSEEvent
+from flask_solidloop.llm.dialect import RenderOptions, SSEEvent
 from flask_solidloop.llm.gemini import (
     UNSUPPORTED_SCHEMA_KEYS,
     GeminiAggregator,
@@ -80,7 +80,8 @@ def test_two_turn_tool_conversation_payload_is_exact():
         ChatMessage(role="assistant", content="18C and sunny in Paris."),
         ChatMessage(role="user", content="And Lyon?"),
     ]
-    request = DIALECT.render(SETTINGS, messages, [WEATHER_TOOL], stream=True, max_tokens=256)
+    request = DIALECT.render(SETTINGS, messages, [WEATHER_TOOL],
+                             RenderOptions(stream=True, max_tokens=256))
     assert request.path == "/v1beta/models/gemini-2.5-flash:streamGenerateContent"
     assert request.params == {"alt": "sse"}
     assert request.headers == {}
@@ -233,7 +234,7 @@ def test_signed_parts_round_trip_unchanged_with_the_default_strategy():
 
 def test_explicit_signed_strategy_with_xml_bang_adds_a_think_part_in_front():
     parts = DIALECT.render(SETTINGS, signed_history(), [],
-                           reasoning_strategies=["gemini_signed", "xml!"]
+                           RenderOptions(reasoning_strategies=["gemini_signed", "xml!"])
                            ).payload["contents"][1]["parts"]
     assert parts[0] == {"text": "<think>The user wants Paris weather.</think>"}
     assert json.dumps(parts[1:]) == json.dumps(SIGNED_PARTS)
@@ -243,7 +244,8 @@ def test_xml_fallback_when_the_message_has_no_signature():
     history = signed_history()
     history[1].meta = {"gemini_parts": [
         {k: v for k, v in p.items() if k != "thoughtSignature"} for p in SIGNED_PARTS]}
-    parts = DIALECT.render(SETTINGS, history, [], reasoning_strategies=["gemini_signed", "xml"]
+    parts = DIALECT.render(SETTINGS, history, [],
+                           RenderOptions(reasoning_strategies=["gemini_signed", "xml"])
                            ).payload["contents"][1]["parts"]
     assert parts == [
         {"text": "<think>The user wants Paris weather.</think>Let me check."},
@@ -253,14 +255,15 @@ def test_xml_fallback_when_the_message_has_no_signature():
 
 
 def test_xml_strategy_without_native_welds_even_when_signed_parts_exist():
-    parts = DIALECT.render(SETTINGS, signed_history(), [], reasoning_strategies=["xml"]
+    parts = DIALECT.render(SETTINGS, signed_history(), [],
+                           RenderOptions(reasoning_strategies=["xml"])
                            ).payload["contents"][1]["parts"]
     assert parts[0] == {"text": "<think>The user wants Paris weather.</think>Let me check."}
     assert "thoughtSignature" not in json.dumps(parts)
 
 
 def test_empty_strategy_list_sends_no_reasoning():
-    parts = DIALECT.render(SETTINGS, signed_history(), [], reasoning_strategies=[]
+    parts = DIALECT.render(SETTINGS, signed_history(), [], RenderOptions(reasoning_strategies=[])
                            ).payload["contents"][1]["parts"]
     assert parts == [
         {"text": "Let me check."},
@@ -272,26 +275,25 @@ def test_empty_strategy_list_sends_no_reasoning():
 
 
 def test_reasoning_effort_and_llm_params_deep_merged_last():
-    request = DIALECT.render(
-        SETTINGS, [ChatMessage(role="user", content="hi")], [], reasoning_effort="medium",
-        max_tokens=100,
+    request = DIALECT.render(SETTINGS, [ChatMessage(role="user", content="hi")], [], RenderOptions(
+        reasoning_effort="medium", max_tokens=100,
         llm_params={"generationConfig": {"temperature": 0.2, "thinkingConfig": {
             "thinkingBudget": 2048}}, "safetySettings": []},
-    )
+    ))
     assert request.payload["generationConfig"] == {
         "maxOutputTokens": 100, "temperature": 0.2,
         "thinkingConfig": {"thinkingBudget": 2048, "includeThoughts": True},
     }
     assert request.payload["safetySettings"] == []
     for effort, budget in (("low", 1024), ("high", 16384)):
-        config = DIALECT.render(SETTINGS, [], [], reasoning_effort=effort
+        config = DIALECT.render(SETTINGS, [], [], RenderOptions(reasoning_effort=effort)
                                 ).payload["generationConfig"]
         assert config == {"thinkingConfig": {"thinkingBudget": budget, "includeThoughts": True}}
 
 
 def test_unknown_reasoning_effort_names_the_accepted_values():
     with pytest.raises(ValueError, match="'low', 'medium', 'high'"):
-        DIALECT.render(SETTINGS, [], [], reasoning_effort="extreme")
+        DIALECT.render(SETTINGS, [], [], RenderOptions(reasoning_effort="extreme"))
 
 
 def test_auth_headers():

@@ -8,7 +8,7 @@ import pytest
 
 from flask_solidloop.errors import ProviderAnswerError, ProviderResponseError
 from flask_solidloop.llm import openai
-from flask_solidloop.llm.dialect import SSEEvent, StreamDelta
+from flask_solidloop.llm.dialect import RenderOptions, SSEEvent, StreamDelta
 from flask_solidloop.llm.openai import OpenAIAggregator, OpenAIDialect
 from flask_solidloop.llm.reasoning import ThinkTagSplitter, split_think
 from flask_solidloop.llm.sse import SSEParser
@@ -32,7 +32,7 @@ def history() -> list[ChatMessage]:
 
 
 def render(**kwargs):
-    return OpenAIDialect().render(SETTINGS, history(), TOOLS, **kwargs)
+    return OpenAIDialect().render(SETTINGS, history(), TOOLS, RenderOptions(**kwargs))
 
 
 # -- render ------------------------------------------------------------------------------------
@@ -106,7 +106,8 @@ def test_render_no_strategies_sends_no_reasoning():
 
 def test_render_weld_with_no_content():
     messages = [ChatMessage(role="assistant", content=None, reasoning="hm")]
-    payload = OpenAIDialect().render(SETTINGS, messages, [], reasoning_strategies=["xml"]).payload
+    payload = OpenAIDialect().render(SETTINGS, messages, [],
+                                    RenderOptions(reasoning_strategies=["xml"])).payload
     assert payload["messages"][0]["content"] == "<think>hm</think>"
     assert "tools" not in payload
 
@@ -141,7 +142,7 @@ def test_render_effort_and_max_tokens_param():
     assert payload["reasoning_effort"] == "low" and payload["max_tokens"] == 99
     settings = ProviderSettings(dialect="openai", base_url="http://x", model="m",
                                 max_tokens_param="max_completion_tokens")
-    payload = OpenAIDialect().render(settings, history(), [], max_tokens=5).payload
+    payload = OpenAIDialect().render(settings, history(), [], RenderOptions(max_tokens=5)).payload
     assert payload["max_completion_tokens"] == 5 and "max_tokens" not in payload
 
 
@@ -160,8 +161,8 @@ def test_llm_params_are_deep_merged_last():
 
 
 def test_module_functions_match_the_dialect():
-    path, payload = openai.render_request(SETTINGS, history(), TOOLS, stream=True,
-                                          llm_params={"seed": 1})
+    path, payload = openai.render_request(SETTINGS, history(), TOOLS,
+                                          RenderOptions(stream=True, llm_params={"seed": 1}))
     rendered = render(stream=True, llm_params={"seed": 1})
     assert (path, payload) == (rendered.path, rendered.payload)
     assert openai.auth_headers("sk-1") == {"Authorization": "Bearer sk-1"}

@@ -1,0 +1,138 @@
+"""The one send path (llm/client.py): one retry loop for both entry points, httpx's
+exceptions mapped in one place, the wire record on every ProviderError. No DB,
+no network: httpx.MockTransport."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from flask_solidloop.errors import ProviderError, ProviderHTTPError, ProviderResponseError
+from flask_solidloop.llm.client import AbortedError, RetryPolicy, WireRecord, post_json
+from flask_solidloop.llm.openai import OpenAIAggregator
+from flask_solidloop.llm.streaming import post_stream
+
+URL = "http://llm.test/v1/chat/completions"
+SECRET = "sk-test-secret"
+POLICY = RetryPolicy(retries=2, base_delay=0.001, max_delay=0.01)
+BODY = {"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}]}
+STREAM = (b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n'
+          b'data: {"choices": [{"delta": {}, "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n')
+
+
+def client(*steps):
+    """A client whose n-th request gets ``steps[n]`` (the last one repeats): a
+    response, or an exception class to raise."""
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        step = steps[min(len(calls), len(steps) - 1)]
+        calls.append(request)
+        if isinstance(step, type):
+            raise step("injected", request=request)
+        return step
+
+    http = httpx.Client(transport=httpx.MockTransport(handler))
+    http.calls = calls  # type: ignore[attr-defined]
+    return http
+
+
+def ok_json() -> httpx.Response:
+    return httpx.Response(200, json=BODY)
+
+
+def ok_stream() -> httpx.Response:
+    return httpx.Response(200, content=STREAM, headers={"content-type": "text/event-stream"})
+
+
+def send_json(http, policy=POLICY, **extra):
+    return post_json(URL, {"key": SECRET}, headers={"Authorization": f"Bearer {SECRET}"},
+                     read_timeout=5, policy=policy, secrets=[SECRET], client=http, **extra)
+
+
+def send_stream(http, policy=POLICY, **extra):
+    turn, record, _ = post_stream(URL, {"key": SECRET},
+                                  headers={"Authorization": f"Bearer {SECRET}"},
+                                  read_timeout=5, policy=policy, secrets=[SECRET], client=http,
+                                  make_aggregator=OpenAIAggregator, **extra)
+    return turn, record
+
+
+SENDERS = {"json": (send_json, ok_json), "stream": (send_stream, ok_stream)}
+
+
+def test_a_fresh_provider_error_has_no_wire_record():
+    assert ProviderError("x").wire is None
+    assert ProviderHTTPError(500, "body", URL).wire is None
+    record = WireRecord(url=URL, request_headers={}, request_body=None)
+    assert ProviderResponseError("x", wire=record).wire is record
+
+
+@pytest.mark.parametrize("mode", SENDERS)
+def test_both_entry_points_share_the_retry_loop(mode):
+    send, ok = SENDERS[mode]
+    http = client(httpx.ConnectError, httpx.Response(503, text="busy"), ok())
+    _, record = send(http)
+    assert len(http.calls) == 3
+    assert [a.get("status") for a in record.attempts] == [None, 503, 200]
+    assert record.attempts[0]["error"].startswith("connect failed")
+    assert all("retry_in_s" in a for a in record.attempts[:2])
+    assert record.error is None and record.duration_ms is not None
+    assert SECRET not in json.dumps(record.to_payload())
+
+
+@pytest.mark.parametrize("mode", SENDERS)
+@pytest.mark.parametrize(("raised", "expected", "requests"), [
+    (httpx.ConnectError, ProviderError, 3),
+    (httpx.ConnectTimeout, ProviderError, 3),
+    (httpx.ReadTimeout, ProviderError, 1),
+    (httpx.WriteTimeout, ProviderError, 1),
+    (httpx.PoolTimeout, ProviderError, 1),
+])
+def test_httpx_exceptions_are_mapped_once(mode, raised, expected, requests):
+    send, _ = SENDERS[mode]
+    http = client(raised)
+    with pytest.raises(expected) as info:
+        send(http)
+    assert type(info.value) is expected
+    assert isinstance(info.value.__cause__, raised)
+    assert len(http.calls) == requests
+    assert info.value.wire is not None and info.value.wire.error
+
+
+@pytest.mark.parametrize("mode", SENDERS)
+def test_a_broken_connection_is_repeated_only_on_a_stream_before_content(mode):
+    send, ok = SENDERS[mode]
+    http = client(httpx.ReadError, ok())
+    if mode == "stream":
+        turn, record = send(http)
+        assert turn.content == "hi" and len(record.attempts) == 2
+        assert record.attempts[0]["handed_content"] is False
+    else:
+        with pytest.raises(ProviderResponseError, match="not retried, as it may have been served"):
+            send(http)
+        assert len(http.calls) == 1
+
+
+@pytest.mark.parametrize("mode", SENDERS)
+def test_every_provider_error_carries_the_wire_record(mode):
+    send, _ = SENDERS[mode]
+    with pytest.raises(ProviderHTTPError) as info:
+        send(client(httpx.Response(400, text=f"bad key {SECRET}")))
+    wire = info.value.wire
+    assert isinstance(wire, WireRecord)
+    assert wire.status == 400 and SECRET not in json.dumps(wire.to_payload())
+    assert SECRET not in str(info.value)
+
+
+@pytest.mark.parametrize("mode", SENDERS)
+def test_an_abort_during_a_retry_wait_carries_the_wire_record(mode):
+    send, _ = SENDERS[mode]
+    slow = RetryPolicy(retries=2, base_delay=5.0, max_delay=5.0)
+    with pytest.raises(AbortedError) as info:
+        send(client(httpx.Response(503, text="busy")), policy=slow, should_abort=lambda: True)
+    assert info.value.wire is not None
+    assert info.value.wire.attempts[0]["retry_in_s"] == 5.0
+    assert info.value.wire.error is None
