@@ -28,10 +28,9 @@ names that would have worked.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # for the annotation only: this module imports nothing of the package
-    from .llm.client import WireRecord
+from .wire import WireRecord
 
 
 class SolidLoopError(Exception):

@@ -32,15 +32,12 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import TYPE_CHECKING, Any, Unpack
+from typing import Any
 
 from ..errors import ProviderAnswerError, ProviderResponseError
 from . import reasoning
 from .dialect import RenderedRequest, RenderOptions, SSEEvent, StreamDelta, input_schema
 from .types import AssistantTurn, ChatMessage, ProviderSettings, ToolCallRequest, Usage
-
-if TYPE_CHECKING:
-    from .dialect import RenderKeywords
 
 PATH = "/v1/messages"
 DEFAULT_VERSION = "2023-06-01"
@@ -74,7 +71,7 @@ class AnthropicDialect:
 
     def render(self, settings: ProviderSettings, messages: list[ChatMessage],
                tools: list[dict[str, Any]], options: RenderOptions = RenderOptions(),
-               **keywords: Unpack[RenderKeywords]) -> RenderedRequest:
+               ) -> RenderedRequest:
         """The request for this history. Of the :class:`RenderOptions`:
 
         ``max_tokens`` defaults to :data:`DEFAULT_MAX_TOKENS` (Anthropic requires
@@ -89,7 +86,6 @@ class AnthropicDialect:
         ``top_k``, ``metadata``, ``tool_choice``, ...). Nothing is filtered, and
         Anthropic rejects unknown top-level keys with HTTP 400.
         """
-        options = options.with_keywords(keywords)
         system: list[str] = []
         wire: list[dict[str, Any]] = []
         for message in messages:

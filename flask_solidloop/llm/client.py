@@ -40,6 +40,7 @@ from ..errors import (
     ProviderHTTPError,
     ProviderResponseError,
 )
+from ..wire import WireRecord
 from .redact import redact_headers, redact_secrets
 
 T = TypeVar("T")
@@ -53,30 +54,6 @@ class RetryPolicy:
     base_delay: float = 1.0
     max_delay: float = 60.0
     statuses: tuple[int, ...] = (408, 409, 429, 500, 502, 503, 504, 529)
-
-
-@dataclass
-class WireRecord:
-    """What the wire log keeps of one turn: redacted request, response, attempts, timings."""
-
-    url: str
-    request_headers: dict[str, str]
-    request_body: Any
-    attempts: list[dict[str, Any]] = field(default_factory=list)
-    status: int | None = None
-    response_body: Any = None
-    duration_ms: float | None = None
-    error: str | None = None
-
-    def to_payload(self) -> dict[str, Any]:
-        return {
-            "url": self.url,
-            "request": {"headers": self.request_headers, "body": self.request_body},
-            "response": {"status": self.status, "body": self.response_body},
-            "attempts": self.attempts,
-            "duration_ms": self.duration_ms,
-            "error": self.error,
-        }
 
 
 def retry_after_seconds(response: httpx.Response) -> float | None:

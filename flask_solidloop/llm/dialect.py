@@ -20,8 +20,8 @@ message's ``metadata`` and gives it back in ``ChatMessage.meta`` on the way out.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, TypedDict, Unpack
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from .types import AssistantTurn, ChatMessage, ProviderSettings
 
@@ -47,10 +47,6 @@ class RenderOptions:
     #: How earlier reasoning goes back to the model (see :mod:`.reasoning`).
     reasoning_strategies: list[str] | None = None
 
-    def with_keywords(self, keywords: RenderKeywords) -> RenderOptions:
-        """These options with the transitional keywords of a ``render`` call applied."""
-        return replace(self, **keywords) if keywords else self
-
     def merge_llm_params(self, payload: dict[str, Any]) -> dict[str, Any]:
         """The payload with the agent's ``llm_params`` deep-merged over it.
 
@@ -58,22 +54,6 @@ class RenderOptions:
         on the wire verbatim, even over what the dialect set itself.
         """
         return deep_merge(payload, self.llm_params) if self.llm_params else payload
-
-
-class RenderKeywords(TypedDict, total=False):
-    """Transitional: :class:`RenderOptions`' fields as keywords of ``render``.
-
-    ``render(settings, history, tools, stream=True, ...)`` was the call form
-    before :class:`RenderOptions`; it is still accepted (the keywords replace the
-    fields of ``options``) so callers can move over one at a time. New code
-    passes a :class:`RenderOptions`.
-    """
-
-    stream: bool
-    llm_params: dict[str, Any] | None
-    reasoning_effort: str | None
-    max_tokens: int | None
-    reasoning_strategies: list[str] | None
 
 
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -148,10 +128,10 @@ class Dialect(Protocol):
 
     def render(self, settings: ProviderSettings, messages: list[ChatMessage],
                tools: list[dict[str, Any]], options: RenderOptions = RenderOptions(),
-               **keywords: Unpack[RenderKeywords]) -> RenderedRequest:
+               ) -> RenderedRequest:
         """The request for this history. ``tools`` are MCP tool dicts
         (name, description, inputSchema). ``options.llm_params`` is deep-merged
-        last. ``keywords`` is the transitional call form (:class:`RenderKeywords`)."""
+        last."""
 
     def auth_headers(self, settings: ProviderSettings, api_key: str | None) -> dict[str, str]:
         """The secret headers for ``api_key`` (never stored)."""

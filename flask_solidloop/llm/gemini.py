@@ -56,15 +56,12 @@ import hashlib
 import json
 import re
 import uuid
-from typing import TYPE_CHECKING, Any, Unpack
+from typing import Any
 
 from ..errors import ProviderAnswerError, ProviderResponseError
 from . import reasoning as reasoning_mod
 from .dialect import RenderedRequest, RenderOptions, SSEEvent, StreamDelta
 from .types import AssistantTurn, ChatMessage, ProviderSettings, ToolCallRequest, Usage
-
-if TYPE_CHECKING:
-    from .dialect import RenderKeywords
 
 API_VERSION = "v1beta"
 NAME = "gemini"
@@ -112,9 +109,8 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*s?\s*$")
 
 def render_request(settings: ProviderSettings, messages: list[ChatMessage],
                    tools: list[dict[str, Any]], options: RenderOptions = RenderOptions(),
-                   **keywords: Unpack[RenderKeywords]) -> RenderedRequest:
+                   ) -> RenderedRequest:
     """The request for this history (see the module docstring for the rules)."""
-    options = options.with_keywords(keywords)
     generation: dict[str, Any] = {}
     if options.max_tokens is not None:
         generation["maxOutputTokens"] = options.max_tokens
@@ -568,8 +564,8 @@ class GeminiDialect:
 
     def render(self, settings: ProviderSettings, messages: list[ChatMessage],
                tools: list[dict[str, Any]], options: RenderOptions = RenderOptions(),
-               **keywords: Unpack[RenderKeywords]) -> RenderedRequest:
-        return render_request(settings, messages, tools, options, **keywords)
+               ) -> RenderedRequest:
+        return render_request(settings, messages, tools, options)
 
     def auth_headers(self, settings: ProviderSettings, api_key: str | None) -> dict[str, str]:
         return {"x-goog-api-key": api_key} if api_key else {}

@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import json
 import json.scanner
-from typing import TYPE_CHECKING, Any, Unpack
+from typing import Any
 
 from ..errors import ProviderAnswerError, ProviderResponseError
 from . import reasoning as _reasoning
 from .dialect import RenderedRequest, RenderOptions, SSEEvent, StreamDelta, input_schema
 from .dialect import deep_merge as deep_merge  # moved to .dialect; still importable here
 from .types import AssistantTurn, ChatMessage, ProviderSettings, ToolCallRequest, Usage
-
-if TYPE_CHECKING:
-    from .dialect import RenderKeywords
 
 PATH = "/v1/chat/completions"
 KNOWN_FINISH_REASONS = {"stop", "tool_calls", "length", "content_filter", "function_call", None}
@@ -121,9 +118,9 @@ def render_message(
 
 def render_request(settings: ProviderSettings, messages: list[ChatMessage],
                    tools: list[dict[str, Any]], options: RenderOptions = RenderOptions(),
-                   **keywords: Unpack[RenderKeywords]) -> tuple[str, dict[str, Any]]:
+                   ) -> tuple[str, dict[str, Any]]:
     """Return (path, payload). ``tools`` are MCP tool dicts (name, description, inputSchema)."""
-    rendered = OpenAIDialect().render(settings, messages, tools, options, **keywords)
+    rendered = OpenAIDialect().render(settings, messages, tools, options)
     return rendered.path, rendered.payload
 
 
@@ -198,8 +195,7 @@ class OpenAIDialect:
 
     def render(self, settings: ProviderSettings, messages: list[ChatMessage],
                tools: list[dict[str, Any]], options: RenderOptions = RenderOptions(),
-               **keywords: Unpack[RenderKeywords]) -> RenderedRequest:
-        options = options.with_keywords(keywords)
+               ) -> RenderedRequest:
         plans = _plans(messages, options.reasoning_strategies)
         payload: dict[str, Any] = {
             "model": settings.model,

@@ -25,10 +25,10 @@ import logging
 import time
 from typing import Any
 
-from ..errors import LimitExceededError, LostLeaseError, ProviderError
+from ..errors import AbortedError, LimitExceededError, LostLeaseError, ProviderError
 from ..llm import pricing, reasoning
-from ..llm.client import AbortedError, RetryPolicy, post_json
-from ..llm.dialect import StreamDelta
+from ..llm.client import RetryPolicy, post_json
+from ..llm.dialect import RenderOptions, StreamDelta
 from ..llm.redact import is_secret_header, redact_secrets
 from ..llm.registry import get_dialect
 from ..llm.streaming import post_stream
@@ -125,11 +125,13 @@ class NetworkCalling:
             settings,
             ctx.history,
             ctx.tools.definitions() if ctx.tools else [],
-            stream=streaming,
-            llm_params=ctx.agent.option("llm_params"),
-            reasoning_effort=ctx.agent.option("reasoning_effort"),
-            max_tokens=ctx.agent.option("max_tokens"),
-            reasoning_strategies=strategies,
+            RenderOptions(
+                stream=streaming,
+                llm_params=ctx.agent.option("llm_params"),
+                reasoning_effort=ctx.agent.option("reasoning_effort"),
+                max_tokens=ctx.agent.option("max_tokens"),
+                reasoning_strategies=strategies,
+            ),
         )
         ctx.reasoning_carried = reasoning.carried(ctx.history, {
             index: reasoning.plan(message, strategies, dialect.name)
@@ -173,7 +175,7 @@ class NetworkCalling:
         except ProviderError as exc:
             # Keep the record we have: a 2xx whose body would not parse is exactly
             # the response someone will want to look at.
-            ctx.wire = getattr(exc, "wire", None) or ctx.wire
+            ctx.wire = exc.wire or ctx.wire
             raise
         if not streaming and ctx.response.usage and ctx.response.usage.output_tokens:
             seconds = max(time.monotonic() - started, 1e-6)

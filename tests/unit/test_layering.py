@@ -21,7 +21,7 @@ NAME = "flask_solidloop"
 
 #: Bottom first. Units of one rank may import each other (never in a cycle).
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "config", "models", "migrations", "urls", "_typing", "_version"),
+    ("errors", "config", "models", "migrations", "urls", "wire", "_typing", "_version"),
     ("llm", "mcp", "queue", "leases"),
     ("state", "database"),
     ("loops",),

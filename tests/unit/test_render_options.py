@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from flask_solidloop.llm.dialect import Dialect, RenderKeywords, RenderOptions
+from flask_solidloop.llm.dialect import Dialect, RenderOptions
 from flask_solidloop.llm.registry import get_dialect
 from flask_solidloop.llm.types import DIALECTS, ChatMessage, ProviderSettings, ToolCallRequest
 
@@ -41,11 +41,6 @@ def test_options_are_frozen():
         RenderOptions().stream = True  # type: ignore[misc]
 
 
-def test_the_transitional_keywords_are_exactly_the_fields():
-    fields = {f.name for f in dataclasses.fields(RenderOptions)}
-    assert set(RenderKeywords.__annotations__) == fields
-
-
 @pytest.mark.parametrize("name", DIALECTS)
 def test_every_dialect_takes_the_same_signature(name):
     expected = inspect.signature(Dialect.render)
@@ -60,17 +55,6 @@ def test_options_shape_the_request(name):
     shaped = dialect.render(settings(name), history(), TOOLS, OPTIONS)
     assert shaped != plain
     assert "temperature" in str(shaped.payload)  # llm_params, merged last
-
-
-@pytest.mark.parametrize("name", DIALECTS)
-def test_keywords_still_render_the_same_request(name):
-    dialect = get_dialect(name)
-    keywords = {f.name: getattr(OPTIONS, f.name) for f in dataclasses.fields(OPTIONS)}
-    assert dialect.render(settings(name), history(), TOOLS, **keywords) == \
-        dialect.render(settings(name), history(), TOOLS, OPTIONS)
-    # A keyword replaces that one field of the options given.
-    assert dialect.render(settings(name), history(), TOOLS, OPTIONS, stream=False) == \
-        dialect.render(settings(name), history(), TOOLS, dataclasses.replace(OPTIONS, stream=False))
 
 
 @pytest.mark.parametrize("name", DIALECTS)
