@@ -50,6 +50,9 @@ class ChaosSettings:
     llm_latency: float = 0.4
     read_timeout: float = 2.0
     lease_margin: int = 1
+    #: Every lease's length: a killed worker's work is taken over this long after
+    #: its last heartbeat.
+    liveness_ttl: float = 3.0
     tool_timeout: int = 2
     job_lease: int = 4
     reap_every: float = 0.5
@@ -63,6 +66,7 @@ class ChaosSettings:
     def app_config(self) -> dict[str, Any]:
         return {
             "SOLIDLOOP_LEASE_MARGIN": self.lease_margin,
+            "SOLIDLOOP_LIVENESS_TTL": self.liveness_ttl,
             "SOLIDLOOP_DEFAULT_TOOL_TIMEOUT": self.tool_timeout,
             "SOLIDLOOP_JOB_LEASE": self.job_lease,
             "SOLIDLOOP_QUEUED_REAP_THRESHOLD": max(2, self.job_lease),
