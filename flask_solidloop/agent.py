@@ -261,7 +261,12 @@ class Agent:
     def stop(
         self, *, reason: str = "stopped by request", session: SessionLike | None = None
     ) -> bool:
-        """End a loop for good (status failed, with ``reason``). False if already terminal."""
+        """Fail the loop with ``reason``. False if it was already terminal.
+
+        ``resume(from_=("failed",))`` can restart a stopped loop, as in the seed;
+        ``freeze()`` is the way to forbid that. A running tool call finishes on its
+        worker and its result is kept.
+        """
         return control.stop(get_state(), self._require_loop(), reason=reason, session=session)
 
     def force_stop(self, *, reason: str = "by request",

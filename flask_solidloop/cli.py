@@ -146,8 +146,9 @@ def status(loop_id: int) -> None:
         raise click.ClickException(f"no loop with id {loop_id}")
     click.echo(format_loop(loop))
     calls = {c.id: c for c in queries.tool_calls(session, loop_id)}
+    states = queries.tool_call_states(session, loop_id)
     for message in queries.messages(session, loop_id, include_hidden=True):
-        click.echo(format_message(message, calls, show_hidden=True))
+        click.echo(format_message(message, calls, show_hidden=True, states=states))
 
 
 def _control(loop_id: int, action: str, **kwargs) -> None:
@@ -188,9 +189,26 @@ def pause(loop_id: int) -> None:
               type=click.Choice(["init", "paused", "failed", "completed"]),
               help="Resume only from these statuses (repeatable). Default: all four.")
 @click.option("--message", default=None, help="Append this user message first.")
+@click.option("--again", is_flag=True, default=False,
+              help="Resume a completed loop without a new message anyway (pays for a turn "
+                   "that adds to a finished answer).")
 @with_appcontext
-def resume(loop_id: int, from_: tuple[str, ...], message: str | None) -> None:
-    """Resume a paused, failed, completed or init loop."""
+def resume(loop_id: int, from_: tuple[str, ...], message: str | None, again: bool) -> None:
+    """Resume a paused, failed, completed or init loop.
+
+    A failed loop (stopped, or failed by an error) restarts where it was: a tool
+    phase re-runs only the calls no live worker holds. A completed loop needs
+    --message (the next user turn), or --again to run one more turn as it is.
+    A frozen loop refuses until `flask solidloop unfreeze`.
+    """
+    from .loops import queries
+
+    loop = queries.get_loop(_state().db.session, loop_id)
+    if loop is not None and loop.status == "completed" and not message and not again:
+        raise click.ClickException(
+            f"loop {loop_id} is completed; resuming it without --message would pay for "
+            "another LLM turn that adds to a finished answer. Pass --message TEXT to "
+            "continue the conversation, or --again to run one more turn anyway")
     kwargs: dict = {"message": message}
     if from_:
         kwargs["from_"] = from_
@@ -202,7 +220,12 @@ def resume(loop_id: int, from_: tuple[str, ...], message: str | None) -> None:
 @click.option("--reason", default="stopped from the command line", show_default=True)
 @with_appcontext
 def stop(loop_id: int, reason: str) -> None:
-    """Stop a loop for good (it ends failed, with the reason)."""
+    """Stop a loop: it ends failed, with the reason.
+
+    A stopped loop can be resumed later (`flask solidloop resume ID --from failed`),
+    as in the seed; use `flask solidloop freeze` to forbid that. A tool call that
+    is running finishes on its worker and its result is kept.
+    """
     _control(loop_id, "stop", reason=reason)
 
 

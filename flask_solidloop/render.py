@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import textwrap
+from datetime import UTC, datetime
 
+from .loops.queries import ToolCallState
 from .models import Loop, Message, ToolCall
 
 
@@ -12,6 +14,11 @@ def format_loop(loop: Loop) -> str:
         f"loop {loop.id}  agent={loop.agent_name}  status={loop.status}  steps={loop.step_count}",
         f"  tokens in/out: {loop.input_tokens}/{loop.output_tokens}",
     ]
+    if loop.status == "running" and loop.lease_expires_at is not None:
+        lines.append(f"  LLM turn held by {loop.lease_holder or 'a worker'}, lease until "
+                     f"{_clock(loop.lease_expires_at)}")
+    if loop.frozen:
+        lines.append("  frozen: resume refuses until `flask solidloop unfreeze` lifts it")
     if loop.subject_label:
         lines.append(f"  subject: {loop.subject_label}")
     if loop.error_message:
@@ -23,8 +30,24 @@ def _indent(text: str) -> str:
     return textwrap.indent(text.strip() or "(empty)", "    ")
 
 
+def _clock(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime("%H:%M:%S UTC")
+
+
+def describe_call_state(state: ToolCallState) -> str:
+    """``running on host:42 until 12:00:03 UTC``, ``queued``, ``answered`` ..."""
+    if state.state in ("running", "stalled") and state.leased_until is not None:
+        holder = f" on {state.holder}" if state.holder else ""
+        verb = "running" if state.state == "running" else "stalled (lease lapsed"
+        tail = "" if state.state == "running" else "; the reaper takes it over)"
+        return f"{verb}{holder}, lease until {_clock(state.leased_until)}{tail}"
+    return {"executed": "ran; answer pending", "waiting": "waiting (not started)"}.get(
+        state.state, state.state)
+
+
 def format_message(
-    message: Message, calls: dict[int, ToolCall], *, show_hidden: bool = False
+    message: Message, calls: dict[int, ToolCall], *, show_hidden: bool = False,
+    states: dict[int, ToolCallState] | None = None,
 ) -> str:
     flags = []
     if message.status != "completed":
@@ -40,8 +63,15 @@ def format_message(
     for call in own_calls:
         line = f"    -> tool call {call.name}({call.arguments_raw or ''})"
         if show_hidden:  # the status view: say where each call stands
-            line += " [" + (("ok" if call.is_success else "error") if call.executed_at
-                            else "pending") + "]"
+            if call.executed_at is not None:
+                outcome = "ok" if call.is_success else "error"
+                if call.response_message_id is None:
+                    outcome += ", answer pending"
+            elif states and call.id in states:
+                outcome = describe_call_state(states[call.id])
+            else:
+                outcome = "pending"
+            line += f" [{outcome}]"
         parts.append(line)
     if message.role == "tool" and message.tool_call_id in calls:
         call = calls[message.tool_call_id]

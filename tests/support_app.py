@@ -155,6 +155,57 @@ class ChaosAgent(Agent):
         return settings
 
 
+# -- liveness: slow tools whose runs are logged outside our transactions ----------
+
+slow_tools = Toolset("slow")
+SLOW_EFFECTS_DDL = (
+    "CREATE TABLE IF NOT EXISTS slow_effects (id bigserial PRIMARY KEY, "
+    "idempotency_key text, phase text, pid integer, at timestamptz DEFAULT now())"
+)
+
+
+def _log_slow_effect(key: str | None, phase: str) -> None:
+    import psycopg
+
+    from flask_solidloop.urls import libpq_url
+
+    url = libpq_url(os.environ.get(DATABASE_URL_ENV, DEFAULT_DATABASE_URL))
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(SLOW_EFFECTS_DDL)
+        conn.execute("INSERT INTO slow_effects (idempotency_key, phase, pid) VALUES (%s, %s, %s)",
+                     (key, phase, os.getpid()))
+
+
+@slow_tools.tool
+def slow(seconds: float, ctx: CallContext) -> str:
+    """Sleep, then answer with the pid that ran it; logs its start and its end."""
+    import time
+
+    _log_slow_effect(ctx.idempotency_key, "start")
+    time.sleep(seconds)
+    _log_slow_effect(ctx.idempotency_key, "end")
+    return f"slept {seconds}s in {os.getpid()}"
+
+
+@solidloop.agent("slow")
+class SlowAgent(Agent):
+    system_prompt = "You run slow tools."
+    mcps = [{"name": "slow", "toolset": slow_tools}]
+
+    def llm(self) -> dict:
+        return llm_settings()
+
+
+@solidloop.agent("slow_sequential")
+class SlowSequentialAgent(Agent):
+    system_prompt = "You run slow tools, one at a time."
+    mcps = [{"name": "slow", "toolset": slow_tools}]
+    sequential_tool_calls = True
+
+    def llm(self) -> dict:
+        return llm_settings()
+
+
 def create_app(**config) -> Flask:
     import json
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 
 from .._typing import SessionLike
 from ..llm.types import ChatMessage, ToolCallRequest
@@ -136,6 +136,48 @@ def history(session: SessionLike, loop_id: int) -> list[ChatMessage]:
         else:
             result.append(ChatMessage(role=message.role, content=message.content))
     return result
+
+
+@dataclass(frozen=True)
+class ToolCallState:
+    """Where a tool call stands, for status and the admin."""
+
+    #: answered | executed (result recorded, answer pending) | running (a live
+    #: lease) | stalled (its lease lapsed: the reaper takes it over) | queued (a
+    #: job waits for it) | waiting (nothing holds it yet: sequential mode, or a
+    #: paused loop)
+    state: str
+    holder: str | None = None
+    leased_until: datetime | None = None
+
+
+_TOOL_JOBS = text(
+    "SELECT (message->'args'->>0)::bigint FROM solidloop_jobs "
+    "WHERE loop_id = :loop_id AND actor_name = 'solidloop.tool_call' "
+    "AND state IN ('queued', 'running')"
+)
+
+
+def tool_call_states(session: SessionLike, loop_id: int) -> dict[int, ToolCallState]:
+    """The state of each of the loop's tool calls, by id, on the database clock."""
+    now = session.scalar(select(func.now()))
+    with_jobs = set(session.execute(_TOOL_JOBS, {"loop_id": loop_id}).scalars())
+    states = {}
+    for call in tool_calls(session, loop_id):
+        if call.response_message_id is not None:
+            state = ToolCallState("answered")
+        elif call.executed_at is not None:
+            state = ToolCallState("executed")
+        elif call.lease_token is not None and call.leased_until is not None:
+            live = now is None or call.leased_until >= now
+            state = ToolCallState("running" if live else "stalled", call.lease_holder,
+                                  call.leased_until)
+        elif call.id in with_jobs:
+            state = ToolCallState("queued")
+        else:
+            state = ToolCallState("waiting")
+        states[call.id] = state
+    return states
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,207 @@
+"""Recovery by liveness, with real worker processes and nothing else running.
+
+Workers run with a 2-second liveness TTL and their own reaper every half
+second; no ``flask solidloop reap`` runs anywhere. Each test kills, freezes or
+pauses the worker that holds a tool call and checks what the durability
+contract promises: the loop finishes, each call has one canonical result and
+one answer, and a tool whose worker is alive is never run a second time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+from sqlalchemy import func, select
+
+from flask_solidloop.models import Job, Loop, Message, ToolCall
+from flask_solidloop.urls import libpq_url
+
+from ..support_app import SLOW_EFFECTS_DDL, SlowAgent, SlowSequentialAgent
+from .test_e2e_workers import kill_group, spawn_workers
+
+pytestmark = pytest.mark.e2e
+
+TTL = 2.0
+WORKER_CONFIG = {"SOLIDLOOP_LIVENESS_TTL": TTL, "SOLIDLOOP_REAPER_INTERVAL": 0.5,
+                 "SOLIDLOOP_LEASE_MARGIN": 1}
+WORKER_CMD = [sys.executable, "-m", "dramatiq", "flask_solidloop.worker", "--processes", "1",
+              "--threads", "2"]
+
+
+@pytest.fixture
+def effects(database_url):
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+        conn.execute(SLOW_EFFECTS_DDL)
+        conn.execute("TRUNCATE slow_effects")
+
+    def runs(key: str, phase: str = "start") -> list[int]:
+        with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+            return [pid for (pid,) in conn.execute(
+                "SELECT pid FROM slow_effects WHERE idempotency_key = %s AND phase = %s "
+                "ORDER BY id", (key, phase))]
+
+    return runs
+
+
+@pytest.fixture
+def fleets(monkeypatch, tmp_path):
+    """Start named worker fleets (each its own process group); all stopped at the end."""
+    monkeypatch.setenv("SOLIDLOOP_TEST_APP_CONFIG", json.dumps(WORKER_CONFIG))
+    started: dict[str, subprocess.Popen] = {}
+
+    def start(name: str) -> subprocess.Popen:
+        started[name] = spawn_workers(WORKER_CMD, log=tmp_path / f"{name}.log")
+        return started[name]
+
+    yield start
+    for proc in started.values():
+        with_sigcont(proc)
+        kill_group(proc)
+
+
+def with_sigcont(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+def slow_calls(llm, *seconds: float) -> None:
+    llm.script("slow please", {"content": "sleeping", "tool_calls": [
+        {"name": "slow", "arguments": {"seconds": s}} for s in seconds]})
+    llm.script(lambda body: body["messages"][-1]["role"] == "tool", {"content": "all slept"})
+
+
+def poll(session, check, *, timeout: float = 90.0, what: str = "condition"):
+    """Wait for ``check()`` to return something truthy (a guard, not a speed assertion)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        session.expire_all()
+        value = check()
+        session.rollback()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def running_calls(session, loop_id: int) -> list[ToolCall]:
+    return list(session.scalars(select(ToolCall).where(
+        ToolCall.loop_id == loop_id, ToolCall.lease_token.is_not(None),
+        ToolCall.executed_at.is_(None), ToolCall.leased_until > func.now())))
+
+
+def holder_group(holder: str) -> int:
+    """The process group of the worker process named ``host:pid``."""
+    return os.getpgid(int(holder.rsplit(":", 1)[1]))
+
+
+def assert_finished_once(session, loop_id: int, calls: int) -> list[ToolCall]:
+    session.expire_all()
+    loop = session.get(Loop, loop_id)
+    assert loop.status == "completed", loop.error_message
+    rows = list(session.scalars(select(ToolCall).where(ToolCall.loop_id == loop_id)))
+    assert len(rows) == calls and all(c.is_success and c.executed_at for c in rows)
+    answers = list(session.scalars(select(Message).where(Message.loop_id == loop_id,
+                                                         Message.role == "tool")))
+    assert sorted(m.tool_call_id for m in answers) == sorted(c.id for c in rows)
+    return rows
+
+
+def test_a_killed_workers_tool_is_taken_over_with_only_workers_running(
+        app, session, llm, fleets, effects):
+    slow_calls(llm, 3.0)
+    first, second = fleets("first"), fleets("second")
+    loop = SlowAgent.start(message="slow please")
+    call = poll(session, lambda: running_calls(session, loop.id), what="the tool to start")[0]
+    holder = call.lease_holder
+    assert holder and holder.split(":")[0]
+    os.killpg(holder_group(holder), signal.SIGKILL)
+    poll(session, lambda: session.get(Loop, loop.id).status == "completed",
+         what="the loop to complete after the kill")
+    (done,) = assert_finished_once(session, loop.id, calls=1)
+    survivor = next(p for p in (first, second) if p.poll() is None)
+    assert survivor is not None
+    # At least once: the body ran again elsewhere, under the same key; one result.
+    starts = effects(done.idempotency_key)
+    assert len(starts) == 2 and starts[0] == int(holder.rsplit(":", 1)[1])
+    assert len(effects(done.idempotency_key, "end")) == 1
+    assert f"in {starts[1]}" in json.dumps(done.result)
+
+
+def test_a_frozen_worker_loses_its_tool_and_writes_nothing_after_it_thaws(
+        app, session, llm, fleets, effects):
+    slow_calls(llm, 2.0)
+    fleets("first"), fleets("second")
+    loop = SlowAgent.start(message="slow please")
+    call = poll(session, lambda: running_calls(session, loop.id), what="the tool to start")[0]
+    frozen_pid = int(call.lease_holder.rsplit(":", 1)[1])
+    group = holder_group(call.lease_holder)
+    os.killpg(group, signal.SIGSTOP)
+    try:
+        # Frozen for two TTLs: its lease lapses and another worker takes the call.
+        poll(session, lambda: session.get(Loop, loop.id).status == "completed",
+             what="another worker to finish the frozen worker's loop")
+        time.sleep(2 * TTL)
+    finally:
+        os.killpg(group, signal.SIGCONT)
+    # The thawed worker finishes its sleep (its external effect happens) but its
+    # checkpoint finds the lease taken: nothing it wrote reached our tables.
+    poll(session, lambda: len(effects(call.idempotency_key, "end")) == 2,
+         what="the thawed worker's tool body to end")
+    time.sleep(1.0)
+    (done,) = assert_finished_once(session, loop.id, calls=1)
+    assert f"in {frozen_pid}" not in json.dumps(done.result)
+    assert done.lease_holder is None
+    events = session.scalar(select(func.count()).select_from(Message).where(
+        Message.loop_id == loop.id, Message.role == "tool"))
+    assert events == 1
+
+
+@pytest.mark.parametrize("resume_while_running", [False, True],
+                         ids=["resumed-after-the-tools-ran", "resumed-while-they-run"])
+def test_pausing_during_tools_never_runs_them_twice(
+        app, session, llm, fleets, effects, resume_while_running):
+    slow_calls(llm, 2.0, 2.0)
+    fleets("only")
+    loop = SlowAgent.start(message="slow please")
+    poll(session, lambda: len(running_calls(session, loop.id)) == 2, what="both tools to run")
+    assert SlowAgent(loop.id).pause()
+    if not resume_while_running:
+        # Both finish while the loop is paused: their results are recorded, no
+        # answer is written and no turn is queued.
+        poll(session, lambda: all(c.executed_at for c in session.scalars(
+            select(ToolCall).where(ToolCall.loop_id == loop.id))), what="checkpoints")
+        session.expire_all()
+        assert session.get(Loop, loop.id).status == "paused"
+        assert session.scalar(select(func.count()).select_from(Message).where(
+            Message.loop_id == loop.id, Message.role == "tool")) == 0
+    assert SlowAgent(loop.id).resume(from_=("paused",))
+    poll(session, lambda: session.get(Loop, loop.id).status == "completed",
+         what="the resumed loop to complete")
+    for call in assert_finished_once(session, loop.id, calls=2):
+        assert len(effects(call.idempotency_key)) == 1, "a live worker's tool ran twice"
+
+
+def test_a_sequential_phase_is_not_healed_behind_its_head(app, session, llm, fleets, tmp_path):
+    slow_calls(llm, 1.5, 1.5, 1.5)  # each longer than the reaper's 1 s grace
+    fleets("only")
+    loop = SlowSequentialAgent.start(message="slow please")
+    poll(session, lambda: session.get(Loop, loop.id).status == "completed",
+         what="the sequential loop to complete")
+    assert_finished_once(session, loop.id, calls=3)
+    jobs = list(session.scalars(select(Job).where(Job.loop_id == loop.id)))
+    # Fault-free: two LLM turns and one job per call, nothing healed or redirected.
+    assert sorted(j.actor_name for j in jobs) == ["solidloop.llm_turn"] * 2 + \
+        ["solidloop.tool_call"] * 3
+    assert "reaper healed" not in Path(tmp_path / "only.log").read_text()
