@@ -9,6 +9,7 @@ one answer, and a tool whose worker is alive is never run a second time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -69,10 +70,8 @@ def fleets(monkeypatch, tmp_path):
 
 def with_sigcont(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
 
 
 def slow_calls(llm, *seconds: float) -> None:

@@ -102,3 +102,50 @@ def test_force_stop_freeze_unfreeze_commands(runner, session):
     assert "force stopped" in out
     session.expire_all()
     assert session.get(Loop, loop.id).error_message == "force stopped: from the command line"
+
+
+def test_status_says_who_holds_each_tool_call(app, runner, llm, session):
+    """Each call shows running (holder and lease expiry), queued, or answered."""
+    import uuid
+
+    from flask_solidloop.leases import worker_identity
+    from flask_solidloop.loops import store
+    from flask_solidloop.models import ToolCall
+    from flask_solidloop.state import get_state
+    from flask_solidloop.testing import drain as run
+
+    llm.script("two calls", {"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 1}},
+                                            {"name": "add", "arguments": {"a": 2, "b": 2}}]})
+    loop = Assistant.start(message="two calls")
+    run(app, queues=("solidloop_llm",))
+    session.expire_all()
+    first, second = session.query(ToolCall).order_by(ToolCall.position).all()
+    loop_row = session.get(Loop, loop.id)
+    outcome, lease = store.claim_tool_call(get_state(), session, first,
+                                           loop_row.execution_token, sequential=False,
+                                           lease_seconds=30)
+    assert outcome is store.ToolClaim.CLAIMED and isinstance(lease, uuid.UUID)
+    status = runner.invoke(args=["solidloop", "status", str(loop.id)])
+    assert status.exit_code == 0, status.output
+    assert f"[running on {worker_identity()}, lease until " in status.output
+    assert "[queued]" in status.output  # the second call's job waits in the queue
+    assert "[pending]" not in status.output
+
+
+def test_resume_of_a_completed_loop_needs_a_message_or_again(runner, llm, drain, session):
+    llm.script("done", {"content": "finished"})
+    loop = Assistant.start(message="done")
+    drain()
+    refused = runner.invoke(args=["solidloop", "resume", str(loop.id)])
+    assert refused.exit_code == 1
+    assert "is completed" in refused.output and "--message" in refused.output
+    assert "--again" in refused.output
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "completed"  # nothing was queued
+    again = runner.invoke(args=["solidloop", "resume", str(loop.id), "--again"])
+    assert again.exit_code == 0, again.output
+    continued = runner.invoke(args=["solidloop", "resume", "--from", "completed",
+                                    str(loop.id), "--message", "and then?"])
+    assert continued.exit_code == 1  # already queued by --again: nothing to resume
+    assert "stop" in runner.invoke(args=["solidloop", "stop", "--help"]).output
+    assert "can be resumed" in runner.invoke(args=["solidloop", "stop", "--help"]).output
