@@ -119,7 +119,7 @@ def test_status_says_who_holds_each_tool_call(app, runner, llm, session):
     loop = Assistant.start(message="two calls")
     run(app, queues=("solidloop_llm",))
     session.expire_all()
-    first, second = session.query(ToolCall).order_by(ToolCall.position).all()
+    first, _second = session.query(ToolCall).order_by(ToolCall.position).all()
     loop_row = session.get(Loop, loop.id)
     outcome, lease = store.claim_tool_call(get_state(), session, first,
                                            loop_row.execution_token, sequential=False,
