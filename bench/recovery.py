@@ -113,10 +113,10 @@ def wait_until(check, timeout: float, what: str):
 
 
 def run_case(case: str, app, emulator, log_dir: Path) -> tuple[float, float]:
+    from recovery_app import Caller, Streamer, db
     from sqlalchemy import select
 
     from flask_solidloop.models import Loop, Message, ToolCall
-    from recovery_app import Caller, Streamer, db
 
     emulator.reset()
     if case == "stream":
@@ -173,7 +173,7 @@ def run_case(case: str, app, emulator, log_dir: Path) -> tuple[float, float]:
                 return None
 
             def step_done():
-                loop, call, _, done = snapshot()
+                _loop, call, _, done = snapshot()
                 if case == "tool":
                     return time.monotonic() if call.executed_at is not None else None
                 return time.monotonic() if done is not None else None
