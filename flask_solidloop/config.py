@@ -183,6 +183,10 @@ SETTINGS: tuple[Setting, ...] = (
             "Price table: model -> {input, cached_input, output} per million tokens."),
     Setting("SOLIDLOOP_TOOL_OUTPUT_LIMIT", 20000, _positive_int,
             "Characters of a tool result shown to the model; the full result is kept."),
+    Setting("SOLIDLOOP_EVENT_BODY_LIMIT", 65536, _positive_int,
+            "Characters of a request, response or tool result kept in a wire-log event; a "
+            "larger body is kept as an excerpt with its size and SHA-256 (a tool's full "
+            "result stays on its tool call)."),
 )
 
 _BY_KEY = {s.key: s for s in SETTINGS}
@@ -215,6 +219,7 @@ class Config:
     stream_update_interval: float
     prices: dict[str, Any]
     tool_output_limit: int
+    event_body_limit: int
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> Config:

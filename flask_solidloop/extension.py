@@ -28,11 +28,12 @@ from .queue.middleware import (
     AppContextMiddleware,
     CurrentJobMiddleware,
     LeaseRenewerMiddleware,
+    LogRedactionMiddleware,
     PeriodicTaskMiddleware,
 )
 from .runtime.actors import declare_actors
 from .state import EXTENSION_KEY, SolidLoopState
-from .urls import libpq_url, redact_url
+from .urls import install_log_redaction, libpq_url, redact_url
 
 A = TypeVar("A", bound=type[Agent])
 StackHook = Callable[[Builder], None]
@@ -104,6 +105,8 @@ class SolidLoop:
                 "flask-solidloop is already initialised on this app; call init_app once"
             )
         db = db or self.db or _find_sqlalchemy(app)
+        # Our dependencies log request URLs (credentials included) at INFO.
+        install_log_redaction()
         config = Config.from_mapping(app.config)
         url = _check_urls(config, app.config.get("SQLALCHEMY_DATABASE_URI"))
         broker = PostgresBroker(
@@ -120,6 +123,7 @@ class SolidLoop:
         state = SolidLoopState(extension=self, app=app, db=db, config=config, database_url=url,
                                broker=broker, leases=RenewerSlot(libpq_url(broker.url)))
         broker.add_middleware(LeaseRenewerMiddleware(state.leases))
+        broker.add_middleware(LogRedactionMiddleware())
         for middleware in _maintenance_in_workers(state):
             broker.add_middleware(middleware)
         state.bind_actors(declare_actors(state))

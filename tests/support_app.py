@@ -206,6 +206,78 @@ class SlowSequentialAgent(Agent):
         return llm_settings()
 
 
+# -- bad input: tools whose output PostgreSQL cannot store as it is -----------------
+
+odd_tools = Toolset("odd")
+
+
+@odd_tools.tool
+def unstorable(ctx: CallContext) -> str:
+    """Answer with a NUL and a lone surrogate (after recording its side effect)."""
+    _log_slow_effect(ctx.idempotency_key, "odd")
+    return "before\x00after \ud800 end"
+
+
+@odd_tools.tool
+def odd_block(ctx: CallContext):
+    """Answer with a hand-built result block holding a value JSON cannot."""
+    import datetime
+
+    from flask_solidloop import ToolResult
+
+    _log_slow_effect(ctx.idempotency_key, "odd")
+    return ToolResult(content=[{"type": "text", "text": "made at noon",
+                                "at": datetime.datetime(2026, 12, 1, 12, 0)}])
+
+
+@odd_tools.tool
+def big(chars: int, ctx: CallContext) -> str:
+    """Answer with ``chars`` characters."""
+    _log_slow_effect(ctx.idempotency_key, "odd")
+    return "x" * chars
+
+
+@odd_tools.tool
+def nested(value: dict) -> str:
+    """Take any object."""
+    return "took it"
+
+
+@solidloop.agent("odd")
+class OddAgent(Agent):
+    system_prompt = "You use odd tools."
+    mcps = [{"name": "odd", "toolset": odd_tools}]
+
+    def llm(self) -> dict:
+        return llm_settings()
+
+
+@solidloop.agent("odd_streaming")
+class OddStreamingAgent(OddAgent):
+    streaming = True
+
+
+# -- secrets: URLs with credentials in them ------------------------------------------
+
+CANARY_LLM_URL_ENV = "SOLIDLOOP_TEST_CANARY_LLM_URL"
+CANARY_MCP_URL_ENV = "SOLIDLOOP_TEST_CANARY_MCP_URL"
+
+
+@solidloop.agent("canary")
+class CanaryAgent(Agent):
+    """Reaches its model and its MCP server through URLs that carry credentials."""
+
+    system_prompt = "You use a remote tool."
+
+    def llm(self) -> dict:
+        return {**llm_settings(), "base_url": os.environ.get(CANARY_LLM_URL_ENV,
+                                                             "http://127.0.0.1:9")}
+
+    def mcps(self) -> list:
+        url = os.environ.get(CANARY_MCP_URL_ENV)
+        return [{"name": "remote", "url": url, "timeout": 10}] if url else []
+
+
 def create_app(**config) -> Flask:
     import json
 

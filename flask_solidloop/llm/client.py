@@ -40,6 +40,7 @@ from ..errors import (
     ProviderHTTPError,
     ProviderResponseError,
 )
+from ..urls import redact_url, redact_urls_in
 from ..wire import WireRecord
 from .redact import redact_headers, redact_secrets
 
@@ -184,6 +185,8 @@ class Send:
         retry_after_from_body: Callable[[Any], float | None] | None, stream: bool,
     ) -> None:
         self.url = url
+        #: The URL as errors, logs and the wire log show it: no credentials.
+        self.shown_url = redact_url(url)
         self.payload = payload
         self.headers = headers
         self.params = params
@@ -196,7 +199,7 @@ class Send:
         self.http = client or shared_client()
         self.retry_after_from_body = retry_after_from_body
         self.stream = stream
-        self.record = WireRecord(url=url, request_headers=redact_headers(headers),
+        self.record = WireRecord(url=self.shown_url, request_headers=redact_headers(headers),
                                  request_body=redact_secrets(payload, self.secrets))
 
     def redact(self, value: Any) -> Any:
@@ -238,7 +241,7 @@ class Send:
             raise _Retry(delay)
         self.record.status = response.status_code
         self.record.response_body = self.redact(body_text[:20000])
-        raise ProviderHTTPError(response.status_code, self.redact(body_text), self.url)
+        raise ProviderHTTPError(response.status_code, self.redact(body_text), self.shown_url)
 
     def fail(self, attempt: Attempt) -> None:
         """The attempt's failure is the request's outcome: keep its reason in the record."""
@@ -273,18 +276,19 @@ def map_exceptions(send: Send, attempt: Attempt) -> Iterator[None]:
         if attempt.number <= send.policy.retries:
             raise _Retry(backoff_delay(send.policy, attempt.number)) from None
         send.fail(attempt)
-        raise ProviderError(f"cannot connect to {send.url}: {exc}") from exc
+        raise ProviderError(
+            f"cannot connect to {send.shown_url}: {redact_urls_in(str(exc))}") from exc
     except httpx.TimeoutException as exc:
         # Never repeated: a read timeout means the whole timeout has passed, and the
         # provider may have done (and billed) the work.
         name = type(exc).__name__
         if attempt.stream:
             attempt.log(error=f"{name}: no data for {send.read_timeout}s", events=attempt.events)
-            message = (f"{name}: {send.url} sent nothing for {send.read_timeout}s "
+            message = (f"{name}: {send.shown_url} sent nothing for {send.read_timeout}s "
                        "(read_timeout is the silence allowed between reads; not retried)")
         else:
             attempt.log(error=f"{name}: {exc}")
-            message = (f"{name} after {send.read_timeout}s waiting for {send.url} "
+            message = (f"{name} after {send.read_timeout}s waiting for {send.shown_url} "
                        "(read timeouts are not retried)")
         send.fail(attempt)
         raise ProviderError(message) from exc
@@ -292,7 +296,7 @@ def map_exceptions(send: Send, attempt: Attempt) -> Iterator[None]:
         if attempt.stream:
             _broken_stream(send, attempt, exc)
             raise ProviderResponseError(
-                f"the stream from {send.url} broke after {attempt.events} events: {exc}"
+                f"the stream from {send.shown_url} broke after {attempt.events} events: {exc}"
             ) from exc
         # The connection dropped while the request or response was in flight: the
         # provider may have served it, so it is not repeated; the loop fails with
@@ -300,7 +304,7 @@ def map_exceptions(send: Send, attempt: Attempt) -> Iterator[None]:
         attempt.log(error=f"{type(exc).__name__}: {exc}")
         send.fail(attempt)
         raise ProviderResponseError(
-            f"the connection to {send.url} broke before the response was complete "
+            f"the connection to {send.shown_url} broke before the response was complete "
             f"({type(exc).__name__}: {exc}); not retried, as it may have been served"
         ) from exc
     except ProviderResponseError as exc:
@@ -363,7 +367,7 @@ def _json_attempt(send: Send, attempt: Attempt) -> Any:
     except (json.JSONDecodeError, ValueError) as exc:
         send.record.response_body = send.redact(response.text[:20000])
         raise ProviderResponseError(
-            f"HTTP {status} from {send.url} with a body that is not JSON: "
+            f"HTTP {status} from {send.shown_url} with a body that is not JSON: "
             f"{response.text[:300]!r}"
         ) from exc
     send.record.response_body = send.redact(body)

@@ -38,7 +38,7 @@ from ..errors import LostLeaseError
 from ..leases import worker_identity
 from ..models import Event, Loop, McpSession, Message, ToolCall
 from ..queue.current_job import mark_current_job_done
-from . import queries
+from . import queries, storable
 from .fence import lock_loop, owns, transition
 
 if TYPE_CHECKING:
@@ -98,13 +98,35 @@ def _hide_shells(session: SessionLike, loop_id: int) -> None:
     )
 
 
+def _clean(value: str | None) -> str | None:
+    """Text made storable (NUL and lone surrogates replaced), for error texts."""
+    return storable.text(value)[0]
+
+
+def _sanitized(fields: dict[str, bool]) -> list[str]:
+    """The names of the fields whose text had to be made storable."""
+    return [name for name, altered in fields.items() if altered]
+
+
+def _event_payload(payload: dict[str, Any], limit: int) -> dict[str, Any]:
+    """A wire-log payload with each large body cut to an excerpt, made storable."""
+    for part in ("request", "response"):
+        section = payload.get(part)
+        if isinstance(section, dict) and "body" in section:
+            section["body"], _ = storable.excerpt(section["body"], limit)
+    if "result" in payload:
+        payload["result"], _ = storable.excerpt(payload["result"], limit)
+    cleaned, _, _ = storable.json_value(payload)
+    return cleaned  # type: ignore[no-any-return]
+
+
 def _wire_event(session: SessionLike, loop_id: int, message_id: int | None,
-                wire: WireRecord | None, *, error: str | None = None) -> None:
+                wire: WireRecord | None, *, body_limit: int, error: str | None = None) -> None:
     if wire is not None:
         session.add(Event(
             loop_id=loop_id, message_id=message_id, kind="llm_request",
-            status_code=wire.status, duration_ms=wire.duration_ms, error=error,
-            payload=wire.to_payload(),
+            status_code=wire.status, duration_ms=wire.duration_ms, error=_clean(error),
+            payload=_event_payload(wire.to_payload(), body_limit),
         ))
 
 
@@ -137,6 +159,8 @@ def fenced_transition(session: SessionLike, loop_id: int, token: uuid.UUID, *,
                       from_: str | tuple[str, ...], to: str, **changes: Any) -> bool:
     """A turn's own transition on its generation, committed now. False (and
     nothing written) when the loop is no longer that generation's."""
+    if isinstance(changes.get("error_message"), str):
+        changes["error_message"] = _clean(changes["error_message"])
     loop = transition(session, loop_id, from_=from_, to=to, expected_token=token, **changes)
     if loop is None:
         session.rollback()
@@ -146,6 +170,15 @@ def fenced_transition(session: SessionLike, loop_id: int, token: uuid.UUID, *,
 
 
 # -- creation ---------------------------------------------------------------------
+
+
+def _message(loop_id: int, role: str, content: str, **fields: Any) -> Message:
+    """A new message row with storable content (flagged when it had to change)."""
+    cleaned, altered = storable.text(content)
+    meta = dict(fields.pop("meta", None) or {})
+    if altered:
+        meta["sanitized"] = ["content"]
+    return Message(loop_id=loop_id, role=role, content=cleaned, meta=meta, **fields)
 
 
 def create_loop(state: SolidLoopState, session: SessionLike, *, agent_name: str,
@@ -159,8 +192,8 @@ def create_loop(state: SolidLoopState, session: SessionLike, *, agent_name: str,
     session.add(loop)
     session.flush()
     if system_prompt:
-        session.add(Message(loop_id=loop.id, role="system", content=system_prompt))
-    session.add(Message(loop_id=loop.id, role="user", content=message))
+        session.add(_message(loop.id, "system", system_prompt))
+    session.add(_message(loop.id, "user", message))
     session.flush()
     if enqueue:
         state.dispatch.llm_turn(session, loop.id)
@@ -175,7 +208,7 @@ def fail_unclaimed(session: SessionLike, loop_id: int, error_message: str) -> No
     definition), marking its job done, so it never sits queued forever."""
     session.rollback()
     if transition(session, loop_id, from_="queued", to="failed",
-                  error_message=error_message) is not None:
+                  error_message=_clean(error_message)) is not None:
         mark_current_job_done(session)
     session.commit()
 
@@ -211,8 +244,9 @@ def record_tool_snapshots(session: SessionLike, loop_id: int,
     for server_name, (tools, session_state) in snapshots.items():
         session.execute(
             pg_insert(McpSession)
-            .values(loop_id=loop_id, server_name=server_name, tools=tools,
-                    session_state=session_state)
+            .values(loop_id=loop_id, server_name=server_name,
+                    tools=storable.json_value(tools)[0],
+                    session_state=storable.json_value(session_state)[0])
             .on_conflict_do_nothing(index_elements=["loop_id", "server_name"])
         )
 
@@ -238,7 +272,7 @@ def record_partial(session: SessionLike, shell_id: int, content: str,
     session.execute(
         update(Message)
         .where(Message.id == shell_id, Message.status == "processing")
-        .values(content=content, reasoning=reasoning)
+        .values(content=storable.text(content)[0], reasoning=storable.text(reasoning)[0])
     )
     session.commit()
 
@@ -253,6 +287,20 @@ class NewToolCall:
     arguments: dict[str, Any] | None
     server_name: str | None = None
     tool_name: str | None = None
+
+
+def _tool_call_row(loop_id: int, message_id: int, position: int,
+                   call: NewToolCall) -> ToolCall:
+    name, name_altered = storable.text(call.name)
+    call_id, id_altered = storable.text(call.call_id or None)
+    raw, raw_altered = storable.text(call.arguments_raw)
+    arguments, arguments_altered, _ = storable.json_value(call.arguments)
+    sanitized = _sanitized({"name": name_altered, "call_id": id_altered,
+                            "arguments_raw": raw_altered, "arguments": arguments_altered})
+    return ToolCall(loop_id=loop_id, message_id=message_id, position=position, call_id=call_id,
+                    name=name or "", server_name=call.server_name, tool_name=call.tool_name,
+                    arguments_raw=raw, arguments=arguments,
+                    meta={"sanitized": sanitized} if sanitized else None)
 
 
 def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int,
@@ -270,9 +318,16 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     assert loop is not None
     shell = session.get(Message, shell_id)
     assert shell is not None
-    shell.content = response.content
-    shell.reasoning = response.reasoning
-    shell.finish_reason = response.finish_reason
+    content, content_altered = storable.text(response.content)
+    reasoning, reasoning_altered = storable.text(response.reasoning)
+    meta, meta_altered, _ = storable.json_value(meta)
+    sanitized = _sanitized({"content": content_altered, "reasoning": reasoning_altered,
+                            "metadata": meta_altered})
+    if sanitized:
+        meta["sanitized"] = sanitized
+    shell.content = content
+    shell.reasoning = reasoning
+    shell.finish_reason = _clean(response.finish_reason)
     shell.status = "completed"
     shell.is_hidden = False
     shell.completed_at = func.now()
@@ -285,13 +340,10 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
             loop.cost = (loop.cost or 0) + turn_cost
     shell.meta = meta
     loop.step_count += 1
-    rows = [ToolCall(loop_id=loop_id, message_id=shell.id, position=position,
-                     call_id=call.call_id or None, name=call.name,
-                     server_name=call.server_name, tool_name=call.tool_name,
-                     arguments_raw=call.arguments_raw, arguments=call.arguments)
+    rows = [_tool_call_row(loop_id, shell.id, position, call)
             for position, call in enumerate(calls)]
     session.add_all(rows)
-    _wire_event(session, loop_id, shell.id, wire)
+    _wire_event(session, loop_id, shell.id, wire, body_limit=state.config.event_body_limit)
     session.flush()
     loop.lease_holder = None
     if not rows:
@@ -311,11 +363,11 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
 
 def end_llm_turn(session: SessionLike, loop_id: int, token: uuid.UUID, *, to: str,
                  error_message: str, shell_id: int | None,
-                 wire: WireRecord | None) -> bool:
+                 wire: WireRecord | None, body_limit: int) -> bool:
     """End a turn with an expected outcome (a limit pauses, a provider error
     fails): the shell is failed and hidden, the wire record kept."""
     loop = transition(session, loop_id, from_="running", to=to, expected_token=token,
-                      error_message=error_message)
+                      error_message=_clean(error_message))
     if loop is None:
         session.rollback()
         return False
@@ -324,7 +376,7 @@ def end_llm_turn(session: SessionLike, loop_id: int, token: uuid.UUID, *, to: st
         if shell is not None and shell.status == "processing":
             shell.status = "failed"
             shell.is_hidden = True
-    _wire_event(session, loop_id, shell_id, wire, error=error_message)
+    _wire_event(session, loop_id, shell_id, wire, body_limit=body_limit, error=error_message)
     session.commit()
     return True
 
@@ -333,7 +385,7 @@ def fail_turn(session: SessionLike, loop_id: int, token: uuid.UUID,
               error_message: str) -> bool:
     """Fail the loop for an error nothing else handled, if ``token`` still owns it."""
     loop = transition(session, loop_id, from_="running", to="failed", expected_token=token,
-                      error_message=error_message)
+                      error_message=_clean(error_message))
     if loop is None:
         session.rollback()
         return False
@@ -412,34 +464,55 @@ def claim_tool_call(state: SolidLoopState, session: SessionLike, call: ToolCall,
 
 def checkpoint_tool_call(session: SessionLike, *, loop_id: int, token: uuid.UUID,
                          tool_call_id: int, lease_token: uuid.UUID | None,
-                         result: ToolResult, duration_ms: float) -> ToolCall:
+                         result: ToolResult, duration_ms: float,
+                         body_limit: int) -> tuple[ToolCall, ToolResult]:
     """Record a tool's canonical result (``executed_at``) under the call's lease,
     with its wire event. Exactly once: a second checkpoint finds it executed.
     The loop may be paused or stopped meanwhile: the result is recorded all the
-    same (its effect happened), and resume answers the call from it."""
+    same (its effect happened), and resume answers the call from it.
+
+    Returns the call and the result as stored: made storable (NUL and lone
+    surrogates replaced) and, when a block held a value JSON cannot, with that
+    value as text; the call's metadata says which. The full result is kept on
+    the call; the event keeps an excerpt past ``body_limit``.
+    """
+    from ..mcp.toolset import ToolResult
+
     if lease_token is None:
         raise LostLeaseError(f"tool call {tool_call_id}: no lease to checkpoint under")
     _, call = _lock_call(session, loop_id, token, tool_call_id, lease_token)
     if call.executed_at is not None:  # someone else checkpointed first
         session.rollback()
         raise LostLeaseError(f"tool call {tool_call_id} was already executed")
-    stored = result.to_mcp()
-    call.result = stored
+    stored, altered, unserializable = storable.json_value(result.to_mcp())
+    notes: dict[str, Any] = dict(call.meta or {})
+    if altered:
+        notes["sanitized"] = sorted({*notes.get("sanitized", []), "result"})
+    if unserializable:
+        notes["unserializable"] = True
+        logger.warning("tool call %s (%s): its result held values JSON cannot; they were "
+                       "stored as text", tool_call_id, call.name)
+    canonical = ToolResult.from_mcp(stored) if isinstance(stored, dict) else ToolResult(
+        content=[{"type": "text", "text": str(stored)}], is_error=result.is_error)
+    canonical.error_kind = result.error_kind
+    call.result = canonical.to_mcp()
     call.is_success = not result.is_error
     call.error_kind = result.error_kind
     call.executed_at = func.now()
     call.duration_ms = duration_ms
+    if notes:
+        call.meta = notes
     session.add(Event(
         loop_id=loop_id, tool_call_id=call.id, kind="tool_call", duration_ms=duration_ms,
-        error=result.text()[:MAX_EVENT_ERROR] if result.is_error else None,
-        payload={
+        error=canonical.text()[:MAX_EVENT_ERROR] if result.is_error else None,
+        payload=_event_payload({
             "name": call.name, "server": call.server_name, "tool": call.tool_name,
             "arguments": call.arguments if call.arguments is not None else call.arguments_raw,
-            "idempotency_key": call.idempotency_key, "result": stored,
-        },
+            "idempotency_key": call.idempotency_key, "result": call.result,
+        }, body_limit),
     ))
     session.commit()
-    return call
+    return call, canonical
 
 
 def store_mcp_session_state(session: SessionLike, loop_id: int, server_name: str | None,
@@ -450,7 +523,7 @@ def store_mcp_session_state(session: SessionLike, loop_id: int, server_name: str
     session.execute(
         update(McpSession)
         .where(McpSession.loop_id == loop_id, McpSession.server_name == server_name)
-        .values(session_state=session_state)
+        .values(session_state=storable.json_value(session_state)[0])
     )
     session.commit()
 
@@ -468,8 +541,8 @@ def answer_tool_call(state: SolidLoopState, session: SessionLike, *, loop_id: in
     if call.response_message_id is not None or loop.status != "running":
         session.rollback()
         return False
-    message = Message(loop_id=loop_id, role="tool", content=content, tool_call_id=call.id,
-                      meta={"is_error": is_error, "tool_name": call.name})
+    message = _message(loop_id, "tool", content, tool_call_id=call.id,
+                       meta={"is_error": is_error, "tool_name": call.name})
     session.add(message)
     session.flush()
     call.response_message_id = message.id
@@ -507,7 +580,7 @@ def fail_tool_call(session: SessionLike, *, loop_id: int, tool_call_id: int,
         session.rollback()
         return False
     transition(session, loop_id, from_="running", to="failed", expected_token=token,
-               error_message=f"tool call {tool_call_id}: {error_message}")
+               error_message=_clean(f"tool call {tool_call_id}: {error_message}"))
     session.commit()
     return True
 
@@ -519,7 +592,8 @@ def _leave(session: SessionLike, loop_id: int, *, from_: tuple[str, ...], to: st
            error_message: str | None) -> bool:
     """A host-driven exit from ``from_`` (no fence: the host outranks any
     generation), hiding the loop's shells. Does not commit."""
-    changes: dict[str, Any] = {} if error_message is None else {"error_message": error_message}
+    changes: dict[str, Any] = {} if error_message is None else {
+        "error_message": _clean(error_message)}
     loop = transition(session, loop_id, from_=from_, to=to, **changes)
     if loop is None:
         session.rollback()
@@ -647,7 +721,7 @@ def resume(state: SolidLoopState, session: SessionLike, loop_id: int, allowed: I
     if message:
         _cancel_tool_calls(session, pending, reason="the loop was resumed with a new message")
         pending = []
-        session.add(Message(loop_id=loop_id, role="user", content=message))
+        session.add(_message(loop_id, "user", message))
     if pending:
         token = uuid.uuid4()
         loop.status = "running"

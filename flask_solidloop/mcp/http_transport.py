@@ -90,6 +90,7 @@ from pydantic import ValidationError
 from flask_solidloop.errors import McpTransportError
 from flask_solidloop.mcp import bridge, sdk
 from flask_solidloop.mcp.toolset import ToolResult
+from flask_solidloop.urls import redact_url
 
 __all__ = ["HttpTransport"]
 
@@ -787,14 +788,15 @@ def _short(text: str, limit: int = 200) -> str:
 
 
 def _display_url(url: str) -> str:
-    """The URL without userinfo, query or fragment (they may carry credentials)."""
+    """The URL as messages and the stored session show it: without userinfo, query
+    or fragment (they may carry credentials; the stored session needs neither)."""
     try:
         parts = urllib.parse.urlsplit(url)
         host = parts.hostname or ""
         if ":" in host:
             host = f"[{host}]"
         netloc = f"{host}:{parts.port}" if parts.port else host
-        return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+        return redact_url(urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", "")))
     except ValueError:
         return "<invalid URL>"
 

@@ -34,6 +34,7 @@ from ..llm.registry import get_dialect
 from ..llm.streaming import post_stream
 from ..loops import queries, store
 from ..mcp.registry import ToolRegistry
+from ..urls import redact_urls_in
 from .builder import Handler
 from .context import LlmContext
 
@@ -58,8 +59,8 @@ class ErrorHandling:
         except ProviderError as exc:
             ctx.session.rollback()
             # Exception text can quote a request (and so a key): scrub it first.
-            message = redact_secrets(f"{type(exc).__name__}: {exc}",
-                                     ctx.extras.get("secrets", []))
+            message = redact_urls_in(redact_secrets(f"{type(exc).__name__}: {exc}",
+                                                    ctx.extras.get("secrets", [])))
             logger.warning("loop %s: provider error: %s", ctx.loop_id, message)
             _end_turn(ctx, to="failed", error_message=message)
         return None
@@ -69,7 +70,8 @@ def _end_turn(ctx: LlmContext, *, to: str, error_message: str) -> None:
     if ctx.lease is not None and ctx.lease.lost():
         return  # not ours any more: the reaper or the new generation decides
     store.end_llm_turn(ctx.session, ctx.loop_id, ctx.execution_token, to=to,
-                       error_message=error_message, shell_id=ctx.shell_id, wire=ctx.wire)
+                       error_message=error_message, shell_id=ctx.shell_id, wire=ctx.wire,
+                       body_limit=ctx.state.config.event_body_limit)
 
 
 class AgentInitialization:
@@ -268,7 +270,9 @@ def _parse_arguments(raw: str | None) -> dict[str, Any] | None:
         return {}
     try:
         value = json.loads(raw)
-    except (json.JSONDecodeError, ValueError):
+    except (json.JSONDecodeError, ValueError, RecursionError):
+        # RecursionError: nested deeper than Python parses; the model gets the
+        # same correctable "not a JSON object" error as for any bad arguments.
         return None
     return value if isinstance(value, dict) else None
 

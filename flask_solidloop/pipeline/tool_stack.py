@@ -41,11 +41,11 @@ class ToolExecution:
             return self.next_step(ctx)
 
         result, duration_ms = self._run(ctx, call)
-        ctx.tool_call = store.checkpoint_tool_call(
+        # From here on the stored (storable) result is the canonical one.
+        ctx.tool_call, ctx.result = store.checkpoint_tool_call(
             ctx.session, loop_id=ctx.loop_id, token=ctx.execution_token,
             tool_call_id=ctx.tool_call_id, lease_token=ctx.lease_token, result=result,
-            duration_ms=duration_ms)
-        ctx.result = result
+            duration_ms=duration_ms, body_limit=ctx.state.config.event_body_limit)
         return self.next_step(ctx)
 
     def _run(self, ctx: ToolContext, call: ToolCall) -> tuple[ToolResult, float]:

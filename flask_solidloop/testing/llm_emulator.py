@@ -290,7 +290,7 @@ def _google_error_body(status: int, message: str, status_name: str | None = None
 
 
 def _json_response(status: int, payload: Any, headers: dict[str, str] | None = None) -> _Response:
-    body = json.dumps(payload, ensure_ascii=False).encode("utf-8")
+    body = _dumps(payload).encode("utf-8")
     return _Response(status, body, "application/json", dict(headers or {}))
 
 
@@ -431,8 +431,14 @@ def _estimate_tokens(text: str) -> int:
     return max(1, len(text) // 4)
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
+    """JSON as servers send it: UTF-8 text, with a lone surrogate (which UTF-8
+    cannot hold) written as its ``\\uXXXX`` escape, as JSON.stringify does."""
+    text = json.dumps(value, ensure_ascii=False)
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def _prompt_text(request_json: dict[str, Any], dialect: str = OPENAI) -> str:

@@ -1,0 +1,73 @@
+"""URL redaction (urls.py) and storable text/JSON (loops/storable.py): pure functions."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+
+from flask_solidloop.loops import storable
+from flask_solidloop.urls import RedactingFilter, redact_url, redact_urls_in
+
+
+def test_userinfo_and_secret_parameters_are_removed():
+    assert redact_url("http://user:s3cret@host:8/p?token=abc&page=2#access_token=x") == \
+        "http://user:***@host:8/p?token=***&page=2#access_token=***"
+    assert redact_url("https://ghp_0123456789abcdefghij@github.com/x") == \
+        "https://***@github.com/x"
+    assert redact_url("postgresql+psycopg://postgres@127.0.0.1/db") == \
+        "postgresql+psycopg://postgres@127.0.0.1/db"
+    assert redact_url("http://h/p?api_key=1&sig=2&Signature=3&x=4&password=") == \
+        "http://h/p?api_key=***&sig=***&Signature=***&x=4&password="
+    assert redact_url("http://h/plain") == "http://h/plain"
+
+
+def test_every_url_in_a_text_is_redacted():
+    text = ("cannot connect to http://u:pw@127.0.0.1:9/v1 (refused); "
+            "see 'https://x.io/m?token=zz' and http://ok/")
+    assert redact_urls_in(text) == ("cannot connect to http://u:***@127.0.0.1:9/v1 (refused); "
+                                    "see 'https://x.io/m?token=***' and http://ok/")
+
+
+def test_the_log_filter_covers_arguments_and_tracebacks():
+    try:
+        raise ValueError("failed at http://u:pw@host/x?key=k")
+    except ValueError:
+        import sys
+
+        record = logging.LogRecord("httpx", logging.INFO, __file__, 1,
+                                   "HTTP Request: %s", ("POST http://u:pw@host/?token=t",),
+                                   sys.exc_info())
+    assert RedactingFilter().filter(record)
+    assert record.getMessage() == "HTTP Request: POST http://u:***@host/?token=***"
+    assert "pw" not in record.exc_text and "http://u:***@host/x?key=***" in record.exc_text
+
+
+def test_text_is_made_storable_and_says_so():
+    assert storable.text("a\x00b\ud800c") == ("a\ufffdb\ufffdc", True)
+    assert storable.text("fine") == ("fine", False)
+    assert storable.text(None) == (None, False)
+
+
+def test_json_is_made_storable():
+    value, altered, unserializable = storable.json_value(
+        {"t\x00": ["x\ud800", float("nan"), 1, True, None], 3: {"deep": "ok"}})
+    assert value == {"t\ufffd": ["x\ufffd", "nan", 1, True, None], "3": {"deep": "ok"}}
+    assert (altered, unserializable) == (True, False)
+    value, _, unserializable = storable.json_value({"at": datetime.date(2026, 1, 2)})
+    assert value == {"at": "2026-01-02"} and unserializable
+
+
+def test_structures_deeper_than_python_walks_become_text():
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    value, altered, unserializable = storable.json_value(deep)
+    assert isinstance(value, str) and altered and unserializable
+
+
+def test_a_large_body_is_kept_as_an_excerpt_with_size_and_hash():
+    small, cut = storable.excerpt({"a": 1}, 100)
+    assert small == {"a": 1} and not cut
+    big, cut = storable.excerpt("x" * 1000, 100)
+    assert cut and big["truncated"] and len(big["excerpt"]) == 100
+    assert big["size"] == 1002 and len(big["sha256"]) == 64
