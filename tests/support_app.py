@@ -187,7 +187,7 @@ def slow(seconds: float, ctx: CallContext) -> str:
     return f"slept {seconds}s in {os.getpid()}"
 
 
-@solidloop.agent("slow")
+@solidloop.agent("liveness")
 class SlowAgent(Agent):
     system_prompt = "You run slow tools."
     mcps = [{"name": "slow", "toolset": slow_tools}]
@@ -196,7 +196,7 @@ class SlowAgent(Agent):
         return llm_settings()
 
 
-@solidloop.agent("slow_sequential")
+@solidloop.agent("liveness_sequential")
 class SlowSequentialAgent(Agent):
     system_prompt = "You run slow tools, one at a time."
     mcps = [{"name": "slow", "toolset": slow_tools}]

@@ -18,7 +18,6 @@ from flask_solidloop.models import Event, Loop, Message, ToolCall
 
 from ..support_app import OddAgent, OddStreamingAgent
 from .test_e2e_workers import kill_group, spawn_workers, wait_for
-from .test_liveness import effects  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.e2e
 

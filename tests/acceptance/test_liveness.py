@@ -18,14 +18,12 @@ import sys
 import time
 from pathlib import Path
 
-import psycopg
 import pytest
 from sqlalchemy import func, select
 
 from flask_solidloop.models import Job, Loop, Message, ToolCall
-from flask_solidloop.urls import libpq_url
 
-from ..support_app import SLOW_EFFECTS_DDL, SlowAgent, SlowSequentialAgent
+from ..support_app import SlowAgent, SlowSequentialAgent
 from .test_e2e_workers import kill_group, spawn_workers
 
 pytestmark = pytest.mark.e2e
@@ -35,21 +33,6 @@ WORKER_CONFIG = {"SOLIDLOOP_LIVENESS_TTL": TTL, "SOLIDLOOP_REAPER_INTERVAL": 0.5
                  "SOLIDLOOP_LEASE_MARGIN": 1}
 WORKER_CMD = [sys.executable, "-m", "dramatiq", "flask_solidloop.worker", "--processes", "1",
               "--threads", "2"]
-
-
-@pytest.fixture
-def effects(database_url):
-    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
-        conn.execute(SLOW_EFFECTS_DDL)
-        conn.execute("TRUNCATE slow_effects")
-
-    def runs(key: str, phase: str = "start") -> list[int]:
-        with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
-            return [pid for (pid,) in conn.execute(
-                "SELECT pid FROM slow_effects WHERE idempotency_key = %s AND phase = %s "
-                "ORDER BY id", (key, phase))]
-
-    return runs
 
 
 @pytest.fixture

@@ -513,9 +513,8 @@ def test_a_slow_healthy_tool_keeps_its_lease_and_runs_once(app, state, session, 
             return llm_settings()
 
     solidloop.agent("slow")(Slow)
-    # a 1 s margin over a 1 s tool timeout: a 2 s lease, renewed every second
-    object.__setattr__(state, "config", state.config.replace(default_tool_timeout=1,
-                                                             lease_margin=1))
+    # a 2 s liveness lease, renewed every second
+    object.__setattr__(state, "config", state.config.replace(liveness_ttl=2.0))
     llm.script("crawl", {"tool_calls": [{"name": "crawl", "arguments": {}}]})
     llm.script("crawled", {"content": "done"})
     loop = Slow.start(message="crawl")
