@@ -16,7 +16,8 @@ CHANNEL_PREFIX = "solidloop_q_"
 INSERT = (
     "INSERT INTO solidloop_jobs (queue_name, actor_name, message_id, message, eta, loop_id) "
     "VALUES (%(queue_name)s, %(actor_name)s, %(message_id)s, %(message)s, "
-    "now() + make_interval(secs => %(delay)s), %(loop_id)s) RETURNING id"
+    "coalesce(%(eta)s::timestamptz, now() + make_interval(secs => %(delay)s)), %(loop_id)s) "
+    "RETURNING id"
 )
 #: The insert plus its wake-up. NOTIFY is transactional: a rollback sends nothing.
 INSERT_AND_NOTIFY = (
