@@ -17,9 +17,17 @@ from .errors import (
     UnknownMiddlewareError,
 )
 from .extension import SolidLoop
+from .jobs import FailedJobRegistry, Job, LazyActor, Queue, Retry
 from .mcp.toolset import CallContext, ToolResult, Toolset
 from .models import RESUMABLE_STATUSES
 from .pipeline.builder import Builder
+from .queue.errors import (
+    InvalidJobError,
+    JobEncodeError,
+    JobError,
+    JobImportError,
+    NoSuchJobError,
+)
 
 __version__ = "0.1.0.dev0"
 
@@ -30,9 +38,19 @@ __all__ = [
     "Builder",
     "CallContext",
     "ConfigurationError",
+    "FailedJobRegistry",
+    "InvalidJobError",
+    "Job",
+    "JobEncodeError",
+    "JobError",
+    "JobImportError",
+    "LazyActor",
     "LimitExceededError",
     "LostLeaseError",
+    "NoSuchJobError",
     "ProviderError",
+    "Queue",
+    "Retry",
     "SolidLoop",
     "SolidLoopError",
     "ToolResult",

@@ -98,6 +98,13 @@ def _positive_float(key: str, value: Any) -> float:
     return number
 
 
+def _ttl_seconds(key: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ConfigurationError(key, value, "must be seconds >= 0, or -1 (keep forever)")
+    number = _integer(key, value, minimum=-1)
+    return number
+
+
 def _status_list(key: str, value: Any) -> tuple[int, ...]:
     if isinstance(value, str):
         value = [part for part in value.replace(",", " ").split() if part]
@@ -168,6 +175,12 @@ SETTINGS: tuple[Setting, ...] = (
             "Price table: model -> {input, cached_input, output} per million tokens."),
     Setting("SOLIDLOOP_TOOL_OUTPUT_LIMIT", 20000, _positive_int,
             "Characters of a tool result shown to the model; the full result is kept."),
+    Setting("SOLIDLOOP_JOB_RESULT_TTL", 500, _ttl_seconds,
+            "Seconds an RQ-style job and its return value are kept after it finished, when "
+            "enqueue() passes no result_ttl (RQ's default, 500); -1 keeps them forever."),
+    Setting("SOLIDLOOP_JOB_FAILURE_TTL", 365 * 24 * 3600, _ttl_seconds,
+            "Seconds a failed RQ-style job and its traceback are kept, when enqueue() passes "
+            "no failure_ttl (RQ's default, a year); -1 keeps them forever."),
 )
 
 _BY_KEY = {s.key: s for s in SETTINGS}
@@ -198,6 +211,8 @@ class Config:
     stream_update_interval: float
     prices: dict[str, Any]
     tool_output_limit: int
+    job_result_ttl: int
+    job_failure_ttl: int
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> Config:

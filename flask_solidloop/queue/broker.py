@@ -294,6 +294,44 @@ class PostgresBroker(dramatiq.Broker):
         self.emit_after("enqueue", message, delay)
         return message
 
+    def enqueue_host_job(
+        self,
+        message: Message,
+        record: dict[str, Any],
+        *,
+        delay: int | None = None,
+        eta: datetime | None = None,
+        connection: Any = None,
+    ) -> bool:
+        """Write an RQ-style job: its ``solidloop_host_jobs`` record and its first
+        delivery, in one statement on ``connection`` (or on the pool).
+
+        Returns False, writing nothing, when the record's job id is taken.
+        """
+        if message.queue_name not in self.queues:
+            raise QueueNotFound(message.queue_name)
+        self.emit_before("enqueue", message, delay)
+        params = {
+            **record,
+            "queue_name": message.queue_name,
+            "actor_name": message.actor_name,
+            "message_id": message.message_id,
+            "message": encode_message(message),
+            "delay": (delay or 0) / 1000.0,
+            "eta": eta,
+            "channel": CHANNEL_PREFIX + message.queue_name,
+        }
+        later = delay or (eta is not None and eta.timestamp() > time.time())
+        query = jobs_sql.HOST_JOB_ENQUEUE if later else jobs_sql.HOST_JOB_ENQUEUE_AND_NOTIFY
+        if connection is None:
+            rows = self._run(query, params)
+        else:
+            rows = execute_on(connection, query, params, fetch=True)
+        if not rows:
+            return False
+        self.emit_after("enqueue", message, delay)
+        return True
+
     def check_session(self, session: Any) -> None:
         """InvalidJobError, naming the fix, unless ``session`` is a SQLAlchemy
         session or connection on this broker's database."""

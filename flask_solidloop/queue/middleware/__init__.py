@@ -2,6 +2,9 @@
 
 from .app_context import AppContextMiddleware
 from .current_job import CurrentJobMiddleware
+from .host_jobs import HostJobMiddleware
 from .lease_renewer import LeaseRenewerMiddleware
+from .scheduler import SchedulerMiddleware
 
-__all__ = ["AppContextMiddleware", "CurrentJobMiddleware", "LeaseRenewerMiddleware"]
+__all__ = ["AppContextMiddleware", "CurrentJobMiddleware", "HostJobMiddleware",
+           "LeaseRenewerMiddleware", "SchedulerMiddleware"]
