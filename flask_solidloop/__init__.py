@@ -17,9 +17,14 @@ from .errors import (
     BrokerError,
     ConfigurationError,
     DatabaseUnavailableError,
+    InvalidJobError,
+    JobEncodeError,
+    JobError,
+    JobImportError,
     LimitExceededError,
     LostLeaseError,
     McpTransportError,
+    NoSuchJobError,
     NotInitializedError,
     ProviderAnswerError,
     ProviderError,
@@ -31,6 +36,7 @@ from .errors import (
     UnknownMiddlewareError,
 )
 from .extension import SolidLoop
+from .jobs import FailedJobRegistry, Job, LazyActor, Queue, Retry
 from .mcp.toolset import CallContext, ToolResult, Toolset
 from .models import RESUMABLE_STATUSES
 from .pipeline.builder import Builder
@@ -46,14 +52,24 @@ __all__ = [
     "CallContext",
     "ConfigurationError",
     "DatabaseUnavailableError",
+    "FailedJobRegistry",
+    "InvalidJobError",
+    "Job",
+    "JobEncodeError",
+    "JobError",
+    "JobImportError",
+    "LazyActor",
     "LimitExceededError",
     "LostLeaseError",
     "McpTransportError",
+    "NoSuchJobError",
     "NotInitializedError",
     "ProviderAnswerError",
     "ProviderError",
     "ProviderHTTPError",
     "ProviderResponseError",
+    "Queue",
+    "Retry",
     "SolidLoop",
     "SolidLoopError",
     "ToolDefinitionError",

@@ -85,16 +85,33 @@ def worker_env(app_import_path: str | None) -> dict[str, str]:
         raise click.ClickException(str(exc)) from exc
 
 
+def _queue_names(ctx: click.Context, param: click.Parameter,
+                 value: tuple[str, ...]) -> tuple[str, ...]:
+    from .errors import InvalidJobError
+    from .queue.broker import check_queue_name
+
+    for name in value:
+        try:
+            check_queue_name(name)
+        except InvalidJobError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return value
+
+
 @solidloop_cli.command("worker", context_settings={"ignore_unknown_options": True})
 @click.option("-p", "--processes", default=2, show_default=True, help="Worker processes.")
 @click.option("-t", "--threads", default=4, show_default=True, help="Threads per process.")
-@click.option("-Q", "--queue", "queues", multiple=True, type=click.Choice(QUEUES),
-              help="Consume only these queues (repeatable). Default: all three.")
+@click.option("-Q", "--queue", "queues", multiple=True, callback=_queue_names,
+              help="Consume only these queues (repeatable). Default: solidloop's three "
+                   "and every queue the app's actors and solidloop.queue() declared.")
+@click.option("-m", "--module", "modules", multiple=True, metavar="MODULE",
+              help="Also import this module in each worker process (repeatable): task "
+                   "modules the app itself does not import.")
 @click.argument("dramatiq_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 def worker(ctx: click.Context, processes: int, threads: int, queues: tuple[str, ...],
-           dramatiq_args: tuple[str, ...]) -> None:
-    """Run dramatiq workers for this app's loops (extra args go to dramatiq).
+           modules: tuple[str, ...], dramatiq_args: tuple[str, ...]) -> None:
+    """Run dramatiq workers for this app's loops and jobs (extra args go to dramatiq).
 
     Size the database pool as threads + 1 per process. A worker that consumes
     an explicit queue list must include all three solidloop queues somewhere
@@ -102,8 +119,15 @@ def worker(ctx: click.Context, processes: int, threads: int, queues: tuple[str, 
     """
     info = ctx.find_object(ScriptInfo)
     import_path = info.app_import_path if info else None
+    if queues and not set(queues) & set(QUEUES):
+        click.echo(f"warning: this worker consumes none of solidloop's queues "
+                   f"({', '.join(QUEUES)}); make sure other workers do, or agent loops "
+                   "will wait forever", err=True)
     cmd = worker_command(processes=processes, threads=threads, queues=queues,
                          extra=dramatiq_args)
+    # dramatiq takes extra modules as positional arguments right after the broker module.
+    at = cmd.index("flask_solidloop.worker") + 1
+    cmd[at:at] = list(modules)
     env = worker_env(import_path)
     click.echo(f"starting: FLASK_APP={env['FLASK_APP']} {' '.join(cmd[1:])}", err=True)
     sys.stdout.flush()
@@ -111,6 +135,84 @@ def worker(ctx: click.Context, processes: int, threads: int, queues: tuple[str, 
     # Become the dramatiq master process, so signals (SIGTERM from a process
     # manager, Ctrl-C) reach it directly and nothing is left orphaned.
     os.execvpe(cmd[0], cmd, env)
+
+
+# -- host jobs ------------------------------------------------------------------
+
+
+def _job_error(exc: Exception) -> click.ClickException:
+    return click.ClickException(str(exc))
+
+
+@solidloop_cli.group("jobs", invoke_without_command=True)
+@click.option("--state", "states", multiple=True, metavar="STATE",
+              help="Only jobs in this state (repeatable): queued, running, done, dead, "
+                   "or RQ's started, finished, failed.")
+@click.option("--queue", "queues", multiple=True, metavar="QUEUE",
+              help="Only jobs of this queue (repeatable).")
+@click.option("--limit", default=50, show_default=True, help="Newest N jobs.")
+@click.pass_context
+@with_appcontext
+def jobs_group(ctx: click.Context, states: tuple[str, ...], queues: tuple[str, ...],
+               limit: int) -> None:
+    """List jobs (newest first); `jobs retry` and `jobs cancel` act on one."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from .errors import JobError
+    from .jobs.control import list_jobs
+
+    try:
+        rows = list_jobs(_state().broker, states=states, queues=queues, limit=limit)
+    except JobError as exc:
+        raise _job_error(exc) from exc
+    if not rows:
+        click.echo("no jobs")
+        return
+    click.echo(f"{'row':>8}  {'queue':<22} {'state':<8} {'tries':>5}  {'what':<40} job id")
+    for row in rows:
+        what = row.func_name or row.actor_name
+        click.echo(f"{row.id:>8}  {row.queue_name:<22} {row.state:<8} {row.attempts:>5}  "
+                   f"{what[:40]:<40} {row.host_job_id or ''}")
+        if row.state == "dead" and row.last_error:
+            click.echo(f"{'':>10}{row.last_error.strip().splitlines()[-1][:110]}")
+
+
+@jobs_group.command("retry")
+@click.argument("job_id", required=False)
+@click.option("--failed", is_flag=True,
+              help="Requeue every dead-lettered job of the host's queues (not solidloop_*).")
+@click.option("--queue", "queues", multiple=True, help="With --failed: only these queues.")
+@with_appcontext
+def jobs_retry(job_id: str | None, failed: bool, queues: tuple[str, ...]) -> None:
+    """Requeue a failed job (JOB_ID: a row id or an RQ job id), or all with --failed."""
+    from .errors import JobError
+    from .jobs.control import retry, retry_failed
+
+    if bool(job_id) == failed:
+        raise click.UsageError("give a JOB_ID or --failed (one of them)")
+    broker = _state().broker
+    try:
+        if job_id:
+            click.echo(retry(broker, job_id))
+        else:
+            done = retry_failed(broker, queues)
+            click.echo(f"requeued {len(done)} failed job(s)")
+    except JobError as exc:
+        raise _job_error(exc) from exc
+
+
+@jobs_group.command("cancel")
+@click.argument("job_id")
+@with_appcontext
+def jobs_cancel(job_id: str) -> None:
+    """Cancel a queued job (JOB_ID: a row id or an RQ job id): it will not run."""
+    from .errors import JobError
+    from .jobs.control import cancel
+
+    try:
+        click.echo(cancel(_state().broker, job_id))
+    except JobError as exc:
+        raise _job_error(exc) from exc
 
 
 # -- loops ----------------------------------------------------------------------

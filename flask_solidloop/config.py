@@ -104,6 +104,13 @@ def _positive_float(key: str, value: Any) -> float:
     return number
 
 
+def _ttl_seconds(key: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ConfigurationError(key, value, "must be seconds >= 0, or -1 (keep forever)")
+    number = _integer(key, value, minimum=-1)
+    return number
+
+
 def _status_list(key: str, value: Any) -> tuple[int, ...]:
     if isinstance(value, str):
         value = [part for part in value.replace(",", " ").split() if part]
@@ -187,6 +194,12 @@ SETTINGS: tuple[Setting, ...] = (
             "Characters of a request, response or tool result kept in a wire-log event; a "
             "larger body is kept as an excerpt with its size and SHA-256 (a tool's full "
             "result stays on its tool call)."),
+    Setting("SOLIDLOOP_JOB_RESULT_TTL", 500, _ttl_seconds,
+            "Seconds an RQ-style job and its return value are kept after it finished, when "
+            "enqueue() passes no result_ttl (RQ's default, 500); -1 keeps them forever."),
+    Setting("SOLIDLOOP_JOB_FAILURE_TTL", 365 * 24 * 3600, _ttl_seconds,
+            "Seconds a failed RQ-style job and its traceback are kept, when enqueue() passes "
+            "no failure_ttl (RQ's default, a year); -1 keeps them forever."),
 )
 
 _BY_KEY = {s.key: s for s in SETTINGS}
@@ -220,6 +233,8 @@ class Config:
     prices: dict[str, Any]
     tool_output_limit: int
     event_body_limit: int
+    job_result_ttl: int
+    job_failure_ttl: int
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> Config:

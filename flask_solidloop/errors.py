@@ -21,6 +21,12 @@ so a host can catch the whole family in one clause::
     ├── LimitExceededError        max_steps / max_duration reached (the loop pauses)
     ├── LostLeaseError            this worker no longer owns the turn; write nothing
     └── BrokerError               the Postgres job queue could not do what was asked
+        └── JobError              a host job could not be declared, sent, found or run
+            ├── JobEncodeError    the message encoder rejected an argument (at send)
+            ├── InvalidJobError   an option, function, queue name, session or datetime
+            │                     that cannot work
+            ├── JobImportError    the worker cannot import the job's function
+            └── NoSuchJobError    no job with that id (``Job.fetch``, ``requeue``)
 
 Errors carry what the user needs to act: the key, the value, the rule, the
 names that would have worked.
@@ -146,3 +152,23 @@ class LostLeaseError(SolidLoopError):
 
 class BrokerError(SolidLoopError):
     """The Postgres job queue could not complete an operation."""
+
+
+class JobError(BrokerError):
+    """A host job could not be declared, sent, found or run."""
+
+
+class JobEncodeError(JobError, TypeError):
+    """The message encoder (``dramatiq.get_encoder()``) rejected a job's arguments."""
+
+
+class InvalidJobError(JobError, ValueError):
+    """A job, an actor or a queue was declared or sent with input that cannot work."""
+
+
+class JobImportError(JobError, ImportError):
+    """The worker could not import a job's function from its recorded path."""
+
+
+class NoSuchJobError(JobError, LookupError):
+    """No job has this id (it never existed, or the janitor pruned it)."""

@@ -19,6 +19,7 @@ from flask_sqlalchemy import SQLAlchemy
 from .agent import Agent
 from .config import Config
 from .errors import AgentDefinitionError, ConfigurationError
+from .jobs import JobRegistry, Queue
 from .leases import RenewerSlot
 from .maintenance.janitor import prune
 from .maintenance.reaper import reap
@@ -60,6 +61,8 @@ class SolidLoop:
             self.llm_middleware_hooks.append(configure_llm_middlewares)
         if configure_tool_middlewares:
             self.tool_middleware_hooks.append(configure_tool_middlewares)
+        #: The host's lazy actors, RQ-style queues and periodic schedules.
+        self.jobs = JobRegistry()
         if app is not None:
             self.init_app(app, db)
 
@@ -97,6 +100,31 @@ class SolidLoop:
         self.tool_middleware_hooks.append(hook)
         return hook
 
+    # -- the host's jobs ----------------------------------------------------------------
+
+    @property
+    def actor(self) -> Any:
+        """``@solidloop.actor`` / ``@solidloop.actor(queue_name=..., max_retries=...)``:
+        a dramatiq actor declared at import and bound to each app's broker at init_app.
+        ``send_with_options(session=db.session)`` commits the job with that session."""
+        return self.jobs.actor
+
+    def queue(self, name: str = "default") -> Queue:
+        """An RQ-style queue: ``solidloop.queue("default").enqueue(f, *args)``."""
+        return self.jobs.queue(name)
+
+    @property
+    def periodic(self) -> Any:
+        """``@solidloop.periodic("*/5 * * * *")`` or ``@solidloop.periodic(every=timedelta(...))``
+        on a function or lazy actor: one job per period across all workers."""
+        return self.jobs.periodic
+
+    def results_backend(self, app: Flask | None = None) -> Any:
+        """The dramatiq Results backend (on PostgreSQL) of ``app`` (default: current app)."""
+        from .state import get_state
+
+        return get_state(app).extras["jobs.results"]
+
     # -- app binding --------------------------------------------------------------
 
     def init_app(self, app: Flask, db: SQLAlchemy | None = None) -> None:
@@ -127,6 +155,7 @@ class SolidLoop:
         for middleware in _maintenance_in_workers(state):
             broker.add_middleware(middleware)
         state.bind_actors(declare_actors(state))
+        self.jobs.bind(state)
         app.extensions[EXTENSION_KEY] = state
         from .cli import solidloop_cli
 

@@ -11,6 +11,10 @@ simply deletes fewer rows).
 * ``solidloop_jobs`` in state ``done`` finished longer ago than
   ``SOLIDLOOP_FINISHED_JOB_RETENTION`` (dead-lettered jobs are kept: someone
   has to look at them)
+* ``solidloop_host_jobs`` (RQ-style job records) past their ``expires_at``,
+  which each job's ``result_ttl`` / ``failure_ttl`` set when it ended, and
+  ``solidloop_results`` (the dramatiq Results backend) past theirs. These are
+  always pruned: the TTL is the retention the host asked for, as in RQ.
 """
 
 from __future__ import annotations
@@ -37,22 +41,36 @@ DELETE FROM solidloop_jobs WHERE id IN (
     ORDER BY id LIMIT :batch FOR UPDATE SKIP LOCKED)
 """
 
+_PRUNE_HOST_JOBS = """
+DELETE FROM solidloop_host_jobs WHERE id IN (
+    SELECT id FROM solidloop_host_jobs WHERE expires_at < now()
+    ORDER BY expires_at LIMIT :batch FOR UPDATE SKIP LOCKED)
+"""
+_PRUNE_RESULTS = """
+DELETE FROM solidloop_results WHERE key IN (
+    SELECT key FROM solidloop_results WHERE expires_at < now()
+    ORDER BY expires_at LIMIT :batch FOR UPDATE SKIP LOCKED)
+"""
+
 
 @dataclass
 class PruneReport:
     events: int = 0
     jobs: int = 0
+    host_jobs: int = 0
+    results: int = 0
     duration_ms: float = 0.0
 
 
-def _prune(state: SolidLoopState, query: str, seconds: int) -> int:
+def _prune(state: SolidLoopState, query: str, seconds: int | None) -> int:
     session = state.db.session
     batch = state.config.janitor_batch_size
+    params: dict[str, object] = {"batch": batch}
+    if seconds is not None:
+        params["age"] = timedelta(seconds=seconds)
     total = 0
     while True:
-        deleted = session.execute(
-            text(query), {"age": timedelta(seconds=seconds), "batch": batch}
-        ).rowcount  # type: ignore[attr-defined]
+        deleted = session.execute(text(query), params).rowcount  # type: ignore[attr-defined]
         session.commit()
         total += deleted
         if deleted < batch:
@@ -69,11 +87,14 @@ def prune(state: SolidLoopState) -> PruneReport:
             report.events = _prune(state, _PRUNE_EVENTS, config.event_retention)
         if config.finished_job_retention:
             report.jobs = _prune(state, _PRUNE_JOBS, config.finished_job_retention)
+        report.host_jobs = _prune(state, _PRUNE_HOST_JOBS, None)
+        report.results = _prune(state, _PRUNE_RESULTS, None)
     except Exception:
         state.db.session.rollback()
         raise
     report.duration_ms = (time.perf_counter() - started) * 1000
     state.last_pruned_at = time.time()
-    logger.info("janitor pruned %d event(s) and %d job(s) in %.1f ms",
-                report.events, report.jobs, report.duration_ms)
+    logger.info("janitor pruned %d event(s), %d job(s), %d expired host job(s) and %d "
+                "result(s) in %.1f ms", report.events, report.jobs, report.host_jobs,
+                report.results, report.duration_ms)
     return report

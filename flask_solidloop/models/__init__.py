@@ -8,6 +8,7 @@ them. The host's session still reads and writes them, in the host's transaction.
 
 from .base import Base, metadata
 from .event import Event
+from .host_job import HOST_JOB_STATUSES, HostJob, JobResult, PeriodicRun
 from .job import Job
 from .loop import RESUMABLE_STATUSES, TERMINAL_STATUSES, Loop, LoopStatus
 from .mcp_session import McpSession
@@ -15,15 +16,19 @@ from .message import Message
 from .tool_call import ToolCall
 
 __all__ = [
+    "HOST_JOB_STATUSES",
     "RESUMABLE_STATUSES",
     "TERMINAL_STATUSES",
     "Base",
     "Event",
+    "HostJob",
     "Job",
+    "JobResult",
     "Loop",
     "LoopStatus",
     "McpSession",
     "Message",
+    "PeriodicRun",
     "ToolCall",
     "metadata",
 ]

@@ -53,6 +53,9 @@ class Job(Base):
             postgresql_where=text("state IN ('queued','running')"),
         ),
         Index("ix_solidloop_jobs_finished", "finished_at", postgresql_where=text("state = 'done'")),
+        # An RQ-style job's deliveries, found by message id (only those rows pay for it).
+        Index("ix_solidloop_jobs_host_message", "message_id",
+              postgresql_where=text("actor_name = 'solidloop.job'")),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)

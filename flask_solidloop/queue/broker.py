@@ -16,6 +16,10 @@ memory), ``lease_token``/``lease_until`` for redelivery when a worker dies.
 * ack/nack: fenced on the lease token, so a stale holder changes nothing
 * renewal: the consumer extends the leases of the jobs it holds
 * recovery: expired leases go back to queued (or dead after too many tries)
+
+Messages are encoded with ``dramatiq.get_encoder()`` (so a host's encoder is
+honoured) and must come out as JSON: the row keeps them as JSONB, which the
+reaper and operators query. An argument the encoder rejects raises at send.
 """
 
 from __future__ import annotations
@@ -23,22 +27,25 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Iterable
+from datetime import datetime
 from typing import Any
 
 import dramatiq
 import psycopg
 from dramatiq.broker import Consumer, MessageProxy
+from dramatiq.encoder import JSONEncoder
 from dramatiq.errors import BrokerConnectionError, QueueNotFound
 from dramatiq.message import Message
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
-from ..errors import BrokerError
+from ..errors import BrokerError, InvalidJobError, JobEncodeError
 from ..urls import libpq_url, redact_url
 from . import sql as jobs_sql
 
@@ -46,6 +53,87 @@ logger = logging.getLogger("flask_solidloop.broker")
 
 # Kept importable from here for callers of the first release.
 CHANNEL_PREFIX = jobs_sql.CHANNEL_PREFIX
+
+#: dramatiq's own rule for queue names (dramatiq.actor enforces it too).
+QUEUE_NAME_RE = re.compile(r"[a-zA-Z_][a-zA-Z0-9._-]*")
+#: PostgreSQL identifiers (our NOTIFY channels) are at most 63 bytes.
+MAX_QUEUE_NAME_BYTES = 63 - len(CHANNEL_PREFIX)
+
+
+def check_queue_name(queue_name: Any) -> str:
+    """Return ``queue_name`` if it is a valid queue name, else raise naming the rule."""
+    if not isinstance(queue_name, str) or not QUEUE_NAME_RE.fullmatch(queue_name):
+        raise InvalidJobError(
+            f"queue name {queue_name!r} is invalid: start with a letter or '_', then use "
+            "letters, digits, '_', '.' or '-' (e.g. 'default', 'reports.daily')"
+        )
+    if len(queue_name.encode()) > MAX_QUEUE_NAME_BYTES:
+        raise InvalidJobError(
+            f"queue name {queue_name!r} is too long: its NOTIFY channel would exceed "
+            f"PostgreSQL's 63-byte identifier limit; use at most {MAX_QUEUE_NAME_BYTES} bytes"
+        )
+    return queue_name
+
+
+def encode_message(message: Message) -> str:
+    """The message as JSON text, through dramatiq's global encoder.
+
+    Raises JobEncodeError at send time, naming the actor and the fix, when the
+    encoder rejects an argument or produces something that is not JSON.
+    """
+    encoder = dramatiq.get_encoder()
+    try:
+        data = encoder.encode(message.asdict())
+    except Exception as exc:
+        raise JobEncodeError(
+            f"cannot send {message.actor_name!r}: {type(encoder).__name__} could not encode "
+            f"its arguments ({type(exc).__name__}: {exc}). Pass JSON-friendly values (ids, "
+            "strings, numbers, lists, dicts), or install an encoder that handles this type "
+            "with dramatiq.set_encoder()"
+        ) from exc
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes | bytearray) else str(data)
+        if type(encoder) is not JSONEncoder:  # dramatiq's own always writes JSON
+            json.loads(text)
+    except ValueError as exc:
+        raise JobEncodeError(
+            f"cannot send {message.actor_name!r}: {type(encoder).__name__} does not produce "
+            "JSON, but the job table stores messages as JSONB. Use a JSON-based encoder "
+            "(subclass dramatiq.encoder.JSONEncoder to add your own types)"
+        ) from exc
+    return text
+
+
+def decode_message(data: Any) -> Message:
+    """A job row's ``message`` column (JSONB) back into a dramatiq Message,
+    through the global encoder's ``decode`` unless it is dramatiq's plain JSON one."""
+    encoder = dramatiq.get_encoder()
+    if isinstance(data, str | bytes):
+        data = json.loads(data)
+    if type(encoder) is not JSONEncoder:
+        # The host's decoder revives its own types (dates, decimals, ...) from the JSON it wrote.
+        data = encoder.decode(json.dumps(data).encode("utf-8"))
+    return Message(**data)
+
+
+def session_database(session: Any) -> Any:
+    """The SQLAlchemy URL a ``session=`` argument writes to, or InvalidJobError
+    naming the fix when it is not a SQLAlchemy session or connection."""
+    from sqlalchemy.engine import Connection
+    from sqlalchemy.orm import Session, scoped_session
+
+    bind: Any
+    if isinstance(session, Session | scoped_session):
+        bind = session.get_bind()
+    elif isinstance(session, Connection):
+        bind = session
+    else:
+        raise InvalidJobError(
+            f"session= must be a SQLAlchemy session of this app's database (e.g. db.session), "
+            f"so the job commits with it; got {type(session).__name__}"
+        )
+    engine = getattr(bind, "engine", bind)
+    return engine.url
 
 class PostgresMessageProxy(MessageProxy):
     """A dramatiq message plus the job row that carries it."""
@@ -86,6 +174,8 @@ class PostgresBroker(dramatiq.Broker):
         self._pool: ConnectionPool | None = None
         self._pool_lock = threading.Lock()
         self._last_recover = 0.0
+        #: URLs of sessions already checked by check_session (the check runs once per engine).
+        self._session_urls: set[str] = set()
 
     # -- connections -------------------------------------------------------
 
@@ -129,13 +219,8 @@ class PostgresBroker(dramatiq.Broker):
     # -- dramatiq Broker API -------------------------------------------------
 
     def declare_queue(self, queue_name: str) -> None:
-        if len((CHANNEL_PREFIX + queue_name).encode()) > 63:
-            raise BrokerError(
-                f"queue name {queue_name!r} is too long: its NOTIFY channel would exceed "
-                "PostgreSQL's 63-byte identifier limit; use at most "
-                f"{63 - len(CHANNEL_PREFIX)} bytes"
-            )
         if queue_name not in self.queues:
+            check_queue_name(queue_name)
             self.emit_before("declare_queue", queue_name)
             self.queues[queue_name] = None
             self.emit_after("declare_queue", queue_name)
@@ -151,6 +236,7 @@ class PostgresBroker(dramatiq.Broker):
         *,
         delay: int | None = None,
         connection: Any = None,
+        eta: datetime | None = None,
     ) -> Message:
         """Write ``message`` as a job row.
 
@@ -159,29 +245,112 @@ class PostgresBroker(dramatiq.Broker):
         NOTIFY) then commits or rolls back with the caller's state change.
         Without it the job is written and committed on the broker's own pool,
         which is what dramatiq's own callers (``actor.send``, Retries) get.
+
+        A ``session`` message option (``actor.send_with_options(session=db.session)``
+        on any actor of this broker) is taken out of the message and used as
+        ``connection``, after checking it is a session of this broker's
+        database. ``eta`` (an aware datetime) is an absolute due time, the
+        alternative to ``delay`` in milliseconds.
         """
         if message.queue_name not in self.queues:
             raise QueueNotFound(message.queue_name)
         options = dict(message.options)
         options.pop("eta", None)  # delays live in the row's eta, never in worker memory
-        message = message.copy(options=options)
+        if "connection" in options:
+            raise InvalidJobError(
+                f"send_with_options(connection=...) is not an option of {message.actor_name!r}: "
+                "pass session=db.session to enqueue inside that session's transaction"
+            )
+        session = options.pop("session", None)
+        if session is not None:
+            if connection is not None:
+                raise InvalidJobError("pass either session= or connection=, not both")
+            self.check_session(session)
+            connection = session
+        # Message.copy() merges options, so it cannot drop one; and Retries hands us a
+        # MessageProxy, not the dataclass. Build the Message to store from its fields.
+        message = Message(queue_name=message.queue_name, actor_name=message.actor_name,
+                          args=message.args, kwargs=message.kwargs, options=options,
+                          message_id=message.message_id,
+                          message_timestamp=message.message_timestamp)
         self.emit_before("enqueue", message, delay)
         params = {
             "queue_name": message.queue_name,
             "actor_name": message.actor_name,
             "message_id": message.message_id,
-            "message": json.dumps(message.asdict(), default=str),
+            "message": encode_message(message),
             "delay": (delay or 0) / 1000.0,
+            "eta": eta,
             "loop_id": options.get("solidloop_loop_id"),
             "channel": CHANNEL_PREFIX + message.queue_name,
         }
-        query = jobs_sql.INSERT if delay else jobs_sql.INSERT_AND_NOTIFY
+        later = delay or (eta is not None and eta.timestamp() > time.time())
+        query = jobs_sql.INSERT if later else jobs_sql.INSERT_AND_NOTIFY
         if connection is None:
             self._run(query, params)
         else:
             execute_on(connection, query, params)
         self.emit_after("enqueue", message, delay)
         return message
+
+    def enqueue_host_job(
+        self,
+        message: Message,
+        record: dict[str, Any],
+        *,
+        delay: int | None = None,
+        eta: datetime | None = None,
+        connection: Any = None,
+    ) -> bool:
+        """Write an RQ-style job: its ``solidloop_host_jobs`` record and its first
+        delivery, in one statement on ``connection`` (or on the pool).
+
+        Returns False, writing nothing, when the record's job id is taken.
+        """
+        if message.queue_name not in self.queues:
+            raise QueueNotFound(message.queue_name)
+        self.emit_before("enqueue", message, delay)
+        params = {
+            **record,
+            "queue_name": message.queue_name,
+            "actor_name": message.actor_name,
+            "message_id": message.message_id,
+            "message": encode_message(message),
+            "delay": (delay or 0) / 1000.0,
+            "eta": eta,
+            "channel": CHANNEL_PREFIX + message.queue_name,
+        }
+        later = delay or (eta is not None and eta.timestamp() > time.time())
+        query = jobs_sql.HOST_JOB_ENQUEUE if later else jobs_sql.HOST_JOB_ENQUEUE_AND_NOTIFY
+        if connection is None:
+            rows = self._run(query, params)
+        else:
+            rows = execute_on(connection, query, params, fetch=True)
+        if not rows:
+            return False
+        self.emit_after("enqueue", message, delay)
+        return True
+
+    def check_session(self, session: Any) -> None:
+        """InvalidJobError, naming the fix, unless ``session`` is a SQLAlchemy
+        session or connection on this broker's database."""
+        url = session_database(session)
+        key = str(url)
+        if key in self._session_urls:
+            return
+        from sqlalchemy.engine import make_url
+
+        mine = make_url(self.url)
+        def where(u: Any) -> tuple[str, str, int, str | None]:
+            return (u.get_backend_name(), u.host or "", u.port or 5432, u.database)
+
+        if where(url) != where(mine):
+            raise InvalidJobError(
+                f"session= is bound to {redact_url(key)}, not to this app's job database "
+                f"{redact_url(self.url)}: pass a session of the app whose jobs these are "
+                "(e.g. db.session), so the job commits in the same database transaction"
+            )
+        self._session_urls.add(key)
 
     def get_declared_delay_queues(self) -> set[str]:
         return set()
@@ -318,9 +487,7 @@ class PostgresConsumer(Consumer):
         }).fetchall()
         rows.sort(key=lambda row: row[0])
         for job_id, lease_token, data, attempts in rows:
-            if isinstance(data, str | bytes):
-                data = json.loads(data)
-            message: Message = Message(**data)
+            message: Message = decode_message(data)
             with self.held_lock:
                 self.held[job_id] = lease_token
             self.buffer.append(PostgresMessageProxy(message, job_id, lease_token, attempts))

@@ -16,7 +16,8 @@ CHANNEL_PREFIX = "solidloop_q_"
 INSERT = (
     "INSERT INTO solidloop_jobs (queue_name, actor_name, message_id, message, eta, loop_id) "
     "VALUES (%(queue_name)s, %(actor_name)s, %(message_id)s, %(message)s, "
-    "now() + make_interval(secs => %(delay)s), %(loop_id)s) RETURNING id"
+    "coalesce(%(eta)s::timestamptz, now() + make_interval(secs => %(delay)s)), %(loop_id)s) "
+    "RETURNING id"
 )
 #: The insert plus its wake-up. NOTIFY is transactional: a rollback sends nothing.
 INSERT_AND_NOTIFY = (
@@ -91,4 +92,159 @@ FLUSH = "DELETE FROM solidloop_jobs WHERE queue_name = %s AND state = 'queued'"
 LIVE_COUNT = (
     "SELECT count(*) FROM solidloop_jobs WHERE queue_name = %s "
     "AND state IN ('queued', 'running')"
+)
+
+# -- host jobs (flask_solidloop.jobs): RQ-style job records ----------------------
+
+#: The actor that runs every RQ-style job (``q.enqueue(f, ...)``): its message
+#: carries the function's import path, the arguments, and the RQ job id in the
+#: ``solidloop_job`` option. A partial index finds its rows by message id.
+HOST_JOB_ACTOR = "solidloop.job"
+
+_HOST_JOB_INSERT = (
+    "INSERT INTO solidloop_host_jobs (id, message_id, queue_name, func_name, description, "
+    "status, meta, result_ttl, failure_ttl) VALUES (%(id)s, %(message_id)s::uuid, "
+    "%(queue_name)s, %(func_name)s, %(description)s, %(status)s, %(meta)s::jsonb, "
+    "%(result_ttl)s, %(failure_ttl)s) "
+    # A taken job id must not abort the caller's transaction: report it instead.
+    "ON CONFLICT (id) DO NOTHING RETURNING id"
+)
+#: The job record and its first delivery in one statement: both or neither (a
+#: taken job id inserts nothing), so a caller's transaction never holds half a job.
+_HOST_JOB_ENQUEUE = (
+    "WITH h AS (" + _HOST_JOB_INSERT + "), job AS ("
+    "INSERT INTO solidloop_jobs (queue_name, actor_name, message_id, message, eta) "
+    "SELECT %(queue_name)s, %(actor_name)s, %(message_id)s::uuid, %(message)s::jsonb, "
+    "coalesce(%(eta)s::timestamptz, now() + make_interval(secs => %(delay)s)) FROM h "
+    "RETURNING id) "
+)
+HOST_JOB_ENQUEUE = _HOST_JOB_ENQUEUE + "SELECT job.id FROM job"
+HOST_JOB_ENQUEUE_AND_NOTIFY = (
+    _HOST_JOB_ENQUEUE + "SELECT job.id, pg_notify(%(channel)s, '') FROM job"
+)
+HOST_JOB_FINISH = (
+    "UPDATE solidloop_host_jobs SET status = 'finished', result = %(result)s, exc_info = NULL, "
+    "ended_at = now(), expires_at = now() + make_interval(secs => result_ttl) "
+    "WHERE id = %(id)s AND status <> 'canceled'"
+)
+HOST_JOB_FAIL = (
+    "UPDATE solidloop_host_jobs SET status = 'failed', exc_info = %(exc_info)s, "
+    "ended_at = now(), expires_at = now() + make_interval(secs => failure_ttl) "
+    "WHERE id = %(id)s AND status <> 'canceled'"
+)
+#: A failed attempt that dramatiq's Retries re-enqueued: the job is live again.
+HOST_JOB_RETRYING = (
+    "UPDATE solidloop_host_jobs SET status = 'queued', exc_info = %(exc_info)s "
+    "WHERE id = %(id)s AND status <> 'canceled'"
+)
+HOST_JOB_SAVE_META = "UPDATE solidloop_host_jobs SET meta = %s WHERE id = %s"
+
+#: A host job with its latest delivery (one row of solidloop_jobs per attempt).
+#: Live statuses come from that row: a running row is RQ's ``started``, a queued
+#: one due later is ``scheduled``, a dead-lettered one is ``failed``; finished,
+#: failed and canceled are recorded on the job itself.
+_HOST_JOB_VIEW = """
+SELECT h.id, h.queue_name, h.func_name, h.description, h.meta, h.result, h.exc_info,
+       h.created_at, h.ended_at, j.id AS row_id, j.state, j.eta, j.started_at, j.message,
+       j.attempts, j.last_error,
+       CASE WHEN h.status IN ('finished', 'failed', 'canceled') THEN h.status
+            WHEN j.state = 'dead' THEN 'failed'
+            WHEN j.state = 'running' THEN 'started'
+            WHEN j.state = 'queued' AND j.eta > now() THEN 'scheduled'
+            WHEN j.state = 'queued' THEN 'queued'
+            ELSE h.status END AS status
+  FROM solidloop_host_jobs AS h
+  LEFT JOIN LATERAL (
+        SELECT * FROM solidloop_jobs
+         WHERE actor_name = 'solidloop.job' AND message_id = h.message_id
+         ORDER BY id DESC LIMIT 1) AS j ON true
+"""
+HOST_JOB_FETCH = _HOST_JOB_VIEW + " WHERE h.id = %s"
+#: RQ's failed job registry: failed jobs, and live ones whose delivery was dead-lettered.
+HOST_JOB_FAILED_IDS = (
+    "SELECT id FROM (" + _HOST_JOB_VIEW + " WHERE h.queue_name = %s "
+    "AND h.status IN ('failed', 'queued', 'scheduled')) AS v "
+    "WHERE status = 'failed' ORDER BY created_at, id"
+)
+HOST_JOB_COUNT_LIVE = (
+    "SELECT count(*) FROM solidloop_jobs WHERE queue_name = %s AND state = 'queued'"
+)
+#: Cancel a job that has not finished: its queued deliveries are closed too.
+HOST_JOB_CANCEL = """
+WITH h AS (
+    UPDATE solidloop_host_jobs SET status = 'canceled', ended_at = now(),
+           expires_at = now() + make_interval(secs => failure_ttl)
+     WHERE id = %(id)s AND status IN ('queued', 'scheduled')
+ RETURNING message_id
+), j AS (
+    UPDATE solidloop_jobs AS j SET state = 'done', finished_at = now(),
+           last_error = %(reason)s
+      FROM h WHERE j.actor_name = 'solidloop.job' AND j.message_id = h.message_id
+       AND j.state = 'queued'
+ RETURNING j.id
+)
+SELECT (SELECT count(*) FROM h), (SELECT count(*) FROM j)
+"""
+#: Requeued from the failed registry or the CLI: live again, its end forgotten.
+HOST_JOB_REQUEUED = (
+    "UPDATE solidloop_host_jobs SET status = 'queued', ended_at = NULL, expires_at = NULL "
+    "WHERE id = %s"
+)
+
+# -- any job row: the operator's view (flask solidloop jobs) ----------------------
+
+#: Lock a dead-lettered row so exactly one requeue copies it.
+LOCK_DEAD = (
+    "SELECT id, message FROM solidloop_jobs WHERE id = %s AND state = 'dead' FOR UPDATE"
+)
+#: The latest dead delivery of a host job (what requeue copies).
+LATEST_DEAD_OF_HOST_JOB = (
+    "SELECT j.id FROM solidloop_host_jobs AS h JOIN solidloop_jobs AS j "
+    "ON j.actor_name = 'solidloop.job' AND j.message_id = h.message_id "
+    "WHERE h.id = %s ORDER BY j.id DESC LIMIT 1"
+)
+#: A requeued dead row is closed (kept for history), so it is not requeued twice.
+CLOSE_REQUEUED = (
+    "UPDATE solidloop_jobs SET state = 'done', "
+    "last_error = 'requeued; it had failed with: ' || coalesce(last_error, '') WHERE id = %s"
+)
+DEAD_IDS = (
+    "SELECT id FROM solidloop_jobs WHERE state = 'dead' "
+    "AND (%(queues)s::text[] IS NULL OR queue_name = ANY(%(queues)s)) "
+    "AND NOT queue_name LIKE 'solidloop\\_%%' ORDER BY id"
+)
+CANCEL_QUEUED = (
+    "UPDATE solidloop_jobs SET state = 'done', finished_at = now(), last_error = %s "
+    "WHERE id = %s AND state = 'queued' RETURNING message->'options'->>'solidloop_job'"
+)
+LIST_JOBS = """
+SELECT j.id, j.queue_name, j.actor_name, j.state, j.attempts, j.eta, j.created_at,
+       j.finished_at, j.last_error, h.id, h.func_name
+  FROM solidloop_jobs AS j
+  LEFT JOIN solidloop_host_jobs AS h ON h.id = j.message->'options'->>'solidloop_job'
+ WHERE (%(states)s::text[] IS NULL OR j.state = ANY(%(states)s))
+   AND (%(queues)s::text[] IS NULL OR j.queue_name = ANY(%(queues)s))
+ ORDER BY j.id DESC
+ LIMIT %(limit)s
+"""
+
+# -- the dramatiq Results backend on PostgreSQL ----------------------------------
+
+RESULT_GET = "SELECT value FROM solidloop_results WHERE key = %s AND expires_at > now()"
+RESULT_STORE = (
+    "INSERT INTO solidloop_results (key, value, expires_at) "
+    "VALUES (%s, %s, now() + make_interval(secs => %s)) "
+    "ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value, expires_at = EXCLUDED.expires_at"
+)
+
+# -- periodic jobs -----------------------------------------------------------------
+
+#: Claim a period for a schedule: the row moves forward only, so of all the
+#: workers ticking at once exactly one gets a row back and enqueues the job.
+PERIODIC_CLAIM = (
+    "INSERT INTO solidloop_periodic (name, last_period) VALUES (%s, %s) "
+    "ON CONFLICT (name) DO UPDATE SET last_period = EXCLUDED.last_period, updated_at = now() "
+    "WHERE solidloop_periodic.last_period < EXCLUDED.last_period "
+    # xmax = 0 on a freshly inserted row: the schedule's first period ever.
+    "RETURNING name, (xmax = 0) AS first"
 )

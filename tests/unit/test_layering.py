@@ -24,7 +24,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("errors", "config", "models", "migrations", "urls", "wire", "_typing", "_version"),
     ("llm", "mcp", "queue", "leases"),
     ("state", "database"),
-    ("loops",),
+    # Host jobs sit beside loops: they need the broker and the state, and the
+    # runtime, maintenance and the extension above use them (decision 0010).
+    ("loops", "jobs"),
     ("pipeline",),
     ("runtime", "maintenance"),
     # The top: the public face, the CLI and what ships for users' tests. The

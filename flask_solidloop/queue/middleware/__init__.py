@@ -2,14 +2,18 @@
 
 from .app_context import AppContextMiddleware
 from .current_job import CurrentJobMiddleware
+from .host_jobs import HostJobMiddleware
 from .lease_renewer import LeaseRenewerMiddleware
 from .log_redaction import LogRedactionMiddleware
 from .periodic import PeriodicTaskMiddleware
+from .scheduler import SchedulerMiddleware
 
 __all__ = [
     "AppContextMiddleware",
     "CurrentJobMiddleware",
+    "HostJobMiddleware",
     "LeaseRenewerMiddleware",
     "LogRedactionMiddleware",
     "PeriodicTaskMiddleware",
+    "SchedulerMiddleware",
 ]
