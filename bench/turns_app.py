@@ -1,0 +1,46 @@
+"""The app bench/turns.py's workers run: one agent, one no-op in-process tool.
+
+Loaded as ``FLASK_APP='turns_app:create_app()'`` with bench/ on PYTHONPATH;
+SOLIDLOOP_BENCH_DATABASE_URL and SOLIDLOOP_BENCH_LLM_URL come from the
+environment.
+"""
+
+from __future__ import annotations
+
+import os
+
+from flask import Flask
+from flask_sqlalchemy import SQLAlchemy
+
+from flask_solidloop import Agent, SolidLoop, Toolset
+
+db = SQLAlchemy()
+solidloop = SolidLoop()
+tools = Toolset("bench")
+
+
+@tools.tool
+def noop(n: int) -> str:
+    """Do nothing and say so."""
+    return f"noop {n}"
+
+
+@solidloop.agent("turns")
+class Turns(Agent):
+    system_prompt = "You call noop until told otherwise."
+    mcps = [{"name": "bench", "toolset": tools}]
+    max_steps = 100
+
+    def llm(self) -> dict:
+        return {"base_url": os.environ["SOLIDLOOP_BENCH_LLM_URL"], "model": "bench",
+                "api_key_env": "SOLIDLOOP_BENCH_API_KEY", "read_timeout": 60}
+
+
+def create_app() -> Flask:
+    app = Flask(__name__)
+    app.config["SQLALCHEMY_DATABASE_URI"] = os.environ["SOLIDLOOP_BENCH_DATABASE_URL"]
+    pool = int(os.environ.get("SOLIDLOOP_BENCH_POOL", "6"))
+    app.config["SQLALCHEMY_ENGINE_OPTIONS"] = {"pool_size": pool, "max_overflow": 2}
+    db.init_app(app)
+    solidloop.init_app(app, db=db)
+    return app
