@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -148,7 +150,7 @@ def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 # -- the emulator's script: the same loop shape for both systems ------------------------
@@ -178,7 +180,7 @@ class Script:
         with self.lock:
             return [(b - a) * 1000 for label, times in self.arrivals.items()
                     if label.startswith(prefix)
-                    for a, b in zip(times, times[1:], strict=False)]
+                    for a, b in itertools.pairwise(times)]
 
     def requests(self, prefix: str) -> int:
         with self.lock:
@@ -313,10 +315,8 @@ def watch_backends(database: str, stop: threading.Event) -> None:
     """Keep the latest CPU reading of each backend of ``database`` (they vanish
     when the DBOS process exits)."""
     while not stop.is_set():
-        try:
+        with contextlib.suppress(Exception):
             _last_backends.update(backends(database))
-        except Exception:
-            pass
         stop.wait(0.2)
 
 
