@@ -37,7 +37,7 @@ from .._typing import SessionLike
 from ..errors import LostLeaseError
 from ..leases import worker_identity
 from ..models import Event, Loop, McpSession, Message, ToolCall
-from ..queue.current_job import mark_current_job_done
+from ..queue.current_job import mark_current_job_done, note_current_job_done
 from . import queries, storable
 from .fence import lock_loop, owns, transition
 
@@ -77,6 +77,15 @@ def _dispatch_tool_calls(state: SolidLoopState, session: SessionLike, loop_id: i
                          token: uuid.UUID, call_ids: Sequence[int], *, sequential: bool) -> None:
     for call_id in calls_to_run(call_ids, sequential=sequential):
         state.dispatch.tool_call(session, call_id, token, loop_id=loop_id)
+
+
+def _commit_with_job_done(session: SessionLike) -> None:
+    """Commit a claim together with its job marked done; once committed, tell the
+    worker, so its consumer skips the acknowledgement that would match nothing."""
+    marked = mark_current_job_done(session)
+    session.commit()
+    if marked:
+        note_current_job_done()
 
 
 def _requeue_for_llm(state: SolidLoopState, session: SessionLike, loop: Loop) -> None:
@@ -209,8 +218,9 @@ def fail_unclaimed(session: SessionLike, loop_id: int, error_message: str) -> No
     session.rollback()
     if transition(session, loop_id, from_="queued", to="failed",
                   error_message=_clean(error_message)) is not None:
-        mark_current_job_done(session)
-    session.commit()
+        _commit_with_job_done(session)
+    else:
+        session.commit()
 
 
 def claim_llm_turn(session: SessionLike, loop_id: int, *, lease_seconds: float,
@@ -231,8 +241,7 @@ def claim_llm_turn(session: SessionLike, loop_id: int, *, lease_seconds: float,
     if not claimed:
         session.rollback()
         return None
-    mark_current_job_done(session)
-    session.commit()
+    _commit_with_job_done(session)
     return token
 
 
@@ -426,12 +435,10 @@ def claim_tool_call(state: SolidLoopState, session: SessionLike, call: ToolCall,
         if pending and pending[0].id != call.id:
             # Out of order: run nothing, but make sure the head of the line runs.
             state.dispatch.tool_call(session, pending[0].id, token, loop_id=loop_id)
-            mark_current_job_done(session)
-            session.commit()
+            _commit_with_job_done(session)
             return ToolClaim.REDIRECTED, None
     if call.executed_at is not None:
-        mark_current_job_done(session)
-        session.commit()
+        _commit_with_job_done(session)
         return ToolClaim.CONTINUATION, None
     loop = lock_loop(session, loop_id)
     if not owns(loop, token):
@@ -443,8 +450,7 @@ def claim_tool_call(state: SolidLoopState, session: SessionLike, call: ToolCall,
             session.rollback()
             return ToolClaim.LOST, None
         call.lease_holder = worker_identity()
-        mark_current_job_done(session)
-        session.commit()
+        _commit_with_job_done(session)
         return ToolClaim.CLAIMED, reaper_lease_token
     candidate = uuid.uuid4()
     claimed = session.execute(
@@ -457,8 +463,7 @@ def claim_tool_call(state: SolidLoopState, session: SessionLike, call: ToolCall,
     if not claimed:
         session.rollback()
         return ToolClaim.LOST, None
-    mark_current_job_done(session)
-    session.commit()
+    _commit_with_job_done(session)
     return ToolClaim.CLAIMED, candidate
 
 

@@ -140,6 +140,8 @@ class PostgresMessageProxy(MessageProxy):
 
     def __init__(self, message: Message, job_id: int, lease_token: uuid.UUID, attempts: int):
         super().__init__(message)
+        #: Set when the actor committed its job done itself (no ack needed).
+        self.done_in_transaction = False
         self.job_id = job_id
         self.lease_token = lease_token
         self.attempts = attempts
@@ -541,7 +543,9 @@ class PostgresConsumer(Consumer):
 
     def ack(self, message: MessageProxy) -> None:
         key = self._release(message)
-        if key:
+        # An actor that marked its job done in its own committed transaction
+        # leaves nothing to acknowledge (the statement would match no row).
+        if key and not getattr(message, "done_in_transaction", False):
             self.broker._run(jobs_sql.MARK_DONE, key)
 
     def nack(self, message: MessageProxy) -> None:

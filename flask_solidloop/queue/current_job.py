@@ -32,6 +32,21 @@ def current_job() -> CurrentJob | None:
 
 def set_current_job(job: CurrentJob | None) -> None:
     _local.job = job
+    _local.committed_done = None
+
+
+def note_current_job_done() -> None:
+    """The transaction that marked the running job done has committed: its row is
+    ``done`` already, and the acknowledgement after the actor returns would
+    match nothing (see CurrentJobMiddleware)."""
+    job = current_job()
+    if job is not None:
+        _local.committed_done = job.job_id
+
+
+def job_done_committed(job_id: int) -> bool:
+    """Whether this thread committed job ``job_id`` done inside the actor."""
+    return getattr(_local, "committed_done", None) == job_id
 
 
 def mark_current_job_done(connection: Any) -> bool:

@@ -7,7 +7,7 @@ from typing import Any
 import dramatiq
 
 from ..broker import PostgresMessageProxy
-from ..current_job import CurrentJob, set_current_job
+from ..current_job import CurrentJob, job_done_committed, set_current_job
 
 
 class CurrentJobMiddleware(dramatiq.Middleware):
@@ -21,6 +21,9 @@ class CurrentJobMiddleware(dramatiq.Middleware):
 
     def after_process_message(self, broker: dramatiq.Broker, message: Any, *,
                               result: Any = None, exception: BaseException | None = None) -> None:
+        if isinstance(message, PostgresMessageProxy) and job_done_committed(message.job_id):
+            # Its row is done already, in the actor's own transaction: no ack needed.
+            message.done_in_transaction = True
         set_current_job(None)
 
     def after_skip_message(self, broker: dramatiq.Broker, message: Any) -> None:
