@@ -105,9 +105,13 @@ def _tools_with_snapshots(ctx: LlmContext) -> ToolRegistry:
     one. A server listed for the first time becomes part of the snapshot: later
     turns advertise the same tools without asking it again, and a server that is
     briefly down fails only the calls made to it, not the turn."""
-    registry = ToolRegistry.build(ctx.agent.tool_entries(), agent=str(ctx.agent.agent_name),
-                                  snapshots=queries.tool_snapshots(ctx.session, ctx.loop_id))
-    store.record_tool_snapshots(ctx.session, ctx.loop_id, registry.new_snapshots)
+    entries = ctx.agent.tool_entries()
+    # Only remote servers have snapshots: an in-process-only agent reads none.
+    remote = any(entry.get("toolset") is None for entry in entries)
+    snapshots = queries.tool_snapshots(ctx.session, ctx.loop_id) if remote else {}
+    registry = ToolRegistry.build(entries, agent=str(ctx.agent.agent_name), snapshots=snapshots)
+    if registry.new_snapshots:
+        store.record_tool_snapshots(ctx.session, ctx.loop_id, registry.new_snapshots)
     return registry
 
 

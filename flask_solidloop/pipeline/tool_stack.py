@@ -60,8 +60,12 @@ class ToolExecution:
             entries = ctx.agent.tool_entries()
             name, arguments, key = call.name, call.arguments, call.idempotency_key
             server_name, tool_name = call.server_name, call.tool_name
+            # Only a remote server (url= or a transport object) has a stored session.
+            remote = any(entry.get("name") == server_name
+                         and (entry.get("url") is not None or entry.get("transport") is not None)
+                         for entry in entries)
             stored_state = (queries.mcp_session_state(ctx.session, ctx.loop_id, server_name)
-                            if server_name else None)
+                            if server_name and remote else None)
             # The tool sees a detached snapshot of the loop, so reading it never
             # reopens a transaction on our session.
             loop = ctx.loop
