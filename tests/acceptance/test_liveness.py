@@ -1,7 +1,9 @@
 """Recovery by liveness, with real worker processes and nothing else running.
 
-Workers run with a 2-second liveness TTL and their own reaper every half
-second; no ``flask solidloop reap`` runs anywhere. Each test kills, freezes or
+Workers run with a short liveness TTL (4 s where a takeover is the point, 10 s
+where it must not happen: a loaded machine may starve a renewer for a second
+or two, and that must make a test slower, not red) and their own reaper every
+half second; no ``flask solidloop reap`` runs anywhere. Each test kills, freezes or
 pauses the worker that holds a tool call and checks what the durability
 contract promises: the loop finishes, each call has one canonical result and
 one answer, and a tool whose worker is alive is never run a second time.
@@ -28,7 +30,9 @@ from .test_e2e_workers import kill_group, spawn_workers
 
 pytestmark = pytest.mark.e2e
 
-TTL = 2.0
+TTL = 4.0
+#: For tests where no takeover may happen: far above any renewer stall.
+CALM_TTL = 10.0
 WORKER_CONFIG = {"SOLIDLOOP_LIVENESS_TTL": TTL, "SOLIDLOOP_REAPER_INTERVAL": 0.5,
                  "SOLIDLOOP_LEASE_MARGIN": 1}
 WORKER_CMD = [sys.executable, "-m", "dramatiq", "flask_solidloop.worker", "--processes", "1",
@@ -38,10 +42,11 @@ WORKER_CMD = [sys.executable, "-m", "dramatiq", "flask_solidloop.worker", "--pro
 @pytest.fixture
 def fleets(monkeypatch, tmp_path):
     """Start named worker fleets (each its own process group); all stopped at the end."""
-    monkeypatch.setenv("SOLIDLOOP_TEST_APP_CONFIG", json.dumps(WORKER_CONFIG))
     started: dict[str, subprocess.Popen] = {}
 
-    def start(name: str) -> subprocess.Popen:
+    def start(name: str, ttl: float = TTL) -> subprocess.Popen:
+        config = {**WORKER_CONFIG, "SOLIDLOOP_LIVENESS_TTL": ttl}
+        monkeypatch.setenv("SOLIDLOOP_TEST_APP_CONFIG", json.dumps(config))
         started[name] = spawn_workers(WORKER_CMD, log=tmp_path / f"{name}.log")
         return started[name]
 
@@ -102,7 +107,7 @@ def assert_finished_once(session, loop_id: int, calls: int) -> list[ToolCall]:
 
 def test_a_killed_workers_tool_is_taken_over_with_only_workers_running(
         app, session, llm, fleets, effects):
-    slow_calls(llm, 3.0)
+    slow_calls(llm, 5.0)
     first, second = fleets("first"), fleets("second")
     loop = SlowAgent.start(message="slow please")
     call = poll(session, lambda: running_calls(session, loop.id), what="the tool to start")[0]
@@ -123,7 +128,7 @@ def test_a_killed_workers_tool_is_taken_over_with_only_workers_running(
 
 def test_a_frozen_worker_loses_its_tool_and_writes_nothing_after_it_thaws(
         app, session, llm, fleets, effects):
-    slow_calls(llm, 2.0)
+    slow_calls(llm, 3.0)
     fleets("first"), fleets("second")
     loop = SlowAgent.start(message="slow please")
     call = poll(session, lambda: running_calls(session, loop.id), what="the tool to start")[0]
@@ -155,7 +160,7 @@ def test_a_frozen_worker_loses_its_tool_and_writes_nothing_after_it_thaws(
 def test_pausing_during_tools_never_runs_them_twice(
         app, session, llm, fleets, effects, resume_while_running):
     slow_calls(llm, 2.0, 2.0)
-    fleets("only")
+    fleets("only", ttl=CALM_TTL)
     loop = SlowAgent.start(message="slow please")
     poll(session, lambda: len(running_calls(session, loop.id)) == 2, what="both tools to run")
     assert SlowAgent(loop.id).pause()
@@ -177,7 +182,7 @@ def test_pausing_during_tools_never_runs_them_twice(
 
 def test_a_sequential_phase_is_not_healed_behind_its_head(app, session, llm, fleets, tmp_path):
     slow_calls(llm, 1.5, 1.5, 1.5)  # each longer than the reaper's 1 s grace
-    fleets("only")
+    fleets("only", ttl=CALM_TTL)
     loop = SlowSequentialAgent.start(message="slow please")
     poll(session, lambda: session.get(Loop, loop.id).status == "completed",
          what="the sequential loop to complete")
