@@ -63,14 +63,14 @@ def _errors(value: Any, tp: Any, where: str) -> list[str]:
             if key in hints:
                 errors += _errors(sub, hints[key], f"{where}.{key}")
         return errors
-    if origin in (list, collections.abc.Iterable, collections.abc.Sequence, typing.List):
+    if origin in (list, collections.abc.Iterable, collections.abc.Sequence, list):
         if not isinstance(value, list):
             return [f"{where}: expected a list"]
         out: list[str] = []
         for index, item in enumerate(value):
             out += _errors(item, args[0] if args else Any, f"{where}[{index}]")
         return out
-    if origin in (dict, collections.abc.Mapping, typing.Dict):
+    if origin in (dict, collections.abc.Mapping, dict):
         return [] if isinstance(value, dict) else [f"{where}: expected an object"]
     if tp is str:
         return [] if isinstance(value, str) else [f"{where}: expected a string, got {value!r}"]

@@ -118,6 +118,7 @@ FAILING_FINISH_REASONS = {
     ),
 }
 CONTINUATION = "CONTINUATION"
+_UNDERSTOOD = (*FINISH_REASONS, *FAILING_FINISH_REASONS, CONTINUATION)
 #: How many follow-up requests one turn may make for CONTINUATION answers.
 MAX_CONTINUATIONS = 8
 #: Hex digits of an invented call id after ``call_``.
@@ -495,7 +496,7 @@ def _finish_reason(candidate: dict[str, Any], has_calls: bool) -> str | None:
         detail = candidate.get("finishMessage")
         raise ProviderAnswerError(
             f"unknown finishReason {reason!r}" + (f": {detail}" if detail else "")
-            + f" (understood: {', '.join([*FINISH_REASONS, *FAILING_FINISH_REASONS, CONTINUATION])})"
+            + f" (understood: {', '.join(_UNDERSTOOD)})"
         )
     if reason == "STOP" and has_calls:
         return "tool_calls"

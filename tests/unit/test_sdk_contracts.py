@@ -19,22 +19,22 @@ pytest.importorskip("openai")
 pytest.importorskip("anthropic")
 pytest.importorskip("google.genai")
 
-from anthropic import types as at  # noqa: E402
-from google.genai import types as gt  # noqa: E402
-from openai.types import chat as ot  # noqa: E402
-from openai.types.chat import chat_completion as occ  # noqa: E402
-from openai.types.chat import chat_completion_chunk as chunk_t  # noqa: E402
-from openai.types.completion_usage import CompletionUsage  # noqa: E402
+from anthropic import types as at
+from google.genai import types as gt
+from openai.types import chat as ot
+from openai.types.chat import chat_completion as occ
+from openai.types.chat import chat_completion_chunk as chunk_t
+from openai.types.completion_usage import CompletionUsage
 
-from flask_solidloop.errors import ProviderAnswerError, ProviderResponseError  # noqa: E402
-from flask_solidloop.llm import gemini  # noqa: E402
-from flask_solidloop.llm.anthropic import AnthropicDialect  # noqa: E402
-from flask_solidloop.llm.client import RetryPolicy, jittered  # noqa: E402
-from flask_solidloop.llm.dialect import SSEEvent  # noqa: E402
-from flask_solidloop.llm.gemini import GeminiDialect  # noqa: E402
-from flask_solidloop.llm.openai import OpenAIDialect  # noqa: E402
+from flask_solidloop.errors import ProviderAnswerError, ProviderResponseError
+from flask_solidloop.llm import gemini
+from flask_solidloop.llm.anthropic import AnthropicDialect
+from flask_solidloop.llm.client import RetryPolicy, jittered
+from flask_solidloop.llm.dialect import SSEEvent
+from flask_solidloop.llm.gemini import GeminiDialect
+from flask_solidloop.llm.openai import OpenAIDialect
 
-from ..sdk_contract import check_anthropic, check_gemini, check_openai  # noqa: E402
+from ..sdk_contract import check_anthropic, check_gemini, check_openai
 
 
 def dump(model, **kw):
