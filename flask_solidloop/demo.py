@@ -9,18 +9,22 @@ dramatiq worker processes, starts a loop and follows it until it ends.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import tempfile
 import time
+from typing import Any
 
 import click
 from flask import Flask
+from sqlalchemy import select
 
 from .database import ensure_database, upgrade_database
 from .errors import SolidLoopError
 from .loops import queries
+from .models import Event
 from .render import format_message
 from .runtime.worker import worker_command, worker_env
 from .state import get_state
@@ -108,7 +112,11 @@ def _follow(app: Flask, loop_id: int, timeout: float, workers: subprocess.Popen,
         if status == "completed":
             click.echo(f"\nloop {loop_id} completed in {loop.step_count} LLM turns, "
                        f"{len(calls)} tool call(s)")
-            return 0 if used_tool else 1
+            if used_tool:
+                return 0
+            click.echo(explain_no_tool_call(session, loop_id), err=True)
+            session.rollback()
+            return 1
         if status in ("failed", "paused"):
             click.echo(f"\nloop {loop_id} ended {status}: {loop.error_message}", err=True)
             return 1
@@ -122,6 +130,45 @@ def _follow(app: Flask, loop_id: int, timeout: float, workers: subprocess.Popen,
             click.echo(f"\nloop {loop_id} still {status} after {timeout:.0f}s", err=True)
             return 1
         time.sleep(0.2)
+
+
+#: The usual fix when a server's chat format drops the tool definitions.
+TOOL_FORMAT_HINT = (
+    "use the server's tool-capable chat format, e.g. llama-cpp-python "
+    "`--chat_format chatml-function-calling` (llama.cpp's llama-server: `--jinja`)"
+)
+
+
+def explain_no_tool_call(session: Any, loop_id: int) -> str:
+    """Why the demo exits 1 after a completed loop: the model called no tool. When
+    the first turn's prompt tokens are fewer than the tool definitions alone would
+    take, the server most likely dropped them (its chat format ignores ``tools``)."""
+    lines = ["exit code 1: the loop completed, but the model answered without calling "
+             "any tool, so the demo did not show a tool round trip."]
+    event = session.scalars(
+        select(Event).where(Event.loop_id == loop_id, Event.kind == "llm_request")
+        .order_by(Event.id)).first()
+    first = next((m for m in queries.messages(session, loop_id) if m.role == "assistant"),
+                 None)
+    body = ((event.payload or {}).get("request") or {}).get("body") if event else None
+    tools = (body or {}).get("tools") if isinstance(body, dict) else None
+    prompt = (first.usage or {}).get("input_tokens") if first is not None else None
+    if tools and prompt:
+        tools_tokens = len(json.dumps(tools)) // 4
+        if prompt < tools_tokens:
+            lines.append(
+                f"The first request sent {len(tools)} tool definition(s) (about "
+                f"{tools_tokens} tokens on their own), but the server counted only "
+                f"{prompt} prompt tokens: it most likely dropped the tools from the "
+                f"prompt. Usual fix: {TOOL_FORMAT_HINT}.")
+            return "\n".join(lines)
+    if tools and first is not None and first.usage is None:
+        lines.append("The server reported no token counts, so whether it kept the tools "
+                     f"cannot be told; if it dropped them: {TOOL_FORMAT_HINT}.")
+    else:
+        lines.append("Try a message that needs a tool, a model trained for tool calling, "
+                     "or `tool_choice` in llm_params to force one.")
+    return "\n".join(lines)
 
 
 def _stop(workers: subprocess.Popen) -> None:

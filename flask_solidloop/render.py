@@ -5,15 +5,29 @@ from __future__ import annotations
 import textwrap
 from datetime import UTC, datetime
 
+from sqlalchemy.orm import object_session
+
+from .loops import queries
 from .loops.queries import ToolCallState
 from .models import Loop, Message, ToolCall
 
 
 def format_loop(loop: Loop) -> str:
+    assistant = _assistant_messages(loop)
+    unknown = [m for m in assistant if (m.meta or {}).get("usage_missing")]
+    tokens = f"  tokens in/out: {loop.input_tokens}/{loop.output_tokens}"
+    if unknown:
+        # Not $0.00: the server sent no counts for these turns (see the messages).
+        tokens += (f", usage unknown for {len(unknown)} of {len(assistant)} turn(s) "
+                   "(the server sent no token counts; totals and cost leave them out)")
     lines = [
         f"loop {loop.id}  agent={loop.agent_name}  status={loop.status}  steps={loop.step_count}",
-        f"  tokens in/out: {loop.input_tokens}/{loop.output_tokens}",
+        tokens,
     ]
+    last = assistant[-1] if assistant else None
+    if last is not None and last.finish_reason == "refusal":
+        reason = (last.meta or {}).get("refusal") or last.content or ""
+        lines.append(f"  outcome: refusal: the model declined: {reason}".rstrip(": "))
     if loop.status == "running" and loop.lease_expires_at is not None:
         lines.append(f"  LLM turn held by {loop.lease_holder or 'a worker'}, lease until "
                      f"{_clock(loop.lease_expires_at)}")
@@ -24,6 +38,15 @@ def format_loop(loop: Loop) -> str:
     if loop.error_message:
         lines.append(f"  error: {loop.error_message}")
     return "\n".join(lines)
+
+
+def _assistant_messages(loop: Loop) -> list[Message]:
+    """The loop's completed assistant turns, when the loop is attached to a session."""
+    session = object_session(loop)
+    if session is None:
+        return []
+    return [m for m in queries.messages(session, loop.id)
+            if m.role == "assistant" and m.status == "completed"]
 
 
 def _indent(text: str) -> str:
@@ -58,6 +81,16 @@ def format_message(
     parts = [head]
     if message.content:
         parts.append(_indent(message.content))
+    meta = message.meta or {}
+    if meta.get("refusal"):
+        parts.append(f"    refusal: {meta['refusal']}")
+    if meta.get("usage_missing"):
+        estimate = meta.get("usage_estimate") or {}
+        line = "    usage unknown (the server sent no token counts)"
+        if estimate:
+            line += (f"; estimated ~{estimate.get('input_tokens')} in / "
+                     f"~{estimate.get('output_tokens')} out, not billed")
+        parts.append(line)
     own_calls = sorted((c for c in calls.values() if c.message_id == message.id),
                        key=lambda c: c.position)
     for call in own_calls:

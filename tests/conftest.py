@@ -64,7 +64,9 @@ def drop_database(url: str) -> None:
 
 @pytest.fixture(scope="session")
 def llm():
-    emulator = LLMEmulator().start()
+    # strict: refuse what real servers refuse (issue 11), so a test cannot pass on a
+    # request shape only the emulator would take
+    emulator = LLMEmulator(strict=True).start()
     os.environ[LLM_URL_ENV] = emulator.base_url
     os.environ["SOLIDLOOP_TEST_API_KEY"] = "sk-test-secret-123"
     yield emulator

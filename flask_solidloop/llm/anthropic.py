@@ -265,7 +265,11 @@ def parse_message(body: Any) -> AssistantTurn:
             ))
         # redacted_thinking carries no readable text; other block types (server
         # tools, ...) only travel in provider_meta.
+    refusal = None
+    if stop_reason == "refusal":  # the streaming classifiers stopped the answer
+        refusal = "".join(texts) or "the model declined to answer (stop_reason 'refusal')"
     return AssistantTurn(
+        refusal=refusal,
         content="".join(texts) if texts else None,
         tool_calls=calls,
         finish_reason=STOP_REASONS[stop_reason],
@@ -282,10 +286,14 @@ def parse_usage(data: Any) -> Usage | None:
     fresh = int(data.get("input_tokens") or 0)
     read = int(data.get("cache_read_input_tokens") or 0)
     written = int(data.get("cache_creation_input_tokens") or 0)
+    details = data.get("output_tokens_details")
+    thinking = details.get("thinking_tokens") if isinstance(details, dict) else None
     return Usage(
         input_tokens=fresh + read + written,
         cached_input_tokens=read,
         output_tokens=int(data.get("output_tokens") or 0),
+        # Part of output_tokens (which stays the billed total), reported apart.
+        reasoning_tokens=int(thinking or 0),
     )
 
 
@@ -375,7 +383,9 @@ class AnthropicAggregator:
             self._close(index)
         body = dict(self._message)
         body["content"] = [self._blocks[i] for i in sorted(self._blocks)]
-        body["usage"] = dict(self._usage)
+        # No usage in any event: leave it out, so the turn says "usage unknown"
+        # instead of counting zero tokens.
+        body["usage"] = dict(self._usage) if self._usage else None
         turn = parse_message(body)
         for call in turn.tool_calls:
             if call.call_id in self._invalid_inputs:

@@ -11,7 +11,9 @@ carries the request's :class:`WireRecord` in ``ProviderError.wire``.
 Retry policy (SOLIDLOOP_LLM_RETRY_*): a response with a retryable status, or a
 connection that never opened, is re-sent up to ``retries`` times. The wait is
 the server's Retry-After (delta-seconds or HTTP-date) or ``retry-after-ms`` when
-given, else exponential backoff, always capped by ``max_delay``. A read timeout
+given, else exponential backoff, always capped by ``max_delay``, with full
+jitter (:func:`jittered`): workers refused by one 429 do not come back in
+lockstep. The server's wait stays a floor: jitter only ever adds to it. A read timeout
 is never retried: the full timeout has passed and the request may have been
 served. Waits poll ``should_abort`` so a pause or stop lands within a second.
 A stream adds one rule: once content was handed over it is never repeated
@@ -24,6 +26,7 @@ import contextlib
 import email.utils
 import json
 import os
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -55,6 +58,8 @@ class RetryPolicy:
     base_delay: float = 1.0
     max_delay: float = 60.0
     statuses: tuple[int, ...] = (408, 409, 429, 500, 502, 503, 504, 529)
+    #: Draws the jitter; give a seeded ``random.Random`` to get the same waits each run.
+    rng: random.Random = field(default_factory=random.Random, repr=False, compare=False)
 
 
 def retry_after_seconds(response: httpx.Response) -> float | None:
@@ -98,8 +103,25 @@ def shared_client() -> httpx.Client:
 
 
 def backoff_delay(policy: RetryPolicy, attempt: int) -> float:
-    """Exponential backoff for attempt N (base * 2**(N-1)), capped by max_delay."""
+    """The exponential backoff ceiling for attempt N (base * 2**(N-1)), capped by
+    max_delay. The wait actually taken is :func:`jittered` below it."""
     return min(policy.max_delay, policy.base_delay * 2 ** (attempt - 1))
+
+
+def jittered(policy: RetryPolicy, attempt: int, server_wait: float | None = None) -> float:
+    """The wait before attempt N+1, with full jitter.
+
+    Without a server-requested wait: uniform in ``[0, backoff]`` ("full jitter":
+    many workers failed by the same 429 spread out instead of retrying together).
+    With one (Retry-After, retry-after-ms, Gemini's RetryInfo), capped by
+    ``max_delay``: uniform in ``[server_wait, min(max_delay, server_wait + backoff)]``,
+    so the server's wait is a floor and the spread is the same backoff window.
+    """
+    ceiling = backoff_delay(policy, attempt)
+    if server_wait is None:
+        return policy.rng.uniform(0.0, ceiling)
+    floor = min(policy.max_delay, server_wait)
+    return policy.rng.uniform(floor, min(policy.max_delay, floor + ceiling))
 
 
 def retry_delay(response: httpx.Response, body_text: str, attempt: int, policy: RetryPolicy,
@@ -108,7 +130,8 @@ def retry_delay(response: httpx.Response, body_text: str, attempt: int, policy: 
 
     The server's own wait wins over backoff: Retry-After (seconds or HTTP-date),
     retry-after-ms, or a wait found in the error body (Gemini's RetryInfo), always
-    capped by the policy's max_delay.
+    capped by the policy's max_delay; it is a floor, jitter is added above it
+    (:func:`jittered`).
     """
     status = response.status_code
     if status in NEVER_RETRY or status not in policy.statuses or attempt > policy.retries:
@@ -119,9 +142,7 @@ def retry_delay(response: httpx.Response, body_text: str, attempt: int, policy: 
             server_wait = retry_after_from_body(json.loads(body_text))
         except (ValueError, TypeError):
             server_wait = None
-    if server_wait is None:
-        return backoff_delay(policy, attempt)
-    return min(policy.max_delay, server_wait)
+    return jittered(policy, attempt, server_wait)
 
 
 def _sleep(seconds: float, should_abort: Callable[[], bool] | None) -> None:
@@ -223,7 +244,7 @@ class Send:
                     with map_exceptions(self, attempt):
                         return exchange(attempt)
                 except _Retry as retry:
-                    attempt.entry["retry_in_s"] = retry.delay
+                    attempt.entry["retry_in_s"] = round(retry.delay, 3)
                     _sleep(retry.delay, self.should_abort)
         except ProviderError as exc:
             exc.wire = self.record  # the failed turn's wire log
@@ -274,7 +295,7 @@ def map_exceptions(send: Send, attempt: Attempt) -> Iterator[None]:
         # The connection never opened: nothing was sent, so a retry is safe.
         attempt.log(error=f"connect failed: {exc}")
         if attempt.number <= send.policy.retries:
-            raise _Retry(backoff_delay(send.policy, attempt.number)) from None
+            raise _Retry(jittered(send.policy, attempt.number)) from None
         send.fail(attempt)
         raise ProviderError(
             f"cannot connect to {send.shown_url}: {redact_urls_in(str(exc))}") from exc
@@ -324,7 +345,7 @@ def _broken_stream(send: Send, attempt: Attempt,
                 handed_content=attempt.handed)
     repeatable = not isinstance(exc, ProviderAnswerError)
     if repeatable and not attempt.handed and attempt.number <= send.policy.retries:
-        raise _Retry(backoff_delay(send.policy, attempt.number)) from None
+        raise _Retry(jittered(send.policy, attempt.number)) from None
     send.fail(attempt)
 
 

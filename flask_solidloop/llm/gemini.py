@@ -74,16 +74,17 @@ THINKING_BUDGETS = {"low": 1024, "medium": 4096, "high": 16384}
 UNSUPPORTED_SCHEMA_KEYS = frozenset(
     {"$schema", "$id", "$comment", "additionalProperties", "title", "default"}
 )
-#: Schema keys whose value is a map of property name -> schema.
-_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
 
 #: Gemini finishReason -> the neutral finish_reason ("STOP" becomes "tool_calls"
-#: when the turn has function calls). Anything else (FINISH_REASON_UNSPECIFIED,
-#: values added later) is a ProviderAnswerError.
+#: when the turn has function calls). Every value google-genai's ``FinishReason``
+#: knows is here, in :data:`FAILING_FINISH_REASONS` or is CONTINUATION (handled
+#: by sending again, see :meth:`GeminiDialect.continuation`); anything else
+#: (FINISH_REASON_UNSPECIFIED, values added later) is a ProviderAnswerError.
 FINISH_REASONS = {
     "STOP": "stop",
     "MAX_TOKENS": "length",
-    # Stopped by a content policy (LANGUAGE: a language Gemini refuses to answer in).
+    # Stopped by a content policy (LANGUAGE: a language Gemini refuses to answer in;
+    # ESCALATION: an escalation rule; MODEL_ARMOR: Model Armor blocked the answer).
     "SAFETY": "content_filter",
     "RECITATION": "content_filter",
     "BLOCKLIST": "content_filter",
@@ -91,12 +92,35 @@ FINISH_REASONS = {
     "SPII": "content_filter",
     "LANGUAGE": "content_filter",
     "IMAGE_SAFETY": "content_filter",
+    "IMAGE_PROHIBITED_CONTENT": "content_filter",
+    "IMAGE_RECITATION": "content_filter",
+    "ESCALATION": "content_filter",
+    "MODEL_ARMOR": "content_filter",
     "OTHER": "other",
+    "IMAGE_OTHER": "other",
+    "NO_IMAGE": "other",  # an image was expected and none came
     # The model's function calling went wrong; the turn carries no usable call.
     "MALFORMED_FUNCTION_CALL": "malformed_function_call",
     "UNEXPECTED_TOOL_CALL": "unexpected_tool_call",
     "TOO_MANY_TOOL_CALLS": "too_many_tool_calls",
+    # The server could not produce a well-formed answer.
+    "MALFORMED_RESPONSE": "malformed_response",
 }
+#: finishReason values that fail the turn (ProviderAnswerError, never retried:
+#: the same request gets the same answer), with what to do about them.
+FAILING_FINISH_REASONS = {
+    "MISSING_THOUGHT_SIGNATURE": (
+        "the request lacks a thoughtSignature Gemini needs back on an earlier model "
+        "turn; keep 'gemini_signed' in the agent's reasoning_strategies (the default)"
+    ),
+    "PUP_LIMITED_DISABLED": (
+        "the account is limited or disabled for Prohibited Use Policy violations"
+    ),
+}
+CONTINUATION = "CONTINUATION"
+_UNDERSTOOD = (*FINISH_REASONS, *FAILING_FINISH_REASONS, CONTINUATION)
+#: How many follow-up requests one turn may make for CONTINUATION answers.
+MAX_CONTINUATIONS = 8
 #: Hex digits of an invented call id after ``call_``.
 CALL_ID_DIGITS = 16
 
@@ -259,26 +283,88 @@ def _empty_object(schema: dict[str, Any]) -> bool:
 
 
 def clean_schema(schema: Any) -> Any:
-    """``schema`` without :data:`UNSUPPORTED_SCHEMA_KEYS`, at every depth.
+    """``schema`` in the shape Gemini's ``Schema`` accepts, at every depth.
 
-    Keys of ``properties`` (and ``$defs`` / ``definitions`` /
-    ``patternProperties``) are names, not keywords: kept as they are, their
+    * ``$ref`` is replaced by the definition it names (``#/$defs/...`` or
+      ``#/definitions/...`` of the root schema), and ``$defs`` / ``definitions``
+      are dropped: google-genai inlines definitions the same way before calling
+      the API, and Gemini's Schema has no ``$defs`` / ``$ref``. A recursive model
+      (a definition reached again through its own references) cannot be inlined:
+      ValueError, naming the chain.
+    * keys Gemini's Schema does not know are dropped (:data:`UNSUPPORTED_SCHEMA_KEYS`
+      and any JSON-schema keyword outside :data:`SCHEMA_KEYS`); ``const`` becomes a
+      one-value ``enum``, ``oneOf`` becomes ``anyOf``, a one-item ``allOf`` is
+      merged in, and a ``type`` list (``["string", "null"]``) becomes its type
+      plus ``nullable``.
+
+    Keys of ``properties`` are names, not keywords: kept as they are, their
     schemas cleaned.
     """
+    if not isinstance(schema, dict):
+        return _clean(schema, {}, ())
+    definitions: dict[str, Any] = {}
+    for key in ("definitions", "$defs"):
+        if isinstance(schema.get(key), dict):
+            definitions.update({f"#/{key}/{name}": sub for name, sub in schema[key].items()})
+    return _clean(schema, definitions, ())
+
+
+#: The keywords of Gemini's ``Schema`` that we send (google-genai's Schema fields,
+#: less those we strip).
+SCHEMA_KEYS = frozenset({
+    "type", "format", "description", "nullable", "enum", "items", "maxItems", "minItems",
+    "properties", "required", "minProperties", "maxProperties", "minLength", "maxLength",
+    "pattern", "example", "anyOf", "propertyOrdering", "minimum", "maximum",
+})
+
+
+def _clean(schema: Any, definitions: dict[str, Any], chain: tuple[str, ...]) -> Any:
     if isinstance(schema, list):
-        return [clean_schema(item) for item in schema]
+        return [_clean(item, definitions, chain) for item in schema]
     if not isinstance(schema, dict):
         return schema
+    ref = schema.get("$ref")
+    if isinstance(ref, str):
+        if ref in chain:
+            names = " -> ".join(r.rsplit("/", 1)[-1] for r in (*chain, ref))
+            raise ValueError(
+                f"gemini dialect: the tool schema is recursive ({names}); Gemini's Schema "
+                "cannot refer to itself and a recursive model cannot be inlined. Give the "
+                "tool a non-recursive argument type (e.g. a depth-limited model, or a JSON "
+                "string argument parsed by the tool)"
+            )
+        target = definitions.get(ref)
+        if target is None:
+            raise ValueError(f"gemini dialect: the tool schema refers to {ref!r}, "
+                             "which it does not define (only local #/$defs refs are inlined)")
+        siblings = {k: v for k, v in schema.items() if k != "$ref"}
+        merged = {**target, **siblings}  # a description beside the $ref wins
+        return _clean(merged, definitions, (*chain, ref))
+    all_of = schema.get("allOf")
+    if isinstance(all_of, list) and len(all_of) == 1 and isinstance(all_of[0], dict):
+        rest = {k: v for k, v in schema.items() if k != "allOf"}
+        return _clean({**all_of[0], **rest}, definitions, chain)
     cleaned: dict[str, Any] = {}
     for key, value in schema.items():
-        if key in UNSUPPORTED_SCHEMA_KEYS:
+        if key == "oneOf":
+            key = "anyOf"
+        if key == "const":
+            cleaned.setdefault("enum", [copy.deepcopy(value)])
             continue
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            cleaned[key] = {name: clean_schema(sub) for name, sub in value.items()}
-        elif key in ("enum", "required", "const", "examples"):
+        if key in UNSUPPORTED_SCHEMA_KEYS or key not in SCHEMA_KEYS:
+            continue
+        if key == "properties" and isinstance(value, dict):
+            cleaned[key] = {name: _clean(sub, definitions, chain) for name, sub in value.items()}
+        elif key == "type" and isinstance(value, list):
+            kinds = [t for t in value if t != "null"]
+            if kinds:
+                cleaned["type"] = kinds[0]
+            if "null" in value:
+                cleaned["nullable"] = True
+        elif key in ("enum", "required", "example", "propertyOrdering"):
             cleaned[key] = copy.deepcopy(value)  # data, not schemas
         else:
-            cleaned[key] = clean_schema(value)
+            cleaned[key] = _clean(value, definitions, chain)
     return cleaned
 
 
@@ -323,14 +409,60 @@ def parse_response(body: Any) -> AssistantTurn:
         elif isinstance(part.get("text"), str):
             (thoughts if part.get("thought") else text).append(part["text"])
 
+    meta: dict[str, Any] = {"gemini_parts": copy.deepcopy(parts)}
+    finish_reason = _finish_reason(candidate, bool(calls))
+    if finish_reason == "continuation":
+        meta["gemini_continuation_token"] = candidate["continuationToken"]
     return AssistantTurn(
         content="".join(text) or None,
         tool_calls=calls,
-        finish_reason=_finish_reason(candidate, bool(calls)),
+        finish_reason=finish_reason,
         usage=parse_usage(body.get("usageMetadata")),
         reasoning="".join(thoughts) or None,
         raw=body,
-        provider_meta={"gemini_parts": copy.deepcopy(parts)},
+        provider_meta=meta,
+    )
+
+
+def continuation_payload(payload: dict[str, Any], turn: AssistantTurn) -> dict[str, Any] | None:
+    """The request that continues a CONTINUATION answer: the same one, with the
+    token at the top level (``continuationToken``, as google-genai sends it), or
+    None when ``turn`` is complete."""
+    token = turn.provider_meta.get("gemini_continuation_token")
+    if turn.finish_reason != "continuation" or not token:
+        return None
+    return {**payload, "continuationToken": token}
+
+
+def merge_continuation(first: AssistantTurn, second: AssistantTurn) -> AssistantTurn:
+    """One turn from two hops: parts, text, reasoning and calls joined in order,
+    usage summed (each hop is a request of its own, as google-genai counts it),
+    the finish reason and token of the later hop."""
+    parts = [*first.provider_meta.get("gemini_parts", []),
+             *second.provider_meta.get("gemini_parts", [])]
+    meta = {**first.provider_meta, **second.provider_meta, "gemini_parts": parts}
+    if "gemini_continuation_token" not in second.provider_meta:
+        meta.pop("gemini_continuation_token", None)
+    usage = None
+    if first.usage is not None or second.usage is not None:
+        a, b = first.usage or Usage(), second.usage or Usage()
+        usage = Usage(input_tokens=a.input_tokens + b.input_tokens,
+                      cached_input_tokens=a.cached_input_tokens + b.cached_input_tokens,
+                      output_tokens=a.output_tokens + b.output_tokens,
+                      reasoning_tokens=a.reasoning_tokens + b.reasoning_tokens)
+
+    def join(x: str | None, y: str | None) -> str | None:
+        return ((x or "") + (y or "")) or None
+
+    calls = [*first.tool_calls, *second.tool_calls]
+    finish = second.finish_reason
+    if finish == "stop" and calls:
+        finish = "tool_calls"
+    return AssistantTurn(
+        content=join(first.content, second.content), tool_calls=calls,
+        finish_reason=finish, usage=usage,
+        reasoning=join(first.reasoning, second.reasoning),
+        raw={"continued": [first.raw, second.raw]}, provider_meta=meta,
     )
 
 
@@ -350,11 +482,21 @@ def _finish_reason(candidate: dict[str, Any], has_calls: bool) -> str | None:
     reason = candidate.get("finishReason")
     if reason is None:
         return None
+    if reason == CONTINUATION:
+        # Sent again with the token (GeminiDialect.continuation); without one
+        # the answer is as cut short as MAX_TOKENS.
+        return "continuation" if candidate.get("continuationToken") else "length"
+    if reason in FAILING_FINISH_REASONS:
+        detail = candidate.get("finishMessage")
+        raise ProviderAnswerError(
+            f"Gemini stopped with finishReason {reason!r}: {FAILING_FINISH_REASONS[reason]}"
+            + (f" ({detail})" if detail else "")
+        )
     if reason not in FINISH_REASONS:
         detail = candidate.get("finishMessage")
         raise ProviderAnswerError(
             f"unknown finishReason {reason!r}" + (f": {detail}" if detail else "")
-            + f" (understood: {', '.join(FINISH_REASONS)})"
+            + f" (understood: {', '.join(_UNDERSTOOD)})"
         )
     if reason == "STOP" and has_calls:
         return "tool_calls"
@@ -452,6 +594,7 @@ class GeminiAggregator:
         self._finish_message: str | None = None
         self._usage: dict[str, Any] | None = None
         self._extra: dict[str, Any] = {}
+        self._continuation_token: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -491,6 +634,8 @@ class GeminiAggregator:
                 else:
                     delta.content += part["text"]
             self._add(part)
+        if candidate.get("continuationToken"):
+            self._continuation_token = candidate["continuationToken"]
         reason = candidate.get("finishReason")
         if reason is not None:
             if candidate.get("finishMessage"):
@@ -542,6 +687,8 @@ class GeminiAggregator:
         }
         if self._finish_message:
             candidate["finishMessage"] = self._finish_message
+        if self._continuation_token:
+            candidate["continuationToken"] = self._continuation_token
         body: dict[str, Any] = {"candidates": [candidate]}
         if self._usage is not None:
             body["usageMetadata"] = self._usage
@@ -578,3 +725,11 @@ class GeminiDialect:
 
     def retry_after_from_body(self, body: Any) -> float | None:
         return retry_after_from_body(body)
+
+    def continuation(self, payload: dict[str, Any], turn: AssistantTurn) -> dict[str, Any] | None:
+        """The follow-up request for a CONTINUATION answer (see
+        :func:`continuation_payload`); None when the turn is complete."""
+        return continuation_payload(payload, turn)
+
+    def merge(self, first: AssistantTurn, second: AssistantTurn) -> AssistantTurn:
+        return merge_continuation(first, second)

@@ -91,13 +91,15 @@ def render_message(
 ) -> dict[str, Any]:
     """One history entry on the wire; ``plan`` says where its reasoning goes (if anywhere).
 
-    An assistant message's content is ``null`` only next to ``tool_calls``;
-    without them OpenAI rejects ``null``, so it becomes ``""``.
+    Content is never ``null``: an assistant message that only called tools goes
+    out with ``"content": ""``. OpenAI, vLLM, Ollama and LiteLLM accept both, but
+    llama-cpp-python's server validates ``content`` as a string and answers HTTP
+    500 to ``null`` (and to a missing key); ``""`` is the form all of them take.
     """
     content = message.content
     if plan is not None and plan.weld:
         content = _reasoning.weld(content, message.reasoning)
-    if content is None and message.role == "assistant" and not message.tool_calls:
+    if content is None:
         content = ""
     out: dict[str, Any] = {"role": message.role, "content": content}
     if plan is not None and plan.field and message.reasoning:
@@ -161,14 +163,24 @@ def parse_response(body: Any) -> AssistantTurn:
         content, thought = _reasoning.split_think(content)
     if thought:
         reasoning = f"{reasoning}\n\n{thought}" if reasoning else thought
+    refusal = message.get("refusal")
+    refusal = refusal if isinstance(refusal, str) and refusal else None
     return AssistantTurn(
         content=content,
         tool_calls=calls,
-        finish_reason=finish_reason,
+        finish_reason=_refusal_finish(finish_reason, refusal, calls),
         usage=parse_usage(body.get("usage")),
         reasoning=reasoning,
         raw=body,
+        refusal=refusal,
     )
+
+
+def _refusal_finish(finish_reason: str | None, refusal: str | None,
+                    calls: list[ToolCallRequest]) -> str | None:
+    """A refusal is the turn's outcome: OpenAI reports it with finish_reason
+    ``stop`` and the text in ``refusal``, which an empty answer would hide."""
+    return "refusal" if refusal and not calls else finish_reason
 
 
 def parse_usage(data: Any) -> Usage | None:
@@ -196,7 +208,9 @@ class OpenAIDialect:
     def render(self, settings: ProviderSettings, messages: list[ChatMessage],
                tools: list[dict[str, Any]], options: RenderOptions = RenderOptions(),
                ) -> RenderedRequest:
-        plans = _plans(messages, options.reasoning_strategies)
+        strategies = _reasoning.resolve_strategies(options.reasoning_strategies, self.name,
+                                                   settings.base_url)
+        plans = _plans(messages, strategies)
         payload: dict[str, Any] = {
             "model": settings.model,
             "messages": [render_message(m, plans.get(i)) for i, m in enumerate(messages)],
@@ -254,11 +268,14 @@ class OpenAIAggregator:
     """
 
     __slots__ = ("_calls", "_content", "_done", "_finish_reason", "_first", "_reasoning",
-                 "_splitter", "_think_seen", "_turn", "_usage", "_wire_finish_reason")
+                 "_refusal", "_splitter", "_think_seen", "_turn", "_usage",
+                 "_wire_finish_reason")
 
     def __init__(self) -> None:
         self._content: list[str] = []
         self._reasoning: list[str] = []
+        #: ``delta.refusal`` pieces: the model declined (never handed over as text).
+        self._refusal: list[str] = []
         #: index -> [id, name, argument pieces]
         self._calls: dict[int, list[Any]] = {}
         self._usage: dict[str, Any] | None = None
@@ -355,6 +372,9 @@ class OpenAIAggregator:
 
     def _delta(self, delta: dict[str, Any], content: Any) -> StreamDelta | None:
         thought = delta.get("reasoning_content") or delta.get("reasoning")
+        refusal = delta.get("refusal")
+        if refusal:
+            self._refusal.append(str(refusal))
         tool_calls = delta.get("tool_calls")
         if tool_calls:
             self._merge_calls(tool_calls)
@@ -445,10 +465,13 @@ class OpenAIAggregator:
             for _, slot in sorted(self._calls.items())
         ]
         reasoning = "".join(self._reasoning) or None
+        refusal = "".join(self._refusal) or None
         first = self._first or {}
         message: dict[str, Any] = {"role": "assistant", "content": content or None}
         if reasoning:
             message["reasoning_content"] = reasoning
+        if refusal:
+            message["refusal"] = refusal
         if calls:
             message["tool_calls"] = [
                 {"id": c.call_id, "type": "function",
@@ -464,10 +487,11 @@ class OpenAIAggregator:
         self._turn = AssistantTurn(
             content=content or None,
             tool_calls=calls,
-            finish_reason=self._finish_reason,
+            finish_reason=_refusal_finish(self._finish_reason, refusal, calls),
             usage=parse_usage(self._usage),
             reasoning=reasoning,
             raw=raw,
+            refusal=refusal,
         )
         return self._turn
 

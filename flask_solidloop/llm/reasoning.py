@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from .types import ChatMessage
 
@@ -32,12 +33,39 @@ SIGNED = ("anthropic_signed", "gemini_signed")
 XML = ("xml", "xml!")
 FIELDS = ("reasoning_content", "reasoning")
 DEFAULT_STRATEGIES: dict[str, list[str]] = {
-    "openai": ["reasoning_content"],
+    # No field by default: api.openai.com and the official SDK's
+    # ChatCompletionAssistantMessageParam know no reasoning field, and strict
+    # servers (llama-cpp-python validates with pydantic) refuse what they do not
+    # know. Servers that want it back are listed in SERVER_STRATEGIES.
+    "openai": [],
     "anthropic": ["anthropic_signed"],
     "gemini": ["gemini_signed"],
 }
+#: Servers whose documentation asks for a reasoning field on assistant history
+#: messages, by host: their default replaces the dialect's. DeepSeek rejects a
+#: tool-call turn that lost its ``reasoning_content`` (thinking mode with tools).
+SERVER_STRATEGIES: dict[str, list[str]] = {
+    "api.deepseek.com": ["reasoning_content"],
+}
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
+
+
+def default_strategies(dialect: str, base_url: str | None = None) -> list[str]:
+    """The strategies used when an agent's ``reasoning_strategies`` is None: the
+    server's own (:data:`SERVER_STRATEGIES`, matched on the host of ``base_url``),
+    else the dialect's (:data:`DEFAULT_STRATEGIES`)."""
+    if dialect == "openai" and base_url:
+        host = urlsplit(base_url).hostname or ""
+        if host in SERVER_STRATEGIES:
+            return list(SERVER_STRATEGIES[host])
+    return list(DEFAULT_STRATEGIES.get(dialect, []))
+
+
+def resolve_strategies(strategies: list[str] | None, dialect: str,
+                       base_url: str | None = None) -> list[str]:
+    """The strategies a request uses: the agent's, or the default for its server."""
+    return list(strategies) if strategies is not None else default_strategies(dialect, base_url)
 
 
 def validate_strategies(value: Any, *, agent: str) -> list[str] | None:

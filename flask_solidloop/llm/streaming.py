@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from ..errors import AbortedError
+from ..errors import AbortedError, ProviderAnswerError
 from .client import Attempt, RetryPolicy, Send, WireRecord
 from .dialect import StreamAggregator, StreamDelta
 from .sse import SSEParser
@@ -60,6 +60,23 @@ def post_stream(
     turn, metrics = send.run(
         lambda attempt: _stream_attempt(send, attempt, make_aggregator(), on_delta))
     return turn, send.record, metrics
+
+
+def _empty_stream(send: Send, attempt: Attempt, status: int, received: int) -> None:
+    """A 2xx stream that closed without a single event: not a broken connection
+    but the server declining the request. llama.cpp-based servers answer a
+    prompt over their context window this way (the cause is only in their log;
+    the same request without streaming gets a 400 naming it). Sending the same
+    payload again would get the same nothing, so it is never retried."""
+    attempt.log(error=f"empty stream: HTTP {status}, {received} bytes, no events",
+                events=0, handed_content=False)
+    raise ProviderAnswerError(
+        f"HTTP {status} from {send.shown_url} with an empty stream (no events, "
+        f"{received} bytes): the server accepted the request and sent nothing. The "
+        "prompt may exceed the server's context window; send the same request with "
+        "streaming = False to see the server's own error. Not retried: the same "
+        "payload gets the same answer"
+    )
 
 
 def _stream_attempt(
@@ -100,6 +117,8 @@ def _stream_attempt(
         for event in parser.close():
             attempt.events += 1
             aggregator.feed(event)
+        if attempt.events == 0 and not aggregator.finished:
+            _empty_stream(send, attempt, response.status_code, received)
         turn = aggregator.result()
     duration = time.monotonic() - attempt.started
     ttft = (first_delta_at - attempt.started) if first_delta_at else duration

@@ -190,3 +190,6 @@ class AssistantTurn:
     raw: dict[str, Any] | None = None
     #: Dialect data to store on the message and give back next turn (see ChatMessage.meta).
     provider_meta: dict[str, Any] = field(default_factory=dict)
+    #: The model declined to answer, in its own words (OpenAI ``message.refusal`` /
+    #: ``delta.refusal``); the turn's finish_reason is then ``"refusal"``.
+    refusal: str | None = None

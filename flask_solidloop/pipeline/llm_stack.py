@@ -125,7 +125,12 @@ class NetworkCalling:
         ctx.shell_id = store.open_shell(ctx.session, ctx.loop_id, ctx.execution_token)
 
         dialect = get_dialect(settings.dialect)
-        strategies = ctx.agent.option("reasoning_strategies")
+        # None means the default for this server (no reasoning field on OpenAI-
+        # compatible servers but DeepSeek's); the resolved list is stored on the
+        # message, so what was sent back is visible.
+        strategies = reasoning.resolve_strategies(ctx.agent.option("reasoning_strategies"),
+                                                  settings.dialect, settings.base_url)
+        ctx.extras["reasoning_strategies"] = strategies
         streaming = bool(ctx.agent.option("streaming"))
         rendered = dialect.render(
             settings,
@@ -170,7 +175,7 @@ class NetworkCalling:
         started = time.monotonic()
         try:
             if streaming:
-                partial = PartialWriter(ctx)
+                partial = ctx.extras["partial"] = PartialWriter(ctx)
                 ctx.response, ctx.wire, ctx.metrics = post_stream(
                     url, rendered.payload, make_aggregator=dialect.aggregator,
                     on_delta=partial, **common)
@@ -178,6 +183,7 @@ class NetworkCalling:
                 body, ctx.wire = post_json(url, rendered.payload, **common)
                 ctx.metrics = {"duration_ms": round((time.monotonic() - started) * 1000, 1)}
                 ctx.response = dialect.parse(body)
+            _follow_continuations(ctx, dialect, url, rendered.payload, streaming, common)
         except ProviderError as exc:
             # Keep the record we have: a 2xx whose body would not parse is exactly
             # the response someone will want to look at.
@@ -188,6 +194,40 @@ class NetworkCalling:
             ctx.metrics["output_tokens_per_s"] = round(
                 ctx.response.usage.output_tokens / seconds, 1)
         return self.next_step(ctx)
+
+
+#: Follow-up requests one turn may make for answers the server continues
+#: (Gemini's CONTINUATION); beyond it the turn ends as cut short ("length").
+MAX_CONTINUATIONS = 8
+
+
+def _follow_continuations(ctx: LlmContext, dialect: Any, url: str, payload: dict[str, Any],
+                          streaming: bool, common: dict[str, Any]) -> None:
+    """Send again while the answer says it continues (Gemini ``CONTINUATION`` with
+    a ``continuationToken``), as google-genai does by itself, and merge the hops
+    into one turn. Each hop's attempts join the turn's wire record."""
+    follow = getattr(dialect, "continuation", None)
+    hops = 0
+    while follow is not None and ctx.response is not None:
+        next_payload = follow(payload, ctx.response)
+        if next_payload is None:
+            return
+        hops += 1
+        if hops > MAX_CONTINUATIONS:
+            ctx.response.finish_reason = "length"
+            return
+        if streaming:
+            turn, wire, _ = post_stream(url, next_payload, make_aggregator=dialect.aggregator,
+                                        on_delta=ctx.extras.get("partial") or PartialWriter(ctx),
+                                        **common)
+        else:
+            body, wire = post_json(url, next_payload, **common)
+            turn = dialect.parse(body)
+        if ctx.wire is not None:
+            ctx.wire.attempts.extend({**a, "continuation": hops} for a in wire.attempts)
+            ctx.wire.response_body = wire.response_body
+        ctx.response = dialect.merge(ctx.response, turn)
+        ctx.metrics["continuations"] = hops
 
 
 class PartialWriter:
@@ -244,6 +284,19 @@ class ResponseParsing:
         meta: dict[str, Any] = {**response.provider_meta, "model": model,
                                 "metrics": ctx.metrics,
                                 "reasoning_carried": ctx.reasoning_carried}
+        meta.pop("gemini_continuation_token", None)  # spent: never sent back
+        if "reasoning_strategies" in ctx.extras:
+            meta["reasoning_strategies"] = ctx.extras["reasoning_strategies"]
+        if response.refusal:
+            # The model declined: its words are the turn's outcome (finish_reason
+            # "refusal"), kept apart from the (usually empty) content.
+            meta["refusal"] = response.refusal
+        if response.usage is None:
+            # The server sent no counts (llama-cpp-python ignores include_usage):
+            # say so rather than record zero tokens and zero cost.
+            meta["usage_missing"] = True
+            ctx.metrics["usage_missing"] = True
+            meta["usage_estimate"] = _estimate_usage(ctx, response)
         turn_cost = None
         if response.usage is not None:
             turn_cost = pricing.cost(response.usage, ctx.state.config.prices.get(model))
@@ -267,6 +320,18 @@ class ResponseParsing:
         )
         ctx.committed = True
         return self.next_step(ctx)
+
+
+def _estimate_usage(ctx: LlmContext, response: Any) -> dict[str, Any]:
+    """A rough token count for a turn the server reported none for: characters / 4
+    of the request sent and of the answer. Labelled as an estimate; never added to
+    the loop's totals or priced."""
+    sent = ctx.wire.request_body if ctx.wire is not None else None
+    sent_chars = len(json.dumps(sent, default=str)) if sent is not None else 0
+    answer = (response.content or "") + (response.reasoning or "") + "".join(
+        call.name + (call.arguments_raw or "") for call in response.tool_calls)
+    return {"input_tokens": (sent_chars + 3) // 4, "output_tokens": (len(answer) + 3) // 4,
+            "method": "characters / 4 (an estimate, not billed counts)"}
 
 
 def _parse_arguments(raw: str | None) -> dict[str, Any] | None:

@@ -54,6 +54,20 @@ status) are consumed one per chat request, in the order queued, whatever the dia
     llm.fault_next("error_mid_stream", after=3)               # the dialect's in-stream error
     llm.fault_next("malformed_chunk", after=1)                # a data line that is not JSON
     llm.fault_next("no_usage", times=2)                       # no usage anywhere
+    llm.fault_next("context_overflow")                        # llama.cpp: 200 + empty stream
+
+Strict mode (``LLMEmulator(strict=True)``, on in this project's own tests) refuses what
+the real servers refuse, before faults and scripts: OpenAI chat requests outside the keys
+of the official SDK's request types, or with a ``content`` that is not a string (``null``
+beside ``tool_calls`` is llama-cpp-python's HTTP 500 "Input should be a valid string");
+Anthropic Messages outside Anthropic's request schema (unknown keys, block types, a
+``tool_use`` input that is not an object, a thinking block without its signature); Gemini
+requests outside the REST ``GenerateContentRequest``, with no unknown key in any
+``Schema`` (``$defs``, ``$ref``). Each refusal is shaped like the server's own error.
+
+Reply keys for the edge cases: ``refusal`` (OpenAI ``message.refusal`` / ``delta.refusal``;
+Anthropic a text block and ``stop_reason: "refusal"``), ``continuation_token`` (Gemini:
+the candidate's ``continuationToken``, with ``finish_reason: "CONTINUATION"``).
 
 Stream faults on a non-streaming request: ``disconnect_mid_stream`` sends half the body
 (``Content-Length`` promises all of it); ``slow_stream`` trickles the body in pieces;
@@ -121,6 +135,8 @@ _REPLY_KEYS = frozenset(
         "reasoning_content",
         "anthropic_blocks",
         "gemini_parts",
+        "refusal",
+        "continuation_token",
     }
 )
 _NO_MATCH_SNIPPET = 200
@@ -187,6 +203,7 @@ _FAULT_OPTIONS: dict[str, dict[str, Any]] = {
     "error_mid_stream": {"after": None, "message": None, "body": None},
     "malformed_chunk": {"after": 1, "data": None},
     "no_usage": {},
+    "context_overflow": {},
 }
 _STATUS_KINDS = frozenset({"status", "retry_info"})
 _MALFORMED_DEFAULT = '{"choices": [{"delta": {"content": "unterminated'
@@ -751,11 +768,14 @@ class LLMEmulator(LocalServer[RecordedRequest]):
         port: int = 0,
         api_key: str | None = None,
         offline_model: bool = False,
+        strict: bool = False,
     ) -> None:
         self.host = host
         self.port = port
         self.api_key = api_key
         self.offline_model = offline_model
+        #: Refuse what real servers refuse (see the module docstring, "Strict mode").
+        self.strict = strict
         self._lock = threading.Lock()
         self._scripts: list[_Script] = []
         self._faults: list[_Fault] = []
@@ -935,6 +955,10 @@ class LLMEmulator(LocalServer[RecordedRequest]):
         if invalid is not None:
             return invalid
         assert isinstance(parsed, dict)
+        if self.strict:
+            refused = _strict_check(dialect, parsed)
+            if refused is not None:
+                return refused
         if dialect == GEMINI:
             stream = gemini_method == "streamGenerateContent"
             sse = "sse" in params.get("alt", [])
@@ -947,6 +971,8 @@ class LLMEmulator(LocalServer[RecordedRequest]):
             return _status_fault_response(fault, dialect)
         if fault is not None and fault.kind == "slow_prefill":
             time.sleep(float(fault.options["seconds"]))
+        if fault is not None and fault.kind == "context_overflow":
+            return _context_overflow(dialect, stream, parsed)
         if fault is not None and fault.kind == "error_mid_stream" and not stream:
             status = {ANTHROPIC: 529, GEMINI: 503}.get(dialect, 500)
             return _json_response(status, _stream_error_data(dialect, fault.options))
@@ -1112,6 +1138,19 @@ def _status_fault_response(fault: _Fault, dialect: str) -> _Response:
     return _Response(status, body.encode("utf-8"), content_type, headers)
 
 
+def _context_overflow(dialect: str, stream: bool, request: dict[str, Any]) -> _Response:
+    """llama-cpp-python's answer to a prompt over its context window: a streamed
+    request gets 200 and an empty stream (the cause is only in the server's log),
+    the same request without streaming a 400 naming it."""
+    if stream:
+        return _Response(200, b"", "text/event-stream; charset=utf-8",
+                         {"Cache-Control": "no-cache"})
+    tokens = _estimate_tokens(_prompt_text(request, dialect)) + 4096
+    return _dialect_error(
+        dialect, 400, f"Requested tokens ({tokens}) exceed context window of 4096",
+        code="context_length_exceeded")
+
+
 def _stream_error_data(dialect: str, opts: dict[str, Any]) -> Any:
     if opts.get("body") is not None:
         return opts["body"]
@@ -1238,6 +1277,8 @@ def _normalise_reply(reply: Any) -> dict[str, Any]:
         "call_ids": call_ids,
         "anthropic_blocks": reply.get("anthropic_blocks"),
         "gemini_parts": reply.get("gemini_parts"),
+        "refusal": reply.get("refusal"),
+        "continuation_token": reply.get("continuation_token"),
     }
 
 
@@ -1279,6 +1320,8 @@ def _openai_render(
 
     if not stream:
         message: dict[str, Any] = {"role": "assistant", "content": reply["content"]}
+        if reply["refusal"] is not None:
+            message["refusal"] = reply["refusal"]
         if reply["reasoning_content"] is not None:
             message["reasoning_content"] = reply["reasoning_content"]
         if reply["tool_calls"]:
@@ -1321,6 +1364,8 @@ def _openai_render(
         emit({"reasoning_content": piece})
     for piece in _split(reply["content"] or ""):
         emit({"content": piece})
+    for piece in _split(reply["refusal"] or ""):
+        emit({"refusal": piece})
     for index, call in enumerate(reply["tool_calls"]):
         fn = call["function"]
         emit({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
@@ -1399,7 +1444,10 @@ def _anthropic_render(
     model = request_json.get("model") or "llm-emulator"
     blocks = _anthropic_blocks(reply)
     explicit = reply["explicit_finish_reason"]
-    if explicit:
+    if reply["refusal"]:
+        blocks.append({"type": "text", "text": reply["refusal"]})
+        stop_reason = "refusal"
+    elif explicit:
         stop_reason = _ANTHROPIC_STOP.get(explicit, explicit)
     else:
         has_tool = any(b.get("type") == "tool_use" for b in blocks)
@@ -1576,6 +1624,8 @@ def _gemini_render(
         candidate: dict[str, Any] = {"content": {"role": "model", "parts": chunk_parts}}
         if last:
             candidate["finishReason"] = finish
+            if reply["continuation_token"]:
+                candidate["continuationToken"] = reply["continuation_token"]
         candidate["index"] = 0
         data: dict[str, Any] = {"candidates": [candidate]}
         if with_usage and usage_now is not None:
@@ -1621,3 +1671,265 @@ def _gemini_render(
                          headers={"Cache-Control": "no-cache"})
     return _Rendered(events=events, framing="json_array",
                      content_type="application/json; charset=UTF-8")
+
+
+# --------------------------------------------------------------------------- strict mode
+#
+# What real servers refuse, checked before anything else answers (strict=True). The key
+# sets are those of the official SDKs' request types (openai 3.57, anthropic 2.14,
+# google-genai 3.6) and the REST references; the content rules add what
+# llama-cpp-python's pydantic-validated server refuses on top of OpenAI's own.
+
+_OPENAI_TOP = frozenset({
+    "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
+    "max_completion_tokens", "max_tokens", "messages", "metadata", "modalities", "model",
+    "moderation", "n", "parallel_tool_calls", "prediction", "presence_penalty",
+    "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "reasoning_effort",
+    "response_format", "safety_identifier", "seed", "service_tier", "stop", "store", "stream",
+    "stream_options", "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user",
+    "verbosity", "web_search_options",
+})
+_OPENAI_MESSAGE_KEYS = {
+    "system": frozenset({"role", "content", "name"}),
+    "developer": frozenset({"role", "content", "name"}),
+    "user": frozenset({"role", "content", "name"}),
+    "assistant": frozenset({"role", "content", "name", "tool_calls", "refusal", "audio",
+                            "function_call"}),
+    "tool": frozenset({"role", "content", "tool_call_id"}),
+}
+_ANTHROPIC_TOP = frozenset({
+    "cache_control", "container", "diagnostics", "inference_geo", "max_tokens", "messages",
+    "metadata", "model", "output_config", "service_tier", "speed", "stop_sequences", "stream",
+    "system", "temperature", "thinking", "tool_choice", "tools", "top_k", "top_p",
+    "user_profile_id", "workspace_id", "mcp_servers", "context_management",
+})
+_ANTHROPIC_BLOCK_KEYS = {
+    "text": frozenset({"type", "text", "cache_control", "citations"}),
+    "tool_use": frozenset({"type", "id", "name", "input", "cache_control", "caller"}),
+    "tool_result": frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"}),
+    "thinking": frozenset({"type", "thinking", "signature"}),
+    "redacted_thinking": frozenset({"type", "data"}),
+    "image": frozenset({"type", "source", "cache_control"}),
+    "document": frozenset({"type", "source", "cache_control", "citations", "context", "title"}),
+}
+_ANTHROPIC_TOOL_KEYS = frozenset({"name", "description", "input_schema", "cache_control",
+                                  "type", "strict", "input_examples"})
+_TOOL_USE_ID = re.compile(r"^[a-zA-Z0-9_-]+$")
+_GEMINI_TOP = frozenset({"contents", "systemInstruction", "tools", "toolConfig",
+                         "safetySettings", "generationConfig", "cachedContent", "labels",
+                         "continuationToken", "serviceTier"})
+_GEMINI_PART_KEYS = frozenset({"text", "thought", "thoughtSignature", "functionCall",
+                               "functionResponse", "inlineData", "fileData", "executableCode",
+                               "codeExecutionResult", "videoMetadata", "mediaResolution",
+                               "partMetadata"})
+_GEMINI_DECLARATION_KEYS = frozenset({"name", "description", "parameters",
+                                      "parametersJsonSchema", "response",
+                                      "responseJsonSchema", "behavior"})
+#: google-genai's Schema fields, camelCase, less "defs" and "ref": the Gemini API
+#: takes no references (the SDK inlines them before sending).
+_GEMINI_SCHEMA_KEYS = frozenset({
+    "additionalProperties", "anyOf", "default", "description", "enum", "example", "format",
+    "items", "maxItems", "maxLength", "maxProperties", "maximum", "minItems", "minLength",
+    "minProperties", "minimum", "nullable", "pattern", "properties", "propertyOrdering",
+    "required", "title", "type",
+})
+_GEMINI_TYPES = frozenset({"TYPE_UNSPECIFIED", "STRING", "NUMBER", "INTEGER", "BOOLEAN",
+                           "ARRAY", "OBJECT", "NULL"})
+_GEMINI_GENERATION_KEYS = frozenset({
+    "audioTimestamp", "audioTranscriptionConfig", "candidateCount", "enableAffectiveDialog",
+    "enableEnhancedCivicAnswers", "frequencyPenalty", "logprobs", "maxOutputTokens",
+    "mediaResolution", "modelSelectionConfig", "presencePenalty", "responseFormat",
+    "responseJsonSchema", "responseLogprobs", "responseMimeType", "responseModalities",
+    "responseSchema", "routingConfig", "seed", "speechConfig", "stopSequences", "temperature",
+    "thinkingConfig", "topK", "topP", "translationConfig",
+})
+
+
+class _Refused(Exception):
+    """A request a real server refuses: its status and message."""
+
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+def _strict_check(dialect: str, request: dict[str, Any]) -> _Response | None:
+    """The error a real server answers ``request`` with, or None when it is accepted."""
+    try:
+        if dialect == ANTHROPIC:
+            _strict_anthropic(request)
+        elif dialect == GEMINI:
+            _strict_gemini(request)
+        else:
+            _strict_openai(request)
+    except _Refused as refused:
+        if dialect == GEMINI:
+            return _json_response(refused.status, _google_error_body(
+                refused.status, refused.message))
+        return _dialect_error(dialect, refused.status, refused.message, code=refused.code)
+    return None
+
+
+def _unknown(keys: Iterable[str], known: frozenset[str]) -> list[str]:
+    return sorted(k for k in keys if k not in known)
+
+
+def _strict_openai(request: dict[str, Any]) -> None:
+    extra = _unknown(request, _OPENAI_TOP)
+    if extra:
+        raise _Refused(400, f"Unrecognized request argument supplied: {', '.join(extra)}",
+                       "unknown_parameter")
+    for index, message in enumerate(request.get("messages") or []):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise _Refused(400, f"Invalid type for '{where}': expected an object.")
+        role = message.get("role")
+        if role not in _OPENAI_MESSAGE_KEYS:
+            raise _Refused(400, f"Invalid value: '{role}'. Supported values are: "
+                           f"{', '.join(map(repr, _OPENAI_MESSAGE_KEYS))}.", "invalid_value")
+        extra = _unknown(message, _OPENAI_MESSAGE_KEYS[role])
+        if extra:
+            raise _Refused(400, f"Unknown parameter: '{where}.{extra[0]}'.",
+                           "unknown_parameter")
+        content = message.get("content")
+        # llama-cpp-python validates content as a string (or parts) on every role:
+        # a null or missing content is a pydantic error, answered with HTTP 500.
+        if not isinstance(content, str | list):
+            raise _Refused(500, f"1 validation error for ChatCompletionRequest: {where}."
+                           f"content: Input should be a valid string [type=string_type, "
+                           f"input_value={content!r}]", "validation_error")
+        for number, call in enumerate(message.get("tool_calls") or []):
+            spot = f"{where}.tool_calls[{number}]"
+            if not isinstance(call, dict) or call.get("type") != "function" \
+                    or not isinstance(call.get("id"), str):
+                raise _Refused(400, f"Invalid value for '{spot}': needs an id and "
+                               "type 'function'.")
+            extra = _unknown(call, frozenset({"id", "type", "function"}))
+            function = call.get("function") or {}
+            extra += _unknown(function, frozenset({"name", "arguments"}))
+            if extra:
+                raise _Refused(400, f"Unknown parameter: '{spot}.{extra[0]}'.",
+                               "unknown_parameter")
+            if not isinstance(function.get("arguments"), str):
+                raise _Refused(400, f"Invalid type for '{spot}.function.arguments': "
+                               "expected a string.")
+        if role == "tool" and not isinstance(message.get("tool_call_id"), str):
+            raise _Refused(400, f"Missing required parameter: '{where}.tool_call_id'.")
+    for index, tool in enumerate(request.get("tools") or []):
+        spot = f"tools[{index}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise _Refused(400, f"Invalid value for '{spot}.type': expected 'function'.")
+        extra = _unknown(tool, frozenset({"type", "function"})) + _unknown(
+            tool.get("function") or {},
+            frozenset({"name", "description", "parameters", "strict"}))
+        if extra:
+            raise _Refused(400, f"Unknown parameter: '{spot}.{extra[0]}'.", "unknown_parameter")
+
+
+def _strict_anthropic(request: dict[str, Any]) -> None:
+    extra = _unknown(request, _ANTHROPIC_TOP)
+    if extra:
+        raise _Refused(400, f"{extra[0]}: Extra inputs are not permitted")
+    system = request.get("system")
+    if system is not None and not isinstance(system, str | list):
+        raise _Refused(400, "system: Input should be a valid string or list of text blocks")
+    for index, message in enumerate(request.get("messages") or []):
+        where = f"messages.{index}"
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise _Refused(400, f"{where}.role: Input should be 'user' or 'assistant'")
+        extra = _unknown(message, frozenset({"role", "content"}))
+        if extra:
+            raise _Refused(400, f"{where}.{extra[0]}: Extra inputs are not permitted")
+        content = message.get("content")
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list) or not content:
+            raise _Refused(400, f"{where}: all messages must have non-empty content")
+        for number, block in enumerate(content):
+            spot = f"{where}.content.{number}"
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind not in _ANTHROPIC_BLOCK_KEYS:
+                raise _Refused(400, f"{spot}.type: Input tag {kind!r} does not match any of "
+                               f"the expected tags: {', '.join(_ANTHROPIC_BLOCK_KEYS)}")
+            extra = _unknown(block, _ANTHROPIC_BLOCK_KEYS[kind])
+            if extra:
+                raise _Refused(400, f"{spot}.{kind}.{extra[0]}: Extra inputs are not permitted")
+            if kind == "tool_use":
+                if not isinstance(block.get("input"), dict):
+                    raise _Refused(400, f"{spot}.tool_use.input: Input should be a valid "
+                                   "dictionary")
+                if not _TOOL_USE_ID.match(str(block.get("id") or "")):
+                    raise _Refused(400, f"{spot}.tool_use.id: String should match pattern "
+                                   "'^[a-zA-Z0-9_-]+$'")
+            if kind == "text" and not isinstance(block.get("text"), str):
+                raise _Refused(400, f"{spot}.text.text: Field required")
+            if kind == "thinking" and not block.get("signature"):
+                raise _Refused(400, f"{spot}.thinking.signature: Field required")
+    for index, tool in enumerate(request.get("tools") or []):
+        extra = _unknown(tool, _ANTHROPIC_TOOL_KEYS) if isinstance(tool, dict) else ["tool"]
+        if extra:
+            raise _Refused(400, f"tools.{index}.custom.{extra[0]}: Extra inputs are not "
+                           "permitted")
+        schema = tool.get("input_schema")
+        if not isinstance(schema, dict) or schema.get("type") != "object":
+            raise _Refused(400, f"tools.{index}.custom.input_schema.type: Input should be "
+                           "'object'")
+
+
+def _gemini_unknown(name: str, where: str) -> _Refused:
+    return _Refused(400, f'Invalid JSON payload received. Unknown name "{name}" at '
+                    f"'{where}': Cannot find field.")
+
+
+def _strict_gemini(request: dict[str, Any]) -> None:
+    for key in _unknown(request, _GEMINI_TOP):
+        raise _gemini_unknown(key, "")
+    blocks = [("contents", c) for c in request.get("contents") or []]
+    if request.get("systemInstruction") is not None:
+        blocks.append(("system_instruction", request["systemInstruction"]))
+    for index, (where, content) in enumerate(blocks):
+        if not isinstance(content, dict):
+            raise _Refused(400, f"* GenerateContentRequest.{where}: must be an object")
+        for key in _unknown(content, frozenset({"role", "parts"})):
+            raise _gemini_unknown(key, f"{where}[{index}]")
+        if where == "contents" and content.get("role") not in ("user", "model"):
+            raise _Refused(400, "Please use a valid role: user, model.")
+        parts = content.get("parts")
+        if not isinstance(parts, list) or not parts:
+            raise _Refused(400, f"* GenerateContentRequest.{where}[{index}].parts: contents.parts "
+                           "must not be empty.")
+        for number, part in enumerate(parts):
+            for key in _unknown(part, _GEMINI_PART_KEYS):
+                raise _gemini_unknown(key, f"{where}[{index}].parts[{number}]")
+    for index, tool in enumerate(request.get("tools") or []):
+        for number, declaration in enumerate(tool.get("functionDeclarations") or []):
+            where = f"tools[{index}].function_declarations[{number}]"
+            for key in _unknown(declaration, _GEMINI_DECLARATION_KEYS):
+                raise _gemini_unknown(key, where)
+            if "parameters" in declaration and "parametersJsonSchema" in declaration:
+                raise _Refused(400, f"{where}: parameters and parametersJsonSchema are "
+                               "mutually exclusive")
+            if "parameters" in declaration:
+                _strict_gemini_schema(declaration["parameters"], f"{where}.parameters")
+    for key in _unknown(request.get("generationConfig") or {}, _GEMINI_GENERATION_KEYS):
+        raise _gemini_unknown(key, "generation_config")
+
+
+def _strict_gemini_schema(schema: Any, where: str) -> None:
+    if not isinstance(schema, dict):
+        raise _Refused(400, f"Invalid value at '{where}': expected a Schema object")
+    for key in _unknown(schema, _GEMINI_SCHEMA_KEYS):
+        raise _gemini_unknown(key, where)
+    kind = schema.get("type")
+    if kind is not None and (not isinstance(kind, str) or kind.upper() not in _GEMINI_TYPES):
+        raise _Refused(400, f"Invalid value at '{where}.type' ({kind!r}): expected one of "
+                       + ", ".join(sorted(_GEMINI_TYPES)))
+    if kind is not None and kind.upper() == "OBJECT" and "properties" in schema \
+            and not schema["properties"]:
+        raise _Refused(400, f"* {where}.properties: should be non-empty for OBJECT type")
+    for name, sub in (schema.get("properties") or {}).items():
+        _strict_gemini_schema(sub, f"{where}.properties[{name}].value")
+    if "items" in schema:
+        _strict_gemini_schema(schema["items"], f"{where}.items")
+    for number, sub in enumerate(schema.get("anyOf") or []):
+        _strict_gemini_schema(sub, f"{where}.any_of[{number}]")

@@ -62,13 +62,22 @@ def test_render_streaming_asks_for_usage():
     assert payload["stream_options"] == {"include_usage": True}
 
 
-def test_render_default_strategy_sends_reasoning_content():
+def test_render_default_strategy_sends_no_reasoning_field():
+    # Issue 11, defect 2: OpenAI's ChatCompletionAssistantMessageParam has no
+    # reasoning_content; strict servers refuse it. The default sends no field...
     messages = render().payload["messages"]
-    assert messages[2]["reasoning_content"] == "I should add."
+    assert all("reasoning_content" not in m and "reasoning" not in m for m in messages)
     assert messages[2]["content"] == "Calling add."
-    assert "reasoning_content" not in messages[4]  # no reasoning on that message
-    assert all("reasoning_content" not in m for i, m in enumerate(messages) if i != 2)
     assert render(reasoning_strategies=None).payload == render().payload
+
+
+def test_render_default_for_deepseek_sends_reasoning_content():
+    # ... except to a server that documents it: DeepSeek wants it back.
+    deepseek = ProviderSettings(dialect="openai", base_url="https://api.deepseek.com",
+                                model="deepseek-reasoner")
+    messages = OpenAIDialect().render(deepseek, history(), TOOLS).payload["messages"]
+    assert messages[2]["reasoning_content"] == "I should add."
+    assert all("reasoning_content" not in m for i, m in enumerate(messages) if i != 2)
 
 
 def test_render_field_strategy_reasoning():
@@ -117,16 +126,26 @@ def test_render_empty_assistant_message_has_empty_string_content():
     empty = ChatMessage(role="assistant", content=None)
     assert openai.render_message(empty) == {"role": "assistant", "content": ""}
     field_only = ChatMessage(role="assistant", content=None, reasoning="hm")
-    rendered = OpenAIDialect().render(SETTINGS, [field_only], []).payload["messages"][0]
+    rendered = OpenAIDialect().render(SETTINGS, [field_only], [], RenderOptions(
+        reasoning_strategies=["reasoning_content"])).payload["messages"][0]
     assert rendered == {"role": "assistant", "content": "", "reasoning_content": "hm"}
-    # With tool calls, null content is what OpenAI expects: kept.
+
+
+def test_render_tool_calling_message_has_empty_string_content():
+    # Issue 11, defect 1: llama-cpp-python's server answers 500 ("Input should be a
+    # valid string") to "content": null next to tool_calls; "" is what every server
+    # (OpenAI, vLLM, Ollama, LiteLLM, llama-cpp-python) accepts.
     calling = ChatMessage(role="assistant", content=None,
                           tool_calls=[ToolCallRequest("c1", "add", "{}")])
-    assert openai.render_message(calling)["content"] is None
+    assert openai.render_message(calling)["content"] == ""
+    assert all(m["content"] is not None for m in OpenAIDialect().render(
+        SETTINGS, [calling, ChatMessage(role="tool", content=None, tool_call_id="c1")],
+        []).payload["messages"])
 
 
 @pytest.mark.parametrize("strategies, expected", [
-    (None, {"messages": 1, "chars": 13, "inline_chars": 0, "tokens_est": 4}),
+    (None, {"messages": 0, "chars": 0, "inline_chars": 0, "tokens_est": 0}),
+    (["reasoning_content"], {"messages": 1, "chars": 13, "inline_chars": 0, "tokens_est": 4}),
     (["reasoning"], {"messages": 1, "chars": 13, "inline_chars": 0, "tokens_est": 4}),
     (["xml"], {"messages": 1, "chars": 13, "inline_chars": 13, "tokens_est": 4}),
     (["xml!", "reasoning_content"], {"messages": 1, "chars": 13, "inline_chars": 13,
