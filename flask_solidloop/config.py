@@ -86,6 +86,17 @@ def _prices(key: str, value: Any) -> dict[str, Any]:
     return parse_prices(key, value)
 
 
+def _bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigurationError(key, value, "must be a bool (true/false, 1/0, yes/no, on/off)")
+
+
 def _non_negative_float(key: str, value: Any) -> float:
     if value in (0, "0", 0.0):
         return 0.0
@@ -173,6 +184,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("SOLIDLOOP_JOB_MAX_DELIVERIES", 10, _positive_int,
             "Deliveries whose holder died (lease expired unacknowledged) before a job is "
             "presumed poisonous and dead-lettered."),
+    Setting("SOLIDLOOP_CONTINUATION_FIRST", True, _bool,
+            "Workers claim the next steps of started loops (their tool calls, their next LLM "
+            "turn) before the first turns of new loops, so started loops finish first when "
+            "workers are saturated; False claims every job in the order it became due."),
+    Setting("SOLIDLOOP_FIRST_TURN_MAX_WAIT", 30, _positive_int,
+            "Continuation-first's starvation bound: a new loop's first turn (or a host job) "
+            "waiting longer than this many seconds is claimed by age with the continuations."),
     Setting("SOLIDLOOP_POLL_INTERVAL", 1.0, _positive_float,
             "Seconds a consumer waits for a NOTIFY before polling the job table anyway."),
     Setting("SOLIDLOOP_DATABASE_URL", None, lambda _k, v: v,
@@ -224,6 +242,8 @@ class Config:
     job_lease: int | None
     job_max_retries: int
     job_max_deliveries: int
+    continuation_first: bool
+    first_turn_max_wait: int
     poll_interval: float
     database_url: str | None
     event_retention: int | None

@@ -142,6 +142,8 @@ class SolidLoop:
             job_lease=config.job_lease_seconds,
             poll_interval=config.poll_interval,
             max_deliveries=config.job_max_deliveries,
+            promote_after=(float(config.first_turn_max_wait) if config.continuation_first
+                           else None),
         )
         broker.add_middleware(CurrentJobMiddleware())
         broker.add_middleware(AppContextMiddleware(app))

@@ -81,7 +81,8 @@ class SolidLoopState:
 
     def bind_actors(self, actors: dict[str, dramatiq.Actor]) -> None:
         self.actors = actors
-        self.dispatch = Dispatcher(self.broker, actors)
+        self.dispatch = Dispatcher(self.broker, actors,
+                                   continuation_first=self.config.continuation_first)
 
     def renewer(self) -> LeaseRenewer:
         """This process's lease renewer (one per process, created on first use)."""

@@ -205,7 +205,7 @@ def create_loop(state: SolidLoopState, session: SessionLike, *, agent_name: str,
     session.add(_message(loop.id, "user", message))
     session.flush()
     if enqueue:
-        state.dispatch.llm_turn(session, loop.id)
+        state.dispatch.llm_turn(session, loop.id, first=True)
     return loop
 
 

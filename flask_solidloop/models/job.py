@@ -16,6 +16,7 @@ from sqlalchemy import (
     DateTime,
     Index,
     Integer,
+    SmallInteger,
     String,
     Text,
     Uuid,
@@ -34,10 +35,12 @@ class Job(Base):
     __tablename__ = "solidloop_jobs"
     __table_args__ = (
         CheckConstraint("state IN ('queued','running','done','dead')", name="state_valid"),
-        # The claim query's index: only queued rows, ordered by when they are due.
+        # The claim query's index: only queued rows, in claim order (tier, then
+        # when they are due).
         Index(
             "ix_solidloop_jobs_claim",
             "queue_name",
+            "tier",
             "eta",
             "id",
             postgresql_where=text("state = 'queued'"),
@@ -70,6 +73,11 @@ class Job(Base):
         DateTime(timezone=True), nullable=False, server_default=func.now()
     )
     attempts: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    #: Claim order before ``eta``: 0 for the continuations of started loops (their
+    #: next LLM turn, their tool calls), 1 for everything else; a tier-1 job that
+    #: waited past SOLIDLOOP_FIRST_TURN_MAX_WAIT is promoted to 0, so nothing starves.
+    tier: Mapped[int] = mapped_column(SmallInteger, nullable=False, default=1,
+                                      server_default="1")
     lease_token: Mapped[uuid.UUID | None] = mapped_column(Uuid)
     lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     loop_id: Mapped[int | None] = mapped_column(BigInteger)

@@ -165,9 +165,13 @@ class PostgresBroker(dramatiq.Broker):
         job_lease: float = 60.0,
         poll_interval: float = 1.0,
         max_deliveries: int = 5,
+        promote_after: float | None = None,
     ) -> None:
         super().__init__(middleware=middleware)
         self.url = url
+        #: Seconds after which a tier-1 job joins tier 0 (continuation-first's
+        #: starvation bound); None when every job is tier 1 anyway.
+        self.promote_after = promote_after
         self.conninfo = libpq_url(url)
         self.job_lease = float(job_lease)
         self.poll_interval = float(poll_interval)
@@ -284,6 +288,7 @@ class PostgresBroker(dramatiq.Broker):
             "delay": (delay or 0) / 1000.0,
             "eta": eta,
             "loop_id": options.get("solidloop_loop_id"),
+            "tier": 0 if options.get("solidloop_continuation") else 1,
             "channel": CHANNEL_PREFIX + message.queue_name,
         }
         later = delay or (eta is not None and eta.timestamp() > time.time())
@@ -408,6 +413,8 @@ class PostgresBroker(dramatiq.Broker):
         self._last_recover = now
         try:
             self.recover_expired()
+            if self.promote_after is not None:
+                self._run(jobs_sql.PROMOTE, (self.promote_after,))
         except BrokerConnectionError:
             raise
         except Exception:

@@ -18,18 +18,28 @@ from .broker import PostgresBroker
 class Dispatcher:
     """Typed enqueue helpers over the three solidloop actors."""
 
-    def __init__(self, broker: PostgresBroker, actors: dict[str, dramatiq.Actor]) -> None:
+    def __init__(self, broker: PostgresBroker, actors: dict[str, dramatiq.Actor], *,
+                 continuation_first: bool = False) -> None:
         self.broker = broker
         self.actors = actors
+        #: Mark the continuations of started loops, which workers claim first.
+        self.continuation_first = continuation_first
 
     def _send(self, session: SessionLike, actor: dramatiq.Actor, args: tuple[Any, ...], *,
-              loop_id: int | None = None, delay_ms: int | None = None) -> None:
-        message = actor.message_with_options(args=args, solidloop_loop_id=loop_id)
+              loop_id: int | None = None, delay_ms: int | None = None,
+              continuation: bool = True) -> None:
+        options: dict[str, Any] = {"solidloop_loop_id": loop_id}
+        if continuation and self.continuation_first:
+            options["solidloop_continuation"] = True
+        message = actor.message_with_options(args=args, **options)
         self.broker.enqueue(message, delay=delay_ms, connection=session)
 
-    def llm_turn(self, session: SessionLike, loop_id: int, *, delay_ms: int | None = None) -> None:
+    def llm_turn(self, session: SessionLike, loop_id: int, *, delay_ms: int | None = None,
+                 first: bool = False) -> None:
+        """The loop's next LLM turn; ``first`` for a new loop's first one (claimed after
+        the continuations of started loops, when continuation-first is on)."""
         self._send(session, self.actors["llm_turn"], (loop_id,), loop_id=loop_id,
-                   delay_ms=delay_ms)
+                   delay_ms=delay_ms, continuation=not first)
 
     def tool_call(
         self,
@@ -46,4 +56,4 @@ class Dispatcher:
         self._send(session, self.actors["tool_call"], args, loop_id=loop_id)
 
     def maintenance(self, session: SessionLike, task: str) -> None:
-        self._send(session, self.actors["maintenance"], (task,))
+        self._send(session, self.actors["maintenance"], (task,), continuation=False)

@@ -14,9 +14,11 @@ from __future__ import annotations
 CHANNEL_PREFIX = "solidloop_q_"
 
 INSERT = (
-    "INSERT INTO solidloop_jobs (queue_name, actor_name, message_id, message, eta, loop_id) "
+    "INSERT INTO solidloop_jobs (queue_name, actor_name, message_id, message, eta, loop_id, "
+    "tier) "
     "VALUES (%(queue_name)s, %(actor_name)s, %(message_id)s, %(message)s, "
-    "coalesce(%(eta)s::timestamptz, now() + make_interval(secs => %(delay)s)), %(loop_id)s) "
+    "coalesce(%(eta)s::timestamptz, now() + make_interval(secs => %(delay)s)), %(loop_id)s, "
+    "%(tier)s) "
     "RETURNING id"
 )
 #: The insert plus its wake-up. NOTIFY is transactional: a rollback sends nothing.
@@ -33,7 +35,7 @@ UPDATE solidloop_jobs AS j
        attempts = j.attempts + 1, started_at = now()
   FROM (SELECT id FROM solidloop_jobs
          WHERE queue_name = %(queue)s AND state = 'queued' AND eta <= now()
-         ORDER BY eta, id
+         ORDER BY tier, eta, id
          LIMIT %(limit)s
          FOR UPDATE SKIP LOCKED) AS due
  WHERE j.id = due.id
@@ -42,6 +44,12 @@ RETURNING j.id, j.lease_token, j.message, j.attempts
 NEXT_ETA = (
     "SELECT EXTRACT(EPOCH FROM (min(eta) - now())) FROM solidloop_jobs "
     "WHERE queue_name = %s AND state = 'queued'"
+)
+#: Continuation-first's starvation bound: a tier-1 job (a new loop's first turn,
+#: a host job) that has waited this long joins tier 0, where age decides.
+PROMOTE = (
+    "UPDATE solidloop_jobs SET tier = 0 WHERE state = 'queued' AND tier = 1 "
+    "AND eta < now() - make_interval(secs => %s)"
 )
 #: The ack, and an actor marking its own job done inside its state change's
 #: transaction: fenced on the lease token, so a stale holder changes nothing.
