@@ -934,3 +934,84 @@ def heal_orphan_shells(session: SessionLike) -> list[int]:
     ids = list(session.execute(text(ORPHAN_SHELLS)).scalars())
     session.commit()
     return ids
+
+
+# ============================================================================ inbound MCP
+# Writes made for the MCP server blueprint (flask_solidloop/mcp_server/): the
+# sessions outside MCP clients hold (solidloop_mcp_inbound_sessions) and one
+# wire-log event per inbound request (kind "mcp_inbound", loop_id NULL). They
+# live here because this module is the only writer of solidloop_events. Each
+# runs in its own short transaction on the request's session: it rolls back
+# whatever a tool left uncommitted first, so a request never commits a
+# tool's half-done writes by accident.
+
+#: The ``kind`` of an inbound MCP request's event row.
+INBOUND_EVENT_KIND = "mcp_inbound"
+
+
+def create_inbound_session(session: SessionLike, *, session_id: str, server_name: str,
+                           principal_label: str, protocol_version: str,
+                           client_info: dict[str, Any]) -> None:
+    """Record a new handshake-era session (an ``initialize`` that succeeded)."""
+    from ..models import McpInboundSession
+
+    session.rollback()
+    session.add(McpInboundSession(
+        id=session_id, server_name=server_name, principal_label=principal_label[:200],
+        protocol_version=protocol_version, client_info=storable.json_value(client_info)[0],
+    ))
+    session.commit()
+
+
+_TOUCH_INBOUND = text("""
+UPDATE solidloop_mcp_inbound_sessions SET last_seen_at = now()
+WHERE id = :id AND server_name = :server AND principal_label = :principal
+  AND terminated_at IS NULL
+RETURNING protocol_version
+""")
+
+
+def touch_inbound_session(session: SessionLike, *, session_id: str, server_name: str,
+                          principal_label: str) -> str | None:
+    """Mark a live session of this principal on this server as seen now; return
+    its negotiated protocol version, or None (unknown, terminated, another
+    server's or another principal's: the caller answers all four alike, 404)."""
+    session.rollback()
+    version = session.execute(_TOUCH_INBOUND, {
+        "id": session_id, "server": server_name, "principal": principal_label[:200],
+    }).scalar()
+    session.commit()
+    return version
+
+
+_TERMINATE_INBOUND = text("""
+UPDATE solidloop_mcp_inbound_sessions SET terminated_at = now(), last_seen_at = now()
+WHERE id = :id AND server_name = :server AND principal_label = :principal
+  AND terminated_at IS NULL
+""")
+
+
+def terminate_inbound_session(session: SessionLike, *, session_id: str, server_name: str,
+                              principal_label: str) -> bool:
+    """End a session (the client's DELETE); False when there was no live one."""
+    session.rollback()
+    ended = session.execute(_TERMINATE_INBOUND, {
+        "id": session_id, "server": server_name, "principal": principal_label[:200],
+    }).rowcount  # type: ignore[attr-defined]
+    session.commit()
+    return bool(ended)
+
+
+def record_inbound_event(session: SessionLike, *, payload: dict[str, Any],
+                         status_code: int, duration_ms: float, error: str | None,
+                         body_limit: int) -> None:
+    """One wire-log row for one inbound MCP request. The payload arrives
+    redacted (the blueprint strips tokens and secret headers); bodies are cut
+    to ``body_limit`` characters here, as for every other event."""
+    session.rollback()
+    session.add(Event(
+        loop_id=None, kind=INBOUND_EVENT_KIND, status_code=status_code,
+        duration_ms=duration_ms, error=_clean(error[:MAX_EVENT_ERROR] if error else None),
+        payload=_event_payload(payload, body_limit),
+    ))
+    session.commit()
