@@ -68,8 +68,8 @@ def nap(seconds: float) -> str:
 
 conformance = Toolset("conformance")
 # A 1x1 red PNG and a tiny WAV, as the suite's reference server returns.
-RED_PIXEL = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8DwHwAFBQIAX8jx0gAAAABJRU"
-             "5ErkJggg==")
+RED_PIXEL = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8DwHwAFBQIAX8jx0gAAAABJ"
+             "RU5ErkJggg==")
 WAV = base64.b64encode(b"RIFF$\x00\x00\x00WAVEfmt \x10\x00\x00\x00\x01\x00\x01\x00D\xac\x00\x00"
                        b"\x88X\x01\x00\x02\x00\x10\x00data\x00\x00\x00\x00").decode()
 
@@ -128,12 +128,19 @@ def test_tool_with_progress() -> str:
     return "Progress test completed"
 
 
+#: The suite's own JSON Schema 2020-12 fixture (composition, conditionals, $anchor).
 JSON_SCHEMA_2020_12 = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "type": "object",
-    "$defs": {"address": {"type": "object", "properties": {
+    "$defs": {"address": {"$anchor": "addressDef", "type": "object", "properties": {
         "street": {"type": "string"}, "city": {"type": "string"}}}},
-    "properties": {"name": {"type": "string"}, "address": {"$ref": "#/$defs/address"}},
+    "properties": {"name": {"type": "string"}, "address": {"$ref": "#/$defs/address"},
+                   "contactMethod": {"type": "string", "enum": ["phone", "email"]},
+                   "phone": {"type": "string"}, "email": {"type": "string"}},
+    "allOf": [{"anyOf": [{"required": ["phone"]}, {"required": ["email"]}]}],
+    "if": {"properties": {"contactMethod": {"const": "phone"}}, "required": ["contactMethod"]},
+    "then": {"required": ["phone"]},
+    "else": {"required": ["email"]},
     "additionalProperties": False,
 }
 
@@ -143,6 +150,18 @@ def json_schema_2020_12_tool(**arguments) -> str:
     return "ok"
 
 
+def test_custom_headers(**arguments) -> str:
+    """Routes on a region mirrored into the Mcp-Param-Region header (2026-07-28)."""
+    return f"region {arguments.get('region')}"
+
+
+conformance.add_tool(test_custom_headers, input_schema={
+    "type": "object",
+    "properties": {"region": {"type": "string", "x-mcp-header": "Region",
+                              "description": "Where to route the call."},
+                   "query": {"type": "string"}},
+    "required": ["region"],
+})
 conformance.add_tool(json_schema_2020_12_tool, input_schema=JSON_SCHEMA_2020_12)
 
 
