@@ -47,7 +47,7 @@ logger = logging.getLogger("flask_solidloop.mcp_server")
 #: Methods answered; any other is METHOD_NOT_FOUND even when the version knows it
 #: (a toolset server offers no resources, prompts, completion or logging).
 HANDSHAKE_METHODS = frozenset({"initialize", "ping", "tools/list", "tools/call"})
-MODERN_METHODS = frozenset({"server/discover", "ping", "tools/list", "tools/call",
+MODERN_METHODS = frozenset({"server/discover", "tools/list", "tools/call",
                             "subscriptions/listen"})
 #: How long a 2026-07-28 client may reuse ``tools/list`` / ``server/discover``
 #: results. The tool list of a blueprint is fixed when it is created, but a
