@@ -17,6 +17,7 @@ complete when the view returns, and any process can serve any request.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
@@ -347,10 +348,8 @@ class McpEndpoint:
                 body_limit=get_state().config.event_body_limit)
         except Exception:
             logger.exception("MCP server %r: could not record the wire-log event", self.spec.name)
-            try:
+            with contextlib.suppress(Exception):  # the connection may be gone
                 get_state().db.session.rollback()
-            except Exception:  # pragma: no cover - the connection is gone
-                pass
 
 
 # --------------------------------------------------------------------------- framing

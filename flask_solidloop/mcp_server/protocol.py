@@ -242,7 +242,8 @@ def _call_tool(spec: ServerSpec, params: dict[str, Any], principal: Any) -> Serv
         available = ", ".join(spec.tools) or "none"
         raise McpError(INVALID_PARAMS, f"Unknown tool: {name!r}; available tools: {available}")
     toolset, tool_name = entry
-    meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
+    raw_meta = params.get("_meta")
+    meta: dict[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
     key = meta.get(IDEMPOTENCY_META_KEY)
     ctx = CallContext(principal=principal, idempotency_key=key if isinstance(key, str) else None)
     notifications: list[dict[str, Any]] = []

@@ -58,7 +58,7 @@ def origin_allowed(origin: str | None, allowed: Iterable[str]) -> bool:
     return _matches(origin.strip(), allowed)
 
 
-def bearer_token(headers: Mapping[str, str]) -> str | None:
+def bearer_token(headers: Mapping[str, str] | Any) -> str | None:
     """The token of ``Authorization: Bearer <token>``, or None."""
     value = headers.get("Authorization")
     if not value:

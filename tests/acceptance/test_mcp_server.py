@@ -108,7 +108,8 @@ def test_a_session_lives_in_postgres_bound_to_its_principal(mcp, mcp_gunicorn, d
     assert rows == [("mcp_calc", "alice", "2025-11-25", {"name": "raw", "version": "1"}, None)]
 
     listed = mcp.in_session(session_id, "tools/list")
-    assert listed.status_code == 200 and "add" in {t["name"] for t in listed.json()["result"]["tools"]}
+    assert listed.status_code == 200
+    assert "add" in {t["name"] for t in listed.json()["result"]["tools"]}
     # Absent MCP-Protocol-Version after initialize means 2025-03-26, which we speak.
     assert mcp.in_session(session_id, "ping", version=None).status_code == 200
 

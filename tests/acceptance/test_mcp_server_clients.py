@@ -23,16 +23,16 @@ CLIENTS = 20
 
 async def _one_client(url: str, mode: str, who: str) -> dict:
     headers = {"Authorization": f"Bearer token-{who}"}
-    async with httpx2.AsyncClient(headers=headers, timeout=30) as http:
-        async with Client(streamable_http_client(url, http_client=http), mode=mode) as client:
-            listed = await client.list_tools()
-            echoed = await client.call_tool("echo", {"text": f"hello {who}"})
-            me = await client.call_tool("whoami", {},
-                                        meta={"solidloop/idempotencyKey": f"key-{who}"})
-            added = await client.call_tool("add", {"a": len(who), "b": 1000})
-            return {"tools": sorted(t.name for t in listed.tools),
-                    "echo": echoed.content[0].text, "me": me.structured_content,
-                    "added": added.content[0].text}
+    async with httpx2.AsyncClient(headers=headers, timeout=30) as http, \
+            Client(streamable_http_client(url, http_client=http), mode=mode) as client:
+        listed = await client.list_tools()
+        echoed = await client.call_tool("echo", {"text": f"hello {who}"})
+        me = await client.call_tool("whoami", {},
+                                    meta={"solidloop/idempotencyKey": f"key-{who}"})
+        added = await client.call_tool("add", {"a": len(who), "b": 1000})
+        return {"tools": sorted(t.name for t in listed.tools),
+                "echo": echoed.content[0].text, "me": me.structured_content,
+                "added": added.content[0].text}
 
 
 async def _many(url: str, mode: str) -> list[dict]:
