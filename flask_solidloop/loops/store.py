@@ -963,25 +963,42 @@ def create_inbound_session(session: SessionLike, *, session_id: str, server_name
     session.commit()
 
 
-_TOUCH_INBOUND = text("""
-UPDATE solidloop_mcp_inbound_sessions SET last_seen_at = now()
+# Wire-log rows and last-seen stamps are diagnostics: they commit without
+# waiting for the WAL flush (a crash may lose the last few milliseconds of
+# them, never a session's existence), so an inbound request pays no fsync.
+_ASYNC_COMMIT = text("SET LOCAL synchronous_commit = off")
+
+_FIND_INBOUND = text("""
+SELECT protocol_version, last_seen_at < now() - make_interval(secs => :every) AS stale
+FROM solidloop_mcp_inbound_sessions
 WHERE id = :id AND server_name = :server AND principal_label = :principal
   AND terminated_at IS NULL
-RETURNING protocol_version
 """)
+_TOUCH_INBOUND = text(
+    "UPDATE solidloop_mcp_inbound_sessions SET last_seen_at = now() WHERE id = :id")
+#: ``last_seen_at`` is refreshed at most this often (seconds), so a busy session
+#: costs one read per request, not a write.
+INBOUND_TOUCH_EVERY = 30.0
 
 
 def touch_inbound_session(session: SessionLike, *, session_id: str, server_name: str,
                           principal_label: str) -> str | None:
-    """Mark a live session of this principal on this server as seen now; return
+    """Find a live session of this principal on this server (refreshing its
+    ``last_seen_at`` when it is older than :data:`INBOUND_TOUCH_EVERY`); return
     its negotiated protocol version, or None (unknown, terminated, another
     server's or another principal's: the caller answers all four alike, 404)."""
     session.rollback()
-    version = session.execute(_TOUCH_INBOUND, {
+    row = session.execute(_FIND_INBOUND, {
         "id": session_id, "server": server_name, "principal": principal_label[:200],
-    }).scalar()
-    session.commit()
-    return version
+        "every": INBOUND_TOUCH_EVERY,
+    }).first()
+    if row is not None and row.stale:
+        session.execute(_ASYNC_COMMIT)
+        session.execute(_TOUCH_INBOUND, {"id": session_id})
+        session.commit()
+    else:
+        session.rollback()
+    return row.protocol_version if row is not None else None
 
 
 _TERMINATE_INBOUND = text("""
@@ -1009,6 +1026,7 @@ def record_inbound_event(session: SessionLike, *, payload: dict[str, Any],
     redacted (the blueprint strips tokens and secret headers); bodies are cut
     to ``body_limit`` characters here, as for every other event."""
     session.rollback()
+    session.execute(_ASYNC_COMMIT)
     session.add(Event(
         loop_id=None, kind=INBOUND_EVENT_KIND, status_code=status_code,
         duration_ms=duration_ms, error=_clean(error[:MAX_EVENT_ERROR] if error else None),
