@@ -91,3 +91,14 @@ def _wait_for_workers(base: str, workers: int) -> None:
         if len(seen) >= workers:
             return
         time.sleep(0.2)
+
+
+def eventually(fetch, done, *, timeout: float = 10.0):
+    """``fetch()`` until ``done(value)`` (the wire log is written off the request
+    path, within milliseconds); return the last value either way."""
+    deadline = time.monotonic() + timeout
+    value = fetch()
+    while not done(value) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        value = fetch()
+    return value

@@ -1033,3 +1033,19 @@ def record_inbound_event(session: SessionLike, *, payload: dict[str, Any],
         payload=_event_payload(payload, body_limit),
     ))
     session.commit()
+
+
+def record_inbound_events(session: SessionLike, events: Sequence[dict[str, Any]], *,
+                          body_limit: int) -> None:
+    """Many inbound events in one transaction (the blueprint's background
+    writer batches them); each dict holds ``payload``, ``status_code``,
+    ``duration_ms`` and ``error`` as for :func:`record_inbound_event`."""
+    session.rollback()
+    session.execute(_ASYNC_COMMIT)
+    session.add_all([Event(
+        loop_id=None, kind=INBOUND_EVENT_KIND, status_code=event["status_code"],
+        duration_ms=event["duration_ms"],
+        error=_clean(event["error"][:MAX_EVENT_ERROR] if event.get("error") else None),
+        payload=_event_payload(event["payload"], body_limit),
+    ) for event in events])
+    session.commit()

@@ -17,7 +17,6 @@ complete when the view returns, and any process can serve any request.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import secrets
@@ -48,7 +47,7 @@ from pydantic import ValidationError
 
 from ..loops import store
 from ..state import get_state
-from . import security
+from . import security, wirelog
 from .protocol import McpError, Served, ServerSpec, dispatch, negotiate
 
 __all__ = ["McpEndpoint"]
@@ -328,7 +327,8 @@ class McpEndpoint:
         return security.principal_label(principal, token)
 
     def _record(self, ex: _Exchange, response: Response) -> None:
-        """One event row per request; a failure to write it never fails the request."""
+        """One event row per request, written off the request path (.wirelog); a
+        failure to write it never fails the request."""
         duration_ms = (time.perf_counter() - ex.started) * 1000
         try:
             body = response.get_data(as_text=True) if not response.is_streamed else None
@@ -342,14 +342,11 @@ class McpEndpoint:
                 },
                 "response": {"body": security.scrub(body, ex.token) if body else None},
             }
-            store.record_inbound_event(
-                get_state().db.session, payload=payload, status_code=response.status_code,
-                duration_ms=duration_ms, error=ex.error,
-                body_limit=get_state().config.event_body_limit)
+            wirelog.enqueue(current_app._get_current_object(), {  # type: ignore[attr-defined]
+                "payload": payload, "status_code": response.status_code,
+                "duration_ms": duration_ms, "error": ex.error})
         except Exception:
             logger.exception("MCP server %r: could not record the wire-log event", self.spec.name)
-            with contextlib.suppress(Exception):  # the connection may be gone
-                get_state().db.session.rollback()
 
 
 # --------------------------------------------------------------------------- framing

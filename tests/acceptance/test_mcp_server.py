@@ -13,6 +13,8 @@ import pytest
 
 from flask_solidloop.urls import libpq_url
 
+from ..mcp_gunicorn import eventually
+
 ACCEPT = "application/json, text/event-stream"
 MODERN = "2026-07-28"
 SECRET = "token-alice"  # the token is the secret: it must never be stored
@@ -247,9 +249,10 @@ def test_one_event_per_request_redacted_and_no_token_anywhere(mcp, db, mcp_gunic
     session_id = mcp.initialize()
     mcp.in_session(session_id, "tools/call", {"name": "add", "arguments": {"a": 2, "b": 2},
                                              "_meta": {"note": SECRET}})
-    events = db("SELECT status_code, duration_ms, payload FROM solidloop_events "
-                "WHERE kind = 'mcp_inbound' AND payload->>'session_id' = %s "
-                "ORDER BY id", session_id)
+    events = eventually(lambda: db(
+        "SELECT status_code, duration_ms, payload FROM solidloop_events "
+        "WHERE kind = 'mcp_inbound' AND payload->>'session_id' = %s ORDER BY id", session_id),
+        lambda rows: len(rows) >= 3)
     methods = [payload["method"] for _, _, payload in events]
     assert methods == ["initialize", "notifications/initialized", "tools/call"]
     status, duration, payload = events[-1]

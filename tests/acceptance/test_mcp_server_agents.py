@@ -19,6 +19,7 @@ from flask_solidloop.models import Event, Loop, ToolCall
 from flask_solidloop.urls import libpq_url
 
 from .. import mcp_server_app
+from ..mcp_gunicorn import eventually
 from ..mcp_server_app import REMOTE_URL_ENV, RemoteCalcAgent
 
 
@@ -45,11 +46,12 @@ def test_an_agent_of_ours_uses_the_blueprint_through_its_url_entry(
     ours = list(session.scalars(select(Event).where(Event.loop_id == loop.id,
                                                     Event.kind == "tool_call")))
     assert len(ours) == 2
-    with psycopg.connect(libpq_url(database_url)) as conn:
-        theirs = conn.execute(
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+        theirs = eventually(lambda: conn.execute(
             "SELECT payload->>'tool', payload->'request'->'headers'->>'authorization' "
             "FROM solidloop_events WHERE kind = 'mcp_inbound' AND payload->>'method' = "
-            "'tools/call' AND payload->>'principal' = 'our-agent' ORDER BY id").fetchall()
+            "'tools/call' AND payload->>'principal' = 'our-agent' ORDER BY id").fetchall(),
+            lambda rows: len(rows) >= 2)
     assert sorted(tool for tool, _ in theirs) == ["add", "whoami"]
     assert {auth for _, auth in theirs} == {"[redacted]"}
 

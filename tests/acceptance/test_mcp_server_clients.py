@@ -18,6 +18,8 @@ from mcp.client.streamable_http import streamable_http_client
 
 from flask_solidloop.urls import libpq_url
 
+from ..mcp_gunicorn import eventually
+
 CLIENTS = 20
 
 
@@ -57,15 +59,15 @@ def test_twenty_concurrent_sdk_clients_each_get_their_own_result(mcp_gunicorn, d
         assert result["added"] == str(len(who) + 1000)
         pids.add(str(result["me"]["pid"]))
     assert len(pids) > 1, "all calls landed on one worker process"
-    with psycopg.connect(libpq_url(database_url)) as conn:
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
         sessions = conn.execute(
             "SELECT principal_label, protocol_version, client_info->>'name', terminated_at "
             "FROM solidloop_mcp_inbound_sessions WHERE principal_label LIKE %s",
             (f"{mode}-%",)).fetchall()
-        events = conn.execute(
+        events = eventually(lambda: conn.execute(
             "SELECT count(*) FROM solidloop_events WHERE kind = 'mcp_inbound' "
             "AND payload->>'principal' LIKE %s AND payload->>'tool' = 'echo'",
-            (f"{mode}-%",)).fetchone()[0]
+            (f"{mode}-%",)).fetchone()[0], lambda n: n >= CLIENTS)
     assert events == CLIENTS
     if mode == "2026-07-28":
         assert sessions == []  # stateless: no session rows
