@@ -212,6 +212,13 @@ SETTINGS: tuple[Setting, ...] = (
             "Characters of a request, response or tool result kept in a wire-log event; a "
             "larger body is kept as an excerpt with its size and SHA-256 (a tool's full "
             "result stays on its tool call)."),
+    Setting("SOLIDLOOP_MCP_INBOUND_SESSION_RETENTION", None, _optional_positive_int,
+            "Seconds to keep the sessions outside MCP clients opened with an MCP server "
+            "blueprint, counted from their creation, with their wire-log events; unset (the "
+            "default) keeps them forever."),
+    Setting("SOLIDLOOP_MCP_MAX_REQUEST_BODY", 4 * 1024 * 1024, _positive_int,
+            "Largest request body (bytes) an MCP server blueprint accepts; a larger one is "
+            "answered 413 before it is read."),
     Setting("SOLIDLOOP_JOB_RESULT_TTL", 500, _ttl_seconds,
             "Seconds an RQ-style job and its return value are kept after it finished, when "
             "enqueue() passes no result_ttl (RQ's default, 500); -1 keeps them forever."),
@@ -253,6 +260,8 @@ class Config:
     prices: dict[str, Any]
     tool_output_limit: int
     event_body_limit: int
+    mcp_inbound_session_retention: int | None
+    mcp_max_request_body: int
     job_result_ttl: int
     job_failure_ttl: int
 

@@ -9,11 +9,11 @@ global middleware hooks.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from dramatiq.middleware import Retries
-from flask import Flask
+from flask import Blueprint, Flask
 from flask_sqlalchemy import SQLAlchemy
 
 from .agent import Agent
@@ -23,6 +23,7 @@ from .jobs import JobRegistry, Queue
 from .leases import RenewerSlot
 from .maintenance.janitor import prune
 from .maintenance.reaper import reap
+from .mcp.toolset import Toolset
 from .pipeline.builder import Builder
 from .queue.broker import PostgresBroker
 from .queue.middleware import (
@@ -125,6 +126,46 @@ class SolidLoop:
 
         return get_state(app).extras["jobs.results"]
 
+    # -- the MCP server blueprint -------------------------------------------------------
+
+    def mcp_blueprint(
+        self,
+        *toolsets: Toolset,
+        auth: Callable[[str | None, Any], Any] | None = None,
+        name: str | None = None,
+        allowed_hosts: Iterable[str] | None = None,
+        allowed_origins: Iterable[str] | None = None,
+        agents: Iterable[type[Agent]] = (),
+        principal_label: Callable[[Any], str] | None = None,
+        instructions: str | None = None,
+    ) -> Blueprint:
+        """A Flask blueprint exposing ``toolsets`` (and ``agents``) to outside MCP
+        clients over Streamable HTTP; register it at the prefix you pick::
+
+            app.register_blueprint(solidloop.mcp_blueprint(search, auth=check_token),
+                                   url_prefix="/mcp/search")
+
+        ``auth(token, request)`` is required (fail closed): it returns the caller's
+        principal, or None for a 401. Handlers then see ``ctx.principal``. Only the
+        toolsets passed are exposed; ``agents=[Support]`` adds ``start_support`` /
+        ``status_support`` tools. ``allowed_hosts`` / ``allowed_origins`` default to
+        localhost (any port) plus the app's ``SERVER_NAME``. See
+        docs/guides/mcp_server.md.
+        """
+        from .mcp_server import build_blueprint
+
+        for agent_cls in agents:
+            if not (isinstance(agent_cls, type) and issubclass(agent_cls, Agent)):
+                raise AgentDefinitionError(
+                    f"mcp_blueprint(agents=...) takes Agent subclasses, got {agent_cls!r}")
+            if agent_cls._extension is not self:
+                raise AgentDefinitionError(
+                    f"{agent_cls.__name__} is not registered on this SolidLoop; decorate it "
+                    "with @solidloop.agent('name') first")
+        return build_blueprint(toolsets, auth=auth, name=name, allowed_hosts=allowed_hosts,
+                               allowed_origins=allowed_origins, agents=agents,
+                               principal_label=principal_label, instructions=instructions)
+
     # -- app binding --------------------------------------------------------------
 
     def init_app(self, app: Flask, db: SQLAlchemy | None = None) -> None:
@@ -187,7 +228,8 @@ def _maintenance_in_workers(state: SolidLoopState) -> list[PeriodicTaskMiddlewar
     if config.reaper_interval > 0:
         tasks.append(PeriodicTaskMiddleware("reaper", config.reaper_interval,
                                             in_app_context(reap), conninfo=conninfo))
-    if config.event_retention or config.finished_job_retention:
+    if (config.event_retention or config.finished_job_retention
+            or config.mcp_inbound_session_retention):
         tasks.append(PeriodicTaskMiddleware("janitor", JANITOR_INTERVAL,
                                             in_app_context(prune), conninfo=conninfo))
     return tasks

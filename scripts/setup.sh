@@ -59,4 +59,6 @@ fi
 rm -f "$log"
 # The real MCP servers the tests talk to (npm and PyPI packages, pinned).
 bash scripts/mcp_peers.sh >&2
+# Node 22 and the official MCP conformance suite (both versions), pinned.
+bash scripts/mcp_conformance.sh >&2
 echo "setup: ready (PostgreSQL on 127.0.0.1:$PG_PORT, virtualenv in .venv, MCP peers)" >&2

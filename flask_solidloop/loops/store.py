@@ -939,3 +939,118 @@ def heal_orphan_shells(session: SessionLike) -> list[int]:
     ids = list(session.execute(text(ORPHAN_SHELLS)).scalars())
     session.commit()
     return ids
+
+
+# ============================================================================ inbound MCP
+# Writes made for the MCP server blueprint (flask_solidloop/mcp_server/): the
+# sessions outside MCP clients hold (solidloop_mcp_inbound_sessions) and one
+# wire-log event per inbound request (kind "mcp_inbound", loop_id NULL). They
+# live here because this module is the only writer of solidloop_events. Each
+# runs in its own short transaction on the request's session: it rolls back
+# whatever a tool left uncommitted first, so a request never commits a
+# tool's half-done writes by accident.
+
+#: The ``kind`` of an inbound MCP request's event row.
+INBOUND_EVENT_KIND = "mcp_inbound"
+
+
+def create_inbound_session(session: SessionLike, *, session_id: str, server_name: str,
+                           principal_label: str, protocol_version: str,
+                           client_info: dict[str, Any]) -> None:
+    """Record a new handshake-era session (an ``initialize`` that succeeded)."""
+    from ..models import McpInboundSession
+
+    session.rollback()
+    session.add(McpInboundSession(
+        id=session_id, server_name=server_name, principal_label=principal_label[:200],
+        protocol_version=protocol_version, client_info=storable.json_value(client_info)[0],
+    ))
+    session.commit()
+
+
+# Wire-log rows and last-seen stamps are diagnostics: they commit without
+# waiting for the WAL flush (a crash may lose the last few milliseconds of
+# them, never a session's existence), so an inbound request pays no fsync.
+_ASYNC_COMMIT = text("SET LOCAL synchronous_commit = off")
+
+_FIND_INBOUND = text("""
+SELECT protocol_version, last_seen_at < now() - make_interval(secs => :every) AS stale
+FROM solidloop_mcp_inbound_sessions
+WHERE id = :id AND server_name = :server AND principal_label = :principal
+  AND terminated_at IS NULL
+""")
+_TOUCH_INBOUND = text(
+    "UPDATE solidloop_mcp_inbound_sessions SET last_seen_at = now() WHERE id = :id")
+#: ``last_seen_at`` is refreshed at most this often (seconds), so a busy session
+#: costs one read per request, not a write.
+INBOUND_TOUCH_EVERY = 30.0
+
+
+def touch_inbound_session(session: SessionLike, *, session_id: str, server_name: str,
+                          principal_label: str) -> str | None:
+    """Find a live session of this principal on this server (refreshing its
+    ``last_seen_at`` when it is older than :data:`INBOUND_TOUCH_EVERY`); return
+    its negotiated protocol version, or None (unknown, terminated, another
+    server's or another principal's: the caller answers all four alike, 404)."""
+    session.rollback()
+    row = session.execute(_FIND_INBOUND, {
+        "id": session_id, "server": server_name, "principal": principal_label[:200],
+        "every": INBOUND_TOUCH_EVERY,
+    }).first()
+    if row is not None and row.stale:
+        session.execute(_ASYNC_COMMIT)
+        session.execute(_TOUCH_INBOUND, {"id": session_id})
+        session.commit()
+    else:
+        session.rollback()
+    return row.protocol_version if row is not None else None
+
+
+_TERMINATE_INBOUND = text("""
+UPDATE solidloop_mcp_inbound_sessions SET terminated_at = now(), last_seen_at = now()
+WHERE id = :id AND server_name = :server AND principal_label = :principal
+  AND terminated_at IS NULL
+""")
+
+
+def terminate_inbound_session(session: SessionLike, *, session_id: str, server_name: str,
+                              principal_label: str) -> bool:
+    """End a session (the client's DELETE); False when there was no live one."""
+    session.rollback()
+    ended = session.execute(_TERMINATE_INBOUND, {
+        "id": session_id, "server": server_name, "principal": principal_label[:200],
+    }).rowcount  # type: ignore[attr-defined]
+    session.commit()
+    return bool(ended)
+
+
+def record_inbound_event(session: SessionLike, *, payload: dict[str, Any],
+                         status_code: int, duration_ms: float, error: str | None,
+                         body_limit: int) -> None:
+    """One wire-log row for one inbound MCP request. The payload arrives
+    redacted (the blueprint strips tokens and secret headers); bodies are cut
+    to ``body_limit`` characters here, as for every other event."""
+    session.rollback()
+    session.execute(_ASYNC_COMMIT)
+    session.add(Event(
+        loop_id=None, kind=INBOUND_EVENT_KIND, status_code=status_code,
+        duration_ms=duration_ms, error=_clean(error[:MAX_EVENT_ERROR] if error else None),
+        payload=_event_payload(payload, body_limit),
+    ))
+    session.commit()
+
+
+def record_inbound_events(session: SessionLike, events: Sequence[dict[str, Any]], *,
+                          body_limit: int) -> None:
+    """Many inbound events in one transaction (the blueprint's background
+    writer batches them); each dict holds ``payload``, ``status_code``,
+    ``duration_ms`` and ``error`` as for :func:`record_inbound_event`."""
+    session.rollback()
+    session.execute(_ASYNC_COMMIT)
+    session.add_all([Event(
+        loop_id=None, kind=INBOUND_EVENT_KIND, status_code=event["status_code"],
+        duration_ms=event["duration_ms"],
+        error=_clean(event["error"][:MAX_EVENT_ERROR] if event.get("error") else None),
+        payload=_event_payload(event["payload"], body_limit),
+    ) for event in events])
+    session.commit()

@@ -15,6 +15,10 @@ simply deletes fewer rows).
   which each job's ``result_ttl`` / ``failure_ttl`` set when it ended, and
   ``solidloop_results`` (the dramatiq Results backend) past theirs. These are
   always pruned: the TTL is the retention the host asked for, as in RQ.
+* ``solidloop_mcp_inbound_sessions`` (outside MCP clients' sessions with an
+  MCP server blueprint) created longer ago than
+  ``SOLIDLOOP_MCP_INBOUND_SESSION_RETENTION``, live or not (clients often
+  never send DELETE), together with their ``mcp_inbound`` events.
 """
 
 from __future__ import annotations
@@ -52,6 +56,21 @@ DELETE FROM solidloop_results WHERE key IN (
     ORDER BY expires_at LIMIT :batch FOR UPDATE SKIP LOCKED)
 """
 
+# One batch of old inbound sessions and, in the same statement, the wire-log
+# events that name them (their session id is in the payload).
+_PRUNE_INBOUND_SESSIONS = """
+WITH gone AS (
+    DELETE FROM solidloop_mcp_inbound_sessions WHERE id IN (
+        SELECT id FROM solidloop_mcp_inbound_sessions WHERE created_at < now() - :age
+        ORDER BY created_at LIMIT :batch FOR UPDATE SKIP LOCKED)
+    RETURNING id
+), events AS (
+    DELETE FROM solidloop_events
+    WHERE kind = 'mcp_inbound' AND payload->>'session_id' IN (SELECT id FROM gone)
+)
+SELECT count(*) FROM gone
+"""
+
 
 @dataclass
 class PruneReport:
@@ -59,10 +78,12 @@ class PruneReport:
     jobs: int = 0
     host_jobs: int = 0
     results: int = 0
+    inbound_sessions: int = 0
     duration_ms: float = 0.0
 
 
-def _prune(state: SolidLoopState, query: str, seconds: int | None) -> int:
+def _prune(state: SolidLoopState, query: str, seconds: int | None, *,
+           counted: bool = False) -> int:
     session = state.db.session
     batch = state.config.janitor_batch_size
     params: dict[str, object] = {"batch": batch}
@@ -70,7 +91,9 @@ def _prune(state: SolidLoopState, query: str, seconds: int | None) -> int:
         params["age"] = timedelta(seconds=seconds)
     total = 0
     while True:
-        deleted = session.execute(text(query), params).rowcount  # type: ignore[attr-defined]
+        result = session.execute(text(query), params)
+        # A statement that deletes in a CTE reports its count as a row.
+        deleted = result.scalar_one() if counted else result.rowcount  # type: ignore[attr-defined]
         session.commit()
         total += deleted
         if deleted < batch:
@@ -89,12 +112,16 @@ def prune(state: SolidLoopState) -> PruneReport:
             report.jobs = _prune(state, _PRUNE_JOBS, config.finished_job_retention)
         report.host_jobs = _prune(state, _PRUNE_HOST_JOBS, None)
         report.results = _prune(state, _PRUNE_RESULTS, None)
+        if config.mcp_inbound_session_retention:
+            report.inbound_sessions = _prune(state, _PRUNE_INBOUND_SESSIONS,
+                                             config.mcp_inbound_session_retention, counted=True)
     except Exception:
         state.db.session.rollback()
         raise
     report.duration_ms = (time.perf_counter() - started) * 1000
     state.last_pruned_at = time.time()
-    logger.info("janitor pruned %d event(s), %d job(s), %d expired host job(s) and %d "
-                "result(s) in %.1f ms", report.events, report.jobs, report.host_jobs,
-                report.results, report.duration_ms)
+    logger.info("janitor pruned %d event(s), %d job(s), %d expired host job(s), %d "
+                "result(s) and %d inbound MCP session(s) in %.1f ms", report.events,
+                report.jobs, report.host_jobs, report.results, report.inbound_sessions,
+                report.duration_ms)
     return report

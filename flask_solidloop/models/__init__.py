@@ -11,6 +11,7 @@ from .event import Event
 from .host_job import HOST_JOB_STATUSES, HostJob, JobResult, PeriodicRun
 from .job import Job
 from .loop import RESUMABLE_STATUSES, TERMINAL_STATUSES, Loop, LoopStatus
+from .mcp_inbound import McpInboundSession
 from .mcp_session import McpSession
 from .message import Message
 from .tool_call import ToolCall
@@ -26,6 +27,7 @@ __all__ = [
     "JobResult",
     "Loop",
     "LoopStatus",
+    "McpInboundSession",
     "McpSession",
     "Message",
     "PeriodicRun",

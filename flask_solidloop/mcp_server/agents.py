@@ -1,0 +1,90 @@
+"""Agents as tools: a ``start_<agent>`` and a ``status_<agent>`` tool per agent.
+
+This module owns the toolset the blueprint builds for ``agents=[...]``. The
+start tool starts a durable loop through the Agent API (``Agent.start``; the
+caller's principal label becomes the loop's subject, ``("mcp_principal",
+label)``, and is kept in its state), and returns the loop id at once: the loop
+runs on the workers, so a client that disconnects loses nothing. The status
+tool reads the loop through loops.queries and answers only the principal who
+started it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ..loops import queries
+from ..mcp.toolset import CallContext, Toolset
+from ..state import get_state
+
+__all__ = ["PRINCIPAL_SUBJECT_TYPE", "agent_toolset", "tool_suffix"]
+
+#: The loop's ``subject_type`` for loops started by an outside MCP client.
+PRINCIPAL_SUBJECT_TYPE = "mcp_principal"
+
+
+def tool_suffix(agent_name: str) -> str:
+    """An agent name as a tool-name suffix every LLM provider accepts (no dots)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", agent_name)[:100]
+
+
+def agent_toolset(name: str, agents: list[Any], label_of: Any) -> Toolset:
+    """One toolset with the start and status tools of each agent class."""
+    toolset = Toolset(f"{name}-agents")
+    for agent_cls in agents:
+        _add_agent(toolset, agent_cls, label_of)
+    return toolset
+
+
+def _add_agent(toolset: Toolset, agent_cls: Any, label_of: Any) -> None:
+    agent_name = agent_cls._registered_name()
+    suffix = tool_suffix(agent_name)
+    summary = (agent_cls.__doc__ or "").strip().split("\n\n")[0].strip()
+    about = f" {summary}" if summary else ""
+
+    def start(message: str, ctx: CallContext) -> dict[str, Any]:
+        """Start a loop.
+
+        Args:
+            message: The task, as a message to the agent.
+        """
+        label = label_of(ctx.principal)
+        loop = agent_cls.start(message=message, subject=(PRINCIPAL_SUBJECT_TYPE, label),
+                               state={"mcp_principal": label})
+        return {"loop_id": loop.id, "status": loop.status,
+                "next": f"call status_{suffix} with this loop_id to follow it"}
+
+    def status(loop_id: int, ctx: CallContext) -> dict[str, Any]:
+        """Follow a loop.
+
+        Args:
+            loop_id: The id the start tool returned.
+        """
+        label = label_of(ctx.principal)
+        session = get_state().db.session
+        loop = queries.get_loop(session, loop_id)
+        if (loop is None or loop.agent_name != agent_name
+                or loop.subject_type != PRINCIPAL_SUBJECT_TYPE or loop.subject_id != label):
+            raise LookupError(f"no {agent_name} loop {loop_id} started by you; pass the "
+                              f"loop_id that start_{suffix} returned")
+        answer = None
+        if loop.status == "completed":
+            for message in reversed(queries.messages(session, loop.id)):
+                if message.role == "assistant" and message.content:
+                    answer = message.content
+                    break
+        result: dict[str, Any] = {"loop_id": loop.id, "status": loop.status,
+                                  "steps": loop.step_count}
+        if answer is not None:
+            result["answer"] = answer
+        if loop.error_message:
+            result["error"] = loop.error_message
+        return result
+
+    toolset.add_tool(start, name=f"start_{suffix}", description=(
+        f"Start the {agent_name} agent on a task; returns the id of its durable loop at "
+        f"once (the work goes on in the background).{about}"))
+    toolset.add_tool(status, name=f"status_{suffix}", description=(
+        f"The status of a {agent_name} loop you started, with its final answer once it "
+        "has completed."))

@@ -1,0 +1,90 @@
+"""Agents and the MCP server blueprint: an agent of ours using it through its
+``url=`` entry, and agents exposed as start/status tools to an outside client.
+
+The blueprint runs under gunicorn; the loops run on this process's worker
+(``drain``), the LLM is the emulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx2
+import psycopg
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from sqlalchemy import select
+
+from flask_solidloop.models import Event, Loop, ToolCall
+from flask_solidloop.urls import libpq_url
+
+from .. import mcp_server_app
+from ..mcp_gunicorn import eventually
+from ..mcp_server_app import REMOTE_URL_ENV, RemoteCalcAgent
+
+
+def test_an_agent_of_ours_uses_the_blueprint_through_its_url_entry(
+        app, session, llm, drain, mcp_gunicorn, monkeypatch, database_url):
+    monkeypatch.setenv(REMOTE_URL_ENV, f"{mcp_gunicorn}/mcp/calc")
+    llm.script("add remotely", {"content": "adding", "tool_calls": [
+        {"name": "add", "arguments": {"a": 40, "b": 2}},
+        {"name": "whoami", "arguments": {}}]})
+    llm.script(lambda body: body["messages"][-1]["role"] == "tool", {"content": "it is 42"})
+    loop = RemoteCalcAgent.start(message="add remotely")
+    drain()
+    session.expire_all()
+    loop = session.get(Loop, loop.id)
+    assert loop.status == "completed", loop.error_message
+    calls = {c.tool_name: c for c in session.scalars(
+        select(ToolCall).where(ToolCall.loop_id == loop.id))}
+    assert calls["add"].is_success and calls["add"].result["content"][0]["text"] == "42"
+    me = calls["whoami"].result["structuredContent"]
+    # The remote tool saw our agent as an outside principal, with the call's key.
+    assert me["principal"] == "our-agent" and me["loop"] is False
+    assert me["idempotency_key"] == calls["whoami"].idempotency_key
+    # Our side: the tool_call events of the loop. Their side: the inbound events.
+    ours = list(session.scalars(select(Event).where(Event.loop_id == loop.id,
+                                                    Event.kind == "tool_call")))
+    assert len(ours) == 2
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+        theirs = eventually(lambda: conn.execute(
+            "SELECT payload->>'tool', payload->'request'->'headers'->>'authorization' "
+            "FROM solidloop_events WHERE kind = 'mcp_inbound' AND payload->>'method' = "
+            "'tools/call' AND payload->>'principal' = 'our-agent' ORDER BY id").fetchall(),
+            lambda rows: len(rows) >= 2)
+    assert sorted(tool for tool, _ in theirs) == ["add", "whoami"]
+    assert {auth for _, auth in theirs} == {"[redacted]"}
+
+
+async def _call(url: str, who: str, name: str, arguments: dict) -> dict:
+    headers = {"Authorization": f"Bearer token-{who}"}
+    async with httpx2.AsyncClient(headers=headers, timeout=30) as http, \
+            Client(streamable_http_client(url, http_client=http), mode="auto") as client:
+        result = await client.call_tool(name, arguments)
+        return {"error": result.is_error, "data": result.structured_content,
+                "text": result.content[0].text if result.content else ""}
+
+
+def test_agents_as_tools_start_durable_loops_and_report_their_answer(
+        app, session, llm, drain, mcp_gunicorn):
+    url = f"{mcp_gunicorn}/mcp/agents"
+    llm.script("summarise", {"content": "the summary"})
+    started = asyncio.run(_call(url, "carol", "start_assistant", {"message": "summarise it"}))
+    assert not started["error"], started
+    loop_id = started["data"]["loop_id"]
+    # The client is gone; the loop is durable and runs on the workers.
+    loop = session.get(Loop, loop_id)
+    assert loop.status == "queued"
+    assert (loop.subject_type, loop.subject_id) == ("mcp_principal", "carol")
+    assert loop.state["mcp_principal"] == "carol"
+    pending = asyncio.run(_call(url, "carol", "status_assistant", {"loop_id": loop_id}))
+    assert pending["data"]["status"] == "queued" and "answer" not in pending["data"]
+    drain()
+    done = asyncio.run(_call(url, "carol", "status_assistant", {"loop_id": loop_id}))
+    assert done["data"]["status"] == "completed" and done["data"]["answer"] == "the summary"
+    # Another principal cannot read it; a bad id is a tool error the model can act on.
+    other = asyncio.run(_call(url, "mallory", "status_assistant", {"loop_id": loop_id}))
+    assert other["error"] and "started by you" in other["text"]
+    bad = asyncio.run(_call(url, "carol", "status_assistant", {"loop_id": "x"}))
+    assert bad["error"] and "invalid arguments" in bad["text"]
+    assert mcp_server_app.agents_blueprint.name == "mcp_agents"
