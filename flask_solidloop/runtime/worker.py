@@ -9,6 +9,7 @@ setup is left alone everywhere but in these worker processes.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -16,6 +17,8 @@ import dramatiq
 from flask import Flask
 from flask.cli import ScriptInfo
 
+from ..database import check_schema
+from ..errors import DatabaseUnavailableError
 from ..queue.broker import PostgresBroker
 from ..state import EXTENSION_KEY, get_state
 
@@ -32,9 +35,22 @@ def load_worker_app() -> tuple[Flask, PostgresBroker]:
     if EXTENSION_KEY not in app.extensions:
         raise RuntimeError(f"the app loaded from FLASK_APP={import_path!r} does not "
                            "initialise flask-solidloop (SolidLoop(app, db) or init_app)")
-    broker = get_state(app).broker
+    state = get_state(app)
+    try:
+        check_schema(state.database_url)
+    except DatabaseUnavailableError as exc:
+        # Refuse to start: a worker on a never-migrated database would only log
+        # UndefinedTable tracebacks. One line, and dramatiq's "broker connection
+        # failed" exit code, so its master stops the other processes too.
+        logging.getLogger("flask_solidloop.worker").error("worker refuses to start: %s", exc)
+        sys.exit(RET_CONNECT)
+    broker = state.broker
     dramatiq.set_broker(broker)
     return app, broker
+
+
+#: dramatiq's exit code for "broker connection failed during worker startup".
+RET_CONNECT = 3
 
 
 def worker_command(

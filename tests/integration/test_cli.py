@@ -83,7 +83,9 @@ def test_unreachable_database_names_the_url():
         in result.output
 
 
-def test_reap_and_prune_commands(runner, session):
+def test_reap_and_prune_commands(app, runner, session):
+    state = app.extensions["solidloop"]
+    state.config = state.config.replace(event_retention=3600)
     result = runner.invoke(args=["solidloop", "reap"])
     assert result.exit_code == 0, result.output
     assert "reap: expired_llm=0" in result.output
