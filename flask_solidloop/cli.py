@@ -244,6 +244,59 @@ def worker(ctx: click.Context, processes: int, threads: int, queues: tuple[str, 
     os.execvpe(cmd[0], cmd, env)
 
 
+def _registry(identities: list[str] | None = None, recent: float | None = None) -> list:
+    from .queue.middleware.worker_registry import list_workers
+
+    state = _state()
+    session = state.db.session
+    try:
+        connection = session.connection().connection
+        return list_workers(connection, identities=identities,
+                            recent=recent if recent is not None else state.config.worker_retention)
+    finally:
+        session.rollback()
+
+
+def _seconds(value: float) -> str:
+    value = max(0, int(value))
+    for size, unit in ((86400, "d"), (3600, "h"), (60, "m")):
+        if value >= size:
+            return f"{value // size}{unit}"
+    return f"{value}s"
+
+
+def _ids(kind: str, ids: list[int], limit: int = 8) -> str:
+    shown = ",".join(str(i) for i in ids[:limit]) + ("..." if len(ids) > limit else "")
+    return f"{kind} {shown}" if ids else ""
+
+
+@solidloop_cli.command("workers")
+@click.option("--recent", default=3600.0, show_default=True, metavar="SECONDS",
+              help="Also show workers that stopped or went silent within SECONDS.")
+@with_appcontext
+def workers_command(recent: float) -> None:
+    """List worker processes: live, and recently stopped or lost, with what each holds.
+
+    A worker is lost when its heartbeat (SOLIDLOOP_WORKER_HEARTBEAT) went
+    silent for three beats without a clean shutdown: it died, and the reaper
+    takes over what it held once those leases lapse.
+    """
+    interval = _state().config.worker_heartbeat
+    rows = _registry(recent=recent)
+    if not rows:
+        click.echo("no workers registered; start one with `flask solidloop worker`")
+        return
+    click.echo(f"{'worker':<28} {'state':<8} {'threads':>7} {'started':>8} {'seen':>6}  "
+               f"{'queues':<40} holds")
+    for row in rows:
+        holds = "  ".join(x for x in (_ids("loops", row.loops),
+                                      _ids("tool calls", row.tool_calls)) if x) or "-"
+        started = _seconds((row.last_seen_at - row.started_at).total_seconds() + row.silent_for)
+        click.echo(f"{row.identity[:28]:<28} {row.state(interval):<8} {row.threads:>7} "
+                   f"{started + ' ago':>8} {_seconds(row.silent_for) + ' ago':>6}  "
+                   f"{','.join(row.queues)[:40]:<40} {holds}")
+
+
 # -- host jobs ------------------------------------------------------------------
 
 
@@ -356,6 +409,19 @@ def status(loop_id: int) -> None:
     click.echo(format_loop(loop))
     calls = {c.id: c for c in queries.tool_calls(session, loop_id)}
     states = queries.tool_call_states(session, loop_id)
+    holders = sorted({s.holder for s in states.values() if s.holder and s.state == "running"}
+                     | ({loop.lease_holder} if loop.status == "running" and loop.lease_holder
+                        else set()))
+    if holders:
+        interval = _state().config.worker_heartbeat
+        seen = {row.identity: row for row in _registry(identities=holders)}
+        for holder in holders:
+            row = seen.get(holder)
+            if row is None:
+                click.echo(f"  worker {holder}: not in the registry")
+            else:
+                click.echo(f"  worker {holder}: {row.state(interval)}, last heartbeat "
+                           f"{_seconds(row.silent_for)} ago, queues {','.join(row.queues)}")
     for message in queries.messages(session, loop_id, include_hidden=True):
         click.echo(format_message(message, calls, show_hidden=True, states=states))
 
@@ -559,7 +625,8 @@ def prune_command(every: float | None) -> None:
 
     def run() -> str:
         report = prune(_state())
-        return f"events={report.events} jobs={report.jobs} ({report.duration_ms:.1f} ms)"
+        return (f"events={report.events} jobs={report.jobs} workers={report.workers} "
+                f"({report.duration_ms:.1f} ms)")
 
     _every(every, run, "prune")
 

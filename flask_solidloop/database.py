@@ -14,7 +14,6 @@ from sqlalchemy.engine import make_url
 from .errors import DatabaseUnavailableError
 from .urls import libpq_url, redact_url
 
-
 UPGRADE_COMMAND = "flask solidloop db upgrade"
 
 

@@ -24,7 +24,7 @@ from flask_solidloop.testing import LLMEmulator
 
 from .support_app import DATABASE_URL_ENV, DEFAULT_DATABASE_URL, LLM_URL_ENV, SIDE_EFFECTS
 
-TABLES = ("solidloop_events", "solidloop_mcp_sessions", "solidloop_tool_calls",
+TABLES = ("solidloop_events", "solidloop_mcp_sessions", "solidloop_tool_calls", "solidloop_workers",
           "solidloop_host_jobs", "solidloop_results", "solidloop_periodic",
           "solidloop_messages", "solidloop_loops", "solidloop_jobs")
 

@@ -15,6 +15,9 @@ simply deletes fewer rows).
   which each job's ``result_ttl`` / ``failure_ttl`` set when it ended, and
   ``solidloop_results`` (the dramatiq Results backend) past theirs. These are
   always pruned: the TTL is the retention the host asked for, as in RQ.
+* ``solidloop_workers`` rows of workers stopped or silent longer than
+  ``SOLIDLOOP_WORKER_RETENTION`` (on by default: a registry row is not an audit
+  trail; each worker's heartbeat prunes them too).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from datetime import timedelta
 
 from sqlalchemy import text
 
+from ..queue import sql
 from ..state import SolidLoopState
 
 logger = logging.getLogger("flask_solidloop.janitor")
@@ -59,6 +63,7 @@ class PruneReport:
     jobs: int = 0
     host_jobs: int = 0
     results: int = 0
+    workers: int = 0
     duration_ms: float = 0.0
 
 
@@ -77,6 +82,18 @@ def _prune(state: SolidLoopState, query: str, seconds: int | None) -> int:
             return total
 
 
+def _prune_workers(state: SolidLoopState) -> int:
+    session = state.db.session
+    cursor = session.connection().connection.cursor()
+    try:
+        cursor.execute(sql.WORKER_PRUNE, {"age": state.config.worker_retention})
+        deleted = cursor.rowcount
+    finally:
+        cursor.close()
+    session.commit()
+    return deleted
+
+
 def prune(state: SolidLoopState) -> PruneReport:
     """One janitor sweep over every table with a retention setting."""
     started = time.perf_counter()
@@ -89,6 +106,7 @@ def prune(state: SolidLoopState) -> PruneReport:
             report.jobs = _prune(state, _PRUNE_JOBS, config.finished_job_retention)
         report.host_jobs = _prune(state, _PRUNE_HOST_JOBS, None)
         report.results = _prune(state, _PRUNE_RESULTS, None)
+        report.workers = _prune_workers(state)
     except Exception:
         state.db.session.rollback()
         raise

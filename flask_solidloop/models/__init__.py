@@ -14,6 +14,7 @@ from .loop import RESUMABLE_STATUSES, TERMINAL_STATUSES, Loop, LoopStatus
 from .mcp_session import McpSession
 from .message import Message
 from .tool_call import ToolCall
+from .worker import Worker
 
 __all__ = [
     "HOST_JOB_STATUSES",
@@ -30,5 +31,6 @@ __all__ = [
     "Message",
     "PeriodicRun",
     "ToolCall",
+    "Worker",
     "metadata",
 ]
