@@ -22,9 +22,27 @@ from ..errors import DatabaseUnavailableError
 from ..queue.broker import PostgresBroker
 from ..state import EXTENSION_KEY, get_state
 
+#: Loggers that flood a ``dramatiq --verbose`` log with wire-level DEBUG lines
+#: (each HTTP read, each HTTP/2 frame, each migration plugin); held at INFO
+#: unless SOLIDLOOP_HTTP_DEBUG=1 asks for them.
+QUIET_LOGGERS = ("httpcore", "httpx", "hpack", "h2", "h11", "anyio", "mcp", "asyncio",
+                 "urllib3", "alembic")
+HTTP_DEBUG_ENV = "SOLIDLOOP_HTTP_DEBUG"
+
+
+def quiet_noisy_loggers() -> None:
+    """Keep --verbose about our jobs, not about the HTTP client's reads."""
+    if os.environ.get(HTTP_DEBUG_ENV):
+        return
+    for name in QUIET_LOGGERS:
+        noisy = logging.getLogger(name)
+        if noisy.level in (logging.NOTSET, logging.DEBUG):
+            noisy.setLevel(logging.WARNING if name == "alembic" else logging.INFO)
+
 
 def load_worker_app() -> tuple[Flask, PostgresBroker]:
     """Load the app of ``FLASK_APP`` and make its broker dramatiq's global one."""
+    quiet_noisy_loggers()
     import_path = os.environ.get("FLASK_APP")
     if not import_path:
         raise RuntimeError(

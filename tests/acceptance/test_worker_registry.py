@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -45,7 +46,7 @@ def _rows(session):
 
 
 def test_workers_register_list_what_they_hold_and_are_told_apart_when_dead(
-        app, session, llm, fleet, effects):
+        app, session, llm, fleet, effects, tmp_path):
     app.extensions["solidloop"].config = app.extensions["solidloop"].config.replace(
         worker_heartbeat=HEARTBEAT)
     runner = app.test_cli_runner()
@@ -75,6 +76,13 @@ def test_workers_register_list_what_they_hold_and_are_told_apart_when_dead(
 
     out = poll(session, lost, timeout=30, what="the killed worker to be reported lost")
     assert call.lease_holder in out
+
+    # The worker's log has a timestamped start line per job, with the loop and agent.
+    log = (tmp_path / "first.log").read_text(errors="replace")
+    assert re.search(r"^\[20\d\d-\d\d-\d\d [\d:,]+\] .*job start llm_turn "
+                     rf"loop={loop.id} agent=liveness", log, re.M), log[-2000:]
+    assert re.search(rf"job done llm_turn loop={loop.id} agent=liveness job=\d+ in [\d.]+s", log)
+
 
     # A clean stop stamps stopped_at. SIGTERM to the master only, as `kill PID` does:
     # the master forwards it once (a second SIGTERM makes dramatiq exit at once).
