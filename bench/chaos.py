@@ -43,7 +43,8 @@ def main() -> int:
     parser.add_argument("--baseline-loops", type=int, default=50,
                         help="loops in the calm baseline round (0 skips it)")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--stall-timeout", type=float, default=120,
+                        help="fail when nothing progressed for this many seconds")
     parser.add_argument("--url", default=os.environ.get("SOLIDLOOP_BENCH_CHAOS_URL", DEFAULT_URL))
     args = parser.parse_args()
 
@@ -73,7 +74,7 @@ def main() -> int:
             loops=loops, turns=args.turns, tools_per_turn=args.tools_per_turn,
             workers=args.workers, threads=args.threads, kill_min=args.kill_min,
             kill_max=args.kill_max, llm_latency=args.llm_latency, seed=args.seed,
-            timeout=args.timeout, kill_workers=chaos,
+            stall_timeout=args.stall_timeout, kill_workers=chaos,
             restart_postgres_after=args.restart_postgres_after if chaos else None)
 
     last = [0.0]

@@ -1,28 +1,126 @@
-"""``flask solidloop ...``: thin click commands over plain functions."""
+"""``flask solidloop ...``: thin click commands over plain functions.
+
+Errors a newcomer meets are one line each, never a traceback
+(:class:`SolidLoopGroup`): a configuration error exits 2; an unreachable,
+missing or never-migrated database exits 1 naming the database (password
+redacted) and the command that fixes it. ``flask solidloop --traceback ...``
+(or ``SOLIDLOOP_TRACEBACK=1``) shows the details. The group is also a
+``flask.commands`` entry point, so it exists, and reports a configuration error
+in one line, even when the app fails to load.
+"""
 
 from __future__ import annotations
 
 import os
+import shlex
 import sys
+from datetime import UTC, datetime, timedelta
+from typing import Any, NoReturn
 
 import click
-from flask import current_app
+from flask import current_app, has_app_context
 from flask.cli import ScriptInfo, with_appcontext
 
 from .config import QUEUES
-from .errors import DatabaseUnavailableError, SolidLoopError
+from .errors import ConfigurationError, DatabaseUnavailableError, SolidLoopError
 from .runtime.worker import worker_command
 from .runtime.worker import worker_env as launch_env
 from .state import SolidLoopState, get_state
 
+#: Commands that work before the solidloop tables exist (they create them, or
+#: only talk about them).
+SCHEMA_FREE = {"db", "demo"}
+TRACEBACK_ENV = "SOLIDLOOP_TRACEBACK"
+_TRACEBACK = "solidloop.traceback"
+_ARGS = "solidloop.args"
 
-@click.group("solidloop")
-def solidloop_cli() -> None:
-    """Durable LLM agent loops: workers, migrations, loops."""
+
+def _fail(ctx: click.Context, message: str, code: int) -> NoReturn:
+    click.echo(f"Error: {message}", err=True)
+    ctx.exit(code)
+
+
+def _database_url(ctx: click.Context) -> str | None:
+    try:
+        return get_state().database_url if has_app_context() else None
+    except SolidLoopError:
+        return None
+
+
+class SolidLoopGroup(click.Group):
+    """The ``solidloop`` group: every error a user can act on becomes one line."""
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
+        name, cmd, rest = super().resolve_command(ctx, args)
+        ctx.meta[_ARGS] = [name, *rest]
+        return name, cmd, rest
+
+    def invoke(self, ctx: click.Context) -> Any:
+        import psycopg
+        import sqlalchemy.exc
+
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
+        except Exception as exc:
+            if ctx.meta.get(_TRACEBACK) or os.environ.get(TRACEBACK_ENV):
+                raise
+            if isinstance(exc, ConfigurationError):
+                _fail(ctx, str(exc), 2)
+            if isinstance(exc, SolidLoopError):
+                _fail(ctx, str(exc), 1)
+            url = _database_url(ctx)
+            if isinstance(exc, sqlalchemy.exc.ProgrammingError | psycopg.errors.UndefinedTable) \
+                    and "solidloop_" in str(exc) and url:
+                from .database import check_schema
+
+                try:
+                    check_schema(url)
+                except DatabaseUnavailableError as schema:
+                    _fail(ctx, str(schema), 1)
+                raise
+            if isinstance(exc, sqlalchemy.exc.OperationalError | psycopg.OperationalError) \
+                    and url:
+                from .database import unavailable
+
+                original = getattr(exc, "orig", None) or exc
+                _fail(ctx, f"{unavailable(url, original)} (--traceback shows details)", 1)
+            raise
+
+
+@click.group("solidloop", cls=SolidLoopGroup)
+@click.option("--traceback", is_flag=True, default=False,
+              help="Show the full traceback of an error instead of its one-line summary "
+                   f"(or set {TRACEBACK_ENV}=1).")
+@click.pass_context
+def solidloop_cli(ctx: click.Context, traceback: bool) -> None:
+    """Durable LLM agent loops: workers, migrations, loops.
+
+    Every command but `db` and `demo` first checks that the solidloop tables
+    are migrated, and names the command to run when they are not.
+    """
+    ctx.meta[_TRACEBACK] = traceback
+    args = ctx.meta.get(_ARGS) or []
+    if not args or args[0] in SCHEMA_FREE or "--help" in args or "-h" in args:
+        return
+    from .database import check_schema
+
+    if has_app_context():
+        app = current_app._get_current_object()  # type: ignore[attr-defined]
+    else:
+        info = ctx.find_object(ScriptInfo) or ScriptInfo()
+        app = info.load_app()
+    check_schema(get_state(app).database_url)
 
 
 def _state() -> SolidLoopState:
     return get_state()
+
+
+def _stamp() -> str:
+    """A UTC timestamp for lines of long-running commands (``reap --every``)."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # -- database -------------------------------------------------------------------
@@ -45,7 +143,11 @@ def db_upgrade(revision: str, create_database: bool) -> None:
     url = _state().database_url
     try:
         if create_database:
-            ensure_database(url)
+            name = url.rsplit("/", 1)[-1].split("?", 1)[0]
+            if ensure_database(url):
+                click.echo(f"created database {name!r}")
+            else:
+                click.echo(f"database {name!r} already exists")
         upgrade_database(url, revision)
     except DatabaseUnavailableError as exc:
         raise click.ClickException(str(exc)) from exc
@@ -59,8 +161,10 @@ def db_upgrade(revision: str, create_database: bool) -> None:
 @with_appcontext
 def db_downgrade(revision: str) -> None:
     """Downgrade the solidloop tables to REVISION ('base' drops them all)."""
+    from .database import check_connection
     from .migrations import downgrade
 
+    check_connection(_state().database_url)
     downgrade(_state().database_url, revision)
     click.echo(f"solidloop tables are at revision {revision}")
 
@@ -69,9 +173,10 @@ def db_downgrade(revision: str) -> None:
 @with_appcontext
 def db_current() -> None:
     """Show the applied and the latest revision."""
-    from .migrations import current_revision, head_revision
+    from .database import applied_revision
+    from .migrations import head_revision
 
-    click.echo(f"applied: {current_revision(_state().database_url) or 'none'}")
+    click.echo(f"applied: {applied_revision(_state().database_url) or 'none'}")
     click.echo(f"latest:  {head_revision()}")
 
 
@@ -129,12 +234,67 @@ def worker(ctx: click.Context, processes: int, threads: int, queues: tuple[str, 
     at = cmd.index("flask_solidloop.worker") + 1
     cmd[at:at] = list(modules)
     env = worker_env(import_path)
-    click.echo(f"starting: FLASK_APP={env['FLASK_APP']} {' '.join(cmd[1:])}", err=True)
+    # A line that can be pasted into a shell as it is: the interpreter included.
+    click.echo(f"starting: FLASK_APP={shlex.quote(env['FLASK_APP'])} {shlex.join(cmd)}",
+               err=True)
     sys.stdout.flush()
     sys.stderr.flush()
     # Become the dramatiq master process, so signals (SIGTERM from a process
     # manager, Ctrl-C) reach it directly and nothing is left orphaned.
     os.execvpe(cmd[0], cmd, env)
+
+
+def _registry(identities: list[str] | None = None, recent: float | None = None) -> list:
+    from .queue.middleware.worker_registry import list_workers
+
+    state = _state()
+    session = state.db.session
+    try:
+        connection = session.connection().connection
+        return list_workers(connection, identities=identities,
+                            recent=recent if recent is not None else state.config.worker_retention)
+    finally:
+        session.rollback()
+
+
+def _seconds(value: float) -> str:
+    value = max(0, int(value))
+    for size, unit in ((86400, "d"), (3600, "h"), (60, "m")):
+        if value >= size:
+            return f"{value // size}{unit}"
+    return f"{value}s"
+
+
+def _ids(kind: str, ids: list[int], limit: int = 8) -> str:
+    shown = ",".join(str(i) for i in ids[:limit]) + ("..." if len(ids) > limit else "")
+    return f"{kind} {shown}" if ids else ""
+
+
+@solidloop_cli.command("workers")
+@click.option("--recent", default=3600.0, show_default=True, metavar="SECONDS",
+              help="Also show workers that stopped or went silent within SECONDS.")
+@with_appcontext
+def workers_command(recent: float) -> None:
+    """List worker processes: live, and recently stopped or lost, with what each holds.
+
+    A worker is lost when its heartbeat (SOLIDLOOP_WORKER_HEARTBEAT) went
+    silent for three beats without a clean shutdown: it died, and the reaper
+    takes over what it held once those leases lapse.
+    """
+    interval = _state().config.worker_heartbeat
+    rows = _registry(recent=recent)
+    if not rows:
+        click.echo("no workers registered; start one with `flask solidloop worker`")
+        return
+    click.echo(f"{'worker':<28} {'state':<8} {'threads':>7} {'started':>8} {'seen':>6}  "
+               f"{'queues':<40} holds")
+    for row in rows:
+        holds = "  ".join(x for x in (_ids("loops", row.loops),
+                                      _ids("tool calls", row.tool_calls)) if x) or "-"
+        started = _seconds((row.last_seen_at - row.started_at).total_seconds() + row.silent_for)
+        click.echo(f"{row.identity[:28]:<28} {row.state(interval):<8} {row.threads:>7} "
+                   f"{started + ' ago':>8} {_seconds(row.silent_for) + ' ago':>6}  "
+                   f"{','.join(row.queues)[:40]:<40} {holds}")
 
 
 # -- host jobs ------------------------------------------------------------------
@@ -249,8 +409,90 @@ def status(loop_id: int) -> None:
     click.echo(format_loop(loop))
     calls = {c.id: c for c in queries.tool_calls(session, loop_id)}
     states = queries.tool_call_states(session, loop_id)
+    holders = sorted({s.holder for s in states.values() if s.holder and s.state == "running"}
+                     | ({loop.lease_holder} if loop.status == "running" and loop.lease_holder
+                        else set()))
+    if holders:
+        interval = _state().config.worker_heartbeat
+        seen = {row.identity: row for row in _registry(identities=holders)}
+        for holder in holders:
+            row = seen.get(holder)
+            if row is None:
+                click.echo(f"  worker {holder}: not in the registry")
+            else:
+                click.echo(f"  worker {holder}: {row.state(interval)}, last heartbeat "
+                           f"{_seconds(row.silent_for)} ago, queues {','.join(row.queues)}")
     for message in queries.messages(session, loop_id, include_hidden=True):
         click.echo(format_message(message, calls, show_hidden=True, states=states))
+
+
+def parse_since(value: str, now: datetime | None = None) -> datetime:
+    """``30m``, ``2h``, ``7d``, ``90s`` ago, or an ISO date/time (UTC if naive)."""
+    now = now or datetime.now(UTC)
+    units = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+    text = value.strip()
+    if text[:-1].isdigit() and text[-1:].lower() in units:
+        return now - timedelta(**{units[text[-1].lower()]: int(text[:-1])})
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r} is neither a duration (30m, 2h, 7d) nor an ISO date "
+            "(2025-01-31 or 2025-01-31T08:00)", param_hint="--since") from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def _age(moment: datetime | None, now: datetime) -> str:
+    if moment is None:
+        return "-"
+    seconds = max(0, int((now - moment).total_seconds()))
+    for size, unit in ((86400, "d"), (3600, "h"), (60, "m")):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def _short(text: str | None, width: int) -> str:
+    if not text:
+        return ""
+    line = " ".join(text.split())
+    return line if len(line) <= width else line[: width - 1] + "…"
+
+
+@solidloop_cli.command("list")
+@click.option("--status", "statuses", multiple=True,
+              type=click.Choice(["init", "queued", "running", "completed", "failed", "paused"]),
+              help="Only loops in this status (repeatable).")
+@click.option("--agent", default=None, help="Only loops of this agent.")
+@click.option("--since", default=None, metavar="WHEN",
+              help="Only loops created since WHEN: a duration ago (30m, 2h, 7d) or an ISO date.")
+@click.option("--failed", is_flag=True, default=False, help="Only failed loops (same as "
+              "--status failed).")
+@click.option("--limit", default=20, show_default=True, type=click.IntRange(1, 10000),
+              help="Newest N loops.")
+@with_appcontext
+def list_command(statuses: tuple[str, ...], agent: str | None, since: str | None,
+                 failed: bool, limit: int) -> None:
+    """List loops, newest first: id, agent, status, steps, tokens, cost, age, why it failed."""
+    from .loops.queries import LoopFilter, list_loops
+
+    now = datetime.now(UTC)
+    filters = LoopFilter(statuses=statuses, agent=agent, failed_only=failed,
+                         since=parse_since(since, now) if since else None)
+    loops = list_loops(_state().db.session, filters, limit=limit)
+    if not loops:
+        click.echo("no loops match")
+        return
+    click.echo(f"{'id':>7}  {'agent':<18} {'status':<9} {'steps':>5} {'tokens':>9} "
+               f"{'cost':>10} {'age':>5}  reason")
+    for loop in loops:
+        tokens = (loop.input_tokens or 0) + (loop.output_tokens or 0)
+        reason = _short(loop.error_message, 60) if loop.status in ("failed", "paused") else ""
+        click.echo(f"{loop.id:>7}  {_short(loop.agent_name, 18):<18} {loop.status:<9} "
+                   f"{loop.step_count:>5} {tokens:>9} {f'${loop.cost:.4f}':>10} "
+                   f"{_age(loop.created_at, now):>5}  {reason}".rstrip())
+    if len(loops) == limit:
+        click.echo(f"(newest {limit}; --limit shows more)")
 
 
 def _control(loop_id: int, action: str, **kwargs) -> None:
@@ -337,12 +579,14 @@ def _every(seconds: float | None, run, label: str) -> None:
 
     while True:
         started = time.monotonic()
+        stamp = f"{_stamp()} " if seconds is not None else ""
         try:
-            click.echo(f"{label}: {run()}")
+            click.echo(f"{stamp}{label}: {run()}")
         except Exception as exc:
             if seconds is None:
-                raise click.ClickException(f"{label} failed: {exc}") from exc
-            click.echo(f"{label} failed: {type(exc).__name__}: {exc}", err=True)
+                raise
+            reason = " ".join(str(exc).split())
+            click.echo(f"{stamp}{label} failed: {type(exc).__name__}: {reason}", err=True)
         finally:
             _state().db.session.remove()
         if seconds is None:
@@ -372,9 +616,17 @@ def prune_command(every: float | None) -> None:
     """Delete events and finished jobs past their retention (off unless configured)."""
     from .maintenance.janitor import prune
 
+    config = _state().config
+    if not (config.event_retention or config.finished_job_retention):
+        click.echo("pruning is off: nothing is deleted until SOLIDLOOP_EVENT_RETENTION "
+                   "(seconds to keep wire events) or SOLIDLOOP_FINISHED_JOB_RETENTION "
+                   "(seconds to keep finished jobs) is set")
+        return
+
     def run() -> str:
         report = prune(_state())
-        return f"events={report.events} jobs={report.jobs} ({report.duration_ms:.1f} ms)"
+        return (f"events={report.events} jobs={report.jobs} workers={report.workers} "
+                f"({report.duration_ms:.1f} ms)")
 
     _every(every, run, "prune")
 

@@ -225,6 +225,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("SOLIDLOOP_JOB_FAILURE_TTL", 365 * 24 * 3600, _ttl_seconds,
             "Seconds a failed RQ-style job and its traceback are kept, when enqueue() passes "
             "no failure_ttl (RQ's default, a year); -1 keeps them forever."),
+    Setting("SOLIDLOOP_WORKER_HEARTBEAT", 10.0, _positive_float,
+            "Seconds between a worker process's heartbeats in the worker registry "
+            "(solidloop_workers); a worker silent for three heartbeats is reported lost."),
+    Setting("SOLIDLOOP_WORKER_RETENTION", 86400, _positive_int,
+            "Seconds a stopped or lost worker stays in the registry (`flask solidloop "
+            "workers` shows it as recently dead) before its row is deleted."),
 )
 
 _BY_KEY = {s.key: s for s in SETTINGS}
@@ -264,6 +270,8 @@ class Config:
     mcp_max_request_body: int
     job_result_ttl: int
     job_failure_ttl: int
+    worker_heartbeat: float
+    worker_retention: int
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> Config:

@@ -4,6 +4,14 @@ Creates the database if missing, migrates it, serves the built-in offline
 model on 127.0.0.1 (exporting its URL as ``SOLIDLOOP_OFFLINE_LLM_URL`` so an
 agent can fall back to it when no provider is configured), starts real
 dramatiq worker processes, starts a loop and follows it until it ends.
+
+Every run uses the same database (``solidloop_demo`` by default, or
+``DATABASE_URL``): loops of earlier runs stay in it, and the new loop gets
+the next id. ``flask solidloop list`` shows them all.
+
+Exit status 0 means the loop completed after using a tool; on anything else
+the last line says why (the loop failed or paused, it never called a tool,
+the workers died, or the timeout passed) and where the workers' log is.
 """
 
 from __future__ import annotations
@@ -32,6 +40,10 @@ from .state import get_state
 OFFLINE_URL_ENV = "SOLIDLOOP_OFFLINE_LLM_URL"
 
 
+def _database_name(url: str) -> str:
+    return url.rsplit("/", 1)[-1].split("?", 1)[0]
+
+
 def _pick_agent(app: Flask, name: str | None) -> str:
     agents = get_state(app).extension.agents
     if name:
@@ -55,7 +67,8 @@ def run_demo(app: Flask, import_path: str | None, *, agent: str | None, message:
         upgrade_database(url)
     except SolidLoopError as exc:
         raise click.ClickException(str(exc)) from exc
-    click.echo("database migrated")
+    click.echo(f"database migrated ({_database_name(url)}; shared by every demo run: loops of "
+               "earlier runs stay, `flask solidloop list` shows them)")
 
     emulator = LLMEmulator(offline_model=True).start()
     os.environ.setdefault(OFFLINE_URL_ENV, emulator.base_url)
@@ -119,15 +132,21 @@ def _follow(app: Flask, loop_id: int, timeout: float, workers: subprocess.Popen,
             return 1
         if status in ("failed", "paused"):
             click.echo(f"\nloop {loop_id} ended {status}: {loop.error_message}", err=True)
+            click.echo(f"demo failed: the loop did not complete (exit 1); `flask solidloop "
+                       f"status {loop_id}` shows it, the workers' log is {log_path}", err=True)
             return 1
         if workers.poll() is not None:
             with open(log_path, errors="replace") as handle:
                 err = handle.read()
             click.echo(f"\nworkers exited with code {workers.returncode}:\n{err[-3000:]}",
                        err=True)
+            click.echo(f"demo failed: the worker processes exited before loop {loop_id} ended "
+                       f"(exit 1); their log is above and in {log_path}", err=True)
             return 1
         if time.monotonic() > deadline:
             click.echo(f"\nloop {loop_id} still {status} after {timeout:.0f}s", err=True)
+            click.echo(f"demo failed: timed out (exit 1); raise --timeout for a slow model, or "
+                       f"read the workers' log: {log_path}", err=True)
             return 1
         time.sleep(0.2)
 

@@ -32,6 +32,7 @@ from .queue.middleware import (
     LeaseRenewerMiddleware,
     LogRedactionMiddleware,
     PeriodicTaskMiddleware,
+    WorkerRegistryMiddleware,
 )
 from .runtime.actors import declare_actors
 from .state import EXTENSION_KEY, SolidLoopState
@@ -195,6 +196,9 @@ class SolidLoop:
                                broker=broker, leases=RenewerSlot(libpq_url(broker.url)))
         broker.add_middleware(LeaseRenewerMiddleware(state.leases))
         broker.add_middleware(LogRedactionMiddleware())
+        broker.add_middleware(WorkerRegistryMiddleware(
+            libpq_url(broker.url), interval=config.worker_heartbeat,
+            retention=config.worker_retention))
         for middleware in _maintenance_in_workers(state):
             broker.add_middleware(middleware)
         state.bind_actors(declare_actors(state))

@@ -16,13 +16,10 @@ dead-lettered; every side effect carries its own call's idempotency key.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
-import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -33,6 +30,8 @@ from typing import Any
 import psycopg
 
 from flask_solidloop.queue.broker import libpq_url
+from flask_solidloop.testing.chaos import Fleet as SharedFleet
+from flask_solidloop.testing.chaos import ProgressWatch, progress_marker
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAOS_PROMPT = "You run chaos tools."
@@ -56,7 +55,9 @@ class ChaosSettings:
     tool_timeout: int = 2
     job_lease: int = 4
     reap_every: float = 0.5
-    timeout: float = 300.0
+    #: The run fails when nothing progressed (a loop finished, a message or a tool
+    #: result was written) for this long; a slow machine is never failed for being slow.
+    stall_timeout: float = 90.0
     seed: int | None = None
     #: SIGKILL random workers (the chaos run) ...
     kill_workers: bool = True
@@ -127,51 +128,13 @@ def is_chaos(body: dict[str, Any]) -> bool:
     return messages[0].get("content") == CHAOS_PROMPT
 
 
-class Fleet:
-    """``size`` independent dramatiq masters, each killable on its own."""
+class Fleet(SharedFleet):
+    """``settings.workers`` independent dramatiq masters of the support app."""
 
     def __init__(self, settings: ChaosSettings, env: dict[str, str], log_dir: Path) -> None:
+        super().__init__(settings.workers, threads=settings.threads, env=env, log_dir=log_dir,
+                         cwd=ROOT)
         self.settings = settings
-        self.env = env
-        self.log_dir = log_dir
-        self.procs: list[subprocess.Popen | None] = [None] * settings.workers
-        self.started = 0
-
-    def start(self, index: int) -> None:
-        log = open(self.log_dir / f"worker-{index}-{self.started}.log", "wb")  # noqa: SIM115
-        self.started += 1
-        self.procs[index] = subprocess.Popen(
-            [sys.executable, "-m", "dramatiq", "flask_solidloop.worker", "--processes", "1",
-             "--threads", str(self.settings.threads)],
-            cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def start_all(self) -> None:
-        for index in range(self.settings.workers):
-            self.start(index)
-
-    def kill(self, index: int) -> None:
-        proc = self.procs[index]
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-    def stop_all(self) -> None:
-        for proc in self.procs:
-            if proc is not None and proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    continue
-        for index, proc in enumerate(self.procs):
-            if proc is None:
-                continue
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.kill(index)
 
 
 def postgres_restart_command() -> list[str] | None:
@@ -274,13 +237,16 @@ def run_chaos(settings: ChaosSettings, *, database_url: str, emulator: Any, log_
             session = state.db.session
             from flask_solidloop.models import Loop
 
-            deadline = started + settings.timeout
+            watch = ProgressWatch(settings.stall_timeout)
             while True:
                 try:
                     session.expire_all()
                     statuses = Counter(session.query(Loop.status).filter(
                         Loop.id.in_(loop_ids)).all())
                     session.rollback()
+                    with psycopg.connect(libpq_url(database_url), autocommit=True,
+                                         connect_timeout=5) as conn:
+                        watch.update(progress_marker(conn, loop_ids))
                 except Exception:
                     session.rollback()
                     time.sleep(0.5)
@@ -288,7 +254,11 @@ def run_chaos(settings: ChaosSettings, *, database_url: str, emulator: Any, log_
                 done = sum(n for (s,), n in statuses.items() if s in ("completed", "failed"))
                 if progress:
                     progress(f"{done}/{len(loop_ids)} finished, {result.kills} kills")
-                if done == len(loop_ids) or time.monotonic() > deadline:
+                if done == len(loop_ids):
+                    break
+                if watch.stalled:
+                    errors.append(f"no progress for {watch.silent_for:.0f}s with {done}/"
+                                  f"{len(loop_ids)} loops finished")
                     break
                 time.sleep(0.5)
     finally:

@@ -18,38 +18,47 @@ import pytest
 from psycopg import sql
 
 from flask_solidloop.database import ensure_database
-from flask_solidloop.migrations import upgrade
+from flask_solidloop.models import metadata
 from flask_solidloop.queue.broker import libpq_url
-from flask_solidloop.testing import LLMEmulator
+from flask_solidloop.testing.plugin import prepare_database, truncate_all
 
 from .support_app import DATABASE_URL_ENV, DEFAULT_DATABASE_URL, LLM_URL_ENV, SIDE_EFFECTS
 
-TABLES = ("solidloop_events", "solidloop_mcp_inbound_sessions", "solidloop_mcp_sessions",
-          "solidloop_tool_calls", "solidloop_host_jobs", "solidloop_results", "solidloop_periodic",
-          "solidloop_messages", "solidloop_loops", "solidloop_jobs")
+# The suite runs on flask_solidloop.testing's pytest plugin (loaded through its
+# pytest11 entry point): the database, emulator and drain fixtures below are its
+# fixtures, with this suite's choices (a database per test session) on top.
 
 
 @pytest.fixture(scope="session")
-def database_url():
+def solidloop_database_url(pytestconfig):
     """A database of this session's own, so concurrent test runs never collide.
 
-    SOLIDLOOP_TEST_DATABASE_URL pins a specific database instead (kept afterwards).
+    --solidloop-db-url or SOLIDLOOP_TEST_DATABASE_URL pins a specific database
+    instead (kept afterwards).
     """
-    pinned = os.environ.get(DATABASE_URL_ENV)
+    from flask_solidloop.testing.plugin import configured_database_url
+
+    pinned = configured_database_url(pytestconfig)
     url = pinned or f"{DEFAULT_DATABASE_URL}_{os.getpid()}"
     os.environ[DATABASE_URL_ENV] = url
     try:
         ensure_database(url)
     except Exception as exc:
         pytest.exit(f"PostgreSQL is needed for the tests: {exc}", returncode=3)
+    # A pinned database may hold tables of an older migration history.
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
-        conn.execute("DROP TABLE IF EXISTS " + ", ".join(TABLES)
-                     + ", solidloop_alembic_version CASCADE")
-    upgrade(url)
+        conn.execute("DROP TABLE IF EXISTS " + ", ".join(
+            t.name for t in metadata.sorted_tables) + ", solidloop_alembic_version CASCADE")
+    prepare_database(url)
     yield url
     if not pinned:
         os.environ.pop(DATABASE_URL_ENV, None)
         drop_database(url)
+
+
+@pytest.fixture(scope="session")
+def database_url(solidloop_database_url):
+    return solidloop_database_url
 
 
 def drop_database(url: str) -> None:
@@ -63,24 +72,20 @@ def drop_database(url: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def llm():
-    # strict: refuse what real servers refuse (issue 11), so a test cannot pass on a
-    # request shape only the emulator would take
-    emulator = LLMEmulator(strict=True).start()
-    os.environ[LLM_URL_ENV] = emulator.base_url
+def llm(solidloop_llm_server):
+    os.environ[LLM_URL_ENV] = solidloop_llm_server.base_url
     os.environ["SOLIDLOOP_TEST_API_KEY"] = "sk-test-secret-123"
-    yield emulator
-    emulator.stop()
+    yield solidloop_llm_server
 
 
 @pytest.fixture(autouse=True)
 def clean_database(request):
+    """Every table of our metadata truncated (the plugin's truncate_all) before
+    each test that touches the database."""
     if "database_url" not in request.fixturenames and "app" not in request.fixturenames:
         yield
         return
-    url = request.getfixturevalue("database_url")
-    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
-        conn.execute("TRUNCATE " + ", ".join(TABLES) + " RESTART IDENTITY CASCADE")
+    truncate_all(request.getfixturevalue("database_url"))
     SIDE_EFFECTS.clear()
     yield
 
@@ -106,7 +111,5 @@ def session(app):
 
 
 @pytest.fixture
-def drain(app):
-    from flask_solidloop.testing import drain as run
-
-    return lambda **kw: run(app, **kw)
+def drain(solidloop_drain):
+    return solidloop_drain

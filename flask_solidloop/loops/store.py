@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import func, or_, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
+from .. import signals
 from .._typing import SessionLike
 from ..errors import LostLeaseError
 from ..leases import worker_identity
@@ -175,6 +176,7 @@ def fenced_transition(session: SessionLike, loop_id: int, token: uuid.UUID, *,
         session.rollback()
         return False
     session.commit()
+    signals.send_status(to, loop_id=loop_id, error=changes.get("error_message"))
     return True
 
 
@@ -206,6 +208,7 @@ def create_loop(state: SolidLoopState, session: SessionLike, *, agent_name: str,
     session.flush()
     if enqueue:
         state.dispatch.llm_turn(session, loop.id, first=True)
+    signals.send_after_commit(session, signals.loop_started, loop_id=loop.id, agent=agent_name)
     return loop
 
 
@@ -216,9 +219,11 @@ def fail_unclaimed(session: SessionLike, loop_id: int, error_message: str) -> No
     """Fail a queued loop that cannot run at all (an unregistered agent, a broken
     definition), marking its job done, so it never sits queued forever."""
     session.rollback()
-    if transition(session, loop_id, from_="queued", to="failed",
-                  error_message=_clean(error_message)) is not None:
+    failed = transition(session, loop_id, from_="queued", to="failed",
+                        error_message=_clean(error_message)) is not None
+    if failed:
         _commit_with_job_done(session)
+        signals.send(signals.loop_failed, loop_id=loop_id, error=_clean(error_message))
     else:
         session.commit()
 
@@ -366,7 +371,10 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
         loop.lease_expires_at = None
         _dispatch_tool_calls(state, session, loop_id, token, [row.id for row in rows],
                              sequential=sequential)
+    agent_name = loop.agent_name  # read before the commit expires it (no reload)
     session.commit()
+    if not rows:
+        signals.send(signals.loop_completed, loop_id=loop_id, agent=agent_name)
     return shell
 
 
@@ -387,6 +395,7 @@ def end_llm_turn(session: SessionLike, loop_id: int, token: uuid.UUID, *, to: st
             shell.is_hidden = True
     _wire_event(session, loop_id, shell_id, wire, body_limit=body_limit, error=error_message)
     session.commit()
+    signals.send_status(to, loop_id=loop_id, error=_clean(error_message))
     return True
 
 
@@ -400,6 +409,7 @@ def fail_turn(session: SessionLike, loop_id: int, token: uuid.UUID,
         return False
     _hide_shells(session, loop_id)
     session.commit()
+    signals.send(signals.loop_failed, loop_id=loop_id, error=_clean(error_message))
     return True
 
 
@@ -568,6 +578,8 @@ def answer_tool_call(state: SolidLoopState, session: SessionLike, *, loop_id: in
         _dispatch_tool_calls(state, session, loop_id, loop.execution_token, remaining,
                              sequential=True)
     session.commit()
+    signals.send(signals.tool_call_answered, loop_id=loop_id, tool_call_id=tool_call_id,
+                 is_error=is_error)
     return True
 
 
@@ -584,9 +596,12 @@ def fail_tool_call(session: SessionLike, *, loop_id: int, tool_call_id: int,
     if lease_token is not None and (call is None or call.lease_token != lease_token):
         session.rollback()
         return False
-    transition(session, loop_id, from_="running", to="failed", expected_token=token,
-               error_message=_clean(f"tool call {tool_call_id}: {error_message}"))
+    failed = transition(session, loop_id, from_="running", to="failed", expected_token=token,
+                        error_message=_clean(f"tool call {tool_call_id}: {error_message}"))
     session.commit()
+    if failed is not None:
+        signals.send(signals.loop_failed, loop_id=loop_id,
+                     error=_clean(f"tool call {tool_call_id}: {error_message}"))
     return True
 
 
@@ -615,6 +630,7 @@ def pause(session: SessionLike, loop_id: int) -> bool:
                   error_message=None):
         return False
     session.commit()
+    signals.send(signals.loop_paused, loop_id=loop_id, reason="paused")
     return True
 
 
@@ -622,6 +638,7 @@ def stop(session: SessionLike, loop_id: int, *, reason: str) -> bool:
     if not _leave(session, loop_id, from_=_STOPPABLE, to="failed", error_message=reason):
         return False
     session.commit()
+    signals.send(signals.loop_failed, loop_id=loop_id, error=_clean(reason))
     return True
 
 
@@ -638,6 +655,7 @@ def force_stop(state: SolidLoopState, session: SessionLike, loop_id: int, *,
     )
     state.broker.cancel_loop_jobs(session, loop_id, reason="cancelled by force stop")
     session.commit()
+    signals.send(signals.loop_failed, loop_id=loop_id, error=_clean(f"force stopped: {reason}"))
     return True
 
 
@@ -646,12 +664,15 @@ def freeze(session: SessionLike, loop_id: int) -> bool:
     if loop is None or loop.frozen or loop.status in ("completed", "failed"):
         session.rollback()
         return False
-    if loop.status in ("queued", "running"):
+    paused = loop.status in ("queued", "running")
+    if paused:
         transition(session, loop_id, from_=("queued", "running"), to="paused",
                    error_message="frozen")
         _hide_shells(session, loop_id)
     loop.frozen = True
     session.commit()
+    if paused:
+        signals.send(signals.loop_paused, loop_id=loop_id, reason="frozen")
     return True
 
 

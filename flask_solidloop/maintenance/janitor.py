@@ -19,6 +19,9 @@ simply deletes fewer rows).
   MCP server blueprint) created longer ago than
   ``SOLIDLOOP_MCP_INBOUND_SESSION_RETENTION``, live or not (clients often
   never send DELETE), together with their ``mcp_inbound`` events.
+* ``solidloop_workers`` rows of workers stopped or silent longer than
+  ``SOLIDLOOP_WORKER_RETENTION`` (on by default: a registry row is not an audit
+  trail; each worker's heartbeat prunes them too).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from datetime import timedelta
 
 from sqlalchemy import text
 
+from ..queue import sql
 from ..state import SolidLoopState
 
 logger = logging.getLogger("flask_solidloop.janitor")
@@ -79,6 +83,7 @@ class PruneReport:
     host_jobs: int = 0
     results: int = 0
     inbound_sessions: int = 0
+    workers: int = 0
     duration_ms: float = 0.0
 
 
@@ -100,6 +105,18 @@ def _prune(state: SolidLoopState, query: str, seconds: int | None, *,
             return total
 
 
+def _prune_workers(state: SolidLoopState) -> int:
+    session = state.db.session
+    cursor = session.connection().connection.cursor()
+    try:
+        cursor.execute(sql.WORKER_PRUNE, {"age": state.config.worker_retention})
+        deleted = cursor.rowcount
+    finally:
+        cursor.close()
+    session.commit()
+    return deleted
+
+
 def prune(state: SolidLoopState) -> PruneReport:
     """One janitor sweep over every table with a retention setting."""
     started = time.perf_counter()
@@ -115,13 +132,14 @@ def prune(state: SolidLoopState) -> PruneReport:
         if config.mcp_inbound_session_retention:
             report.inbound_sessions = _prune(state, _PRUNE_INBOUND_SESSIONS,
                                              config.mcp_inbound_session_retention, counted=True)
+        report.workers = _prune_workers(state)
     except Exception:
         state.db.session.rollback()
         raise
     report.duration_ms = (time.perf_counter() - started) * 1000
     state.last_pruned_at = time.time()
     logger.info("janitor pruned %d event(s), %d job(s), %d expired host job(s), %d "
-                "result(s) and %d inbound MCP session(s) in %.1f ms", report.events,
-                report.jobs, report.host_jobs, report.results, report.inbound_sessions,
-                report.duration_ms)
+                "result(s), %d inbound MCP session(s) and %d worker row(s) in %.1f ms",
+                report.events, report.jobs, report.host_jobs, report.results,
+                report.inbound_sessions, report.workers, report.duration_ms)
     return report

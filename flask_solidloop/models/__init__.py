@@ -15,6 +15,7 @@ from .mcp_inbound import McpInboundSession
 from .mcp_session import McpSession
 from .message import Message
 from .tool_call import ToolCall
+from .worker import Worker
 
 __all__ = [
     "HOST_JOB_STATUSES",
@@ -32,5 +33,6 @@ __all__ = [
     "Message",
     "PeriodicRun",
     "ToolCall",
+    "Worker",
     "metadata",
 ]

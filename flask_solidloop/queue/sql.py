@@ -256,3 +256,44 @@ PERIODIC_CLAIM = (
     # xmax = 0 on a freshly inserted row: the schedule's first period ever.
     "RETURNING name, (xmax = 0) AS first"
 )
+
+# -- the worker registry (queue/middleware/worker_registry.py) ---------------------
+# One row per worker process, keyed by ``host:pid`` (the lease_holder value), so
+# a pid reused by a restarted container takes its row over instead of adding one.
+
+WORKER_REGISTER = """
+INSERT INTO solidloop_workers (identity, host, pid, queues, threads)
+VALUES (%(identity)s, %(host)s, %(pid)s, %(queues)s, %(threads)s)
+ON CONFLICT (identity) DO UPDATE
+   SET host = EXCLUDED.host, pid = EXCLUDED.pid, queues = EXCLUDED.queues,
+       threads = EXCLUDED.threads, started_at = now(), last_seen_at = now(), stopped_at = NULL
+"""
+WORKER_HEARTBEAT = (
+    "UPDATE solidloop_workers SET last_seen_at = now() "
+    "WHERE identity = %(identity)s AND stopped_at IS NULL"
+)
+WORKER_STOPPED = (
+    "UPDATE solidloop_workers SET last_seen_at = now(), stopped_at = now() "
+    "WHERE identity = %(identity)s"
+)
+#: Rows of workers that stopped, or went silent, longer than ``%(age)s`` seconds ago.
+WORKER_PRUNE = (
+    "DELETE FROM solidloop_workers "
+    "WHERE coalesce(stopped_at, last_seen_at) < now() - make_interval(secs => %(age)s)"
+)
+#: Live workers and those gone within ``%(recent)s`` seconds, with what each holds
+#: now: running LLM turns and leased, unanswered tool calls naming it as holder.
+WORKER_LIST = """
+SELECT w.identity, w.host, w.pid, w.queues, w.threads, w.started_at, w.last_seen_at,
+       w.stopped_at, extract(epoch FROM now() - w.last_seen_at)::float8 AS silent_for,
+       coalesce((SELECT array_agg(l.id ORDER BY l.id) FROM solidloop_loops l
+                  WHERE l.status = 'running' AND l.lease_holder = w.identity), '{}') AS loops,
+       coalesce((SELECT array_agg(t.id ORDER BY t.id) FROM solidloop_tool_calls t
+                  WHERE t.lease_holder = w.identity AND t.lease_token IS NOT NULL
+                    AND t.response_message_id IS NULL), '{}') AS tool_calls
+  FROM solidloop_workers w
+ WHERE w.identity = ANY(%(identities)s::text[])
+    OR (cardinality(%(identities)s::text[]) = 0 AND coalesce(w.stopped_at, w.last_seen_at)
+                                  >= now() - make_interval(secs => %(recent)s))
+ ORDER BY w.stopped_at IS NOT NULL, w.started_at DESC, w.identity
+"""

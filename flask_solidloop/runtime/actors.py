@@ -17,6 +17,7 @@ NO_TIME_LIMIT_MS = 30 * 24 * 3600 * 1000
 def declare_actors(state: SolidLoopState) -> dict[str, dramatiq.Actor]:
     """Bind llm_turn, tool_call and maintenance to ``state.broker``."""
     from ..maintenance import run_maintenance
+    from .job_log import logged_job
     from .turns import run_llm_turn, run_tool_call
 
     config = state.config
@@ -28,14 +29,17 @@ def declare_actors(state: SolidLoopState) -> dict[str, dramatiq.Actor]:
         common["time_limit"] = NO_TIME_LIMIT_MS
 
     def llm_turn(loop_id: int) -> None:
-        run_llm_turn(state, loop_id)
+        with logged_job(state, "llm_turn", loop_id=loop_id):
+            run_llm_turn(state, loop_id)
 
     def tool_call(tool_call_id: int, execution_token: str,
                   reaper_lease_token: str | None = None) -> None:
-        run_tool_call(state, tool_call_id, execution_token, reaper_lease_token)
+        with logged_job(state, "tool_call", tool_call_id=tool_call_id):
+            run_tool_call(state, tool_call_id, execution_token, reaper_lease_token)
 
     def maintenance(task: str) -> None:
-        run_maintenance(state, task)
+        with logged_job(state, f"maintenance {task}"):
+            run_maintenance(state, task)
 
     broker = state.broker
     return {

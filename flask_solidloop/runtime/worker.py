@@ -9,6 +9,7 @@ setup is left alone everywhere but in these worker processes.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -16,12 +17,32 @@ import dramatiq
 from flask import Flask
 from flask.cli import ScriptInfo
 
+from ..database import check_schema
+from ..errors import DatabaseUnavailableError
 from ..queue.broker import PostgresBroker
 from ..state import EXTENSION_KEY, get_state
+
+#: Loggers that flood a ``dramatiq --verbose`` log with wire-level DEBUG lines
+#: (each HTTP read, each HTTP/2 frame, each migration plugin); held at INFO
+#: unless SOLIDLOOP_HTTP_DEBUG=1 asks for them.
+QUIET_LOGGERS = ("httpcore", "httpx", "hpack", "h2", "h11", "anyio", "mcp", "asyncio",
+                 "urllib3", "alembic")
+HTTP_DEBUG_ENV = "SOLIDLOOP_HTTP_DEBUG"
+
+
+def quiet_noisy_loggers() -> None:
+    """Keep --verbose about our jobs, not about the HTTP client's reads."""
+    if os.environ.get(HTTP_DEBUG_ENV):
+        return
+    for name in QUIET_LOGGERS:
+        noisy = logging.getLogger(name)
+        if noisy.level in (logging.NOTSET, logging.DEBUG):
+            noisy.setLevel(logging.WARNING if name == "alembic" else logging.INFO)
 
 
 def load_worker_app() -> tuple[Flask, PostgresBroker]:
     """Load the app of ``FLASK_APP`` and make its broker dramatiq's global one."""
+    quiet_noisy_loggers()
     import_path = os.environ.get("FLASK_APP")
     if not import_path:
         raise RuntimeError(
@@ -32,9 +53,22 @@ def load_worker_app() -> tuple[Flask, PostgresBroker]:
     if EXTENSION_KEY not in app.extensions:
         raise RuntimeError(f"the app loaded from FLASK_APP={import_path!r} does not "
                            "initialise flask-solidloop (SolidLoop(app, db) or init_app)")
-    broker = get_state(app).broker
+    state = get_state(app)
+    try:
+        check_schema(state.database_url)
+    except DatabaseUnavailableError as exc:
+        # Refuse to start: a worker on a never-migrated database would only log
+        # UndefinedTable tracebacks. One line, and dramatiq's "broker connection
+        # failed" exit code, so its master stops the other processes too.
+        logging.getLogger("flask_solidloop.worker").error("worker refuses to start: %s", exc)
+        sys.exit(RET_CONNECT)
+    broker = state.broker
     dramatiq.set_broker(broker)
     return app, broker
+
+
+#: dramatiq's exit code for "broker connection failed during worker startup".
+RET_CONNECT = 3
 
 
 def worker_command(

@@ -41,3 +41,31 @@ def test_demo_creates_the_database_runs_workers_and_completes_a_tool_loop(databa
         assert status == "completed" and states == {"done"}
     finally:
         drop_database(url)
+
+
+def test_demo_says_why_it_exits_non_zero(database_url):
+    """A provider nobody answers: the loop fails, and the last line says so and where
+    to look, instead of a bare exit status 1."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = database_url + "_demo_fail"
+    drop_database(url)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DEMO_LLM_", "SOLIDLOOP_"))}
+    env.update(DATABASE_URL=url, DEMO_LLM_BASE_URL=f"http://127.0.0.1:{port}",
+               DEMO_LLM_MODEL="nobody")
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "flask", "--app", "example_app", "solidloop", "demo",
+             "--timeout", "90"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        )
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert "shared by every demo run" in result.stdout
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith("demo failed: the loop did not complete (exit 1)"), result.stderr
+        assert "flask solidloop status" in last and "solidloop-demo-workers-" in last
+    finally:
+        drop_database(url)

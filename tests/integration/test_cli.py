@@ -83,7 +83,9 @@ def test_unreachable_database_names_the_url():
         in result.output
 
 
-def test_reap_and_prune_commands(runner, session):
+def test_reap_and_prune_commands(app, runner, session):
+    state = app.extensions["solidloop"]
+    state.config = state.config.replace(event_retention=3600)
     result = runner.invoke(args=["solidloop", "reap"])
     assert result.exit_code == 0, result.output
     assert "reap: expired_llm=0" in result.output
@@ -149,3 +151,38 @@ def test_resume_of_a_completed_loop_needs_a_message_or_again(runner, llm, drain,
     assert continued.exit_code == 1  # already queued by --again: nothing to resume
     assert "stop" in runner.invoke(args=["solidloop", "stop", "--help"]).output
     assert "can be resumed" in runner.invoke(args=["solidloop", "stop", "--help"]).output
+
+
+def test_list_finds_loops_by_status_agent_age_and_shows_why_they_failed(
+        runner, llm, drain, session):
+    from flask_solidloop.cli import parse_since
+
+    llm.script("ok", {"content": "fine"})
+    done = Assistant.start(message="ok please")
+    drain()
+    failed = Assistant.start(message="doomed")
+    Assistant(failed).stop(reason="the order was cancelled by the customer long ago")
+    waiting = Assistant.start(message="later")
+    everything = runner.invoke(args=["solidloop", "list"])
+    assert everything.exit_code == 0, everything.output
+    lines = everything.output.splitlines()
+    assert lines[0].split() == ["id", "agent", "status", "steps", "tokens", "cost", "age",
+                                "reason"]
+    assert [int(x.split()[0]) for x in lines[1:]] == [waiting.id, failed.id, done.id]
+    done_row = next(x for x in lines if x.split()[0] == str(done.id))
+    assert done_row.split()[1:5] == ["assistant", "completed", "1", done_row.split()[4]]
+    assert int(done_row.split()[4]) > 0 and "$" in done_row and done_row.split()[6].endswith("s")
+    only_failed = runner.invoke(args=["solidloop", "list", "--failed"]).output.splitlines()
+    assert len(only_failed) == 2 and "the order was cancelled" in only_failed[1]
+    queued = runner.invoke(args=["solidloop", "list", "--status", "queued"]).output
+    assert str(waiting.id) in queued and "completed" not in queued
+    assert runner.invoke(args=["solidloop", "list", "--agent", "nobody"]).output.strip() \
+        == "no loops match"
+    assert runner.invoke(args=["solidloop", "list", "--limit", "1"]).output.splitlines()[-1] \
+        == "(newest 1; --limit shows more)"
+    assert "no loops match" in runner.invoke(
+        args=["solidloop", "list", "--since", "2999-01-01"]).output
+    assert str(done.id) in runner.invoke(args=["solidloop", "list", "--since", "1h"]).output
+    bad = runner.invoke(args=["solidloop", "list", "--since", "yesterday"])
+    assert bad.exit_code == 2 and "neither a duration (30m, 2h, 7d) nor an ISO date" in bad.output
+    assert parse_since("2025-01-31").tzinfo is not None

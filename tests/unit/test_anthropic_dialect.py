@@ -424,12 +424,9 @@ def piece(i: int) -> str:
     return f"{i % 10} lorem ipsum dolor sit amet, consec "
 
 
-def test_many_small_deltas_aggregate_in_linear_time():
-    # Appending every delta to the block's string copied the whole text each time:
-    # quadratic, about 20 s here. Pieces are now joined once per block.
-    count = 50_000
+def _delta_events(count: int) -> list:
     start = body(content=[], stop_reason=None, usage={"input_tokens": 1, "output_tokens": 1})
-    events = [
+    return [
         sse("message_start", message=start),
         sse("content_block_start", index=0,
             content_block={"type": "thinking", "thinking": "", "signature": ""}),
@@ -444,19 +441,53 @@ def test_many_small_deltas_aggregate_in_linear_time():
         sse("message_delta", delta={"stop_reason": "end_turn"}, usage={"output_tokens": 9}),
         sse("message_stop"),
     ]
+
+
+def _aggregate(events: list) -> tuple[object, float]:
     aggregator = AnthropicAggregator()
     began = time.perf_counter()
     for event in events:
         aggregator.feed(event)
     turn = aggregator.result()
-    elapsed = time.perf_counter() - began
+    return turn, time.perf_counter() - began
+
+
+def _ratio_timing(aggregate, small_input, big_input):
+    """(result of the big run, best small time, best big time): runs interleaved, the
+    garbage collector held off, so a load spike or a collection hits one sample, not
+    the figure."""
+    import gc
+
+    smalls, bigs, turn = [], [], None
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(4):
+            smalls.append(aggregate(small_input)[1])
+            turn, took = aggregate(big_input)
+            bigs.append(took)
+    finally:
+        gc.enable()
+    return turn, min(smalls), min(bigs)
+
+
+def test_many_small_deltas_aggregate_in_linear_time():
+    # Appending every delta to the block's string copied the whole text each time:
+    # quadratic, about 20 s here. Pieces are now joined once per block. A ratio,
+    # not a wall-clock limit: 10x the deltas must cost well under 100x (quadratic)
+    # the time (25x leaves room for load; quadratic is 100x), measured interleaved.
+    small, count = 5_000, 50_000
+    small_events, events = _delta_events(small), _delta_events(count)
+    turn, small_time, elapsed = _ratio_timing(_aggregate, small_events, events)
     text = "".join(piece(i) for i in range(count))
     thought = "".join(piece(i) for i in range(1000))
     assert (turn.content, turn.reasoning) == (text, thought)
     assert turn.provider_meta["anthropic_blocks"] == [
         {"type": "thinking", "thinking": thought, "signature": "s"},
         {"type": "text", "text": text}]
-    assert elapsed < 1.0, f"{count} text deltas took {elapsed:.2f}s"
+    assert elapsed < 25 * small_time, (
+        f"{count} deltas took {elapsed:.3f}s, {elapsed / small_time:.0f}x the {small_time:.3f}s "
+        f"of {small} (linear would be about 10x)")
 
 
 def test_deltas_into_a_block_that_started_without_text_and_empty_deltas():

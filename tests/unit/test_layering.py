@@ -23,7 +23,8 @@ NAME = "flask_solidloop"
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "config", "models", "migrations", "urls", "wire", "_typing", "_version"),
     ("llm", "mcp", "queue", "leases"),
-    ("state", "database"),
+    # signals: blinker notifications sent by loops.store after its commits.
+    ("state", "database", "signals"),
     # Host jobs sit beside loops: they need the broker and the state, and the
     # runtime, maintenance and the extension above use them (decision 0010).
     ("loops", "jobs"),

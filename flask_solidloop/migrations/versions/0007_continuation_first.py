@@ -6,7 +6,7 @@ the claim index becomes (queue_name, tier, eta, id) over queued rows, so the
 claim stays an index-ordered scan.
 
 Revision ID: 0007
-Revises: 0005
+Revises: 0006
 Create Date: 2026-12-01 10:40:00
 
 """
@@ -17,7 +17,7 @@ from alembic import op
 
 # revision identifiers, used by Alembic.
 revision: str = '0007'
-down_revision: str | Sequence[str] | None = '0005'
+down_revision: str | Sequence[str] | None = '0006'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -7,6 +7,7 @@ from .lease_renewer import LeaseRenewerMiddleware
 from .log_redaction import LogRedactionMiddleware
 from .periodic import PeriodicTaskMiddleware
 from .scheduler import SchedulerMiddleware
+from .worker_registry import WorkerRegistryMiddleware
 
 __all__ = [
     "AppContextMiddleware",
@@ -16,4 +17,5 @@ __all__ = [
     "LogRedactionMiddleware",
     "PeriodicTaskMiddleware",
     "SchedulerMiddleware",
+    "WorkerRegistryMiddleware",
 ]

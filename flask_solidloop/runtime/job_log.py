@@ -1,0 +1,82 @@
+"""One log line when a solidloop job starts and one when it ends, readable at INFO.
+
+``job start llm_turn loop=12 agent=support job=345 attempt=1`` and
+``job done llm_turn loop=12 agent=support job=345 in 1.24s`` (or ``job failed
+... in 0.31s: ProviderHTTPError``). The timestamp comes from the handler's
+format (dramatiq's worker format has one). The ids are also passed as
+``extra=`` fields (``solidloop_job``, ``solidloop_loop_id``,
+``solidloop_agent``, ``solidloop_job_id``, ``solidloop_tool_call_id``,
+``solidloop_duration_ms``, ``solidloop_outcome``), so a JSON formatter picks
+them up without parsing the message (docs/guides/workers.md has a recipe).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from ..loops import queries
+from ..queue.current_job import current_job
+from ..state import SolidLoopState
+
+logger = logging.getLogger("flask_solidloop.jobs")
+
+
+def _ids(state: SolidLoopState, kind: str, *, loop_id: int | None = None,
+         tool_call_id: int | None = None) -> dict[str, Any]:
+    """The ids of a job's line; a failed lookup never fails the job."""
+    ids: dict[str, Any] = {"solidloop_job": kind, "solidloop_loop_id": loop_id,
+                           "solidloop_agent": None, "solidloop_tool_call_id": tool_call_id}
+    job = current_job()
+    ids["solidloop_job_id"] = job.job_id if job else None
+    ids["solidloop_attempt"] = job.attempts if job else None
+    session = state.db.session
+    try:
+        if tool_call_id is not None:
+            call = queries.get_tool_call(session, tool_call_id)
+            ids["solidloop_loop_id"] = call.loop_id if call else None
+        if ids["solidloop_loop_id"] is not None:
+            loop = queries.get_loop(session, ids["solidloop_loop_id"])
+            ids["solidloop_agent"] = loop.agent_name if loop else None
+    except Exception:
+        logger.debug("job log: could not look up the ids of %s", kind, exc_info=True)
+    finally:
+        # End the read's transaction: the job's own work starts a fresh one.
+        with contextlib.suppress(Exception):
+            session.rollback()
+    return ids
+
+
+def _describe(ids: dict[str, Any]) -> str:
+    parts = [ids["solidloop_job"]]
+    for key, label in (("solidloop_loop_id", "loop"), ("solidloop_agent", "agent"),
+                       ("solidloop_tool_call_id", "tool_call"), ("solidloop_job_id", "job")):
+        if ids.get(key) is not None:
+            parts.append(f"{label}={ids[key]}")
+    return " ".join(parts)
+
+
+@contextlib.contextmanager
+def logged_job(state: SolidLoopState, kind: str, *, loop_id: int | None = None,
+               tool_call_id: int | None = None) -> Iterator[None]:
+    """Log the start and the end (with its duration) of the job run inside."""
+    ids = _ids(state, kind, loop_id=loop_id, tool_call_id=tool_call_id)
+    what = _describe(ids)
+    attempt = ids.get("solidloop_attempt")
+    logger.info("job start %s%s", what, f" attempt={attempt}" if attempt else "", extra=ids)
+    started = time.perf_counter()
+    try:
+        yield
+    except BaseException as exc:
+        took = time.perf_counter() - started
+        logger.info("job failed %s in %.2fs: %s", what, took, type(exc).__name__,
+                    extra={**ids, "solidloop_duration_ms": round(took * 1000, 1),
+                           "solidloop_outcome": "failed"})
+        raise
+    took = time.perf_counter() - started
+    logger.info("job done %s in %.2fs", what, took,
+                extra={**ids, "solidloop_duration_ms": round(took * 1000, 1),
+                       "solidloop_outcome": "done"})

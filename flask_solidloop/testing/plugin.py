@@ -1,0 +1,160 @@
+"""The pytest plugin of flask-solidloop (entry point ``pytest11: solidloop``).
+
+Installed with the package; every fixture is opt-in (nothing connects, starts or
+truncates until a test asks for it):
+
+===========================  ==========================================================
+``solidloop_database_url``   session: the test database (``--solidloop-db-url``, the
+                             ``solidloop_db_url`` ini key, or
+                             ``SOLIDLOOP_TEST_DATABASE_URL``), created if missing and
+                             migrated to head once
+``solidloop_clean_db``       truncates every table of flask-solidloop's metadata (read
+                             from ``flask_solidloop.models.metadata``, never a list
+                             typed by hand) before the test
+``solidloop_llm``            session: a running :class:`LLMEmulator`, reset per test
+``solidloop_mcp``            session: a running :class:`MCPEmulator`, reset per test
+``solidloop_drain``          ``solidloop_drain()`` runs the due jobs of your ``app``
+                             fixture in-process (see :func:`drain`)
+``solidloop_chaos``          runs your agent under random worker SIGKILLs and checks the
+                             durability contract (:mod:`flask_solidloop.testing.chaos`)
+===========================  ==========================================================
+
+A user's conftest::
+
+    import pytest
+    from myapp import create_app
+
+    @pytest.fixture
+    def app(solidloop_database_url, solidloop_clean_db):
+        app = create_app({"SQLALCHEMY_DATABASE_URI": solidloop_database_url})
+        with app.app_context():
+            yield app
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+DATABASE_URL_ENV = "SOLIDLOOP_TEST_DATABASE_URL"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("solidloop", "flask-solidloop")
+    group.addoption("--solidloop-db-url", default=None, metavar="URL",
+                    help="PostgreSQL URL (postgresql+psycopg://...) of a database the tests "
+                         f"may wipe; default: the solidloop_db_url ini key, or ${DATABASE_URL_ENV}")
+    parser.addini("solidloop_db_url", "PostgreSQL URL of the flask-solidloop test database")
+
+
+def configured_database_url(config: pytest.Config) -> str | None:
+    """The test database URL the options, the ini file or the environment name."""
+    return (config.getoption("--solidloop-db-url") or config.getini("solidloop_db_url")
+            or os.environ.get(DATABASE_URL_ENV) or None)
+
+
+def prepare_database(url: str) -> None:
+    """Create the database if missing and migrate the solidloop tables to head."""
+    from ..database import check_connection, ensure_database
+    from ..migrations import upgrade
+
+    ensure_database(url)
+    check_connection(url)
+    upgrade(url)
+
+
+def truncate_all(url: str) -> None:
+    """Empty every table of flask-solidloop's metadata, restarting their sequences."""
+    import psycopg
+    from psycopg import sql
+
+    from ..models import metadata
+    from ..urls import libpq_url
+
+    tables = [sql.Identifier(table.name) for table in metadata.sorted_tables]
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        conn.execute(sql.SQL("TRUNCATE {} RESTART IDENTITY CASCADE").format(
+            sql.SQL(", ").join(tables)))
+
+
+@pytest.fixture(scope="session")
+def solidloop_database_url(pytestconfig: pytest.Config) -> str:
+    url = configured_database_url(pytestconfig)
+    if not url:
+        raise pytest.UsageError(
+            "the flask-solidloop fixtures need a PostgreSQL database the tests may wipe: pass "
+            "--solidloop-db-url postgresql+psycopg://user@host/db_test, set solidloop_db_url "
+            f"in the pytest ini file, or set {DATABASE_URL_ENV}")
+    from ..errors import SolidLoopError
+
+    try:
+        prepare_database(url)
+    except SolidLoopError as exc:
+        pytest.exit(f"flask-solidloop test database: {exc}", returncode=3)
+    return url
+
+
+@pytest.fixture
+def solidloop_clean_db(solidloop_database_url: str) -> str:
+    truncate_all(solidloop_database_url)
+    return solidloop_database_url
+
+
+@pytest.fixture(scope="session")
+def solidloop_llm_server() -> Iterator[Any]:
+    from .llm_emulator import LLMEmulator
+
+    # Strict: it refuses the request shapes real servers refuse (issue 11), so a
+    # test cannot pass on a request only the emulator would take.
+    emulator = LLMEmulator(strict=True).start()
+    yield emulator
+    emulator.stop()
+
+
+@pytest.fixture
+def solidloop_llm(solidloop_llm_server: Any) -> Any:
+    """The LLM emulator (``.base_url``, ``.script(...)``), reset for this test."""
+    solidloop_llm_server.reset()
+    return solidloop_llm_server
+
+
+@pytest.fixture(scope="session")
+def solidloop_mcp_server() -> Iterator[Any]:
+    from .mcp_emulator import MCPEmulator
+
+    emulator = MCPEmulator().start()
+    yield emulator
+    emulator.stop()
+
+
+@pytest.fixture
+def solidloop_mcp(solidloop_mcp_server: Any) -> Any:
+    """The MCP emulator (``.url``, ``.tool(...)``), reset for this test."""
+    solidloop_mcp_server.reset()
+    return solidloop_mcp_server
+
+
+@pytest.fixture
+def solidloop_drain(request: pytest.FixtureRequest) -> Callable[..., Any]:
+    """``solidloop_drain(**kw)``: run the due jobs of the ``app`` fixture in-process."""
+    from .drain import drain
+
+    app = request.getfixturevalue("app")
+    return lambda **kw: drain(app, **kw)
+
+
+@pytest.fixture
+def solidloop_chaos(solidloop_database_url: str, solidloop_clean_db: str,
+                    tmp_path: Any) -> Callable[..., Any]:
+    """``solidloop_chaos(app_import, start_loops, **settings)`` -> a ChaosReport that
+    has already asserted the durability contract (see testing/chaos.py)."""
+    from .chaos import run_user_chaos
+
+    def run(app_import: str, start_loops: Callable[[], list[int]], **settings: Any) -> Any:
+        return run_user_chaos(app_import, start_loops, database_url=solidloop_database_url,
+                              log_dir=tmp_path, **settings)
+
+    return run
