@@ -209,7 +209,7 @@ def create_blueprint(*, authorize: security.Authorize | None,
         config = state().config
         cursor = (live.Cursor.parse(request.headers.get("Last-Event-ID"))
                   or live.Cursor.parse(request.args.get("last_event_id"))
-                  or live.Cursor.parse(request.args.get("from")))
+                  or live.Cursor.parse(request.args.get("cursor")))
         session = state().db.session
         if cursor is None:
             cursor = live.start_cursor(session, loop_id)
@@ -237,7 +237,7 @@ def create_blueprint(*, authorize: security.Authorize | None,
         if action == "pause":
             return control.pause(st, loop_id)
         if action == "resume":
-            from_ = tuple(form.getlist("from")) or RESUMABLE_STATUSES
+            from_ = tuple(form.getlist("resume_from")) or RESUMABLE_STATUSES
             message = (form.get("message") or "").strip() or None
             return control.resume(st, loop_id, from_=from_, message=message)
         if action == "stop":
@@ -266,7 +266,7 @@ def create_blueprint(*, authorize: security.Authorize | None,
             return Response(f"{error}\n", status=400, mimetype="text/plain")
         config = state().config
         session = state().db.session
-        from_ = tuple(form.getlist("from")) or tuple(
+        from_ = tuple(form.getlist("resume_from")) or tuple(
             s for s in search.statuses if s in RESUMABLE_STATUSES) or ("paused", "failed")
         if action == "resume":
             try:
@@ -307,7 +307,7 @@ def create_blueprint(*, authorize: security.Authorize | None,
             if not ids:
                 break
             batches += 1
-            form = MultiDict([("from", s) for s in from_] + ([("message", message)]
+            form = MultiDict([("resume_from", s) for s in from_] + ([("message", message)]
                                                               if message else []))
             for loop_id in ids:
                 (changed if apply(action, loop_id, form) else unchanged).append(loop_id)

@@ -5,7 +5,7 @@ filtered view is a link, survives an action and feeds a bulk action."""
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlencode
 
@@ -29,7 +29,7 @@ def _when(key: str, value: str) -> datetime:
     except ValueError:
         raise FilterError(f"{key}={value!r} is not a date; use YYYY-MM-DD or "
                           "YYYY-MM-DDTHH:MM") from None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
 def parse(args: MultiDict[str, str]) -> LoopSearch:

@@ -20,10 +20,10 @@ def money(amount: Any) -> str:
     """A cost in dollars with 2 decimals, more when 2 would lose a sub-cent amount.
 
     1.2345 -> $1.23, 0.0248 -> $0.025, 0.00029 -> $0.00029, 0 -> $0.00,
-    -0.005 -> -$0.0050, None -> "–" (unpriced).
+    -0.005 -> -$0.0050, None -> "\u2013" (unpriced).
     """
     if amount is None:
-        return "–"
+        return "\u2013"
     value = Decimal(str(amount))
     if value == 0:
         return "$0.00"
@@ -37,7 +37,7 @@ def money(amount: Any) -> str:
 
 def duration_ms(value: Any) -> str:
     if value is None:
-        return "–"
+        return "\u2013"
     ms = float(value)
     if ms < 1000:
         return f"{ms:.0f} ms"
@@ -47,7 +47,7 @@ def duration_ms(value: Any) -> str:
 
 
 def when(value: datetime | None) -> str:
-    return "–" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
+    return "\u2013" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
 
 
 def pretty_json(value: Any) -> str:
