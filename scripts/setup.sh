@@ -57,6 +57,19 @@ if ! .venv/bin/python -m pip install -q -e '.[test]' >"$log" 2>&1; then
   exit 1
 fi
 rm -f "$log"
+# -- admin browser tests (issue 15): Debian's chromium, driven by Playwright from
+# PyPI with executable_path (never `playwright install`, which downloads).
+if ! command -v chromium >/dev/null 2>&1; then
+  echo "setup: installing Debian's chromium for the admin's browser tests" >&2
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -qq chromium >/dev/null
+  else
+    echo "setup: cannot apt-get install chromium here; the browser tests will skip" >&2
+  fi
+fi
+# -- end admin browser tests
+
 # The real MCP servers the tests talk to (npm and PyPI packages, pinned).
 bash scripts/mcp_peers.sh >&2
 echo "setup: ready (PostgreSQL on 127.0.0.1:$PG_PORT, virtualenv in .venv, MCP peers)" >&2

@@ -283,11 +283,11 @@ def create_blueprint(*, authorize: security.Authorize | None,
                                    filter_items=filters.query_items(form), qs=qs,
                                    from_=from_, message=form.get("message", ""),
                                    unfiltered=search.empty)
-        max_id = form.get("max_id", type=int)
-        if max_id is None:
+        confirmed_max = form.get("max_id", type=int)
+        if confirmed_max is None:
             return Response("bulk: max_id missing; confirm from the confirmation page\n",
                             status=400, mimetype="text/plain")
-        report = run_bulk(action, _with_max(search, max_id), from_=from_,
+        report = run_bulk(action, _with_max(search, confirmed_max), from_=from_,
                           message=(form.get("message") or "").strip() or None,
                           batch=config.admin_bulk_batch, limit=config.admin_bulk_limit)
         return render_template("solidloop/admin/bulk_done.html", action=action, qs=qs,

@@ -436,7 +436,7 @@ def dashboard(session: SessionLike) -> Dashboard:
     """The admin dashboard's numbers, each from an index or an id range."""
     from datetime import timedelta
 
-    now = session.scalar(select(func.now()))
+    now: datetime = session.execute(select(func.now())).scalar_one()
     by_status = {row.status: int(row.n) for row in session.execute(
         select(Loop.status, func.count().label("n")).group_by(Loop.status))}
     windows = [_window(session, "last hour", now - timedelta(hours=1)),

@@ -280,7 +280,7 @@ def test_actions_bulk_resume_csrf_and_closed_mount(app, session, llm, stack, pag
                  f'unfreeze"></form><script>document.getElementById("f").submit()</script>')
 
     class Evil(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             self.send_response(200)
             self.send_header("Content-Type", "text/html")
             self.end_headers()
