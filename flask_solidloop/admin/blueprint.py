@@ -167,7 +167,13 @@ def create_blueprint(*, authorize: security.Authorize | None,
         search, error = search_or_error(request.args)
         before = request.args.get("before", type=int)
         rows: list[Loop] = []
-        if search is not None:
+        searched_to = None
+        if search is not None and _unindexed(search):
+            # No index serves these filters: scan newest first within a time
+            # budget, and say how far the search went (never a 10 s page).
+            rows, searched_to = queries.search_loops_bounded(
+                state().db.session, search, limit=page_size + 1, before_id=before)
+        elif search is not None:
             rows = queries.search_loops(state().db.session, search, limit=page_size + 1,
                                         before_id=before)
         more = len(rows) > page_size
@@ -177,9 +183,10 @@ def create_blueprint(*, authorize: security.Authorize | None,
         return render_template(
             template, rows=rows, error=error, search=search,
             filter_items=filters.query_items(request.args),
-            next_before=rows[-1].id if more and rows else None,
+            next_before=rows[-1].id if more and rows else searched_to,
+            searched_to=searched_to if not more else None,
             qs=filters.query_string(request.args),
-            agents=queries.loop_agents(state().db.session),
+            agents=sorted(state().extension.agents),
             args=request.args,
         ), (400 if error else 200)
 
@@ -340,6 +347,11 @@ def create_blueprint(*, authorize: security.Authorize | None,
         return redirect(url_for(".jobs", did=f"{action}:{row_id}"), 303)
 
     return bp
+
+
+def _unindexed(search: queries.LoopSearch) -> bool:
+    return bool(search.text or search.state or search.failure or search.created_from
+                or search.created_to)
 
 
 def _with_max(search: queries.LoopSearch, max_id: int) -> queries.LoopSearch:

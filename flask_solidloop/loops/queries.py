@@ -513,3 +513,27 @@ def loop_version(session: SessionLike, loop_id: int) -> tuple[Any, ...] | None:
 def is_observed(session: SessionLike, loop_id: int) -> bool:
     """Whether someone watches the loop live (its partials then flush more often)."""
     return bool(session.scalar(select(Loop.observed).where(Loop.id == loop_id)))
+
+
+def search_loops_bounded(session: SessionLike, search: LoopSearch, *, limit: int,
+                         before_id: int | None = None, window: int = 5000,
+                         budget_seconds: float = 0.2) -> tuple[list[Loop], int | None]:
+    """:func:`search_loops` for filters no index serves (text in messages, JSON
+    containment, a failure class, a date range on a huge table): walks the ids
+    newest first in windows of ``window`` until ``limit`` rows match or the time
+    budget is spent. Returns the rows and, when the budget ran out first, the id
+    to continue below (the page says how far it searched); None when done."""
+    import time
+
+    top = before_id if before_id is not None else (newest_loop_id(session) or 0) + 1
+    bottom = session.scalar(select(func.min(Loop.id))) or 0
+    rows: list[Loop] = []
+    started = time.monotonic()
+    while top > bottom and len(rows) < limit:
+        low = max(top - window, bottom)
+        query = _search_query(search).where(Loop.id < top, Loop.id >= low)
+        rows += session.scalars(query.order_by(Loop.id.desc()).limit(limit - len(rows)))
+        top = low
+        if time.monotonic() - started > budget_seconds and len(rows) < limit:
+            return rows, (top if top > bottom else None)
+    return rows, None
