@@ -516,8 +516,8 @@ def is_observed(session: SessionLike, loop_id: int) -> bool:
 
 
 def search_loops_bounded(session: SessionLike, search: LoopSearch, *, limit: int,
-                         before_id: int | None = None, window: int = 5000,
-                         budget_seconds: float = 0.2) -> tuple[list[Loop], int | None]:
+                         before_id: int | None = None, window: int = 2000,
+                         budget_seconds: float = 0.15) -> tuple[list[Loop], int | None]:
     """:func:`search_loops` for filters no index serves (text in messages, JSON
     containment, a failure class, a date range on a huge table): walks the ids
     newest first in windows of ``window`` until ``limit`` rows match or the time
