@@ -45,12 +45,12 @@ from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import reaper  # noqa: E402  (the data generator)
+import reaper
 
-from flask_solidloop import SolidLoop  # noqa: E402
-from flask_solidloop.admin.live import LISTEN_APPLICATION_NAME  # noqa: E402
-from flask_solidloop.database import ensure_database  # noqa: E402
-from flask_solidloop.loops import store  # noqa: E402
+from flask_solidloop import SolidLoop
+from flask_solidloop.admin.live import LISTEN_APPLICATION_NAME
+from flask_solidloop.database import ensure_database
+from flask_solidloop.loops import store
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/solidloop_bench_admin"
 TARGET_MS = 300.0
@@ -282,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         verdict = "PASS" if row["median"] < TARGET_MS else "MISS"
         print(f"| {row['page']} | {row['median']:.1f} | {row['p95']:.1f} | "
               f"{row['bytes'] / 1024:.0f} | {verdict} |")
-    print(f"\n| live observers | partials | fan-out median ms | max ms | LISTEN connections |"
-          f" web pool connections (peak) |")
+    print("\n| live observers | partials | fan-out median ms | max ms | LISTEN connections |"
+          " web pool connections (peak) |")
     print("|---:|---:|---:|---:|---:|---:|")
     print(f"| {live['observers']} | {live['partials']} | {live['median_ms']:.1f} | "
           f"{live['max_ms']:.1f} | {live['listen_connections']} | "
