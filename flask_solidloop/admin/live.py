@@ -44,6 +44,9 @@ LISTEN_APPLICATION_NAME = "solidloop-admin-live"
 #: Milliseconds the browser waits before reconnecting a stream that ended.
 RETRY_MS = 500
 LIVE_STATUSES = ("queued", "running")
+#: Seconds the LISTEN thread stays up with no stream watching; it closes its
+#: connection then, and the next stream starts it again.
+IDLE_SECONDS = 60.0
 
 
 class LiveHub:
@@ -61,29 +64,46 @@ class LiveHub:
 
     def start(self) -> LiveHub:
         with self._cond:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="solidloop-admin-live",
-                                                daemon=True)
-                self._thread.start()
+            self._ensure_thread()
         return self
+
+    def _ensure_thread(self) -> None:
+        # Under self._cond: _idle() retires the thread under the same lock, so a
+        # stream registered here is never left without a LISTEN thread.
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="solidloop-admin-live",
+                                            daemon=True)
+            self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
 
+    def _idle(self, since: list[float]) -> bool:
+        with self._cond:
+            if self._waiters:
+                since[0] = time.monotonic()
+                return False
+            if time.monotonic() - since[0] < IDLE_SECONDS:
+                return False
+            self._thread = None  # start() makes a new one for the next stream
+            return True
+
     def _run(self) -> None:
-        while not self._stop.is_set():
+        since = [time.monotonic()]
+        while not self._stop.is_set() and not self._idle(since):
             try:
                 with psycopg.connect(self.conninfo, autocommit=True,
                                      application_name=LISTEN_APPLICATION_NAME) as conn:
                     conn.execute(f"LISTEN {LIVE_CHANNEL}")
                     self.connected.set()
-                    while not self._stop.is_set():
+                    while not self._stop.is_set() and not self._idle(since):
                         for note in conn.notifies(timeout=1.0):
                             self._bump(note.payload)
             except Exception as exc:  # the heartbeat poll covers the gap
-                self.connected.clear()
                 logger.warning("admin live LISTEN connection lost (%s); retrying", exc)
                 self._stop.wait(1.0)
+            finally:
+                self.connected.clear()
 
     def _bump(self, payload: str) -> None:
         try:
@@ -102,6 +122,7 @@ class LiveHub:
     def watch(self, loop_id: int) -> None:
         with self._cond:
             self._waiters[loop_id] = self._waiters.get(loop_id, 0) + 1
+            self._ensure_thread()
 
     def unwatch(self, loop_id: int) -> None:
         with self._cond:

@@ -294,3 +294,50 @@ def test_stream_resumes_from_last_event_id_without_gap_or_duplicate(app, session
     quiet = c.get(f"/admin/loops/{loop.id}/stream",
                   headers={"Last-Event-ID": f"{shell}:21"}).get_data(as_text=True)
     assert "event: token" not in quiet and ": heartbeat" in quiet
+
+
+def test_waiting_streams_hold_no_connection_and_share_one_listen(app, session):
+    import threading
+    import time
+
+    import psycopg
+
+    from flask_solidloop.admin.live import LISTEN_APPLICATION_NAME, hub_for
+    from flask_solidloop.config import Config
+    from flask_solidloop.urls import libpq_url
+
+    state = app.extensions["solidloop"]
+    state.config = Config.from_mapping({"SOLIDLOOP_ADMIN_STREAM_SECONDS": 3,
+                                        "SOLIDLOOP_ADMIN_HEARTBEAT": 3})
+    c = mount(app)
+    loop_id = Assistant.start(message="watched").id
+    session.remove()
+    bodies: list[bytes] = []
+
+    def watch() -> None:
+        try:
+            bodies.append(c.get(f"/admin/loops/{loop_id}/stream").get_data())
+        except Exception as exc:  # surfaced by the assertions below
+            bodies.append(repr(exc).encode())
+
+    streams = [threading.Thread(target=watch) for _ in range(5)]
+    for t in streams:
+        t.start()
+    hub = hub_for(state)
+    deadline = time.monotonic() + 5
+    while hub.streams < 5 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if hub.streams != 5:
+        for t in streams:
+            t.join(10)
+        raise AssertionError(bodies)
+    time.sleep(0.3)  # all five are waiting on the hub now
+    assert state.db.engine.pool.checkedout() == 0
+    with psycopg.connect(libpq_url(state.database_url), autocommit=True) as conn:
+        listening = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s "
+            "AND datname = current_database()", (LISTEN_APPLICATION_NAME,)).fetchone()[0]
+    assert listening == 1
+    for t in streams:
+        t.join(10)
+    assert len(bodies) == 5 and all(b.startswith(b"retry: ") for b in bodies)
