@@ -136,6 +136,29 @@ def _status_list(key: str, value: Any) -> tuple[int, ...]:
 
 
 
+def _admin_stream_seconds(key: str, value: Any) -> float:
+    number = _positive_float(key, value)
+    if number > 60:
+        raise ConfigurationError(key, value, "must be at most 60 seconds, so a stream never "
+                                             "pins a WSGI thread")
+    return number
+
+
+def _origins(key: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [part for part in value.replace(",", " ").split() if part]
+    try:
+        origins = tuple(str(v).rstrip("/") for v in value)
+    except TypeError:
+        raise ConfigurationError(key, value, "must be a list of origins "
+                                             "(scheme://host[:port])") from None
+    bad = [o for o in origins if not o.startswith(("http://", "https://")) or "/" in o[8:]]
+    if bad:
+        raise ConfigurationError(key, value, f"origins look like https://host[:port], no path; "
+                                             f"got {bad[0]!r}")
+    return origins
+
+
 @dataclass(frozen=True)
 class Setting:
     key: str
@@ -204,6 +227,21 @@ SETTINGS: tuple[Setting, ...] = (
             "Rows the janitor deletes per statement, so no sweep holds a long lock."),
     Setting("SOLIDLOOP_STREAM_UPDATE_INTERVAL", 2.0, _positive_float,
             "Seconds between writes of a streaming turn's partial text to its hidden shell."),
+    Setting("SOLIDLOOP_OBSERVED_STREAM_UPDATE_INTERVAL", 0.25, _positive_float,
+            "Seconds between partial-text writes while the loop is observed (someone watches "
+            "it live in the admin)."),
+    Setting("SOLIDLOOP_ADMIN_STREAM_SECONDS", 30.0, _admin_stream_seconds,
+            "Longest an admin live stream (SSE) stays open before it ends and the browser "
+            "reconnects with Last-Event-ID; at most 60, so a stream never pins a WSGI thread."),
+    Setting("SOLIDLOOP_ADMIN_HEARTBEAT", 5.0, _positive_float,
+            "Seconds between heartbeats (and state polls) of an admin live stream."),
+    Setting("SOLIDLOOP_ADMIN_TRUSTED_ORIGINS", (), _origins,
+            "Extra origins (scheme://host[:port]) the admin accepts unsafe requests from, "
+            "e.g. the public origin a reverse proxy serves it under."),
+    Setting("SOLIDLOOP_ADMIN_BULK_BATCH", 100, _positive_int,
+            "Loops a bulk admin action changes per batch (each loop in its own transaction)."),
+    Setting("SOLIDLOOP_ADMIN_BULK_LIMIT", 10000, _positive_int,
+            "Most loops one bulk admin action may act on; a larger set must be narrowed."),
     Setting("SOLIDLOOP_PRICES", None, _prices,
             "Price table: model -> {input, cached_input, output} per million tokens."),
     Setting("SOLIDLOOP_TOOL_OUTPUT_LIMIT", 20000, _positive_int,
@@ -263,6 +301,12 @@ class Config:
     finished_job_retention: int | None
     janitor_batch_size: int
     stream_update_interval: float
+    observed_stream_update_interval: float
+    admin_stream_seconds: float
+    admin_heartbeat: float
+    admin_trusted_origins: tuple[str, ...]
+    admin_bulk_batch: int
+    admin_bulk_limit: int
     prices: dict[str, Any]
     tool_output_limit: int
     event_body_limit: int

@@ -167,6 +167,27 @@ class SolidLoop:
                                allowed_origins=allowed_origins, agents=agents,
                                principal_label=principal_label, instructions=instructions)
 
+    # -- blueprints -----------------------------------------------------------------
+
+    def admin_blueprint(self, *, authorize: Callable[[Any], bool] | None,
+                        subject_resolver: Callable[[Any], Any] | None = None,
+                        name: str = "solidloop_admin", require_token: bool = False,
+                        page_size: int = 50) -> Any:
+        """The admin UI as a blueprint: ``app.register_blueprint(bp, url_prefix="/admin")``.
+
+        ``authorize(request) -> bool`` decides every request and must return
+        True; without it (or when it raises) everything is denied.
+        ``subject_resolver(loop)`` returns the subject's URL, or
+        ``{"url": ..., "label": ...}``; only relative and http(s) URLs become
+        links. ``require_token=True`` adds a signed CSRF token (needs
+        ``app.secret_key``) on top of the Fetch-Metadata / Origin check.
+        See docs/guides/admin.md.
+        """
+        from .admin import create_blueprint
+
+        return create_blueprint(authorize=authorize, subject_resolver=subject_resolver,
+                                name=name, require_token=require_token, page_size=page_size)
+
     # -- app binding --------------------------------------------------------------
 
     def init_app(self, app: Flask, db: SQLAlchemy | None = None) -> None:

@@ -96,6 +96,18 @@ else
   with_progress "installing into .venv" .venv/bin/python -m pip install -q -e '.[test]'
   echo "$want" >"$stamp"
 fi
+# -- admin browser tests (issue 15): Debian's chromium, driven by Playwright from
+# PyPI with executable_path (never `playwright install`, which downloads).
+if ! command -v chromium >/dev/null 2>&1; then
+  echo "setup: installing Debian's chromium for the admin's browser tests" >&2
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -qq chromium >/dev/null
+  else
+    echo "setup: cannot apt-get install chromium here; the browser tests will skip" >&2
+  fi
+fi
+# -- end admin browser tests
 
 # The real MCP servers the tests talk to (npm and PyPI packages, pinned).
 step 4 "MCP peers for the stdio tests"

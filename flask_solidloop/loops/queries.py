@@ -207,3 +207,333 @@ def list_loops(session: SessionLike, filters: LoopFilter = LoopFilter(), *,
     if before_id is not None:
         query = query.where(Loop.id < before_id)
     return list(session.scalars(query.order_by(Loop.id.desc()).limit(limit)))
+
+
+# -- the admin's reads: search, bulk selection, dashboard aggregates -----------------
+#
+# Everything below serves flask_solidloop/admin (issue 15). The listing never
+# counts an unfiltered table: pages are keyset on the primary key, and a count
+# (for a bulk action's confirmation) is capped. Windows "since T" are turned
+# into an id boundary by a binary search on the primary key (ids grow with
+# creation time), so "the last hour" reads the newest rows of a 10M-row table
+# by range instead of scanning it for a timestamp that has no index.
+
+#: Failure classes of a failed loop, from its ``error_message``. Checked in
+#: order; the first match wins. Code errors come first so a ``TypeError`` whose
+#: text mentions "timeout" is not mislabelled infra (the gem's rule). Patterns
+#: are POSIX regexes PostgreSQL (``~*``) and Python ``re`` (IGNORECASE) read alike.
+FAILURE_CLASSES: tuple[tuple[str, str], ...] = (
+    ("agent", r"^(TypeError|KeyError|AttributeError|NameError|ValueError|IndexError|"
+              r"AssertionError|RuntimeError|NotImplementedError|ZeroDivisionError|"
+              r"UnknownAgentError|AgentDefinitionError|ToolDefinitionError):"),
+    ("operator", r"^(force stopped|stopped|frozen)|by (an )?operator"),
+    ("limit", r"^LimitExceededError"),
+    ("infra:http", r"^ProviderHTTPError|HTTP [1-5][0-9][0-9]"),
+    ("infra:timeout", r"timeout|timed out"),
+    ("infra:connect", r"^McpTransportError|connect(ion)? ?(error|refused|reset|failed)|"
+                      r"ConnectError|RemoteProtocolError|disconnect"),
+    ("infra:parse", r"^Provider(Response|Answer)Error|JSONDecodeError|parse|malformed"),
+)
+#: What a failed loop matching none of the patterns is.
+DEFAULT_FAILURE_CLASS = "agent"
+FAILURE_CLASS_NAMES: tuple[str, ...] = tuple(
+    dict.fromkeys([name for name, _ in FAILURE_CLASSES] + [DEFAULT_FAILURE_CLASS]))
+
+
+def classify_failure(error_message: str | None) -> str:
+    """The failure class of an error text (the same rules as :func:`failure_class_sql`)."""
+    import re
+
+    message = (error_message or "").strip()
+    for name, pattern in FAILURE_CLASSES:
+        if re.search(pattern, message, re.IGNORECASE):
+            return name
+    return DEFAULT_FAILURE_CLASS
+
+
+def failure_class_sql() -> Any:
+    """A SQL expression giving a loop's failure class (evaluate it on failed loops)."""
+    from sqlalchemy import case, literal
+
+    return case(*[(Loop.error_message.regexp_match(pattern, "i"), literal(name))
+                  for name, pattern in FAILURE_CLASSES], else_=literal(DEFAULT_FAILURE_CLASS))
+
+
+@dataclass(frozen=True)
+class LoopSearch:
+    """The admin's loop filters; every field is optional and they combine with AND.
+
+    ``text`` matches message content (case-insensitive substring); ``state`` is
+    JSON containment on the loop's ``state`` (``state @> :state``); ``max_id``
+    freezes a set (a bulk action acts on the loops that existed when it was
+    confirmed, not on ones created since)."""
+
+    statuses: tuple[str, ...] = ()
+    agent: str | None = None
+    failure: str | None = None
+    subject_type: str | None = None
+    subject_id: str | None = None
+    created_from: datetime | None = None
+    created_to: datetime | None = None
+    text: str | None = None
+    state: dict[str, Any] | None = None
+    max_id: int | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not (self.statuses or self.agent or self.failure or self.subject_type
+                    or self.subject_id or self.created_from or self.created_to or self.text
+                    or self.state)
+
+
+def _escape_like(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+def _search_query(search: LoopSearch, columns: Any = None) -> Any:
+    from sqlalchemy import exists
+
+    query = select(columns if columns is not None else Loop)
+    statuses = list(search.statuses)
+    if search.failure:
+        statuses = ["failed"]
+        query = query.where(failure_class_sql() == search.failure)
+    if statuses:
+        query = query.where(Loop.status.in_(statuses))
+    if search.agent:
+        query = query.where(Loop.agent_name == search.agent)
+    if search.subject_type:
+        query = query.where(Loop.subject_type == search.subject_type)
+    if search.subject_id:
+        query = query.where(Loop.subject_id == search.subject_id)
+    if search.created_from is not None:
+        query = query.where(Loop.created_at >= search.created_from)
+    if search.created_to is not None:
+        query = query.where(Loop.created_at < search.created_to)
+    if search.state:
+        query = query.where(Loop.state.contains(search.state))
+    if search.max_id is not None:
+        query = query.where(Loop.id <= search.max_id)
+    if search.text:
+        query = query.where(exists().where(
+            Message.loop_id == Loop.id,
+            Message.content.ilike(f"%{_escape_like(search.text)}%", escape="\\")))
+    return query
+
+
+def search_loops(session: SessionLike, search: LoopSearch = LoopSearch(), *,
+                 limit: int = 50, before_id: int | None = None) -> list[Loop]:
+    """Loops matching ``search``, newest first, keyset-paginated on the id
+    (``before_id``: the last id of the previous page). No OFFSET, no COUNT."""
+    query = _search_query(search)
+    if before_id is not None:
+        query = query.where(Loop.id < before_id)
+    return list(session.scalars(query.order_by(Loop.id.desc()).limit(limit)))
+
+
+def search_loop_ids(session: SessionLike, search: LoopSearch, *, limit: int,
+                    before_id: int | None = None) -> list[int]:
+    """One batch of matching loop ids, newest first (a bulk action walks these)."""
+    query = _search_query(search, Loop.id)
+    if before_id is not None:
+        query = query.where(Loop.id < before_id)
+    return list(session.scalars(query.order_by(Loop.id.desc()).limit(limit)))
+
+
+def count_loops(session: SessionLike, search: LoopSearch, *, cap: int) -> int:
+    """How many loops match, counting at most ``cap + 1`` rows (so a confirmation
+    page can say "more than cap" without counting a million)."""
+    inner = _search_query(search, Loop.id).limit(cap + 1).subquery()
+    return int(session.scalar(select(func.count()).select_from(inner)) or 0)
+
+
+def newest_loop_id(session: SessionLike) -> int | None:
+    return session.scalar(select(func.max(Loop.id)))
+
+
+def loop_agents(session: SessionLike, limit: int = 200) -> list[str]:
+    """Distinct agent names, by a loose index scan (cheap on any table size)."""
+    found = session.execute(text(
+        "WITH RECURSIVE names AS ("
+        " (SELECT agent_name FROM solidloop_loops ORDER BY agent_name LIMIT 1)"
+        " UNION ALL"
+        " SELECT (SELECT l.agent_name FROM solidloop_loops l WHERE l.agent_name > n.agent_name"
+        "         ORDER BY l.agent_name LIMIT 1) FROM names n WHERE n.agent_name IS NOT NULL)"
+        " SELECT agent_name FROM names WHERE agent_name IS NOT NULL LIMIT :limit"
+    ), {"limit": limit}).scalars()
+    return list(found)
+
+
+def _first_id_since(session: SessionLike, table: str, since: datetime) -> int | None:
+    """The smallest id of ``table`` created at or after ``since``, by a binary
+    search on the primary key (ids grow with ``created_at``); None if none is."""
+    bounds = session.execute(text(f"SELECT min(id), max(id) FROM {table}")).one()
+    low, high = bounds
+    if high is None:
+        return None
+    probe = text(f"SELECT id, created_at FROM {table} WHERE id >= :id ORDER BY id LIMIT 1")
+    last = session.execute(probe, {"id": high}).one()
+    if last.created_at < since:
+        return None
+    best = int(high)
+    while low <= high:
+        middle = (low + high) // 2
+        row = session.execute(probe, {"id": middle}).one()  # exists: best >= middle
+        if row.created_at >= since:
+            best = min(best, int(row.id))
+            high = middle - 1
+        else:
+            low = int(row.id) + 1
+    return best
+
+
+@dataclass(frozen=True)
+class Window:
+    """Turns, tokens and cost of the LLM turns completed in one time window."""
+
+    label: str
+    turns: int
+    input_tokens: int
+    output_tokens: int
+    cost: Any
+
+
+@dataclass(frozen=True)
+class QueueDepth:
+    queue_name: str
+    queued: int
+    running: int
+    oldest_queued_at: datetime | None
+
+
+@dataclass(frozen=True)
+class Dashboard:
+    by_status: dict[str, int]
+    windows: list[Window]
+    failures: dict[str, int]
+    failures_window: str
+    queues: list[QueueDepth]
+    dead_jobs: int
+    now: datetime
+
+
+def _window(session: SessionLike, label: str, since: datetime) -> Window:
+    first = _first_id_since(session, "solidloop_messages", since)
+    if first is None:
+        return Window(label, 0, 0, 0, None)
+    row = session.execute(text(
+        "SELECT count(*) AS turns,"
+        " coalesce(sum((usage->>'input_tokens')::bigint), 0) AS input_tokens,"
+        " coalesce(sum((usage->>'output_tokens')::bigint), 0) AS output_tokens,"
+        " sum(cost) AS cost"
+        " FROM solidloop_messages WHERE id >= :first AND role = 'assistant'"
+        " AND status = 'completed' AND created_at >= :since"
+    ), {"first": first, "since": since}).one()
+    return Window(label, int(row.turns), int(row.input_tokens), int(row.output_tokens), row.cost)
+
+
+def dashboard(session: SessionLike) -> Dashboard:
+    """The admin dashboard's numbers, each from an index or an id range."""
+    from datetime import timedelta
+
+    now: datetime = session.execute(select(func.now())).scalar_one()
+    by_status = {row.status: int(row.n) for row in session.execute(
+        select(Loop.status, func.count().label("n")).group_by(Loop.status))}
+    windows = [_window(session, "last hour", now - timedelta(hours=1)),
+               _window(session, "last day", now - timedelta(days=1))]
+    failures: dict[str, int] = {}
+    first_loop = _first_id_since(session, "solidloop_loops", now - timedelta(days=1))
+    if first_loop is not None:
+        cls = failure_class_sql().label("cls")
+        for row in session.execute(
+            select(cls, func.count().label("n"))
+            .where(Loop.id >= first_loop, Loop.status == "failed").group_by(cls)
+        ):
+            failures[row.cls] = int(row.n)
+    queues = [QueueDepth(row.queue_name, int(row.queued), int(row.running), row.oldest)
+              for row in session.execute(text(
+                  "SELECT queue_name, count(*) FILTER (WHERE state = 'queued') AS queued,"
+                  " count(*) FILTER (WHERE state = 'running') AS running,"
+                  " min(created_at) FILTER (WHERE state = 'queued') AS oldest"
+                  " FROM solidloop_jobs WHERE state IN ('queued', 'running')"
+                  " GROUP BY queue_name ORDER BY queue_name"))]
+    dead = int(session.scalar(text("SELECT count(*) FROM solidloop_jobs WHERE state = 'dead'"))
+               or 0)
+    return Dashboard(by_status=by_status, windows=windows, failures=failures,
+                     failures_window="loops created in the last day", queues=queues,
+                     dead_jobs=dead, now=now)
+
+
+def events(session: SessionLike, loop_id: int, limit: int = 500) -> list[Any]:
+    """The loop's wire log (already redacted when written), oldest first."""
+    from ..models import Event
+
+    return list(session.scalars(
+        select(Event).where(Event.loop_id == loop_id).order_by(Event.id).limit(limit)))
+
+
+def mcp_sessions(session: SessionLike, loop_id: int) -> list[McpSession]:
+    return list(session.scalars(
+        select(McpSession).where(McpSession.loop_id == loop_id).order_by(McpSession.id)))
+
+
+@dataclass(frozen=True)
+class LiveMessage:
+    """What the live stream needs of one message: its text so far and where it stands."""
+
+    id: int
+    role: str
+    status: str
+    is_hidden: bool
+    content: str
+
+
+def live_messages(session: SessionLike, loop_id: int, *,
+                  after_id: int | None = None) -> list[LiveMessage]:
+    """The loop's messages from ``after_id`` on (inclusive), with their content."""
+    query = select(Message.id, Message.role, Message.status, Message.is_hidden,
+                   Message.content).where(Message.loop_id == loop_id)
+    if after_id is not None:
+        query = query.where(Message.id >= after_id)
+    return [LiveMessage(r.id, r.role, r.status, r.is_hidden, r.content or "")
+            for r in session.execute(query.order_by(Message.id))]
+
+
+def loop_version(session: SessionLike, loop_id: int) -> tuple[Any, ...] | None:
+    """A cheap fingerprint of a loop's visible state: it changes when the status,
+    a message or a tool call does (the live stream's poll fallback)."""
+    row = session.execute(text(
+        "SELECT l.status, l.updated_at, l.step_count,"
+        " (SELECT max(id) FROM solidloop_messages m WHERE m.loop_id = l.id) AS last_message,"
+        " (SELECT max(updated_at) FROM solidloop_tool_calls t WHERE t.loop_id = l.id) AS calls"
+        " FROM solidloop_loops l WHERE l.id = :id"), {"id": loop_id}).one_or_none()
+    return None if row is None else tuple(row)
+
+
+def is_observed(session: SessionLike, loop_id: int) -> bool:
+    """Whether someone watches the loop live (its partials then flush more often)."""
+    return bool(session.scalar(select(Loop.observed).where(Loop.id == loop_id)))
+
+
+def search_loops_bounded(session: SessionLike, search: LoopSearch, *, limit: int,
+                         before_id: int | None = None, window: int = 2000,
+                         budget_seconds: float = 0.15) -> tuple[list[Loop], int | None]:
+    """:func:`search_loops` for filters no index serves (text in messages, JSON
+    containment, a failure class, a date range on a huge table): walks the ids
+    newest first in windows of ``window`` until ``limit`` rows match or the time
+    budget is spent. Returns the rows and, when the budget ran out first, the id
+    to continue below (the page says how far it searched); None when done."""
+    import time
+
+    top = before_id if before_id is not None else (newest_loop_id(session) or 0) + 1
+    bottom = session.scalar(select(func.min(Loop.id))) or 0
+    rows: list[Loop] = []
+    started = time.monotonic()
+    while top > bottom and len(rows) < limit:
+        low = max(top - window, bottom)
+        query = _search_query(search).where(Loop.id < top, Loop.id >= low)
+        rows += session.scalars(query.order_by(Loop.id.desc()).limit(limit - len(rows)))
+        top = low
+        if time.monotonic() - started > budget_seconds and len(rows) < limit:
+            return rows, (top if top > bottom else None)
+    return rows, None

@@ -280,6 +280,15 @@ def open_shell(session: SessionLike, loop_id: int, token: uuid.UUID) -> int:
     return shell_id
 
 
+#: The NOTIFY channel the admin's live stream LISTENs on (admin/live.py); the
+#: payload is ``<loop_id>:<message_id>``. NOTIFY is transactional: it is
+#: delivered when, and only if, the write it announces commits.
+LIVE_CHANNEL = "solidloop_live"
+_NOTIFY_PARTIAL = text(
+    "SELECT pg_notify('" + LIVE_CHANNEL + "', loop_id::text || ':' || id::text) "
+    "FROM solidloop_messages WHERE id = :id")
+
+
 def record_partial(session: SessionLike, shell_id: int, content: str,
                    reasoning: str | None) -> None:
     """A streaming turn's text so far, onto its still-hidden shell."""
@@ -288,6 +297,8 @@ def record_partial(session: SessionLike, shell_id: int, content: str,
         .where(Message.id == shell_id, Message.status == "processing")
         .values(content=storable.text(content)[0], reasoning=storable.text(reasoning)[0])
     )
+    # Admin live stream (issue 15): announce the partial in its own transaction.
+    session.execute(_NOTIFY_PARTIAL, {"id": shell_id})
     session.commit()
 
 
@@ -371,6 +382,9 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
         loop.lease_expires_at = None
         _dispatch_tool_calls(state, session, loop_id, token, [row.id for row in rows],
                              sequential=sequential)
+    # Admin live stream (issue 15): the finalized turn, announced on commit.
+    session.execute(text("SELECT pg_notify(:channel, :payload)"),
+                    {"channel": LIVE_CHANNEL, "payload": f"{loop_id}:{shell_id}"})
     agent_name = loop.agent_name  # read before the commit expires it (no reload)
     session.commit()
     if not rows:

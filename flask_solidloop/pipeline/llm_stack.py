@@ -238,10 +238,20 @@ class PartialWriter:
 
     def __init__(self, ctx: LlmContext) -> None:
         self.ctx = ctx
-        self.interval = ctx.state.config.stream_update_interval
+        self.interval = self._interval()
         self.content: list[str] = []
         self.reasoning: list[str] = []
         self.last_write = time.monotonic()
+
+    def _interval(self) -> float:
+        # An observed loop (someone watches it in the admin) flushes at
+        # SOLIDLOOP_OBSERVED_STREAM_UPDATE_INTERVAL; read without keeping a
+        # transaction open across the stream.
+        config = self.ctx.state.config
+        observed = queries.is_observed(self.ctx.session, self.ctx.loop_id)
+        self.ctx.session.rollback()
+        return config.observed_stream_update_interval if observed \
+            else config.stream_update_interval
 
     def __call__(self, delta: StreamDelta) -> None:
         self.content.append(delta.content)
@@ -256,6 +266,7 @@ class PartialWriter:
         assert ctx.shell_id is not None
         store.record_partial(ctx.session, ctx.shell_id, "".join(self.content),
                              "".join(self.reasoning) or None)
+        self.interval = self._interval()  # observing may start or stop mid-turn
 
 
 def _check_lease(ctx: LlmContext) -> None:

@@ -1,0 +1,391 @@
+"""The admin blueprint's views: dashboard, loops (list, page, live stream,
+actions, bulk actions) and jobs.
+
+Reads go through ``loops.queries`` (and ``jobs.control`` for job rows),
+changes through ``loops.control`` and ``jobs.control``: the admin writes no
+row itself. Every request first passes :func:`security.allowed` (fail closed)
+and, when unsafe, the CSRF check; every response gets the CSP.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl, urlencode
+
+from flask import (
+    Blueprint,
+    Response,
+    abort,
+    current_app,
+    redirect,
+    render_template,
+    request,
+    stream_with_context,
+    url_for,
+)
+from werkzeug.datastructures import MultiDict
+
+from ..errors import SolidLoopError
+from ..jobs import control as jobs_control
+from ..loops import control, queries
+from ..models import RESUMABLE_STATUSES, Loop
+from ..models.loop import ALL_STATUSES
+from ..state import SolidLoopState, get_state
+from . import filters, format, live, security
+
+logger = logging.getLogger("flask_solidloop.admin")
+
+#: A host hook: the subject's URL (str), or {"url": ..., "label": ...}, or None.
+SubjectResolver = Callable[[Loop], "str | dict[str, Any] | None"]
+
+#: The pages in the navigation, in order: (endpoint, label). Pages that land
+#: later (Workers, Inbound MCP) add an entry here and a view below.
+NAV: list[tuple[str, str]] = [
+    ("dashboard", "Dashboard"),
+    ("loops", "Loops"),
+    ("jobs", "Jobs"),
+]
+
+#: Single-loop actions: name -> (label, applies-when hint).
+ACTIONS = {
+    "pause": "Pause", "resume": "Resume", "stop": "Stop", "force_stop": "Force stop",
+    "freeze": "Freeze", "unfreeze": "Unfreeze", "observe": "Observe",
+    "unobserve": "Stop observing",
+}
+BULK_ACTIONS = {"resume": "Resume", "pause": "Pause", "stop": "Stop", "freeze": "Freeze",
+                "unfreeze": "Unfreeze"}
+STOP_REASON = "stopped by an operator in the admin"
+
+#: Messages shown after an action (never text from the request).
+RESULTS = {
+    (True, "pause"): "Paused.", (False, "pause"): "Not paused: only a queued or running loop "
+                                                  "can be paused.",
+    (True, "resume"): "Resumed.", (False, "resume"): "Not resumed: the loop is live, frozen, or "
+                                                     "not in one of the chosen statuses.",
+    (True, "stop"): "Stopped.", (False, "stop"): "Not stopped: the loop has already ended.",
+    (True, "force_stop"): "Force stopped: queued jobs cancelled, tool leases revoked.",
+    (False, "force_stop"): "Not force stopped: the loop has already ended.",
+    (True, "freeze"): "Frozen: resume refuses until it is unfrozen.",
+    (False, "freeze"): "Not frozen: it is frozen already or has ended.",
+    (True, "unfreeze"): "Unfrozen.", (False, "unfreeze"): "Not unfrozen: it was not frozen.",
+    (True, "observe"): "Observing: partial text flushes more often.",
+    (False, "observe"): "Already observed.",
+    (True, "unobserve"): "No longer observed.", (False, "unobserve"): "It was not observed.",
+}
+
+
+@dataclass(frozen=True)
+class SubjectLink:
+    label: str
+    url: str | None
+
+
+def create_blueprint(*, authorize: security.Authorize | None,
+                     subject_resolver: SubjectResolver | None = None,
+                     name: str = "solidloop_admin", require_token: bool = False,
+                     page_size: int = 50) -> Blueprint:
+    """The admin blueprint; see :meth:`SolidLoop.admin_blueprint`."""
+    bp = Blueprint(name, __name__, template_folder="templates", static_folder="static",
+                   static_url_path="/_static")
+
+    def state() -> SolidLoopState:
+        return get_state()
+
+    def identity() -> str:
+        return request.headers.get("Cookie", "")
+
+    @bp.before_request
+    def gate() -> Any:
+        if not security.allowed(authorize, request):
+            why = ("the admin denies every request: pass authorize=... to "
+                   "solidloop.admin_blueprint()" if authorize is None else "not authorized")
+            return Response(why + "\n", status=403, mimetype="text/plain")
+        if request.method in security.UNSAFE_METHODS:
+            problem = security.csrf_problem(request, state().config.admin_trusted_origins)
+            if problem is None and require_token:
+                secret = current_app.secret_key
+                if not secret or not security.token_ok(str(secret), identity(),
+                                                       request.form.get("_csrf")):
+                    problem = "request refused: missing or wrong CSRF token"
+            if problem:
+                return Response(problem + "\n", status=403, mimetype="text/plain")
+        return None
+
+    @bp.after_request
+    def headers(response: Response) -> Response:
+        return security.harden(response)
+
+    @bp.context_processor
+    def context() -> dict[str, Any]:
+        token = None
+        if require_token and current_app.secret_key:
+            token = security.csrf_token(str(current_app.secret_key), identity())
+        return {"sl_nav": NAV, "sl": format, "sl_bp": name, "sl_csrf": token,
+                "sl_subject": subject, "sl_failure": failure_of,
+                "sl_actions": ACTIONS, "sl_bulk_actions": BULK_ACTIONS,
+                "sl_statuses": ALL_STATUSES, "sl_failures": queries.FAILURE_CLASS_NAMES,
+                "sl_resumable": RESUMABLE_STATUSES}
+
+    def subject(loop: Loop) -> SubjectLink | None:
+        if loop.subject_type is None and loop.subject_id is None:
+            return None
+        label = loop.subject_label or ""
+        resolved: Any = None
+        if subject_resolver is not None:
+            try:
+                resolved = subject_resolver(loop)
+            except Exception:
+                logger.warning("subject_resolver raised for loop %s", loop.id, exc_info=True)
+        url = resolved
+        if isinstance(resolved, dict):
+            url = resolved.get("url")
+            label = str(resolved.get("label") or label)
+        return SubjectLink(label, format.safe_url(url))
+
+    def failure_of(loop: Loop) -> str | None:
+        return queries.classify_failure(loop.error_message) if loop.status == "failed" else None
+
+    def search_or_error(args: MultiDict[str, str]) -> tuple[queries.LoopSearch | None,
+                                                            str | None]:
+        try:
+            return filters.parse(args), None
+        except filters.FilterError as exc:
+            return None, str(exc)
+
+    # -- pages -----------------------------------------------------------------
+
+    @bp.get("/")
+    def dashboard() -> Any:
+        data = queries.dashboard(state().db.session)
+        return render_template("solidloop/admin/dashboard.html", d=data)
+
+    @bp.get("/loops")
+    def loops() -> Any:
+        search, error = search_or_error(request.args)
+        before = request.args.get("before", type=int)
+        rows: list[Loop] = []
+        searched_to = None
+        if search is not None and _unindexed(search):
+            # No index serves these filters: scan newest first within a time
+            # budget, and say how far the search went (never a 10 s page).
+            rows, searched_to = queries.search_loops_bounded(
+                state().db.session, search, limit=page_size + 1, before_id=before)
+        elif search is not None:
+            rows = queries.search_loops(state().db.session, search, limit=page_size + 1,
+                                        before_id=before)
+        more = len(rows) > page_size
+        rows = rows[:page_size]
+        template = ("solidloop/admin/_loop_rows.html" if request.headers.get("HX-Request")
+                    else "solidloop/admin/loops.html")
+        return render_template(
+            template, rows=rows, error=error, search=search,
+            filter_items=filters.query_items(request.args),
+            next_before=rows[-1].id if more and rows else searched_to,
+            searched_to=searched_to if not more else None,
+            qs=filters.query_string(request.args),
+            agents=sorted(state().extension.agents),
+            args=request.args,
+        ), (400 if error else 200)
+
+    @bp.get("/loops/<int:loop_id>")
+    def loop(loop_id: int) -> Any:
+        session = state().db.session
+        row = queries.get_loop(session, loop_id)
+        if row is None:
+            abort(404)
+        cursor = live.start_cursor(session, loop_id)
+        return render_template("solidloop/admin/loop.html", lp=row, cursor=str(cursor),
+                               back=_back(), did=request.args.get("did"),
+                               ok=request.args.get("ok"), results=RESULTS,
+                               **_loop_regions(session, loop_id))
+
+    @bp.get("/loops/<int:loop_id>/regions")
+    def loop_regions(loop_id: int) -> Any:
+        session = state().db.session
+        row = queries.get_loop(session, loop_id)
+        if row is None:
+            abort(404)
+        return render_template("solidloop/admin/_loop_regions.html", lp=row, back=_back(),
+                               **_loop_regions(session, loop_id))
+
+    @bp.get("/loops/<int:loop_id>/stream")
+    def loop_stream(loop_id: int) -> Any:
+        config = state().config
+        cursor = (live.Cursor.parse(request.headers.get("Last-Event-ID"))
+                  or live.Cursor.parse(request.args.get("last_event_id"))
+                  or live.Cursor.parse(request.args.get("cursor")))
+        session = state().db.session
+        if cursor is None:
+            cursor = live.start_cursor(session, loop_id)
+        session.remove() if hasattr(session, "remove") else session.close()
+        body = live.stream(state(), loop_id, cursor, seconds=config.admin_stream_seconds,
+                           heartbeat=config.admin_heartbeat)
+        return Response(stream_with_context(body), mimetype="text/event-stream",
+                        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+    # -- actions ---------------------------------------------------------------
+
+    @bp.post("/loops/<int:loop_id>/act/<action>")
+    def act(loop_id: int, action: str) -> Any:
+        if action not in ACTIONS:
+            abort(404)
+        try:
+            ok = apply(action, loop_id, request.form)
+        except ValueError as exc:
+            return Response(f"{action}: {exc}\n", status=400, mimetype="text/plain")
+        return redirect(url_for(".loop", loop_id=loop_id, did=action, ok=int(ok),
+                                back=_back() or None), 303)
+
+    def apply(action: str, loop_id: int, form: MultiDict[str, str]) -> bool:
+        st = state()
+        if action == "pause":
+            return control.pause(st, loop_id)
+        if action == "resume":
+            from_ = tuple(form.getlist("resume_from")) or RESUMABLE_STATUSES
+            message = (form.get("message") or "").strip() or None
+            return control.resume(st, loop_id, from_=from_, message=message)
+        if action == "stop":
+            return control.stop(st, loop_id, reason=STOP_REASON)
+        if action == "force_stop":
+            return control.force_stop(st, loop_id, reason=STOP_REASON)
+        if action == "freeze":
+            return control.freeze(st, loop_id)
+        if action == "unfreeze":
+            return control.unfreeze(st, loop_id)
+        if action == "observe":
+            return control.observe(st, loop_id, True)
+        if action == "unobserve":
+            return control.observe(st, loop_id, False)
+        raise ValueError(f"unknown action {action!r}")
+
+    @bp.post("/loops/bulk")
+    def bulk() -> Any:
+        form = request.form
+        action = form.get("action", "")
+        if action not in BULK_ACTIONS:
+            return Response(f"bulk action {action!r} is unknown; use one of "
+                            f"{', '.join(BULK_ACTIONS)}\n", status=400, mimetype="text/plain")
+        search, error = search_or_error(form)
+        if search is None:
+            return Response(f"{error}\n", status=400, mimetype="text/plain")
+        config = state().config
+        session = state().db.session
+        from_ = tuple(form.getlist("resume_from")) or tuple(
+            s for s in search.statuses if s in RESUMABLE_STATUSES) or ("paused", "failed")
+        if action == "resume":
+            try:
+                control.check_resumable(from_)
+            except ValueError as exc:
+                return Response(f"resume: {exc}\n", status=400, mimetype="text/plain")
+        qs = filters.query_string(form)
+        if form.get("confirm") != "1":
+            max_id = queries.newest_loop_id(session) or 0
+            frozen = _with_max(search, max_id)
+            count = queries.count_loops(session, frozen, cap=config.admin_bulk_limit)
+            return render_template("solidloop/admin/bulk_confirm.html", action=action,
+                                   count=count, cap=config.admin_bulk_limit, max_id=max_id,
+                                   filter_items=filters.query_items(form), qs=qs,
+                                   from_=from_, message=form.get("message", ""),
+                                   unfiltered=search.empty)
+        confirmed_max = form.get("max_id", type=int)
+        if confirmed_max is None:
+            return Response("bulk: max_id missing; confirm from the confirmation page\n",
+                            status=400, mimetype="text/plain")
+        report = run_bulk(action, _with_max(search, confirmed_max), from_=from_,
+                          message=(form.get("message") or "").strip() or None,
+                          batch=config.admin_bulk_batch, limit=config.admin_bulk_limit)
+        return render_template("solidloop/admin/bulk_done.html", action=action, qs=qs,
+                               **report)
+
+    def run_bulk(action: str, search: queries.LoopSearch, *, from_: tuple[str, ...],
+                 message: str | None, batch: int, limit: int) -> dict[str, Any]:
+        session = state().db.session
+        changed: list[int] = []
+        unchanged: list[int] = []
+        batches = 0
+        before: int | None = None
+        while len(changed) + len(unchanged) < limit:
+            ids = queries.search_loop_ids(session, search, limit=min(
+                batch, limit - len(changed) - len(unchanged)), before_id=before)
+            session.rollback()  # each loop below is its own locked transaction
+            if not ids:
+                break
+            batches += 1
+            form = MultiDict([("resume_from", s) for s in from_] + ([("message", message)]
+                                                              if message else []))
+            for loop_id in ids:
+                (changed if apply(action, loop_id, form) else unchanged).append(loop_id)
+            before = ids[-1]
+        return {"changed": changed, "unchanged": unchanged, "batches": batches,
+                "hit_limit": len(changed) + len(unchanged) >= limit, "limit": limit}
+
+    @bp.get("/jobs")
+    def jobs() -> Any:
+        broker = state().broker
+        data = queries.dashboard(state().db.session)
+        dead = jobs_control.list_jobs(broker, states=["dead"], limit=100)
+        queued = jobs_control.list_jobs(broker, states=["queued"], limit=50)
+        return render_template("solidloop/admin/jobs.html", queues=data.queues, dead=dead,
+                               queued=queued, dead_count=data.dead_jobs,
+                               did=request.args.get("did"), note=request.args.get("note"))
+
+    @bp.post("/jobs/<int:row_id>/<action>")
+    def job_action(row_id: int, action: str) -> Any:
+        broker = state().broker
+        try:
+            if action == "retry":
+                jobs_control.retry(broker, str(row_id))
+            elif action == "cancel":
+                jobs_control.cancel(broker, str(row_id))
+            else:
+                abort(404)
+        except SolidLoopError as exc:
+            return Response(f"{action}: {exc}\n", status=409, mimetype="text/plain")
+        return redirect(url_for(".jobs", did=f"{action}:{row_id}"), 303)
+
+    return bp
+
+
+def _unindexed(search: queries.LoopSearch) -> bool:
+    return bool(search.text or search.state or search.failure or search.created_from
+                or search.created_to)
+
+
+def _with_max(search: queries.LoopSearch, max_id: int) -> queries.LoopSearch:
+    from dataclasses import replace
+
+    return replace(search, max_id=max_id)
+
+
+def _back() -> str:
+    """The list's filters to return to, re-encoded (only filter keys survive)."""
+    raw = request.args.get("back") or request.form.get("back") or ""
+    pairs = [(k, v) for k, v in parse_qsl(raw) if k in filters.FILTER_KEYS or k == "before"]
+    return urlencode(pairs)
+
+
+def _loop_regions(session: Any, loop_id: int) -> dict[str, Any]:
+    messages = queries.messages(session, loop_id, include_hidden=True)
+    calls = queries.tool_calls(session, loop_id)
+    by_message: dict[int, list[Any]] = {}
+    for call in calls:
+        by_message.setdefault(call.message_id, []).append(call)
+    turns = [m for m in messages if m.role == "assistant" and m.status == "completed"]
+    return {
+        "messages": messages,
+        "visible": [m for m in messages if not m.is_hidden],
+        "hidden": [m for m in messages if m.is_hidden],
+        "calls": calls,
+        "calls_by_message": by_message,
+        "call_states": queries.tool_call_states(session, loop_id),
+        "turns": turns,
+        "events": queries.events(session, loop_id),
+        "mcp_sessions": queries.mcp_sessions(session, loop_id),
+    }
+
+
+def nav_items() -> Iterable[tuple[str, str]]:
+    return list(NAV)

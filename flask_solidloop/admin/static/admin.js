@@ -1,0 +1,53 @@
+/* SolidLoop admin: the little behaviour htmx does not give us (no build, no eval).
+ *
+ * 1. Live regions (class "live-region") refresh on a timer, but not while the
+ *    user is editing a form on the page: the request is cancelled, so typed
+ *    filters, ticked boxes and focus survive.
+ * 2. The SSE extension, when a stream is CLOSED (an HTTP error), opens a new
+ *    EventSource, which would forget Last-Event-ID; we carry it in the URL so
+ *    the new stream still resumes with no gap and no duplicate. Reconnects of a
+ *    stream that merely ended are the browser's own and send the header.
+ */
+(function () {
+  "use strict";
+  var editing = false;
+  document.addEventListener("focusin", function (e) {
+    if (e.target.closest && e.target.closest("form")) { editing = true; }
+  });
+  document.addEventListener("focusout", function () {
+    window.setTimeout(function () {
+      var a = document.activeElement;
+      editing = !!(a && a.closest && a.closest("form") && a !== document.body);
+    }, 0);
+  });
+  document.addEventListener("input", function (e) {
+    var form = e.target.closest && e.target.closest("form");
+    if (form) { form.dataset.dirty = "1"; }
+  });
+  document.addEventListener("htmx:beforeRequest", function (e) {
+    var elt = e.detail && e.detail.elt;
+    if (!elt || !elt.classList || !elt.classList.contains("live-region")) { return; }
+    if (editing || document.querySelector("form[data-dirty='1']")) { e.preventDefault(); }
+  });
+
+  var lastIds = {};
+  document.addEventListener("htmx:sseMessage", function (e) {
+    var src = e.detail && e.detail.target;
+    if (src && src.url && e.detail.lastEventId) { lastIds[src.url] = e.detail.lastEventId; }
+  });
+  function install() {
+    if (!window.htmx) { return; }
+    htmx.createEventSource = function (url) {
+      var base = url.split("#")[0];
+      var known = null;
+      Object.keys(lastIds).forEach(function (k) { if (k.indexOf(base.split("?")[0]) !== -1) { known = lastIds[k]; } });
+      if (known) {
+        base += (base.indexOf("?") === -1 ? "?" : "&") + "last_event_id=" + encodeURIComponent(known);
+      }
+      return new EventSource(base, { withCredentials: true });
+    };
+  }
+  if (document.readyState === "loading") {
+    document.addEventListener("DOMContentLoaded", install);
+  } else { install(); }
+})();

@@ -1,0 +1,343 @@
+"""The admin blueprint served by Flask's test client against real PostgreSQL and
+loops run by the in-process drain: access, CSRF, CSP, escaping, filters,
+keyset pages, actions, bulk actions and the SSE stream's resume."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from sqlalchemy import select
+
+from flask_solidloop.loops import store
+from flask_solidloop.models import Loop, Message
+
+from ..support_app import Assistant, solidloop
+
+SAME = {"Sec-Fetch-Site": "same-origin"}
+XSS = "<script>alert('pwned')</script>"
+
+
+def mount(app, **kwargs):
+    kwargs.setdefault("authorize", lambda request: True)
+    app.register_blueprint(solidloop.admin_blueprint(**kwargs), url_prefix="/admin")
+    return app.test_client()
+
+
+@pytest.fixture
+def client(app):
+    def resolver(loop):
+        return {"url": (loop.state or {}).get("subject_url", f"/users/{loop.subject_id}"),
+                "label": (loop.state or {}).get("subject_label")}
+    return mount(app, subject_resolver=resolver)
+
+
+def test_without_authorize_everything_is_denied(app, session):
+    loop = Assistant.start(message="hi")
+    c = mount(app, authorize=None)
+    for path in ("/admin/", "/admin/loops", f"/admin/loops/{loop.id}", "/admin/jobs",
+                 f"/admin/loops/{loop.id}/stream", "/admin/_static/admin.css"):
+        response = c.get(path)
+        assert response.status_code == 403, path
+        assert b"authorize=" in response.data
+    assert c.post(f"/admin/loops/{loop.id}/act/pause", headers=SAME).status_code == 403
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "queued"
+
+
+@pytest.mark.parametrize("verdict", [False, None, "yes", 1, "raise"])
+def test_authorize_must_say_exactly_true(app, verdict):
+    def authorize(request):
+        if verdict == "raise":
+            raise RuntimeError("broken hook")
+        return verdict
+    c = mount(app, authorize=authorize)
+    assert c.get("/admin/").status_code == 403
+
+
+def test_pages_carry_a_csp_that_allows_only_own_scripts(client):
+    response = client.get("/admin/")
+    assert response.status_code == 200
+    csp = response.headers["Content-Security-Policy"]
+    assert "script-src 'self'" in csp and "unsafe-inline" not in csp and "unsafe-eval" not in csp
+    assert response.headers["X-Frame-Options"] == "DENY"
+    html = response.get_data(as_text=True)
+    assert "<script>" not in html  # no inline script at all
+    assert re.search(r'src="/admin/_static/vendor/htmx-2\.\d+\.\d+\.min\.js"', html)
+    assert client.get("/admin/_static/vendor/htmx-ext-sse-2.2.4.min.js").status_code == 200
+
+
+def test_cross_site_posts_are_refused(app, session):
+    app.config["SOLIDLOOP_ADMIN_TRUSTED_ORIGINS"] = ()
+    loop = Assistant.start(message="hi")
+    c = mount(app)
+    url = f"/admin/loops/{loop.id}/act/pause"
+    for headers in ({"Sec-Fetch-Site": "cross-site"}, {"Sec-Fetch-Site": "same-site"},
+                    {"Origin": "https://evil.example"}, {"Referer": "https://evil.example/x"},
+                    {}):
+        response = c.post(url, headers=headers)
+        assert response.status_code == 403, headers
+        assert b"refused" in response.data
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "queued"
+    assert c.post(url, headers={"Origin": "http://localhost"}).status_code == 303
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "paused"
+
+
+def test_trusted_origins_and_the_optional_token(app, session):
+    from flask_solidloop.config import Config
+
+    state = app.extensions["solidloop"]
+    state.config = Config.from_mapping({"SOLIDLOOP_ADMIN_TRUSTED_ORIGINS":
+                                        "https://admin.example"})
+    app.secret_key = "test-secret"
+    loop = Assistant.start(message="hi")
+    c = mount(app, require_token=True)
+    url = f"/admin/loops/{loop.id}/act/pause"
+    origin = {"Origin": "https://admin.example"}
+    assert c.post(url, headers=origin).status_code == 403  # no token
+    page = c.get(f"/admin/loops/{loop.id}").get_data(as_text=True)
+    token = re.search(r'name="_csrf" value="([0-9a-f]+)"', page).group(1)
+    assert c.post(url, headers=origin, data={"_csrf": "0" * 64}).status_code == 403
+    assert c.post(url, headers=origin, data={"_csrf": token}).status_code == 303
+
+
+def test_script_in_messages_results_and_subjects_is_text(app, session, llm, drain, client):
+    llm.script(lambda req: req["messages"][-1]["role"] == "user",
+               {"tool_calls": [{"name": "calc__lookup", "arguments": {"key": XSS}}]})
+    llm.script(lambda req: req["messages"][-1]["role"] == "tool", {"content": "done " + XSS})
+    loop = Assistant.start(message="hello " + XSS, subject=(XSS, "7"),
+                           state={"subject_label": "label " + XSS})
+    drain()
+    html = client.get(f"/admin/loops/{loop.id}").get_data(as_text=True)
+    assert "<script>alert" not in html
+    assert "&lt;script&gt;alert(&#39;pwned&#39;)&lt;/script&gt;" in html
+    listing = client.get("/admin/loops").get_data(as_text=True)
+    assert "<script>alert" not in listing and "label &lt;script&gt;" in listing
+
+
+@pytest.mark.parametrize(("url", "clickable"), [
+    ("javascript:alert(1)", False), ("//evil.example/x", False), ("/users/7", True),
+    ("https://crm.example/u/7", True)])
+def test_subject_links_only_for_relative_or_http_urls(session, client, url, clickable):
+    loop = Assistant.start(message="hi", subject=("User", "7"), state={"subject_url": url})
+    html = client.get(f"/admin/loops/{loop.id}").get_data(as_text=True)
+    assert ('class="subject" href=' in html) is clickable
+    assert "javascript:" not in html.split('id="loop-subject"')[1][:200]
+
+
+def test_filters_live_in_the_url_and_combine(session, client):
+    a = Assistant.start(message="find the needle here", subject=("User", "1"),
+                        state={"customer": "acme", "tier": 2})
+    b = Assistant.start(message="nothing", subject=("User", "2"), state={"customer": "beta"})
+    store.stop(session, b.id, reason="ProviderHTTPError: HTTP 503 from upstream")
+    c_ = Assistant.start(message="other")
+    store.stop(session, c_.id, reason="TypeError: bad operand")
+
+    def ids(query):
+        response = client.get("/admin/loops?" + query)
+        assert response.status_code == 200, response.data
+        return [int(x) for x in re.findall(r'data-loop="(\d+)"', response.get_data(as_text=True))]
+
+    assert ids("") == [c_.id, b.id, a.id]
+    assert ids("status=failed") == [c_.id, b.id]
+    assert ids("status=queued&status=failed") == [c_.id, b.id, a.id]
+    assert ids("failure=infra:http") == [b.id]
+    assert ids("failure=agent") == [c_.id]
+    assert ids("agent=assistant&subject_type=User&subject_id=1") == [a.id]
+    assert ids("agent=nobody") == []
+    assert ids("q=NEEDLE") == [a.id]
+    assert ids("q=%25") == []  # LIKE wildcards are literal
+    assert ids("state=%7B%22customer%22%3A%22acme%22%7D") == [a.id]
+    assert ids("from=2000-01-01&to=2999-01-01") == [c_.id, b.id, a.id]
+    assert ids("to=2000-01-01") == []
+    # a loop page keeps the list's filters for the way back
+    page = client.get(f"/admin/loops/{b.id}?back=status%3Dfailed%26evil%3D1").get_data(
+        as_text=True)
+    assert 'href="/admin/loops?status=failed"' in page
+
+
+@pytest.mark.parametrize(("query", "named"), [
+    ("status=bogus", "status='bogus'"), ("failure=nope", "failure='nope'"),
+    ("state=%7Bbad", "state is not valid JSON"), ("state=%5B1%5D", "state must be"),
+    ("from=yesterday", "from='yesterday'")])
+def test_bad_filters_get_a_clear_message(client, query, named):
+    response = client.get("/admin/loops?" + query)
+    assert response.status_code == 400
+    assert named in response.get_data(as_text=True).replace("&#39;", "'")
+
+
+def test_keyset_pages_walk_every_loop_once(app, session):
+    made = [Assistant.start(message=f"m{i}").id for i in range(7)]
+    c = mount(app, page_size=3)
+    seen, url = [], "/admin/loops?agent=assistant"
+    while url:
+        html = c.get(url).get_data(as_text=True)
+        seen += [int(x) for x in re.findall(r'data-loop="(\d+)"', html)]
+        nxt = re.search(r'id="next-page" href="([^"]+)"', html)
+        url = nxt.group(1).replace("&amp;", "&") if nxt else None
+        if url:
+            assert "agent=assistant" in url
+    assert seen == sorted(made, reverse=True)
+
+
+def _act(client, loop_id, action, **data):
+    response = client.post(f"/admin/loops/{loop_id}/act/{action}", headers=SAME, data=data)
+    assert response.status_code == 303, response.data
+    page = client.get(response.headers["Location"]).get_data(as_text=True)
+    return re.search(r'id="result">([^<]+)<', page).group(1)
+
+
+def test_each_action_changes_the_loop_and_says_so(session, client, llm, drain):
+    loop = Assistant.start(message="hi")
+    assert _act(client, loop.id, "observe").startswith("observe: Observing")
+    assert _act(client, loop.id, "pause") == "pause: Paused."
+    assert _act(client, loop.id, "pause").startswith("pause: Not paused")
+    assert _act(client, loop.id, "freeze").startswith("freeze: Frozen")
+    assert _act(client, loop.id, "resume").startswith("resume: Not resumed")
+    assert _act(client, loop.id, "unfreeze") == "unfreeze: Unfrozen."
+    assert _act(client, loop.id, "resume", message="and continue") == "resume: Resumed."
+    session.expire_all()
+    row = session.get(Loop, loop.id)
+    assert row.status == "queued" and row.observed and not row.frozen
+    assert session.scalars(select(Message.content).where(
+        Message.loop_id == loop.id, Message.role == "user")).all()[-1] == "and continue"
+    assert _act(client, loop.id, "stop") == "stop: Stopped."
+    assert _act(client, loop.id, "resume", resume_from="paused").startswith("resume: Not")
+    assert _act(client, loop.id, "resume", resume_from="failed") == "resume: Resumed."
+    assert _act(client, loop.id, "force_stop").startswith("force_stop: Force stopped")
+    assert _act(client, loop.id, "unobserve") == "unobserve: No longer observed."
+    session.expire_all()
+    row = session.get(Loop, loop.id)
+    assert row.status == "failed" and not row.observed
+    assert row.error_message.startswith("force stopped")
+
+
+def test_bulk_resume_acts_on_the_filtered_set_after_a_count(app, session):
+    app.config["SOLIDLOOP_ADMIN_BULK_BATCH"] = 2
+    from flask_solidloop.config import Config
+
+    app.extensions["solidloop"].config = Config.from_mapping({"SOLIDLOOP_ADMIN_BULK_BATCH": 2})
+    c = mount(app)
+    failed = [Assistant.start(message=f"f{i}").id for i in range(5)]
+    for loop_id in failed:
+        store.stop(session, loop_id, reason="ProviderHTTPError: HTTP 500")
+    other = Assistant.start(message="keeps running").id
+    form = {"action": "resume", "status": "failed", "agent": "assistant"}
+    confirm = c.post("/admin/loops/bulk", headers=SAME, data=form)
+    html = confirm.get_data(as_text=True)
+    assert 'data-count="5"' in html
+    max_id = int(re.search(r'name="max_id" value="(\d+)"', html).group(1))
+    session.expire_all()
+    assert all(session.get(Loop, i).status == "failed" for i in failed)  # nothing yet
+    late = Assistant.start(message="late").id
+    store.stop(session, late, reason="ProviderHTTPError: HTTP 500")
+    done = c.post("/admin/loops/bulk", headers=SAME,
+                  data={**form, "confirm": "1", "max_id": str(max_id), "resume_from": "failed"})
+    page = done.get_data(as_text=True)
+    assert 'data-changed="5"' in page and "in 3 batch(es)" in page
+    assert 'href="/admin/loops?status=failed&amp;agent=assistant"' in page
+    session.expire_all()
+    assert [session.get(Loop, i).status for i in failed] == ["queued"] * 5
+    assert session.get(Loop, late).status == "failed"  # created after the confirmation
+    assert session.get(Loop, other).status == "queued"
+
+
+def test_dashboard_and_jobs_show_real_numbers(session, client, llm, drain):
+    llm.script(lambda req: True, {"content": "ok", "usage": {"prompt_tokens": 11,
+                                                             "completion_tokens": 5}})
+    Assistant.start(message="one")
+    drain()
+    failed = Assistant.start(message="two")
+    store.stop(session, failed.id, reason="McpTransportError: connection refused")
+    html = client.get("/admin/").get_data(as_text=True)
+    assert re.search(r'failure=infra:connect">infra:connect</a></th>\s*<td class="num">1', html)
+    assert re.search(r"last hour</th><td class=\"num\">1</td>\s*<td class=\"num\">11", html)
+    jobs = client.get("/admin/jobs")
+    assert jobs.status_code == 200 and "solidloop_llm" in jobs.get_data(as_text=True)
+
+
+def _events(body: str) -> list[tuple[str, str | None, str]]:
+    out = []
+    for block in body.split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line
+                      and not line.startswith(":"))
+        if "event" in fields:
+            out.append((fields["event"], fields.get("id"), fields.get("data", "")))
+    return out
+
+
+def test_stream_resumes_from_last_event_id_without_gap_or_duplicate(app, session):
+    from flask_solidloop.config import Config
+
+    app.extensions["solidloop"].config = Config.from_mapping(
+        {"SOLIDLOOP_ADMIN_STREAM_SECONDS": 0.3, "SOLIDLOOP_ADMIN_HEARTBEAT": 0.1})
+    c = mount(app)
+    loop = Assistant.start(message="stream")
+    token = store.claim_llm_turn(session, loop.id, lease_seconds=30)
+    assert token is not None
+    shell = store.open_shell(session, loop.id, token)
+    store.record_partial(session, shell, "Hello, wor", None)
+
+    first = _events(c.get(f"/admin/loops/{loop.id}/stream?cursor={shell}:0").get_data(
+        as_text=True))
+    tokens = [e for e in first if e[0] == "token"]
+    assert [e[1] for e in tokens] == [f"{shell}:10"] and "Hello, wor" in tokens[0][2]
+    store.record_partial(session, shell, "Hello, world <b>!</b>", None)
+    again = _events(c.get(f"/admin/loops/{loop.id}/stream",
+                          headers={"Last-Event-ID": f"{shell}:10"}).get_data(as_text=True))
+    tokens = [e for e in again if e[0] == "token"]
+    assert [e[1] for e in tokens] == [f"{shell}:21"]
+    assert 'data-o="10">ld &lt;b&gt;!&lt;/b&gt;</span>' in tokens[0][2]
+    # nothing new: a resumed stream sends no token, only heartbeats, and ends
+    quiet = c.get(f"/admin/loops/{loop.id}/stream",
+                  headers={"Last-Event-ID": f"{shell}:21"}).get_data(as_text=True)
+    assert "event: token" not in quiet and ": heartbeat" in quiet
+
+
+def test_waiting_streams_hold_no_connection_and_share_one_listen(app, session):
+    import threading
+    import time
+
+    import psycopg
+
+    from flask_solidloop.admin.live import LISTEN_APPLICATION_NAME, hub_for
+    from flask_solidloop.config import Config
+    from flask_solidloop.urls import libpq_url
+
+    state = app.extensions["solidloop"]
+    state.config = Config.from_mapping({"SOLIDLOOP_ADMIN_STREAM_SECONDS": 3,
+                                        "SOLIDLOOP_ADMIN_HEARTBEAT": 3})
+    c = mount(app)
+    loop_id = Assistant.start(message="watched").id
+    session.remove()
+    bodies: list[bytes] = []
+
+    def watch() -> None:
+        try:
+            bodies.append(c.get(f"/admin/loops/{loop_id}/stream").get_data())
+        except Exception as exc:  # surfaced by the assertions below
+            bodies.append(repr(exc).encode())
+
+    streams = [threading.Thread(target=watch) for _ in range(5)]
+    for t in streams:
+        t.start()
+    hub = hub_for(state)
+    deadline = time.monotonic() + 5
+    while hub.streams < 5 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if hub.streams != 5:
+        for t in streams:
+            t.join(10)
+        raise AssertionError(bodies)
+    time.sleep(0.3)  # all five are waiting on the hub now
+    assert state.db.engine.pool.checkedout() == 0
+    with psycopg.connect(libpq_url(state.database_url), autocommit=True) as conn:
+        listening = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s "
+            "AND datname = current_database()", (LISTEN_APPLICATION_NAME,)).fetchone()[0]
+    assert listening == 1
+    for t in streams:
+        t.join(10)
+    assert len(bodies) == 5 and all(b.startswith(b"retry: ") for b in bodies)
