@@ -66,3 +66,22 @@ def test_output_tokens_are_estimated_and_labelled_without_usage(app, session, ll
     metrics = answer(session).meta["metrics"]
     assert metrics["output_tokens"] == 10 and metrics["output_tokens_estimated"] is True
     assert metrics["output_tokens_per_s"] > 0
+
+
+def test_status_shows_thinking_time_and_estimated_tokens(app, session, llm, drain):
+    agent = make_agent("thinking_status", "openai", llm.base_url)
+    llm.fault_next("no_usage")
+    llm.script("status", {"content": "x" * 40, "reasoning_content": "hmm"})
+    loop = agent.start(message="status")
+    drain()
+    output = app.test_cli_runner().invoke(args=["solidloop", "status", str(loop.id)]).output
+    assert "timing: first token" in output and "thinking" in output
+    assert "output tokens (estimate: the server sent no usage)" in output
+
+
+def test_a_turn_still_streaming_shows_its_tokens_so_far():
+    from flask_solidloop.render import format_message
+
+    shell = Message(role="assistant", status="processing", is_hidden=True, content="x" * 40,
+                    meta={})
+    assert "streaming: ~10 output tokens so far (estimate" in format_message(shell, {})
