@@ -48,6 +48,9 @@ OPTIONS: dict[str, str] = {
     "reasoning_effort": "str passed to the provider, or None",
     "max_tokens": "int output cap, or None for the provider default",
     "reasoning_strategies": "how past reasoning is sent back (list), or None for the default",
+    "tool_prompting": "'xml': tools described in the system prompt, no tools field; or None",
+    "tool_result_format": "'tool' (tool role) or 'user_xml' (<tool_response> in a user "
+                          "message); None: 'user_xml' with tool_prompting, else 'tool'",
 }
 HOOKS = ("configure_llm_middlewares", "configure_tool_middlewares")
 LIVE_STATUSES = ("queued", "running")
@@ -81,6 +84,8 @@ class Agent:
     reasoning_effort: Any = None
     max_tokens: Any = None
     reasoning_strategies: Any = None
+    tool_prompting: Any = None
+    tool_result_format: Any = None
 
     #: The stable registry name, stored on every loop of this agent.
     agent_name: ClassVar[str | None] = None
@@ -162,6 +167,21 @@ class Agent:
             raise AgentDefinitionError(
                 f"agent {name!r}: reasoning_effort {effort!r} is not understood by the "
                 f"{dialect} dialect; use 'low', 'medium' or 'high' (or None)"
+            )
+        from .llm.tool_text import PROMPTING, RESULT_FORMATS
+
+        prompting = self.option("tool_prompting")
+        if prompting is not None and prompting not in PROMPTING:
+            raise AgentDefinitionError(
+                f"agent {name!r}: tool_prompting must be None (tools in the request's tools "
+                f"field) or 'xml' (tools described in the system prompt), got {prompting!r}"
+            )
+        results = self.option("tool_result_format")
+        if results is not None and results not in RESULT_FORMATS:
+            raise AgentDefinitionError(
+                f"agent {name!r}: tool_result_format must be None, 'tool' (a tool role "
+                f"message) or 'user_xml' (a <tool_response> block in a user message), "
+                f"got {results!r}"
             )
         params = self.option("llm_params")
         if params is not None and not isinstance(params, dict):

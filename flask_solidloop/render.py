@@ -57,6 +57,32 @@ def _clock(moment: datetime) -> str:
     return moment.astimezone(UTC).strftime("%H:%M:%S UTC")
 
 
+def _timing(message: Message) -> str | None:
+    """The turn's timing and output tokens; for a turn still streaming, the tokens
+    so far, estimated from its partial text."""
+    if message.role != "assistant":
+        return None
+    if message.status == "processing":
+        chars = len(message.content or "") + len(message.reasoning or "")
+        if not chars:
+            return None
+        return (f"    streaming: ~{(chars + 3) // 4} output tokens so far "
+                "(estimate: characters / 4)")
+    metrics = (message.meta or {}).get("metrics") or {}
+    pieces = []
+    for key, label in (("ttft_ms", "first token"), ("thinking_ms", "thinking"),
+                       ("duration_ms", "total")):
+        if metrics.get(key) is not None:
+            pieces.append(f"{label} {metrics[key]:.0f} ms")
+    if metrics.get("output_tokens"):
+        estimated = metrics.get("output_tokens_estimated")
+        pieces.append(f"{'~' if estimated else ''}{metrics['output_tokens']} output tokens"
+                      + (" (estimate: the server sent no usage)" if estimated else ""))
+    if metrics.get("output_tokens_per_s"):
+        pieces.append(f"{metrics['output_tokens_per_s']} tokens/s")
+    return f"    timing: {', '.join(pieces)}" if pieces else None
+
+
 def describe_call_state(state: ToolCallState) -> str:
     """``running on host:42 until 12:00:03 UTC``, ``queued``, ``answered`` ..."""
     if state.state in ("running", "stalled") and state.leased_until is not None:
@@ -91,6 +117,9 @@ def format_message(
             line += (f"; estimated ~{estimate.get('input_tokens')} in / "
                      f"~{estimate.get('output_tokens')} out, not billed")
         parts.append(line)
+    timing = _timing(message)
+    if timing:
+        parts.append(timing)
     own_calls = sorted((c for c in calls.values() if c.message_id == message.id),
                        key=lambda c: c.position)
     for call in own_calls:

@@ -278,6 +278,48 @@ class CanaryAgent(Agent):
         return [{"name": "remote", "url": url, "timeout": 10}] if url else []
 
 
+# -- issue 16: tools for models without native tool calling ---------------------------
+# The model writes its calls as text (<tool_call> blocks); ToolCallXmlParser turns them
+# into real calls before the canonical write.
+
+
+class XmlToolsAgent(Agent):
+    """Tools sent natively; the server hands the model's <tool_call> text back as is."""
+
+    system_prompt = "You write tool calls as text."
+    mcps = [{"name": "calc", "toolset": calc}]
+
+    def llm(self) -> dict:
+        return llm_settings()
+
+    def configure_llm_middlewares(self, builder) -> None:
+        from flask_solidloop.pipeline.llm_stack import ResponseParsing
+        from flask_solidloop.pipeline.xml_tools import ToolCallXmlParser
+
+        builder.insert_before(ResponseParsing, ToolCallXmlParser)
+
+
+solidloop.agent("xml_tools")(XmlToolsAgent)
+
+
+@solidloop.agent("xml_tools_streaming")
+class XmlToolsStreamingAgent(XmlToolsAgent):
+    streaming = True
+
+
+@solidloop.agent("xml_prompted")
+class XmlPromptedAgent(XmlToolsAgent):
+    """A server with no tool support: tools in the system prompt, results as
+    <tool_response> blocks in user messages (the default with tool_prompting)."""
+
+    tool_prompting = "xml"
+
+
+@solidloop.agent("xml_prompted_streaming")
+class XmlPromptedStreamingAgent(XmlPromptedAgent):
+    streaming = True
+
+
 def create_app(**config) -> Flask:
     import json
 

@@ -50,9 +50,11 @@ def post_stream(
     on_delta: Callable[[StreamDelta], None] | None = None,
     retry_after_from_body: Callable[[Any], float | None] | None = None,
     client: httpx.Client | None = None,
-) -> tuple[AssistantTurn, WireRecord, dict[str, float]]:
+) -> tuple[AssistantTurn, WireRecord, dict[str, Any]]:
     """Stream one response; return the assembled turn, the wire record and metrics
-    (``ttft_ms``, ``duration_ms``, ``output_tokens_per_s`` of the attempt that answered)."""
+    (``ttft_ms``, ``thinking_ms``, ``duration_ms``, ``output_tokens`` (labelled
+    ``output_tokens_estimated`` when the server sent no usage), ``output_tokens_per_s``
+    of the attempt that answered)."""
     send = Send(url, payload, headers=headers, params=params, read_timeout=read_timeout,
                 connect_timeout=connect_timeout, policy=policy, secrets=secrets,
                 should_abort=should_abort, client=client,
@@ -60,6 +62,13 @@ def post_stream(
     turn, metrics = send.run(
         lambda attempt: _stream_attempt(send, attempt, make_aggregator(), on_delta))
     return turn, send.record, metrics
+
+
+def estimate_output_tokens(turn: AssistantTurn) -> int:
+    """Characters / 4 of everything the answer produced: text, reasoning, tool calls."""
+    chars = len(turn.content or "") + len(turn.reasoning or "") + sum(
+        len(call.name) + len(call.arguments_raw or "") for call in turn.tool_calls)
+    return (chars + 3) // 4
 
 
 def _empty_stream(send: Send, attempt: Attempt, status: int, received: int) -> None:
@@ -82,11 +91,17 @@ def _empty_stream(send: Send, attempt: Attempt, status: int, received: int) -> N
 def _stream_attempt(
     send: Send, attempt: Attempt, aggregator: StreamAggregator,
     on_delta: Callable[[StreamDelta], None] | None,
-) -> tuple[AssistantTurn, dict[str, float]]:
+) -> tuple[AssistantTurn, dict[str, Any]]:
     """One attempt: open the stream, feed every event to ``aggregator``, hand the
     visible text to ``on_delta``; the assembled turn and the attempt's metrics."""
     should_abort = send.should_abort
     first_delta_at: float | None = None
+    # Thinking time: from the first reasoning piece to the first answer piece, for
+    # every reasoning shape the dialects hand over as StreamDelta.reasoning
+    # (reasoning_content / reasoning fields, a leading <think>, Anthropic thinking
+    # blocks, Gemini thought parts).
+    first_reasoning_at: float | None = None
+    first_answer_at: float | None = None
     received = 0
     with send.http.stream("POST", send.url, json=send.payload, headers=send.headers,
                           params=send.params, timeout=send.timeout) as response:
@@ -109,8 +124,13 @@ def _stream_attempt(
                 attempt.events += 1
                 delta = aggregator.feed(event)
                 if delta:
+                    now = time.monotonic()
                     if first_delta_at is None:
-                        first_delta_at = time.monotonic()
+                        first_delta_at = now
+                    if delta.reasoning and first_reasoning_at is None:
+                        first_reasoning_at = now
+                    if delta.content and first_answer_at is None:
+                        first_answer_at = now
                     attempt.handed = True  # the latch: from here on, never retried
                     if on_delta is not None:
                         on_delta(delta)
@@ -123,9 +143,22 @@ def _stream_attempt(
     duration = time.monotonic() - attempt.started
     ttft = (first_delta_at - attempt.started) if first_delta_at else duration
     output = turn.usage.output_tokens if turn.usage else 0
+    estimated = not output
+    if estimated:
+        # No usage from the server (llama-cpp-python ignores include_usage): the
+        # same characters / 4 estimate the turn's usage_estimate uses, labelled.
+        output = estimate_output_tokens(turn)
     generation = max(duration - ttft, 1e-6)
-    metrics = {"ttft_ms": round(ttft * 1000, 1), "duration_ms": round(duration * 1000, 1),
-               "output_tokens_per_s": round(output / generation, 1) if output else 0.0}
+    metrics: dict[str, Any] = {
+        "ttft_ms": round(ttft * 1000, 1), "duration_ms": round(duration * 1000, 1),
+        "output_tokens": output,
+        "output_tokens_per_s": round(output / generation, 1) if output else 0.0}
+    if estimated:
+        metrics["output_tokens_estimated"] = True
+    if first_reasoning_at is not None:
+        # An answer that only called tools after thinking: its thinking ran to the end.
+        end = first_answer_at if first_answer_at is not None else attempt.started + duration
+        metrics["thinking_ms"] = round(max(end - first_reasoning_at, 0.0) * 1000, 1)
     attempt.entry.update(duration_ms=round(duration * 1000, 1), events=attempt.events,
                          bytes=received)
     send.record.response_body = {

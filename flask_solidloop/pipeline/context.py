@@ -66,8 +66,9 @@ class LlmContext(TurnContext):
     shell_id: int | None = None
     response: AssistantTurn | None = None
     wire: WireRecord | None = None
-    #: ttft_ms (streaming), duration_ms, output_tokens_per_s of the answering attempt.
-    metrics: dict[str, float] = field(default_factory=dict)
+    #: ttft_ms, thinking_ms, output_tokens (+ output_tokens_estimated) when streaming;
+    #: duration_ms, output_tokens_per_s of the answering attempt.
+    metrics: dict[str, Any] = field(default_factory=dict)
     #: What this request spent on earlier reasoning (see llm/reasoning.py).
     reasoning_carried: dict[str, int] = field(default_factory=dict)
     message: Message | None = None

@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from ..errors import AbortedError, LimitExceededError, LostLeaseError, ProviderError
-from ..llm import pricing, reasoning
+from ..llm import pricing, reasoning, tool_text
 from ..llm.client import RetryPolicy, post_json
 from ..llm.dialect import RenderOptions, StreamDelta
 from ..llm.redact import is_secret_header, redact_secrets
@@ -132,10 +132,17 @@ class NetworkCalling:
                                                   settings.dialect, settings.base_url)
         ctx.extras["reasoning_strategies"] = strategies
         streaming = bool(ctx.agent.option("streaming"))
+        # Tools as text for servers without tool calling (see llm/tool_text.py):
+        # in the system prompt instead of ``tools``, past calls and results as text.
+        prompting = ctx.agent.option("tool_prompting")
+        history, tools = tool_text.prepare_request(
+            ctx.history, ctx.tools.definitions() if ctx.tools else [], prompting=prompting,
+            result_format=tool_text.result_format(ctx.agent.option("tool_result_format"),
+                                                  prompting))
         rendered = dialect.render(
             settings,
-            ctx.history,
-            ctx.tools.definitions() if ctx.tools else [],
+            history,
+            tools,
             RenderOptions(
                 stream=streaming,
                 llm_params=ctx.agent.option("llm_params"),
@@ -144,9 +151,9 @@ class NetworkCalling:
                 reasoning_strategies=strategies,
             ),
         )
-        ctx.reasoning_carried = reasoning.carried(ctx.history, {
+        ctx.reasoning_carried = reasoning.carried(history, {
             index: reasoning.plan(message, strategies, dialect.name)
-            for index, message in enumerate(ctx.history) if message.role == "assistant"
+            for index, message in enumerate(history) if message.role == "assistant"
         })
         api_key = settings.resolve_api_key()
         headers = {"Content-Type": "application/json", **rendered.headers, **settings.headers,
@@ -175,6 +182,7 @@ class NetworkCalling:
         started = time.monotonic()
         try:
             if streaming:
+                ctx.extras["tool_text"] = _parses_tool_text(ctx)
                 partial = ctx.extras["partial"] = PartialWriter(ctx)
                 ctx.response, ctx.wire, ctx.metrics = post_stream(
                     url, rendered.payload, make_aggregator=dialect.aggregator,
@@ -242,6 +250,9 @@ class PartialWriter:
         self.content: list[str] = []
         self.reasoning: list[str] = []
         self.last_write = time.monotonic()
+        #: Tool calls written as text are the parser's, not the reader's: an observer
+        #: never sees their markup, not even half a tag.
+        self.text_filter = tool_text.visible_text if ctx.extras.get("tool_text") else None
 
     def _interval(self) -> float:
         # An observed loop (someone watches it in the admin) flushes at
@@ -264,9 +275,19 @@ class PartialWriter:
         if ctx.lease is not None and ctx.lease.lost():
             return
         assert ctx.shell_id is not None
-        store.record_partial(ctx.session, ctx.shell_id, "".join(self.content),
+        content = "".join(self.content)
+        if self.text_filter is not None:
+            content = self.text_filter(content)
+        store.record_partial(ctx.session, ctx.shell_id, content,
                              "".join(self.reasoning) or None)
         self.interval = self._interval()  # observing may start or stop mid-turn
+
+
+def _parses_tool_text(ctx: LlmContext) -> bool:
+    from .stacks import llm_stack  # stacks imports this module
+    from .xml_tools import parses_tool_text
+
+    return parses_tool_text(ctx.agent, llm_stack(ctx.state, ctx.agent).middlewares)
 
 
 def _check_lease(ctx: LlmContext) -> None:

@@ -65,6 +65,13 @@ Anthropic Messages outside Anthropic's request schema (unknown keys, block types
 requests outside the REST ``GenerateContentRequest``, with no unknown key in any
 ``Schema`` (``$defs``, ``$ref``). Each refusal is shaped like the server's own error.
 
+Tool support (``LLMEmulator(tool_support=...)``), for servers whose chat format has no
+tools: ``"native"`` (the default); ``"reject"`` answers any request carrying ``tools`` (or
+``tool_choice`` / ``toolConfig``) with HTTP 400 "... does not support tools", as Ollama does
+for such a model; ``"drop"`` discards those fields before scripts and the offline model see
+the request, as llama-cpp-python's chat formats without tool support do (the recorded
+request keeps them).
+
 Reply keys for the edge cases: ``refusal`` (OpenAI ``message.refusal`` / ``delta.refusal``;
 Anthropic a text block and ``stop_reason: "refusal"``), ``continuation_token`` (Gemini:
 the candidate's ``continuationToken``, with ``finish_reason: "CONTINUATION"``).
@@ -206,6 +213,9 @@ _FAULT_OPTIONS: dict[str, dict[str, Any]] = {
     "context_overflow": {},
 }
 _STATUS_KINDS = frozenset({"status", "retry_info"})
+_TOOL_SUPPORT = ("native", "reject", "drop")
+#: The request fields that carry tool definitions or tool choice, in all three dialects.
+_TOOL_FIELDS = ("tools", "tool_choice", "toolConfig", "parallel_tool_calls")
 _MALFORMED_DEFAULT = '{"choices": [{"delta": {"content": "unterminated'
 
 
@@ -769,6 +779,7 @@ class LLMEmulator(LocalServer[RecordedRequest]):
         api_key: str | None = None,
         offline_model: bool = False,
         strict: bool = False,
+        tool_support: str = "native",
     ) -> None:
         self.host = host
         self.port = port
@@ -776,6 +787,13 @@ class LLMEmulator(LocalServer[RecordedRequest]):
         self.offline_model = offline_model
         #: Refuse what real servers refuse (see the module docstring, "Strict mode").
         self.strict = strict
+        if tool_support not in _TOOL_SUPPORT:
+            raise ValueError(f"tool_support must be one of {', '.join(_TOOL_SUPPORT)}, "
+                             f"got {tool_support!r}")
+        #: "native"; "reject": a request with tools gets a 400, like Ollama for a model
+        #: without tool support; "drop": the tool fields are silently discarded before
+        #: scripts see the request, like llama-cpp-python's chat formats without tools.
+        self.tool_support = tool_support
         self._lock = threading.Lock()
         self._scripts: list[_Script] = []
         self._faults: list[_Fault] = []
@@ -959,6 +977,15 @@ class LLMEmulator(LocalServer[RecordedRequest]):
             refused = _strict_check(dialect, parsed)
             if refused is not None:
                 return refused
+        sent_tools = [key for key in _TOOL_FIELDS if parsed.get(key)]
+        if sent_tools and self.tool_support == "reject":
+            name = model or parsed.get("model") or "model"
+            return _dialect_error(
+                dialect, 400, f"registry.ollama.ai/library/{name} does not support tools",
+                code="tools_not_supported", param=sent_tools[0])
+        if sent_tools and self.tool_support == "drop":
+            # The recorded request keeps what was sent; the "model" never sees the tools.
+            parsed = {key: value for key, value in parsed.items() if key not in _TOOL_FIELDS}
         if dialect == GEMINI:
             stream = gemini_method == "streamGenerateContent"
             sse = "sse" in params.get("alt", [])
