@@ -182,7 +182,8 @@ class NetworkCalling:
         started = time.monotonic()
         try:
             if streaming:
-                ctx.extras["tool_text"] = _parses_tool_text(ctx)
+                if "tool_text" not in ctx.extras:  # the runtime sets it when it builds the stack
+                    ctx.extras["tool_text"] = _parses_tool_text(ctx)
                 partial = ctx.extras["partial"] = PartialWriter(ctx)
                 ctx.response, ctx.wire, ctx.metrics = post_stream(
                     url, rendered.payload, make_aggregator=dialect.aggregator,

@@ -26,6 +26,7 @@ from ..loops import queries, store
 from ..loops.fence import owns
 from ..pipeline.context import LlmContext, ToolContext
 from ..pipeline.stacks import llm_stack, tool_stack
+from ..pipeline.xml_tools import parses_tool_text
 from ..state import SolidLoopState
 
 logger = logging.getLogger("flask_solidloop.turns")
@@ -74,7 +75,10 @@ def run_llm_turn(state: SolidLoopState, loop_id: int) -> None:
             loop_id, token, lease_seconds=lease,
             ceiling_seconds=max_duration + state.config.lease_leak_grace,
         )
-        llm_stack(state, agent).build()(ctx)
+        builder = llm_stack(state, agent)
+        # Answers carrying tool calls as text: partials hide their markup.
+        ctx.extras["tool_text"] = parses_tool_text(agent, builder.middlewares)
+        builder.build()(ctx)
 
     try:
         _guarded(ctx, run, f"llm_turn: loop {loop_id}",
