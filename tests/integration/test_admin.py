@@ -4,10 +4,11 @@ keyset pages, actions, bulk actions and the SSE stream's resume."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from flask_solidloop.loops import store
 from flask_solidloop.models import Loop, Message
@@ -341,3 +342,50 @@ def test_waiting_streams_hold_no_connection_and_share_one_listen(app, session):
     for t in streams:
         t.join(10)
     assert len(bodies) == 5 and all(b.startswith(b"retry: ") for b in bodies)
+
+
+def _register_worker(session, identity, *, queues=("solidloop_llm",), threads=4,
+                     silent=0.0, stopped=False):
+    from flask_solidloop.queue import sql as qsql
+
+    conn = session.connection().connection
+    host, pid = identity.rsplit(":", 1)
+    with conn.cursor() as cur:
+        cur.execute(qsql.WORKER_REGISTER, {"identity": identity, "host": host, "pid": int(pid),
+                                           "queues": json.dumps(list(queues)),
+                                           "threads": threads})
+        cur.execute("UPDATE solidloop_workers SET last_seen_at = now() - make_interval("
+                    "secs => %s), stopped_at = CASE WHEN %s THEN now() END "
+                    "WHERE identity = %s", (silent, stopped, identity))
+    session.commit()
+
+
+def test_workers_page_shows_live_lost_and_stopped_workers_and_what_they_hold(session, client):
+    held = Assistant.start(message="held")
+    idle = Assistant.start(message="idle")
+    _register_worker(session, "alpha:101", queues=("solidloop_llm", "solidloop_tools"))
+    _register_worker(session, "beta:202", silent=600)     # heartbeat silent: lost
+    _register_worker(session, "gamma:303", stopped=True)  # clean shutdown
+    _register_worker(session, "old:404", silent=7200)     # gone longer than an hour
+    session.execute(text("UPDATE solidloop_loops SET status = 'running', lease_holder = "
+                         "'alpha:101' WHERE id = :id"), {"id": held.id})
+    session.commit()
+    html = client.get("/admin/workers").get_data(as_text=True)
+    rows = dict(re.findall(r'<tr data-worker="([^"]+)">(.*?)</tr>', html, re.S))
+    assert set(rows) == {"alpha:101", "beta:202", "gamma:303"}
+    assert "status-live" in rows["alpha:101"] and "solidloop_llm, solidloop_tools" in rows[
+        "alpha:101"]
+    assert f'href="/admin/loops/{held.id}">{held.id}</a>' in rows["alpha:101"]
+    assert f"/admin/loops/{idle.id}\"" not in html
+    assert "status-lost" in rows["beta:202"] and "status-stopped" in rows["gamma:303"]
+    assert "old:404" in client.get("/admin/workers?recent=86400").get_data(as_text=True)
+    assert 'href="/admin/workers"' in html  # in the navigation
+    dashboard = client.get("/admin/").get_data(as_text=True)
+    assert re.search(r'id="live-workers">1</a>', dashboard)
+    assert "alpha:101</th><td class=\"num\">1 loops, 0 tool calls" in dashboard
+
+
+def test_workers_page_without_workers_says_how_to_start_one(client):
+    html = client.get("/admin/workers").get_data(as_text=True)
+    assert "no workers registered" in html
+    assert re.search(r'id="live-workers">0</a>', client.get("/admin/").get_data(as_text=True))
