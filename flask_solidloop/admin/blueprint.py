@@ -48,6 +48,7 @@ NAV: list[tuple[str, str]] = [
     ("loops", "Loops"),
     ("jobs", "Jobs"),
     ("workers", "Workers"),
+    ("inbound", "Inbound MCP"),
 ]
 #: How far back the Workers page shows stopped and lost workers by default (s).
 WORKERS_RECENT = 3600.0
@@ -371,6 +372,20 @@ def create_blueprint(*, authorize: security.Authorize | None,
         return render_template("solidloop/admin/workers.html", rows=rows, recent=recent,
                                interval=interval,
                                states={w.identity: w.state(interval) for w in rows})
+
+    @bp.get("/inbound")
+    def inbound() -> Any:
+        session = state().db.session
+        sid = request.args.get("session") or None
+        before = request.args.get("before", type=int)
+        reqs = queries.inbound_requests(session, limit=page_size + 1, session_id=sid,
+                                        before_id=before)
+        more = len(reqs) > page_size
+        reqs = reqs[:page_size]
+        sessions = queries.inbound_sessions(session, limit=page_size)
+        return render_template("solidloop/admin/inbound.html", sessions=sessions,
+                               requests=reqs, sid=sid,
+                               next_before=reqs[-1].id if more and reqs else None)
 
     return bp
 

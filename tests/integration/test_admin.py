@@ -389,3 +389,29 @@ def test_workers_page_without_workers_says_how_to_start_one(client):
     html = client.get("/admin/workers").get_data(as_text=True)
     assert "no workers registered" in html
     assert re.search(r'id="live-workers">0</a>', client.get("/admin/").get_data(as_text=True))
+
+
+def test_inbound_mcp_page_lists_sessions_and_their_requests_newest_first(app, session):
+    app.config["SOLIDLOOP_ADMIN_TRUSTED_ORIGINS"] = ()
+    c = mount(app, page_size=2)
+    store.create_inbound_session(session, session_id="sess-a" + "x" * 20, server_name="orders",
+                                 principal_label=XSS, protocol_version="2025-06-18",
+                                 client_info={"name": "probe", "version": "1.0"})
+    store.record_inbound_events(session, [
+        {"payload": {"server": "orders", "method": f"tools/call-{i}", "principal": XSS,
+                     "session_id": "sess-a" + "x" * 20,
+                     "headers": {"authorization": "[redacted]"}},
+         "status_code": 200, "duration_ms": 3.0, "error": None} for i in range(3)
+    ] + [{"payload": {"server": "orders", "method": "tools/list", "session_id": "other"},
+          "status_code": 200, "duration_ms": 1.0, "error": None}], body_limit=1000)
+    html = c.get("/admin/inbound").get_data(as_text=True)
+    assert 'href="/admin/inbound"' in html and "probe 1.0" in html and "2025-06-18" in html
+    assert XSS not in html and "&lt;script&gt;" in html
+    assert "[redacted]" in html
+    page = c.get("/admin/inbound?session=sess-a" + "x" * 20).get_data(as_text=True)
+    assert re.findall(r"<td>(tools/call-\d)</td>", page) == ["tools/call-2", "tools/call-1"]
+    assert "tools/list" not in page
+    older = re.search(r'id="older" href="([^"]+)"', page).group(1).replace("&amp;", "&")
+    rest = c.get(older).get_data(as_text=True)
+    assert re.findall(r"<td>(tools/call-\d)</td>", rest) == ["tools/call-0"]
+    assert 'id="older"' not in rest
