@@ -356,6 +356,8 @@ def create_blueprint(*, authorize: security.Authorize | None,
                 jobs_control.retry(broker, str(row_id))
             elif action == "cancel":
                 jobs_control.cancel(broker, str(row_id))
+            elif action == "discard":
+                jobs_control.discard(broker, row_id)
             else:
                 abort(404)
         except SolidLoopError as exc:

@@ -415,3 +415,23 @@ def test_inbound_mcp_page_lists_sessions_and_their_requests_newest_first(app, se
     rest = c.get(older).get_data(as_text=True)
     assert re.findall(r"<td>(tools/call-\d)</td>", rest) == ["tools/call-0"]
     assert 'id="older"' not in rest
+
+
+def test_discard_closes_a_dead_job_and_says_so(session, client):
+    session.execute(text(
+        "INSERT INTO solidloop_jobs (queue_name, actor_name, message_id, message, state, "
+        "attempts, last_error, finished_at) VALUES ('reports', 'build', gen_random_uuid(), "
+        "'{}', 'dead', 3, 'boom', now())"))
+    session.commit()
+    row_id = session.execute(text("SELECT id FROM solidloop_jobs")).scalar_one()
+    html = client.get("/admin/jobs").get_data(as_text=True)
+    assert f"/admin/jobs/{row_id}/discard" in html
+    response = client.post(f"/admin/jobs/{row_id}/discard", headers=SAME)
+    assert response.status_code == 303
+    page = client.get(response.headers["Location"]).get_data(as_text=True)
+    assert f"discard done for job row {row_id}." in page
+    state, error = session.execute(text("SELECT state, last_error FROM solidloop_jobs")).one()
+    assert state == "done" and error == "discarded; it had failed with: boom"
+    assert session.execute(text("SELECT count(*) FROM solidloop_jobs")).scalar_one() == 1
+    again = client.post(f"/admin/jobs/{row_id}/discard", headers=SAME)
+    assert again.status_code == 409 and b"only dead jobs can be discarded" in again.data
