@@ -1,5 +1,5 @@
 """The admin blueprint's views: dashboard, loops (list, page, live stream,
-actions, bulk actions) and jobs.
+actions, bulk actions), jobs and workers.
 
 Reads go through ``loops.queries`` (and ``jobs.control`` for job rows),
 changes through ``loops.control`` and ``jobs.control``: the admin writes no
@@ -33,6 +33,7 @@ from ..jobs import control as jobs_control
 from ..loops import control, queries
 from ..models import RESUMABLE_STATUSES, Loop
 from ..models.loop import ALL_STATUSES
+from ..queue.middleware.worker_registry import MISSED_BEATS, WorkerRow, list_workers
 from ..state import SolidLoopState, get_state
 from . import filters, format, live, security
 
@@ -41,13 +42,16 @@ logger = logging.getLogger("flask_solidloop.admin")
 #: A host hook: the subject's URL (str), or {"url": ..., "label": ...}, or None.
 SubjectResolver = Callable[[Loop], "str | dict[str, Any] | None"]
 
-#: The pages in the navigation, in order: (endpoint, label). Pages that land
-#: later (Workers, Inbound MCP) add an entry here and a view below.
+#: The pages in the navigation, in order: (endpoint, label).
 NAV: list[tuple[str, str]] = [
     ("dashboard", "Dashboard"),
     ("loops", "Loops"),
     ("jobs", "Jobs"),
+    ("workers", "Workers"),
+    ("inbound", "Inbound MCP"),
 ]
+#: How far back the Workers page shows stopped and lost workers by default (s).
+WORKERS_RECENT = 3600.0
 
 #: Single-loop actions: name -> (label, applies-when hint).
 ACTIONS = {
@@ -157,10 +161,22 @@ def create_blueprint(*, authorize: security.Authorize | None,
 
     # -- pages -----------------------------------------------------------------
 
+    def registry(recent: float) -> list[WorkerRow]:
+        # The read `flask solidloop workers` uses, on the request's session.
+        session = state().db.session
+        try:
+            return list_workers(session.connection().connection, recent=recent)
+        finally:
+            session.rollback()
+
     @bp.get("/")
     def dashboard() -> Any:
-        data = queries.dashboard(state().db.session)
-        return render_template("solidloop/admin/dashboard.html", d=data)
+        st = state()
+        data = queries.dashboard(st.db.session)
+        interval = st.config.worker_heartbeat
+        live_workers = [w for w in registry(interval * MISSED_BEATS) if w.state(interval) == "live"]
+        return render_template("solidloop/admin/dashboard.html", d=data,
+                               live_workers=live_workers)
 
     @bp.get("/loops")
     def loops() -> Any:
@@ -340,11 +356,38 @@ def create_blueprint(*, authorize: security.Authorize | None,
                 jobs_control.retry(broker, str(row_id))
             elif action == "cancel":
                 jobs_control.cancel(broker, str(row_id))
+            elif action == "discard":
+                jobs_control.discard(broker, row_id)
             else:
                 abort(404)
         except SolidLoopError as exc:
             return Response(f"{action}: {exc}\n", status=409, mimetype="text/plain")
         return redirect(url_for(".jobs", did=f"{action}:{row_id}"), 303)
+
+    @bp.get("/workers")
+    def workers() -> Any:
+        recent = request.args.get("recent", WORKERS_RECENT, type=float)
+        if recent is None or recent < 0:
+            recent = WORKERS_RECENT
+        rows = registry(recent)
+        interval = state().config.worker_heartbeat
+        return render_template("solidloop/admin/workers.html", rows=rows, recent=recent,
+                               interval=interval,
+                               states={w.identity: w.state(interval) for w in rows})
+
+    @bp.get("/inbound")
+    def inbound() -> Any:
+        session = state().db.session
+        sid = request.args.get("session") or None
+        before = request.args.get("before", type=int)
+        reqs = queries.inbound_requests(session, limit=page_size + 1, session_id=sid,
+                                        before_id=before)
+        more = len(reqs) > page_size
+        reqs = reqs[:page_size]
+        sessions = queries.inbound_sessions(session, limit=page_size)
+        return render_template("solidloop/admin/inbound.html", sessions=sessions,
+                               requests=reqs, sid=sid,
+                               next_before=reqs[-1].id if more and reqs else None)
 
     return bp
 

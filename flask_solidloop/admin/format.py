@@ -46,6 +46,15 @@ def duration_ms(value: Any) -> str:
     return f"{ms / 60_000:.1f} min"
 
 
+def seconds(value: Any) -> str:
+    """A span of seconds the way the CLI prints it: ``45s``, ``12m``, ``3h``, ``2d``."""
+    whole = max(0, int(float(value or 0)))
+    for size, unit in ((86400, "d"), (3600, "h"), (60, "m")):
+        if whole >= size:
+            return f"{whole // size}{unit}"
+    return f"{whole}s"
+
+
 def when(value: datetime | None) -> str:
     return "\u2013" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
 

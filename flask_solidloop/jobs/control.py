@@ -1,7 +1,7 @@
 """Operator commands on jobs, shared by ``Job``, the failed registry and the CLI.
 
 One place for each: list job rows, requeue a dead-lettered one (or an RQ job
-that failed), cancel a queued one. Requeue and cancel each run in one
+that failed), discard a dead-lettered one, cancel a queued one. Requeue and cancel each run in one
 transaction on the broker's pool: the dead row is locked, copied into a new
 delivery and closed together, so two operators requeueing at once produce one
 new delivery, not two.
@@ -118,6 +118,16 @@ def retry_failed(broker: PostgresBroker, queues: Sequence[str] = ()) -> list[int
                 continue
         done.append(row_id)
     return done
+
+
+def discard(broker: PostgresBroker, row_id: int) -> str:
+    """Discard one dead-lettered job row: it is closed and never retried."""
+    rows = broker._run(jobs_sql.DISCARD_DEAD, (row_id,))
+    if not rows:
+        raise InvalidJobError(f"job row {row_id} is not dead-lettered (or does not exist); "
+                              "only dead jobs can be discarded")
+    host = rows[0][0]
+    return f"job row {row_id} discarded" + (f" (job {host})" if host else "")
 
 
 def cancel_host_job(broker: PostgresBroker, job_id: str,

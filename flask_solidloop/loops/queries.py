@@ -537,3 +537,28 @@ def search_loops_bounded(session: SessionLike, search: LoopSearch, *, limit: int
         if time.monotonic() - started > budget_seconds and len(rows) < limit:
             return rows, (top if top > bottom else None)
     return rows, None
+
+
+def inbound_sessions(session: SessionLike, *, limit: int,
+                     before: tuple[datetime, str] | None = None) -> list[Any]:
+    """Outside MCP clients' sessions, newest first; keyset on (created_at, id)."""
+    from ..models import McpInboundSession as S
+
+    query = select(S)
+    if before is not None:
+        query = query.where(func.row(S.created_at, S.id) < func.row(*before))
+    return list(session.scalars(query.order_by(S.created_at.desc(), S.id.desc()).limit(limit)))
+
+
+def inbound_requests(session: SessionLike, *, limit: int, session_id: str | None = None,
+                     before_id: int | None = None) -> list[Any]:
+    """Inbound MCP requests (events of kind ``mcp_inbound``, redacted as stored),
+    newest first, optionally of one session; keyset on the event id."""
+    from ..models import Event
+
+    query = select(Event).where(Event.kind == "mcp_inbound")
+    if session_id is not None:
+        query = query.where(Event.payload["session_id"].astext == session_id)
+    if before_id is not None:
+        query = query.where(Event.id < before_id)
+    return list(session.scalars(query.order_by(Event.id.desc()).limit(limit)))

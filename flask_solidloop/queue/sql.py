@@ -221,6 +221,13 @@ DEAD_IDS = (
     "AND (%(queues)s::text[] IS NULL OR queue_name = ANY(%(queues)s)) "
     "AND NOT queue_name LIKE 'solidloop\\_%%' ORDER BY id"
 )
+#: Discard a dead-lettered row: closed (kept for history, pruned as done rows
+#: are), never requeued; returns its RQ job id, if any.
+DISCARD_DEAD = (
+    "UPDATE solidloop_jobs SET state = 'done', "
+    "last_error = 'discarded; it had failed with: ' || coalesce(last_error, '') "
+    "WHERE id = %s AND state = 'dead' RETURNING message->'options'->>'solidloop_job'"
+)
 CANCEL_QUEUED = (
     "UPDATE solidloop_jobs SET state = 'done', finished_at = now(), last_error = %s "
     "WHERE id = %s AND state = 'queued' RETURNING message->'options'->>'solidloop_job'"

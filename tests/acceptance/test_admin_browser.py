@@ -167,6 +167,12 @@ def test_pages_render_real_runs_and_stream_tokens_across_reconnects(
     assert "infra:http" in page.locator("#failures").inner_text()
     shot(page, "admin-dashboard", tmp_path)
 
+    page.goto(stack + "/admin/workers")  # the stack's real worker process, registered
+    assert page.locator("#workers tr[data-worker] .status-live").count() >= 1
+    page.goto(stack + "/admin/inbound")
+    assert page.locator("h1").inner_text() == "Inbound MCP"
+    assert page.locator("#inbound-sessions").count() == 1
+
     page.goto(stack + "/admin/loops")
     assert page.locator(f'tr[data-loop="{done.id}"]').count() == 1
     assert "Ada <script>" in page.locator(f'tr[data-loop="{done.id}"]').inner_text()

@@ -4,10 +4,11 @@ keyset pages, actions, bulk actions and the SSE stream's resume."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from flask_solidloop.loops import store
 from flask_solidloop.models import Loop, Message
@@ -347,3 +348,96 @@ def test_waiting_streams_hold_no_connection_and_share_one_listen(app, session):
     for t in streams:
         t.join(10)
     assert len(bodies) == 5 and all(b.startswith(b"retry: ") for b in bodies)
+
+
+def _register_worker(session, identity, *, queues=("solidloop_llm",), threads=4,
+                     silent=0.0, stopped=False):
+    from flask_solidloop.queue import sql as qsql
+
+    conn = session.connection().connection
+    host, pid = identity.rsplit(":", 1)
+    with conn.cursor() as cur:
+        cur.execute(qsql.WORKER_REGISTER, {"identity": identity, "host": host, "pid": int(pid),
+                                           "queues": json.dumps(list(queues)),
+                                           "threads": threads})
+        cur.execute("UPDATE solidloop_workers SET last_seen_at = now() - make_interval("
+                    "secs => %s), stopped_at = CASE WHEN %s THEN now() END "
+                    "WHERE identity = %s", (silent, stopped, identity))
+    session.commit()
+
+
+def test_workers_page_shows_live_lost_and_stopped_workers_and_what_they_hold(session, client):
+    held = Assistant.start(message="held")
+    idle = Assistant.start(message="idle")
+    _register_worker(session, "alpha:101", queues=("solidloop_llm", "solidloop_tools"))
+    _register_worker(session, "beta:202", silent=600)     # heartbeat silent: lost
+    _register_worker(session, "gamma:303", stopped=True)  # clean shutdown
+    _register_worker(session, "old:404", silent=7200)     # gone longer than an hour
+    session.execute(text("UPDATE solidloop_loops SET status = 'running', lease_holder = "
+                         "'alpha:101' WHERE id = :id"), {"id": held.id})
+    session.commit()
+    html = client.get("/admin/workers").get_data(as_text=True)
+    rows = dict(re.findall(r'<tr data-worker="([^"]+)">(.*?)</tr>', html, re.S))
+    assert set(rows) == {"alpha:101", "beta:202", "gamma:303"}
+    assert "status-live" in rows["alpha:101"] and "solidloop_llm, solidloop_tools" in rows[
+        "alpha:101"]
+    assert f'href="/admin/loops/{held.id}">{held.id}</a>' in rows["alpha:101"]
+    assert f"/admin/loops/{idle.id}\"" not in html
+    assert "status-lost" in rows["beta:202"] and "status-stopped" in rows["gamma:303"]
+    assert "old:404" in client.get("/admin/workers?recent=86400").get_data(as_text=True)
+    assert 'href="/admin/workers"' in html  # in the navigation
+    dashboard = client.get("/admin/").get_data(as_text=True)
+    assert re.search(r'id="live-workers">1</a>', dashboard)
+    assert "alpha:101</th><td class=\"num\">1 loops, 0 tool calls" in dashboard
+
+
+def test_workers_page_without_workers_says_how_to_start_one(client):
+    html = client.get("/admin/workers").get_data(as_text=True)
+    assert "no workers registered" in html
+    assert re.search(r'id="live-workers">0</a>', client.get("/admin/").get_data(as_text=True))
+
+
+def test_inbound_mcp_page_lists_sessions_and_their_requests_newest_first(app, session):
+    app.config["SOLIDLOOP_ADMIN_TRUSTED_ORIGINS"] = ()
+    c = mount(app, page_size=2)
+    store.create_inbound_session(session, session_id="sess-a" + "x" * 20, server_name="orders",
+                                 principal_label=XSS, protocol_version="2025-06-18",
+                                 client_info={"name": "probe", "version": "1.0"})
+    store.record_inbound_events(session, [
+        {"payload": {"server": "orders", "method": f"tools/call-{i}", "principal": XSS,
+                     "session_id": "sess-a" + "x" * 20,
+                     "headers": {"authorization": "[redacted]"}},
+         "status_code": 200, "duration_ms": 3.0, "error": None} for i in range(3)
+    ] + [{"payload": {"server": "orders", "method": "tools/list", "session_id": "other"},
+          "status_code": 200, "duration_ms": 1.0, "error": None}], body_limit=1000)
+    html = c.get("/admin/inbound").get_data(as_text=True)
+    assert 'href="/admin/inbound"' in html and "probe 1.0" in html and "2025-06-18" in html
+    assert XSS not in html and "&lt;script&gt;" in html
+    assert "[redacted]" in html
+    page = c.get("/admin/inbound?session=sess-a" + "x" * 20).get_data(as_text=True)
+    assert re.findall(r"<td>(tools/call-\d)</td>", page) == ["tools/call-2", "tools/call-1"]
+    assert "tools/list" not in page
+    older = re.search(r'id="older" href="([^"]+)"', page).group(1).replace("&amp;", "&")
+    rest = c.get(older).get_data(as_text=True)
+    assert re.findall(r"<td>(tools/call-\d)</td>", rest) == ["tools/call-0"]
+    assert 'id="older"' not in rest
+
+
+def test_discard_closes_a_dead_job_and_says_so(session, client):
+    session.execute(text(
+        "INSERT INTO solidloop_jobs (queue_name, actor_name, message_id, message, state, "
+        "attempts, last_error, finished_at) VALUES ('reports', 'build', gen_random_uuid(), "
+        "'{}', 'dead', 3, 'boom', now())"))
+    session.commit()
+    row_id = session.execute(text("SELECT id FROM solidloop_jobs")).scalar_one()
+    html = client.get("/admin/jobs").get_data(as_text=True)
+    assert f"/admin/jobs/{row_id}/discard" in html
+    response = client.post(f"/admin/jobs/{row_id}/discard", headers=SAME)
+    assert response.status_code == 303
+    page = client.get(response.headers["Location"]).get_data(as_text=True)
+    assert f"discard done for job row {row_id}." in page
+    state, error = session.execute(text("SELECT state, last_error FROM solidloop_jobs")).one()
+    assert state == "done" and error == "discarded; it had failed with: boom"
+    assert session.execute(text("SELECT count(*) FROM solidloop_jobs")).scalar_one() == 1
+    again = client.post(f"/admin/jobs/{row_id}/discard", headers=SAME)
+    assert again.status_code == 409 and b"only dead jobs can be discarded" in again.data
