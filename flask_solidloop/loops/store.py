@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, or_, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.orm import Session, scoped_session
 
 from .. import signals
 from .._typing import SessionLike
@@ -87,6 +88,25 @@ def _commit_with_job_done(session: SessionLike) -> None:
     session.commit()
     if marked:
         note_current_job_done()
+
+
+def _real(session: SessionLike) -> Session:
+    """The Session behind a scoped session (Flask-SQLAlchemy's ``db.session``)."""
+    return session() if isinstance(session, scoped_session) else session
+
+
+def _commit_keeping_objects(session: SessionLike) -> None:
+    """Commit without expiring the session's objects: after a commit of rows
+    this transaction locked and wrote, they hold what the database holds, and
+    reloading them would only cost a SELECT each (server-side defaults such as
+    ``updated_at`` are expired by the flush and still load on access)."""
+    real = _real(session)
+    before = real.expire_on_commit
+    real.expire_on_commit = False
+    try:
+        real.commit()
+    finally:
+        real.expire_on_commit = before
 
 
 def _requeue_for_llm(state: SolidLoopState, session: SessionLike, loop: Loop) -> None:
@@ -228,13 +248,35 @@ def fail_unclaimed(session: SessionLike, loop_id: int, error_message: str) -> No
         session.commit()
 
 
-def claim_llm_turn(session: SessionLike, loop_id: int, *, lease_seconds: float,
-                   ) -> uuid.UUID | None:
+@dataclass
+class LlmClaim:
+    """An LLM turn claimed in a transaction that is still open (see
+    :func:`start_llm_turn`): the row lock is held until :func:`commit_claim`."""
+
+    token: uuid.UUID
+    #: Seconds since this run's first claim, by the database clock.
+    run_elapsed_seconds: float
+    #: Whether the running job was marked done in the claim's transaction.
+    job_marked: bool
+    #: The session transaction the claim was made in; when the session is in
+    #: another one, someone committed or rolled the claim back meanwhile.
+    transaction: Any = None
+    committed: bool = False
+
+    def is_open(self, session: SessionLike) -> bool:
+        return not self.committed and _real(session).get_transaction() is self.transaction
+
+
+def start_llm_turn(session: SessionLike, loop_id: int, *, lease_seconds: float,
+                   ) -> LlmClaim | None:
     """queued → running under a fresh execution token and lease, with the job
-    marked done in the same commit. None when another claim won."""
+    marked done, in a transaction left open: the turn's initialization reads
+    and its shell join it, and :func:`commit_claim` commits them all at once.
+    The loop object in the session is refreshed from the claim (no reload).
+    None (rolled back) when another claim won."""
     token = uuid.uuid4()
     # Leases are stamped and compared with the database clock, never a worker's.
-    claimed = session.execute(
+    row = session.execute(
         update(Loop)
         .where(Loop.id == loop_id, Loop.status == "queued")
         .values(status="running", execution_token=token,
@@ -242,12 +284,40 @@ def claim_llm_turn(session: SessionLike, loop_id: int, *, lease_seconds: float,
                 lease_holder=worker_identity(),
                 started_at=func.coalesce(Loop.started_at, func.now()),
                 run_started_at=func.coalesce(Loop.run_started_at, func.now()))
-    ).rowcount  # type: ignore[attr-defined]
-    if not claimed:
+        .returning(Loop, func.extract("epoch", func.now() - Loop.run_started_at))
+        .execution_options(populate_existing=True, synchronize_session=False)
+    ).one_or_none()
+    if row is None:
         session.rollback()
         return None
-    _commit_with_job_done(session)
-    return token
+    marked = mark_current_job_done(session)
+    return LlmClaim(token=token, run_elapsed_seconds=float(row[1]), job_marked=marked,
+                    transaction=_real(session).get_transaction())
+
+
+def commit_claim(session: SessionLike, claim: LlmClaim) -> None:
+    """Commit the claim's transaction (the claim, the job done, whatever joined
+    it). Objects stay loaded: they hold what this transaction wrote."""
+    if claim.committed:
+        return
+    open_ = claim.is_open(session)
+    claim.committed = True
+    if not open_:
+        return  # committed (or rolled back) by someone else; the fence decides later
+    _commit_keeping_objects(session)
+    if claim.job_marked:
+        note_current_job_done()
+
+
+def claim_llm_turn(session: SessionLike, loop_id: int, *, lease_seconds: float,
+                   ) -> uuid.UUID | None:
+    """queued → running under a fresh execution token and lease, with the job
+    marked done, committed now. None when another claim won."""
+    claim = start_llm_turn(session, loop_id, lease_seconds=lease_seconds)
+    if claim is None:
+        return None
+    commit_claim(session, claim)
+    return claim.token
 
 
 def record_tool_snapshots(session: SessionLike, loop_id: int,
@@ -265,18 +335,27 @@ def record_tool_snapshots(session: SessionLike, loop_id: int,
         )
 
 
-def open_shell(session: SessionLike, loop_id: int, token: uuid.UUID) -> int:
-    """Insert the hidden ``processing`` assistant message a turn streams into."""
-    loop = lock_loop(session, loop_id)
-    if not owns(loop, token):
-        session.rollback()
-        raise LostLeaseError(f"loop {loop_id} changed hands before the request")
+def open_shell(session: SessionLike, loop_id: int, token: uuid.UUID,
+               claim: LlmClaim | None = None) -> int:
+    """Insert the hidden ``processing`` assistant message a turn streams into.
+
+    Inside the open transaction of ``claim`` (the row lock is held, the fence
+    cannot have moved) it joins that transaction and does not commit; otherwise
+    it locks the loop, checks the fence and commits.
+    """
+    in_claim = claim is not None and claim.is_open(session)
+    if not in_claim:
+        loop = lock_loop(session, loop_id)
+        if not owns(loop, token):
+            session.rollback()
+            raise LostLeaseError(f"loop {loop_id} changed hands before the request")
     shell = Message(loop_id=loop_id, role="assistant", status="processing", is_hidden=True,
                     content="")
     session.add(shell)
     session.flush()
     shell_id = shell.id  # read before the commit: afterwards it would reload
-    session.commit()
+    if not in_claim:
+        session.commit()
     return shell_id
 
 

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from ..leases import RenewerHandle
     from ..llm.client import WireRecord
     from ..llm.types import AssistantTurn, ChatMessage
+    from ..loops.store import LlmClaim
     from ..mcp.registry import ToolRegistry
     from ..mcp.toolset import ToolResult
     from ..models import Loop, Message, ToolCall
@@ -61,6 +62,11 @@ class LlmContext(TurnContext):
 
     tools: ToolRegistry | None = None
     history: list[ChatMessage] = field(default_factory=list)
+    #: The turn's claim while its transaction is open (the runtime claims
+    #: without committing; AgentInitialization commits the claim together with
+    #: the initialization reads and the shell). None when the claim was
+    #: committed before the stack ran.
+    claim: LlmClaim | None = None
     #: The renewer registration; ``lease.check()`` raises LostLeaseError once lost.
     lease: RenewerHandle | None = None
     shell_id: int | None = None

@@ -25,6 +25,9 @@ import logging
 import time
 from typing import Any
 
+import psycopg
+from sqlalchemy.exc import SQLAlchemyError
+
 from ..errors import AbortedError, LimitExceededError, LostLeaseError, ProviderError
 from ..llm import pricing, reasoning, tool_text
 from ..llm.client import RetryPolicy, post_json
@@ -79,6 +82,32 @@ class AgentInitialization:
         self.next_step = next_step
 
     def __call__(self, ctx: LlmContext) -> Any:
+        claim = ctx.claim
+        try:
+            self._initialize(ctx)
+            if claim is not None and isinstance(self.next_step, NetworkCalling):
+                # The shell joins the claim's transaction: one commit before the
+                # request holds the claim, the job done and the shell. With host
+                # middlewares in between (they may end the turn without a request)
+                # NetworkCalling opens it after them, in a commit of its own.
+                ctx.shell_id = store.open_shell(ctx.session, ctx.loop_id, ctx.execution_token,
+                                                claim)
+        except (SQLAlchemyError, psycopg.Error):
+            # The database failed: the claim rolls back with the transaction and
+            # its job stays claimed, so the broker retries it.
+            raise
+        except Exception:
+            # A limit, a broken tool definition: the claim commits first, so the
+            # outcome (paused, failed) is recorded on this turn's generation.
+            if claim is not None:
+                store.commit_claim(ctx.session, claim)
+            raise
+        if claim is not None:
+            store.commit_claim(ctx.session, claim)
+        ctx.session.commit()  # end the read transaction before the network call
+        return self.next_step(ctx)
+
+    def _initialize(self, ctx: LlmContext) -> None:
         loop = ctx.loop
         steps = loop.step_count - loop.run_step_base
         max_steps = ctx.agent.option("max_steps")
@@ -88,7 +117,8 @@ class AgentInitialization:
                 "resume() starts a new run"
             )
         max_duration = ctx.agent.effective_max_duration(ctx.state.config.default_max_duration)
-        elapsed = queries.run_elapsed_seconds(ctx.session, ctx.loop_id)
+        elapsed = (ctx.claim.run_elapsed_seconds if ctx.claim is not None
+                   else queries.run_elapsed_seconds(ctx.session, ctx.loop_id))
         if elapsed is not None and elapsed > max_duration:
             raise LimitExceededError(
                 f"max_duration reached ({int(elapsed)}s of {max_duration}s in this run); "
@@ -96,8 +126,6 @@ class AgentInitialization:
             )
         ctx.tools = _tools_with_snapshots(ctx)
         ctx.history = queries.history(ctx.session, ctx.loop_id)
-        ctx.session.commit()  # end the read transaction before the network call
-        return self.next_step(ctx)
 
 
 def _tools_with_snapshots(ctx: LlmContext) -> ToolRegistry:
@@ -107,8 +135,11 @@ def _tools_with_snapshots(ctx: LlmContext) -> ToolRegistry:
     briefly down fails only the calls made to it, not the turn."""
     entries = ctx.agent.tool_entries()
     # Only remote servers have snapshots: an in-process-only agent reads none.
-    remote = any(entry.get("toolset") is None for entry in entries)
+    remote = [str(entry["name"]) for entry in entries if entry.get("toolset") is None]
     snapshots = queries.tool_snapshots(ctx.session, ctx.loop_id) if remote else {}
+    if ctx.claim is not None and any(name not in snapshots for name in remote):
+        # Listing a server is a network call: never with the loop row locked.
+        store.commit_claim(ctx.session, ctx.claim)
     registry = ToolRegistry.build(entries, agent=str(ctx.agent.agent_name), snapshots=snapshots)
     if registry.new_snapshots:
         store.record_tool_snapshots(ctx.session, ctx.loop_id, registry.new_snapshots)
@@ -122,7 +153,8 @@ class NetworkCalling:
     def __call__(self, ctx: LlmContext) -> Any:
         settings = ctx.agent.provider()
         _check_lease(ctx)
-        ctx.shell_id = store.open_shell(ctx.session, ctx.loop_id, ctx.execution_token)
+        if ctx.shell_id is None:  # AgentInitialization opens it inside the claim
+            ctx.shell_id = store.open_shell(ctx.session, ctx.loop_id, ctx.execution_token)
 
         dialect = get_dialect(settings.dialect)
         # None means the default for this server (no reasoning field on OpenAI-

@@ -43,10 +43,11 @@ def _ids(state: SolidLoopState, kind: str, *, loop_id: int | None = None,
             ids["solidloop_agent"] = loop.agent_name if loop else None
     except Exception:
         logger.debug("job log: could not look up the ids of %s", kind, exc_info=True)
-    finally:
-        # End the read's transaction: the job's own work starts a fresh one.
         with contextlib.suppress(Exception):
             session.rollback()
+    # On success the read's transaction stays open: the turn's first reads are
+    # these same rows (the session's identity map has them), and its claim, a
+    # conditional UPDATE, joins the transaction without a second round trip.
     return ids
 
 

@@ -59,14 +59,18 @@ def run_llm_turn(state: SolidLoopState, loop_id: int) -> None:
         store.fail_unclaimed(session, loop_id, store.error_text(exc))
         return
 
-    token = store.claim_llm_turn(session, loop_id, lease_seconds=lease)
-    if token is None:
+    # The claim's transaction stays open: the stack's initialization (limits,
+    # tools, history) and the turn's shell join it, so the turn commits once
+    # before its request (AgentInitialization commits it; see LlmContext.claim).
+    claim = store.start_llm_turn(session, loop_id, lease_seconds=lease)
+    if claim is None:
         return
+    token = claim.token
 
     # From here the lease is renewed by this process's renewer until the turn ends.
     lease_handle = RenewerHandle(None, None)
     ctx = LlmContext(state=state, session=session, loop_id=loop_id, execution_token=token,
-                     agent=agent, lease=lease_handle)
+                     agent=agent, lease=lease_handle, claim=claim)
 
     def run() -> None:
         renewer = state.renewer()
@@ -85,6 +89,10 @@ def run_llm_turn(state: SolidLoopState, loop_id: int) -> None:
                  fail=lambda error: store.fail_turn(session, loop_id, token, error))
     finally:
         lease_handle.release()
+        # A stack that never reached AgentInitialization (a host middleware
+        # before it returned early) still commits the claim it inherited.
+        if claim.is_open(session):
+            store.commit_claim(session, claim)
 
 
 def _guarded(ctx: LlmContext | ToolContext, run: Callable[[], None], label: str, *,
