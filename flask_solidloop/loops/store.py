@@ -81,11 +81,16 @@ def _dispatch_tool_calls(state: SolidLoopState, session: SessionLike, loop_id: i
         state.dispatch.tool_call(session, call_id, token, loop_id=loop_id)
 
 
-def _commit_with_job_done(session: SessionLike) -> None:
+def _commit_with_job_done(session: SessionLike, *, keep_objects: bool = False) -> None:
     """Commit a claim together with its job marked done; once committed, tell the
-    worker, so its consumer skips the acknowledgement that would match nothing."""
+    worker, so its consumer skips the acknowledgement that would match nothing.
+    ``keep_objects``: the turn goes on with the rows it just locked and wrote,
+    so they are not expired (and reloaded) by the commit."""
     marked = mark_current_job_done(session)
-    session.commit()
+    if keep_objects:
+        _commit_keeping_objects(session)
+    else:
+        session.commit()
     if marked:
         note_current_job_done()
 
@@ -93,6 +98,15 @@ def _commit_with_job_done(session: SessionLike) -> None:
 def _real(session: SessionLike) -> Session:
     """The Session behind a scoped session (Flask-SQLAlchemy's ``db.session``)."""
     return session() if isinstance(session, scoped_session) else session
+
+
+def end_transaction(session: SessionLike) -> None:
+    """Commit the session's open transaction, if it has one (a turn ends its
+    reads before a network call or a tool run). Without one it does nothing:
+    a bare ``commit()`` would begin and commit an empty transaction and expire
+    every object the turn still uses."""
+    if _real(session).in_transaction():
+        session.commit()
 
 
 def _commit_keeping_objects(session: SessionLike) -> None:
@@ -354,6 +368,10 @@ def open_shell(session: SessionLike, loop_id: int, token: uuid.UUID,
     session.add(shell)
     session.flush()
     shell_id = shell.id  # read before the commit: afterwards it would reload
+    # The session holds its objects weakly: keep the shell for the turn's
+    # canonical write, which then finds it without a SELECT (when no commit or
+    # rollback has expired it meanwhile).
+    _real(session).info["solidloop_open_shell"] = shell
     if not in_claim:
         session.commit()
     return shell_id
@@ -448,17 +466,17 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
             for position, call in enumerate(calls)]
     session.add_all(rows)
     _wire_event(session, loop_id, shell.id, wire, body_limit=state.config.event_body_limit)
-    session.flush()
+    # Every loop change before the one flush: a single UPDATE of the loop row.
     loop.lease_holder = None
+    loop.lease_expires_at = None
     if not rows:
         loop.status = "completed"
         loop.execution_token = None
-        loop.lease_expires_at = None
         loop.finished_at = func.now()
         loop.error_message = None
-    else:
+    session.flush()
+    if rows:
         # Tool phase: the loop stays running under this generation; no LLM lease.
-        loop.lease_expires_at = None
         _dispatch_tool_calls(state, session, loop_id, token, [row.id for row in rows],
                              sequential=sequential)
     # Admin live stream (issue 15): the finalized turn, announced on commit.
@@ -541,7 +559,7 @@ def claim_tool_call(state: SolidLoopState, session: SessionLike, call: ToolCall,
             _commit_with_job_done(session)
             return ToolClaim.REDIRECTED, None
     if call.executed_at is not None:
-        _commit_with_job_done(session)
+        _commit_with_job_done(session, keep_objects=True)
         return ToolClaim.CONTINUATION, None
     loop = lock_loop(session, loop_id)
     if not owns(loop, token):
@@ -553,7 +571,7 @@ def claim_tool_call(state: SolidLoopState, session: SessionLike, call: ToolCall,
             session.rollback()
             return ToolClaim.LOST, None
         call.lease_holder = worker_identity()
-        _commit_with_job_done(session)
+        _commit_with_job_done(session, keep_objects=True)
         return ToolClaim.CLAIMED, reaper_lease_token
     candidate = uuid.uuid4()
     claimed = session.execute(
@@ -562,11 +580,14 @@ def claim_tool_call(state: SolidLoopState, session: SessionLike, call: ToolCall,
                or_(ToolCall.lease_token.is_(None), ToolCall.leased_until < func.now()))
         .values(lease_token=candidate, lease_holder=worker_identity(),
                 leased_until=func.now() + timedelta(seconds=lease_seconds))
-    ).rowcount  # type: ignore[attr-defined]
-    if not claimed:
+        # The call object is refreshed from the row: the tool runs from it.
+        .returning(ToolCall)
+        .execution_options(populate_existing=True, synchronize_session=False)
+    ).one_or_none()
+    if claimed is None:
         session.rollback()
         return ToolClaim.LOST, None
-    _commit_with_job_done(session)
+    _commit_with_job_done(session, keep_objects=True)
     return ToolClaim.CLAIMED, candidate
 
 
@@ -584,14 +605,61 @@ def checkpoint_tool_call(session: SessionLike, *, loop_id: int, token: uuid.UUID
     value as text; the call's metadata says which. The full result is kept on
     the call; the event keeps an excerpt past ``body_limit``.
     """
-    from ..mcp.toolset import ToolResult
+    _, call = _lock_for_checkpoint(session, loop_id, token, tool_call_id, lease_token)
+    canonical, notes = _canonical_result(call, result)
+    _record_result(session, call, canonical, notes, duration_ms, body_limit)
+    session.commit()
+    return call, canonical
 
+
+def checkpoint_and_answer_tool_call(
+    state: SolidLoopState, session: SessionLike, *, loop_id: int, token: uuid.UUID,
+    tool_call_id: int, lease_token: uuid.UUID | None, result: ToolResult,
+    duration_ms: float, body_limit: int, answer_text: Callable[[ToolResult], str],
+    sequential: bool,
+) -> tuple[ToolCall, ToolResult, bool]:
+    """:func:`checkpoint_tool_call` and :func:`answer_tool_call` in one commit,
+    for a tool stack with nothing between the two steps: the canonical result,
+    its event, the tool message (``answer_text`` renders it from the stored
+    result) and the successor job land together. A loop that is no longer
+    running (paused or stopped while the tool ran) gets the checkpoint alone,
+    as the two steps would have left it. Returns the call, the stored result
+    and whether the call was answered."""
+    loop, call = _lock_for_checkpoint(session, loop_id, token, tool_call_id, lease_token)
+    canonical, notes = _canonical_result(call, result)
+    answered = loop.status == "running" and call.response_message_id is None
+    if answered:
+        # The message first: its INSERT is flushed for its id while the call is
+        # still clean, so the call's result and its answer are one UPDATE.
+        message_id = _add_tool_message(session, loop.id, call, answer_text(canonical),
+                                       is_error=canonical.is_error)
+    _record_result(session, call, canonical, notes, duration_ms, body_limit)
+    if answered:
+        _release_and_continue(state, session, loop, call, message_id, sequential=sequential)
+    session.commit()
+    if answered:
+        signals.send(signals.tool_call_answered, loop_id=loop_id, tool_call_id=tool_call_id,
+                     is_error=canonical.is_error)
+    return call, canonical, answered
+
+
+def _lock_for_checkpoint(session: SessionLike, loop_id: int, token: uuid.UUID,
+                         tool_call_id: int, lease_token: uuid.UUID | None,
+                         ) -> tuple[Loop, ToolCall]:
     if lease_token is None:
         raise LostLeaseError(f"tool call {tool_call_id}: no lease to checkpoint under")
-    _, call = _lock_call(session, loop_id, token, tool_call_id, lease_token)
+    loop, call = _lock_call(session, loop_id, token, tool_call_id, lease_token)
     if call.executed_at is not None:  # someone else checkpointed first
         session.rollback()
         raise LostLeaseError(f"tool call {tool_call_id} was already executed")
+    return loop, call
+
+
+def _canonical_result(call: ToolCall, result: ToolResult
+                      ) -> tuple[ToolResult, dict[str, Any]]:
+    """The result as it will be stored, and the call's notes about what changed."""
+    from ..mcp.toolset import ToolResult
+
     stored, altered, unserializable = storable.json_value(result.to_mcp())
     notes: dict[str, Any] = dict(call.meta or {})
     if altered:
@@ -599,28 +667,32 @@ def checkpoint_tool_call(session: SessionLike, *, loop_id: int, token: uuid.UUID
     if unserializable:
         notes["unserializable"] = True
         logger.warning("tool call %s (%s): its result held values JSON cannot; they were "
-                       "stored as text", tool_call_id, call.name)
+                       "stored as text", call.id, call.name)
     canonical = ToolResult.from_mcp(stored) if isinstance(stored, dict) else ToolResult(
         content=[{"type": "text", "text": str(stored)}], is_error=result.is_error)
     canonical.error_kind = result.error_kind
+    return canonical, notes
+
+
+def _record_result(session: SessionLike, call: ToolCall, canonical: ToolResult,
+                   notes: dict[str, Any], duration_ms: float, body_limit: int) -> None:
+    """Set the call's canonical result and add its event (the caller commits)."""
     call.result = canonical.to_mcp()
-    call.is_success = not result.is_error
-    call.error_kind = result.error_kind
+    call.is_success = not canonical.is_error
+    call.error_kind = canonical.error_kind
     call.executed_at = func.now()
     call.duration_ms = duration_ms
     if notes:
         call.meta = notes
     session.add(Event(
-        loop_id=loop_id, tool_call_id=call.id, kind="tool_call", duration_ms=duration_ms,
-        error=canonical.text()[:MAX_EVENT_ERROR] if result.is_error else None,
+        loop_id=call.loop_id, tool_call_id=call.id, kind="tool_call", duration_ms=duration_ms,
+        error=canonical.text()[:MAX_EVENT_ERROR] if canonical.is_error else None,
         payload=_event_payload({
             "name": call.name, "server": call.server_name, "tool": call.tool_name,
             "arguments": call.arguments if call.arguments is not None else call.arguments_raw,
             "idempotency_key": call.idempotency_key, "result": call.result,
         }, body_limit),
     ))
-    session.commit()
-    return call, canonical
 
 
 def store_mcp_session_state(session: SessionLike, loop_id: int, server_name: str | None,
@@ -649,11 +721,29 @@ def answer_tool_call(state: SolidLoopState, session: SessionLike, *, loop_id: in
     if call.response_message_id is not None or loop.status != "running":
         session.rollback()
         return False
+    message_id = _add_tool_message(session, loop_id, call, content, is_error=is_error)
+    _release_and_continue(state, session, loop, call, message_id, sequential=sequential)
+    session.commit()
+    signals.send(signals.tool_call_answered, loop_id=loop_id, tool_call_id=tool_call_id,
+                 is_error=is_error)
+    return True
+
+
+def _add_tool_message(session: SessionLike, loop_id: int, call: ToolCall, content: str, *,
+                      is_error: bool) -> int:
     message = _message(loop_id, "tool", content, tool_call_id=call.id,
                        meta={"is_error": is_error, "tool_name": call.name})
     session.add(message)
     session.flush()
-    call.response_message_id = message.id
+    return message.id
+
+
+def _release_and_continue(state: SolidLoopState, session: SessionLike, loop: Loop,
+                          call: ToolCall, message_id: int, *, sequential: bool) -> None:
+    """The call answered by ``message_id``, its lease released, and the successor
+    job: the next LLM turn after the phase's last call (the next call, in
+    sequential mode). The caller holds both row locks and commits."""
+    call.response_message_id = message_id
     call.lease_token = None
     call.lease_holder = None
     call.leased_until = None
@@ -668,12 +758,8 @@ def answer_tool_call(state: SolidLoopState, session: SessionLike, *, loop_id: in
         # The loop's current generation: a resume may have rotated it while the
         # tool ran under its lease.
         assert loop.execution_token is not None
-        _dispatch_tool_calls(state, session, loop_id, loop.execution_token, remaining,
+        _dispatch_tool_calls(state, session, loop.id, loop.execution_token, remaining,
                              sequential=True)
-    session.commit()
-    signals.send(signals.tool_call_answered, loop_id=loop_id, tool_call_id=tool_call_id,
-                 is_error=is_error)
-    return True
 
 
 def fail_tool_call(session: SessionLike, *, loop_id: int, tool_call_id: int,
@@ -685,7 +771,10 @@ def fail_tool_call(session: SessionLike, *, loop_id: int, tool_call_id: int,
     if not owns(loop, token):
         session.rollback()
         return False
-    call = session.get(ToolCall, tool_call_id)
+    call = session.execute(
+        select(ToolCall).where(ToolCall.id == tool_call_id)
+        .execution_options(populate_existing=True)
+    ).scalar_one_or_none()
     if lease_token is not None and (call is None or call.lease_token != lease_token):
         session.rollback()
         return False

@@ -104,7 +104,7 @@ class AgentInitialization:
             raise
         if claim is not None:
             store.commit_claim(ctx.session, claim)
-        ctx.session.commit()  # end the read transaction before the network call
+        store.end_transaction(ctx.session)  # no transaction across the network call
         return self.next_step(ctx)
 
     def _initialize(self, ctx: LlmContext) -> None:
@@ -210,7 +210,7 @@ class NetworkCalling:
         url = settings.base_url + rendered.path
         # No transaction may stay open across the network call: it would pin a
         # connection, hold locks and trip idle_in_transaction_session_timeout.
-        ctx.session.commit()
+        store.end_transaction(ctx.session)
         started = time.monotonic()
         try:
             if streaming:

@@ -8,6 +8,12 @@
   when the turn's last call resolves, queues the next LLM turn in the same
   commit (in sequential mode it queues the next call instead).
 
+With nothing between the two (the default stack), ToolExecution hands the raw
+result on and ResponseCreation records the checkpoint and the answer in one
+commit (``store.checkpoint_and_answer_tool_call``): the same rows, one
+transaction fewer. A middleware in between sees the checkpointed result, as
+before, and the answer commits on its own.
+
 Host middlewares usually go between the two (audit, redaction) or before
 ToolExecution (authorization). One that *replaces* either must keep its fences.
 """
@@ -41,6 +47,11 @@ class ToolExecution:
             return self.next_step(ctx)
 
         result, duration_ms = self._run(ctx, call)
+        if isinstance(self.next_step, ResponseCreation):
+            # Nothing between the two steps: ResponseCreation records the result
+            # and its answer in one commit (see ResponseCreation.__call__).
+            ctx.extras["unrecorded_result"] = (result, duration_ms)
+            return self.next_step(ctx)
         # From here on the stored (storable) result is the canonical one.
         ctx.tool_call, ctx.result = store.checkpoint_tool_call(
             ctx.session, loop_id=ctx.loop_id, token=ctx.execution_token,
@@ -72,7 +83,7 @@ class ToolExecution:
             ctx.session.expunge(loop)
             # End the read transaction: a tool may run for minutes and must not
             # hold a snapshot or a connection's transaction open meanwhile.
-            ctx.session.commit()
+            store.end_transaction(ctx.session)
             call_ctx = CallContext(agent=ctx.agent, loop=loop, idempotency_key=key)
             try:
                 # The route was resolved when the model's answer was parsed: call that
@@ -102,21 +113,39 @@ class ResponseCreation:
         self.next_step = next_step
 
     def __call__(self, ctx: ToolContext) -> Any:
-        result = ctx.result
-        assert result is not None
         limit = ctx.state.config.tool_output_limit
-        text = result.text() or json.dumps(result.to_mcp().get("structuredContent") or "")
-        if len(text) > limit:
-            text = text[:limit] + f"\n[output truncated: {len(text)} characters, showing {limit}]"
-        # False for a duplicate delivery (already answered): nothing to do either way.
-        store.answer_tool_call(
-            ctx.state, ctx.session, loop_id=ctx.loop_id, token=ctx.execution_token,
-            tool_call_id=ctx.tool_call_id, lease_token=ctx.lease_token, content=text,
-            is_error=result.is_error,
-            sequential=bool(ctx.agent.option("sequential_tool_calls")),
-        )
+        sequential = bool(ctx.agent.option("sequential_tool_calls"))
+        unrecorded = ctx.extras.pop("unrecorded_result", None)
+        if unrecorded is not None:
+            # ToolExecution ran the tool and left its result to us: the checkpoint
+            # and the answer share one commit (the answer renders the stored result).
+            result, duration_ms = unrecorded
+            ctx.tool_call, ctx.result, _ = store.checkpoint_and_answer_tool_call(
+                ctx.state, ctx.session, loop_id=ctx.loop_id, token=ctx.execution_token,
+                tool_call_id=ctx.tool_call_id, lease_token=ctx.lease_token, result=result,
+                duration_ms=duration_ms, body_limit=ctx.state.config.event_body_limit,
+                answer_text=lambda stored: answer_text(stored, limit), sequential=sequential)
+        else:
+            result = ctx.result
+            assert result is not None
+            # False for a duplicate delivery (already answered): nothing to do either way.
+            store.answer_tool_call(
+                ctx.state, ctx.session, loop_id=ctx.loop_id, token=ctx.execution_token,
+                tool_call_id=ctx.tool_call_id, lease_token=ctx.lease_token,
+                content=answer_text(result, limit), is_error=result.is_error,
+                sequential=sequential,
+            )
         ctx.committed = True
         return self.next_step(ctx)
+
+
+def answer_text(result: ToolResult, limit: int) -> str:
+    """The tool message's text: the result's text (or its structured content as
+    JSON), cut at ``limit`` characters with a note saying so."""
+    text = result.text() or json.dumps(result.to_mcp().get("structuredContent") or "")
+    if len(text) > limit:
+        text = text[:limit] + f"\n[output truncated: {len(text)} characters, showing {limit}]"
+    return text
 
 
 DEFAULT_TOOL_STACK = (ToolExecution, ResponseCreation)

@@ -26,8 +26,10 @@ logger = logging.getLogger("flask_solidloop.jobs")
 
 
 def _ids(state: SolidLoopState, kind: str, *, loop_id: int | None = None,
-         tool_call_id: int | None = None) -> dict[str, Any]:
-    """The ids of a job's line; a failed lookup never fails the job."""
+         tool_call_id: int | None = None, keep: list[Any] | None = None) -> dict[str, Any]:
+    """The ids of a job's line; a failed lookup never fails the job. The rows read
+    are appended to ``keep``: the session's identity map holds objects weakly, and
+    the turn reads the same rows again right away."""
     ids: dict[str, Any] = {"solidloop_job": kind, "solidloop_loop_id": loop_id,
                            "solidloop_agent": None, "solidloop_tool_call_id": tool_call_id}
     job = current_job()
@@ -38,9 +40,13 @@ def _ids(state: SolidLoopState, kind: str, *, loop_id: int | None = None,
         if tool_call_id is not None:
             call = queries.get_tool_call(session, tool_call_id)
             ids["solidloop_loop_id"] = call.loop_id if call else None
+            if keep is not None:
+                keep.append(call)
         if ids["solidloop_loop_id"] is not None:
             loop = queries.get_loop(session, ids["solidloop_loop_id"])
             ids["solidloop_agent"] = loop.agent_name if loop else None
+            if keep is not None:
+                keep.append(loop)
     except Exception:
         logger.debug("job log: could not look up the ids of %s", kind, exc_info=True)
         with contextlib.suppress(Exception):
@@ -64,7 +70,8 @@ def _describe(ids: dict[str, Any]) -> str:
 def logged_job(state: SolidLoopState, kind: str, *, loop_id: int | None = None,
                tool_call_id: int | None = None) -> Iterator[None]:
     """Log the start and the end (with its duration) of the job run inside."""
-    ids = _ids(state, kind, loop_id=loop_id, tool_call_id=tool_call_id)
+    rows: list[Any] = []  # alive until the job ends (see _ids)
+    ids = _ids(state, kind, loop_id=loop_id, tool_call_id=tool_call_id, keep=rows)
     what = _describe(ids)
     attempt = ids.get("solidloop_attempt")
     logger.info("job start %s%s", what, f" attempt={attempt}" if attempt else "", extra=ids)
