@@ -214,10 +214,13 @@ def run_ours(emulator, script: Script, loops: int, prefix: str) -> Run:
     app = turns_app.create_app()
     env = dict(os.environ, FLASK_APP="turns_app:create_app()",
                PYTHONPATH=os.pathsep.join([str(BENCH), str(ROOT)]))
+    # SOLIDLOOP_BENCH_WORKER_LOG=<file>: keep the workers' log (to look into a slow run).
+    log_path = os.environ.get("SOLIDLOOP_BENCH_WORKER_LOG")
+    log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
     workers = subprocess.Popen(
         [sys.executable, "-m", "dramatiq", "flask_solidloop.worker", "--processes", "2",
-         "--threads", "4"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True)
+         "--threads", "4"], cwd=ROOT, env=env, stdout=log, stderr=log,
+        start_new_session=True)
     run = Run("ours")
     try:
         with app.app_context():

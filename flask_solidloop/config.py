@@ -214,6 +214,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("SOLIDLOOP_FIRST_TURN_MAX_WAIT", 30, _positive_int,
             "Continuation-first's starvation bound: a new loop's first turn (or a host job) "
             "waiting longer than this many seconds is claimed by age with the continuations."),
+    Setting("SOLIDLOOP_INLINE_CONTINUATION", True, _bool,
+            "The worker thread that commits a loop's turn claims and runs the loop's next "
+            "job itself (a tool call, the next LLM turn) instead of waking another consumer; "
+            "the job row and its recovery are unchanged. False: every job goes through a "
+            "consumer."),
+    Setting("SOLIDLOOP_INLINE_MAX_HOPS", 32, _positive_int,
+            "Jobs one worker thread runs inline after a delivered job before it hands the "
+            "loop's next job back to the queue (so a long loop yields its thread now and then)."),
     Setting("SOLIDLOOP_POLL_INTERVAL", 1.0, _positive_float,
             "Seconds a consumer waits for a NOTIFY before polling the job table anyway."),
     Setting("SOLIDLOOP_DATABASE_URL", None, lambda _k, v: v,
@@ -295,6 +303,8 @@ class Config:
     job_max_deliveries: int
     continuation_first: bool
     first_turn_max_wait: int
+    inline_continuation: bool
+    inline_max_hops: int
     poll_interval: float
     database_url: str | None
     event_retention: int | None

@@ -35,6 +35,16 @@ def set_current_job(job: CurrentJob | None) -> None:
     _local.committed_done = None
 
 
+def save_current_job() -> tuple[CurrentJob | None, int | None]:
+    """The thread's job and whether it committed it done, to restore after running
+    another job in the same thread (inline continuation)."""
+    return current_job(), getattr(_local, "committed_done", None)
+
+
+def restore_current_job(saved: tuple[CurrentJob | None, int | None]) -> None:
+    _local.job, _local.committed_done = saved
+
+
 def note_current_job_done() -> None:
     """The transaction that marked the running job done has committed: its row is
     ``done`` already, and the acknowledgement after the actor returns would

@@ -6,13 +6,26 @@ both commit together (invariant 1). Nothing here commits.
 
 from __future__ import annotations
 
+import threading
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import dramatiq
 
 from .._typing import SessionLike
 from .broker import PostgresBroker
+
+
+@dataclass(frozen=True)
+class Successor:
+    """A continuation enqueued without its wake-up, for this thread to run."""
+
+    queue_name: str
+    actor_name: str
+    message_id: str
+    loop_id: int
+    args: tuple[Any, ...]
 
 
 class Dispatcher:
@@ -24,6 +37,23 @@ class Dispatcher:
         self.actors = actors
         #: Mark the continuations of started loops, which workers claim first.
         self.continuation_first = continuation_first
+        self._local = threading.local()
+
+    # -- inline continuation (runtime/inline.py) ------------------------------
+
+    def capture(self) -> None:
+        """From now on, this thread's first continuation (a loop's tool call or
+        next LLM turn, due now) is written without its NOTIFY and kept for
+        :meth:`take_captured`: the thread runs it itself."""
+        self._local.capturing = True
+        self._local.captured = None
+
+    def take_captured(self) -> Successor | None:
+        """The captured continuation (once), and capturing stops."""
+        captured = getattr(self._local, "captured", None)
+        self._local.capturing = False
+        self._local.captured = None
+        return captured
 
     def _send(self, session: SessionLike, actor: dramatiq.Actor, args: tuple[Any, ...], *,
               loop_id: int | None = None, delay_ms: int | None = None,
@@ -32,7 +62,14 @@ class Dispatcher:
         if continuation and self.continuation_first:
             options["solidloop_continuation"] = True
         message = actor.message_with_options(args=args, **options)
-        self.broker.enqueue(message, delay=delay_ms, connection=session)
+        capture = (continuation and loop_id is not None and not delay_ms
+                   and getattr(self._local, "capturing", False)
+                   and self._local.captured is None)
+        self.broker.enqueue(message, delay=delay_ms, connection=session, notify=not capture)
+        if capture:
+            assert loop_id is not None
+            self._local.captured = Successor(message.queue_name, message.actor_name,
+                                             message.message_id, loop_id, tuple(args))
 
     def llm_turn(self, session: SessionLike, loop_id: int, *, delay_ms: int | None = None,
                  first: bool = False) -> None:

@@ -41,6 +41,27 @@ UPDATE solidloop_jobs AS j
  WHERE j.id = due.id
 RETURNING j.id, j.lease_token, j.message, j.attempts
 """
+#: Inline continuation (runtime/inline.py): the thread that committed a loop's
+#: turn claims that turn's successor by its message id, inside the transaction
+#: of the successor's own claim. SKIP LOCKED: a consumer mid-claim wins.
+CLAIM_INLINE = """
+UPDATE solidloop_jobs AS j
+   SET state = 'running', lease_token = gen_random_uuid(),
+       lease_until = now() + make_interval(secs => %(lease)s),
+       attempts = j.attempts + 1, started_at = now()
+ WHERE j.id = (SELECT id FROM solidloop_jobs
+                WHERE loop_id = %(loop_id)s AND message_id = %(message_id)s
+                  AND state = 'queued' AND eta <= now()
+                LIMIT 1 FOR UPDATE SKIP LOCKED)
+RETURNING j.id, j.lease_token, j.attempts
+"""
+#: An inline job whose body returned without committing its job done: done now,
+#: whether its claim committed (running, our lease) or rolled back with a no-op
+#: body (queued again, and never woken for: nothing else would run it soon).
+FINISH_INLINE = (
+    "UPDATE solidloop_jobs SET state = 'done', finished_at = now(), lease_until = NULL "
+    "WHERE id = %s AND (state = 'queued' OR (state = 'running' AND lease_token = %s))"
+)
 NEXT_ETA = (
     "SELECT EXTRACT(EPOCH FROM (min(eta) - now())) FROM solidloop_jobs "
     "WHERE queue_name = %s AND state = 'queued'"

@@ -17,6 +17,7 @@ NO_TIME_LIMIT_MS = 30 * 24 * 3600 * 1000
 def declare_actors(state: SolidLoopState) -> dict[str, dramatiq.Actor]:
     """Bind llm_turn, tool_call and maintenance to ``state.broker``."""
     from ..maintenance import run_maintenance
+    from .inline import run_chain
     from .job_log import logged_job
     from .turns import run_llm_turn, run_tool_call
 
@@ -29,13 +30,17 @@ def declare_actors(state: SolidLoopState) -> dict[str, dramatiq.Actor]:
         common["time_limit"] = NO_TIME_LIMIT_MS
 
     def llm_turn(loop_id: int) -> None:
-        with logged_job(state, "llm_turn", loop_id=loop_id):
-            run_llm_turn(state, loop_id)
+        def body() -> None:
+            with logged_job(state, "llm_turn", loop_id=loop_id):
+                run_llm_turn(state, loop_id)
+        run_chain(state, body)  # then the loop's next jobs, inline (runtime/inline.py)
 
     def tool_call(tool_call_id: int, execution_token: str,
                   reaper_lease_token: str | None = None) -> None:
-        with logged_job(state, "tool_call", tool_call_id=tool_call_id):
-            run_tool_call(state, tool_call_id, execution_token, reaper_lease_token)
+        def body() -> None:
+            with logged_job(state, "tool_call", tool_call_id=tool_call_id):
+                run_tool_call(state, tool_call_id, execution_token, reaper_lease_token)
+        run_chain(state, body)
 
     def maintenance(task: str) -> None:
         with logged_job(state, f"maintenance {task}"):

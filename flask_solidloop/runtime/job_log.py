@@ -6,8 +6,10 @@
 format (dramatiq's worker format has one). The ids are also passed as
 ``extra=`` fields (``solidloop_job``, ``solidloop_loop_id``,
 ``solidloop_agent``, ``solidloop_job_id``, ``solidloop_tool_call_id``,
-``solidloop_duration_ms``, ``solidloop_outcome``), so a JSON formatter picks
-them up without parsing the message (docs/guides/workers.md has a recipe).
+``solidloop_duration_ms``, ``solidloop_outcome``, ``solidloop_inline``), so a
+JSON formatter picks them up without parsing the message (docs/guides/workers.md
+has a recipe). A job a thread ran inline after the loop's previous one (see
+runtime/inline.py) says ``inline`` at the end of its start line.
 """
 
 from __future__ import annotations
@@ -68,11 +70,14 @@ def _describe(ids: dict[str, Any]) -> str:
 
 @contextlib.contextmanager
 def logged_job(state: SolidLoopState, kind: str, *, loop_id: int | None = None,
-               tool_call_id: int | None = None) -> Iterator[None]:
-    """Log the start and the end (with its duration) of the job run inside."""
+               tool_call_id: int | None = None, inline: bool = False) -> Iterator[None]:
+    """Log the start and the end (with its duration) of the job run inside.
+    ``inline``: the thread that ran the loop's previous job claimed this one
+    itself (runtime/inline.py); the line says ``inline``."""
     rows: list[Any] = []  # alive until the job ends (see _ids)
     ids = _ids(state, kind, loop_id=loop_id, tool_call_id=tool_call_id, keep=rows)
-    what = _describe(ids)
+    ids["solidloop_inline"] = inline
+    what = _describe(ids) + (" inline" if inline else "")
     attempt = ids.get("solidloop_attempt")
     logger.info("job start %s%s", what, f" attempt={attempt}" if attempt else "", extra=ids)
     started = time.perf_counter()

@@ -1,0 +1,169 @@
+"""Inline continuation: the worker thread that commits a loop's turn runs the
+loop's next job itself, instead of waking another consumer to claim it.
+
+A turn's canonical commit enqueues its successor (a tool call, the next LLM
+turn) in the same transaction, as always: the job row is the record, and
+nothing about recovery changes. What changes is who runs it first. While a
+turn runs in a dramatiq worker thread, the dispatcher writes the turn's first
+continuation without its NOTIFY and hands it back here; after the turn
+returns, this thread claims that job by its message id with the same fenced
+claim a consumer makes (queued → running under a fresh job lease), inside the
+transaction of the successor's own claim, so the job is claimed and marked
+done in the turn's first commit. Then it runs the successor, and so on, up to
+``SOLIDLOOP_INLINE_MAX_HOPS`` jobs per delivered job.
+
+Why it is safe:
+
+* The claim is the broker's claim: ``FOR UPDATE SKIP LOCKED`` on a queued
+  row. A consumer that claimed the job first (its timed poll) wins, and this
+  thread's claim finds nothing.
+* If this thread dies before its claim commits, the job is still queued; a
+  consumer's timed poll (``SOLIDLOOP_POLL_INTERVAL``, 1 s) claims it. If it
+  dies after, the loop's or the tool call's lease is what recovery follows,
+  exactly as for a consumer-delivered job.
+* A successor this thread will not run (the hop budget is spent, the worker
+  is stopping, the turn raised) gets its NOTIFY now.
+
+Why it pays: no NOTIFY, no wake-up, no separate claim transaction per job, and
+the loop keeps its thread, so a started loop runs to its end (what DBOS does
+with a workflow) while new loops wait for a free thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+
+from dramatiq import worker as dramatiq_worker
+
+from ..queue import sql as jobs_sql
+from ..queue.broker import execute_on
+from ..queue.current_job import (
+    CurrentJob,
+    job_done_committed,
+    restore_current_job,
+    save_current_job,
+    set_current_job,
+)
+from ..queue.dispatch import Successor
+from ..state import SolidLoopState
+from .job_log import logged_job
+
+logger = logging.getLogger("flask_solidloop.inline")
+
+_local = threading.local()
+
+LLM_TURN_ACTOR = "solidloop.llm_turn"
+TOOL_CALL_ACTOR = "solidloop.tool_call"
+
+
+#: dramatiq's worker thread class (``WorkerThread``; ``_WorkerThread`` is its alias).
+_WORKER_THREAD: type = getattr(dramatiq_worker, "WorkerThread",
+                               getattr(dramatiq_worker, "_WorkerThread", type(None)))
+
+
+def _in_worker_thread() -> bool:
+    """Only dramatiq's worker threads continue inline: the in-process drain and
+    direct calls run one job per call, as their callers count on."""
+    return isinstance(threading.current_thread(), _WORKER_THREAD)
+
+
+def _worker_running() -> bool:
+    # dramatiq's _WorkerThread clears ``running`` when the worker stops: a
+    # stopping worker finishes the job at hand and hands the rest back.
+    return bool(getattr(threading.current_thread(), "running", True))
+
+
+def run_chain(state: SolidLoopState, body: Callable[[], None]) -> None:
+    """Run a delivered turn job, then its continuations inline (see module doc)."""
+    config = state.config
+    if (not config.inline_continuation or getattr(_local, "active", False)
+            or not _in_worker_thread()):
+        body()
+        return
+    dispatch = state.dispatch
+    delivered = save_current_job()
+    _local.active = True
+    dispatch.capture()
+    try:
+        body()
+        hops = 0
+        while True:
+            successor = dispatch.take_captured()
+            if successor is None:
+                return
+            if hops >= config.inline_max_hops or not _worker_running():
+                _wake(state, successor)
+                return
+            hops += 1
+            dispatch.capture()
+            if not _run_successor(state, successor):
+                return
+    finally:
+        leftover = dispatch.take_captured()
+        if leftover is not None:
+            _wake(state, leftover)
+        restore_current_job(delivered)
+        _local.active = False
+
+
+def _run_successor(state: SolidLoopState, successor: Successor) -> bool:
+    """Claim and run one continuation. False when the chain ends here."""
+    # A fresh session: the previous turn's objects are of no use to this one.
+    state.db.session.remove()
+    session = state.db.session
+    rows = execute_on(session, jobs_sql.CLAIM_INLINE, {
+        "lease": state.broker.job_lease, "loop_id": successor.loop_id,
+        "message_id": uuid.UUID(str(successor.message_id)),
+    }, fetch=True)
+    if not rows:
+        # Claimed by a consumer meanwhile, or its transaction never committed.
+        session.rollback()
+        return False
+    job_id, lease_token, attempts = rows[0]
+    set_current_job(CurrentJob(job_id, lease_token, attempts))
+    try:
+        _run_body(state, successor)
+    except Exception:
+        # The body's own guard already failed the loop where it could; what
+        # escapes is for a retry. Its claim rolled back with the error (queued
+        # again: wake a consumer for it) or committed (running: its job lease
+        # lapses and the broker redelivers it, as after a crash).
+        logger.exception("inline %s (job %s) failed", successor.actor_name, job_id)
+        session.rollback()
+        _wake(state, successor)
+        return False
+    if not job_done_committed(job_id):
+        # A body that returned without committing its job done (a stale job, a
+        # lost claim): the job is done all the same, as a consumer would ack it.
+        session.rollback()
+        execute_on(session, jobs_sql.FINISH_INLINE, (job_id, lease_token))
+        session.commit()
+    return True
+
+
+def _run_body(state: SolidLoopState, successor: Successor) -> None:
+    from .turns import run_llm_turn, run_tool_call
+
+    args = successor.args
+    if successor.actor_name == LLM_TURN_ACTOR:
+        with logged_job(state, "llm_turn", loop_id=int(args[0]), inline=True):
+            run_llm_turn(state, int(args[0]))
+    elif successor.actor_name == TOOL_CALL_ACTOR:
+        with logged_job(state, "tool_call", tool_call_id=int(args[0]), inline=True):
+            run_tool_call(state, int(args[0]), str(args[1]),
+                          str(args[2]) if len(args) > 2 and args[2] else None)
+    else:  # pragma: no cover - the dispatcher captures only these two
+        raise ValueError(f"inline continuation cannot run {successor.actor_name!r}")
+
+
+def _wake(state: SolidLoopState, successor: Successor) -> None:
+    """NOTIFY the successor's queue: a consumer claims it (it is queued)."""
+    try:
+        state.broker.notify(successor.queue_name)
+    except Exception:
+        # The consumers' timed poll finds it anyway.
+        logger.warning("inline: could not wake queue %s; its poll will find job %s",
+                       successor.queue_name, successor.message_id, exc_info=True)
