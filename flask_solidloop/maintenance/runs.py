@@ -55,6 +55,10 @@ ON CONFLICT (task) DO UPDATE SET
        updated_at = EXCLUDED.updated_at
 """)
 
+# A diagnostic row: its commit need not wait for the WAL flush (a crash may
+# lose the last pass's record, never anything the pass did).
+_ASYNC_COMMIT = text("SET LOCAL synchronous_commit = off")
+
 #: Tasks whose record could not be written, so the warning is logged once per
 #: process and task, not every two seconds.
 _warned: set[str] = set()
@@ -78,6 +82,7 @@ def record(state: SolidLoopState, task: str, *, duration_ms: float, total: int,
               "error": error_text(error) if error is not None else None,
               "holder": worker_identity()[:200]}
     try:
+        session.execute(_ASYNC_COMMIT)
         session.execute(_UPSERT, params)
         session.commit()
     except Exception:
