@@ -614,13 +614,13 @@ def reap_command(every: float | None) -> None:
 @with_appcontext
 def prune_command(every: float | None) -> None:
     """Delete events and finished jobs past their retention (off unless configured)."""
-    from .maintenance.janitor import prune
+    from .maintenance.janitor import prune, runs_in_workers
 
-    config = _state().config
-    if not (config.event_retention or config.finished_job_retention):
+    if not runs_in_workers(_state().config):
         click.echo("pruning is off: nothing is deleted until SOLIDLOOP_EVENT_RETENTION "
-                   "(seconds to keep wire events) or SOLIDLOOP_FINISHED_JOB_RETENTION "
-                   "(seconds to keep finished jobs) is set")
+                   "(seconds to keep wire events), SOLIDLOOP_FINISHED_JOB_RETENTION "
+                   "(seconds to keep finished jobs) or SOLIDLOOP_MCP_INBOUND_SESSION_RETENTION "
+                   "(seconds to keep inbound MCP sessions) is set")
         return
 
     def run() -> str:

@@ -21,7 +21,7 @@ from .config import Config
 from .errors import AgentDefinitionError, ConfigurationError
 from .jobs import JobRegistry, Queue
 from .leases import RenewerSlot
-from .maintenance.janitor import prune
+from .maintenance.janitor import JANITOR_INTERVAL, prune, runs_in_workers
 from .maintenance.reaper import reap
 from .mcp.toolset import Toolset
 from .pipeline.builder import Builder
@@ -230,10 +230,6 @@ class SolidLoop:
         app.cli.add_command(solidloop_cli)
 
 
-#: How often workers run the janitor when a retention setting turns it on.
-JANITOR_INTERVAL = 300.0
-
-
 def _maintenance_in_workers(state: SolidLoopState) -> list[PeriodicTaskMiddleware]:
     """The reaper (every SOLIDLOOP_REAPER_INTERVAL seconds) and, when a retention
     is set, the janitor, run by worker processes themselves: recovery needs
@@ -253,8 +249,7 @@ def _maintenance_in_workers(state: SolidLoopState) -> list[PeriodicTaskMiddlewar
     if config.reaper_interval > 0:
         tasks.append(PeriodicTaskMiddleware("reaper", config.reaper_interval,
                                             in_app_context(reap), conninfo=conninfo))
-    if (config.event_retention or config.finished_job_retention
-            or config.mcp_inbound_session_retention):
+    if runs_in_workers(config):
         tasks.append(PeriodicTaskMiddleware("janitor", JANITOR_INTERVAL,
                                             in_app_context(prune), conninfo=conninfo))
     return tasks

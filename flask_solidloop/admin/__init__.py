@@ -7,7 +7,8 @@ url_prefix="/admin")``. It reads through ``loops.queries`` and acts through
 
 Modules: ``blueprint`` (views), ``security`` (authorize, CSRF, CSP),
 ``filters`` (the list's URL filters), ``live`` (SSE and the per-process
-LISTEN hub), ``format`` (money, durations, safe URLs).
+LISTEN hub), ``format`` (money, durations, safe URLs), ``passes`` (the last
+reaper and janitor passes, judged for the dashboard).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """The admin blueprint's views: dashboard, loops (list, page, live stream,
 actions, bulk actions), jobs and workers.
 
-Reads go through ``loops.queries`` (and ``jobs.control`` for job rows),
-changes through ``loops.control`` and ``jobs.control``: the admin writes no
-row itself. Every request first passes :func:`security.allowed` (fail closed)
-and, when unsafe, the CSRF check; every response gets the CSP.
+Reads go through ``loops.queries`` (``jobs.control`` for job rows,
+``maintenance.runs`` for the last reaper and janitor passes), changes through
+``loops.control`` and ``jobs.control``: the admin writes no row itself. Every
+request first passes :func:`security.allowed` (fail closed) and, when unsafe,
+the CSRF check; every response gets the CSP.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ from werkzeug.datastructures import MultiDict
 from ..errors import SolidLoopError
 from ..jobs import control as jobs_control
 from ..loops import control, queries
+from ..maintenance import runs as maintenance_runs
 from ..models import RESUMABLE_STATUSES, Loop
 from ..models.loop import ALL_STATUSES
 from ..queue.middleware.worker_registry import MISSED_BEATS, WorkerRow, list_workers
 from ..state import SolidLoopState, get_state
-from . import filters, format, live, security
+from . import filters, format, live, passes, security
 
 logger = logging.getLogger("flask_solidloop.admin")
 
@@ -174,9 +176,11 @@ def create_blueprint(*, authorize: security.Authorize | None,
         st = state()
         data = queries.dashboard(st.db.session)
         interval = st.config.worker_heartbeat
+        maintenance = passes.statuses(maintenance_runs.last_runs(st.db.session), data.now,
+                                      st.config)
         live_workers = [w for w in registry(interval * MISSED_BEATS) if w.state(interval) == "live"]
         return render_template("solidloop/admin/dashboard.html", d=data,
-                               live_workers=live_workers)
+                               live_workers=live_workers, maintenance=maintenance)
 
     @bp.get("/loops")
     def loops() -> Any:

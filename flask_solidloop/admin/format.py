@@ -55,6 +55,24 @@ def seconds(value: Any) -> str:
     return f"{whole}s"
 
 
+def span(value: Any) -> str:
+    """A span of seconds in words: ``0.4 s``, ``12 s``, ``3 min``, ``2 h``, ``5 d``."""
+    secs = max(0.0, float(value or 0))
+    if secs < 10:
+        return f"{secs:.1f} s"
+    for size, unit in ((86400, "d"), (3600, "h"), (60, "min")):
+        if secs >= size:
+            return f"{int(secs // size)} {unit}"
+    return f"{int(secs)} s"
+
+
+def ago(value: Any) -> str:
+    """How long ago, from a span of seconds: ``just now``, ``12 s ago``, ``3 min ago``."""
+    if value is None:
+        return "never"
+    return "just now" if float(value) < 1 else f"{span(value)} ago"
+
+
 def when(value: datetime | None) -> str:
     return "\u2013" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
 
@@ -88,6 +106,7 @@ def safe_url(url: Any) -> str | None:
 FILTERS = {
     "money": money,
     "duration_ms": duration_ms,
+    "ago": ago,
     "when": when,
     "pretty_json": pretty_json,
 }

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import Text, bindparam, func, literal_column, select, text
 
 from .._typing import SessionLike
 from ..llm.types import ChatMessage, ToolCallRequest
@@ -550,15 +550,23 @@ def inbound_sessions(session: SessionLike, *, limit: int,
     return list(session.scalars(query.order_by(S.created_at.desc(), S.id.desc()).limit(limit)))
 
 
+# Inbound MCP events spelled as their partial indexes (ix_solidloop_events_mcp_inbound
+# and ..._session) spell them: literals, not bound parameters, so the planner can
+# match the indexes under a generic plan too (psycopg prepares a statement that
+# a connection runs five times, and PostgreSQL may then plan it generically).
+_INBOUND_EVENT = text("solidloop_events.kind = 'mcp_inbound'")
+_inbound_session_id = literal_column("solidloop_events.payload ->> 'session_id'", Text())
+
+
 def inbound_requests(session: SessionLike, *, limit: int, session_id: str | None = None,
                      before_id: int | None = None) -> list[Any]:
     """Inbound MCP requests (events of kind ``mcp_inbound``, redacted as stored),
     newest first, optionally of one session; keyset on the event id."""
     from ..models import Event
 
-    query = select(Event).where(Event.kind == "mcp_inbound")
+    query = select(Event).where(_INBOUND_EVENT)
     if session_id is not None:
-        query = query.where(Event.payload["session_id"].astext == session_id)
+        query = query.where(_inbound_session_id == bindparam("session_id", session_id))
     if before_id is not None:
         query = query.where(Event.id < before_id)
     return list(session.scalars(query.order_by(Event.id.desc()).limit(limit)))

@@ -2,7 +2,8 @@
 
 The maintenance actor (queue ``solidloop_maintenance``) runs these tasks for
 hosts with their own scheduler; ``flask solidloop reap`` / ``prune`` run them
-from the command line, once or ``--every N`` seconds.
+from the command line, once or ``--every N`` seconds. Every pass, however it
+ran, records itself in ``solidloop_maintenance_runs`` (``runs.py``).
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ simply deletes fewer rows).
 * ``solidloop_workers`` rows of workers stopped or silent longer than
   ``SOLIDLOOP_WORKER_RETENTION`` (on by default: a registry row is not an audit
   trail; each worker's heartbeat prunes them too).
+
+Each sweep, successful or not, ends with one upsert of the ``prune`` row of
+solidloop_maintenance_runs (maintenance/runs.py), which the admin shows.
 """
 
 from __future__ import annotations
@@ -33,10 +36,22 @@ from datetime import timedelta
 
 from sqlalchemy import text
 
+from ..config import Config
 from ..queue import sql
 from ..state import SolidLoopState
+from . import runs
 
 logger = logging.getLogger("flask_solidloop.janitor")
+
+#: How often worker processes run the janitor when a retention setting turns it on.
+JANITOR_INTERVAL = 300.0
+
+
+def runs_in_workers(config: Config) -> bool:
+    """Whether worker processes run the janitor (every :data:`JANITOR_INTERVAL`
+    seconds): only when a retention setting asks for it."""
+    return bool(config.event_retention or config.finished_job_retention
+                or config.mcp_inbound_session_retention)
 
 _PRUNE_EVENTS = """
 DELETE FROM solidloop_events WHERE id IN (
@@ -86,6 +101,14 @@ class PruneReport:
     workers: int = 0
     duration_ms: float = 0.0
 
+    def counts(self) -> dict[str, int]:
+        """Rows deleted, per table (what the pass's record stores)."""
+        return {name: value for name, value in vars(self).items() if name != "duration_ms"}
+
+    @property
+    def pruned(self) -> int:
+        return sum(self.counts().values())
+
 
 def _prune(state: SolidLoopState, query: str, seconds: int | None, *,
            counted: bool = False) -> int:
@@ -133,11 +156,16 @@ def prune(state: SolidLoopState) -> PruneReport:
             report.inbound_sessions = _prune(state, _PRUNE_INBOUND_SESSIONS,
                                              config.mcp_inbound_session_retention, counted=True)
         report.workers = _prune_workers(state)
-    except Exception:
+    except Exception as exc:
         state.db.session.rollback()
+        report.duration_ms = (time.perf_counter() - started) * 1000
+        runs.record(state, "prune", duration_ms=report.duration_ms, total=report.pruned,
+                    counts=report.counts(), error=exc)
         raise
     report.duration_ms = (time.perf_counter() - started) * 1000
     state.last_pruned_at = time.time()
+    runs.record(state, "prune", duration_ms=report.duration_ms, total=report.pruned,
+                counts=report.counts())
     logger.info("janitor pruned %d event(s), %d job(s), %d expired host job(s), %d "
                 "result(s), %d inbound MCP session(s) and %d worker row(s) in %.1f ms",
                 report.events, report.jobs, report.host_jobs, report.results,

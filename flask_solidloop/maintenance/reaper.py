@@ -30,6 +30,9 @@ with expired leases to their queue, case 7):
    running: failed and hidden, so a partial never enters the history.
 7. ``expired_jobs``: broker jobs whose holder stopped renewing: back to queued,
    or dead after too many deliveries.
+
+Each pass, successful or not, ends with one upsert of the ``reap`` row of
+solidloop_maintenance_runs (maintenance/runs.py), which the admin shows.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from dataclasses import dataclass, field
 from ..errors import SolidLoopError
 from ..loops import queries, store
 from ..state import SolidLoopState
+from . import runs
 
 logger = logging.getLogger("flask_solidloop.reaper")
 
@@ -62,9 +66,13 @@ class ReapReport:
                 + len(self.stuck_tool_phase) + len(self.stuck_queued)
                 + len(self.orphan_shells) + self.expired_jobs)
 
+    def counts(self) -> dict[str, int]:
+        """How many of each case this pass healed (what its record stores)."""
+        return {name: len(value) if isinstance(value, list) else int(value)
+                for name, value in vars(self).items() if name != "duration_ms"}
+
     def summary(self) -> str:
-        parts = [f"{name}={len(value) if isinstance(value, list) else value}"
-                 for name, value in vars(self).items() if name != "duration_ms"]
+        parts = [f"{name}={count}" for name, count in self.counts().items()]
         return ", ".join(parts) + f" ({self.duration_ms:.1f} ms)"
 
 
@@ -85,11 +93,16 @@ def reap(state: SolidLoopState) -> ReapReport:
         report.stuck_queued = store.heal_stuck_queued(
             state, session, threshold=float(state.config.queued_reap_threshold))
         report.orphan_shells = store.heal_orphan_shells(session)
-    except Exception:
+    except Exception as exc:
         session.rollback()
+        report.duration_ms = (time.perf_counter() - started) * 1000
+        runs.record(state, "reap", duration_ms=report.duration_ms, total=report.healed,
+                    counts=report.counts(), error=exc)
         raise
     report.duration_ms = (time.perf_counter() - started) * 1000
     state.last_reaped_at = time.time()
+    runs.record(state, "reap", duration_ms=report.duration_ms, total=report.healed,
+                counts=report.counts())
     if report.healed:
         logger.warning("reaper healed: %s", report.summary())
     else:

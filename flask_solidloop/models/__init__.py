@@ -11,6 +11,7 @@ from .event import Event
 from .host_job import HOST_JOB_STATUSES, HostJob, JobResult, PeriodicRun
 from .job import Job
 from .loop import RESUMABLE_STATUSES, TERMINAL_STATUSES, Loop, LoopStatus
+from .maintenance_run import MaintenanceRun
 from .mcp_inbound import McpInboundSession
 from .mcp_session import McpSession
 from .message import Message
@@ -28,6 +29,7 @@ __all__ = [
     "JobResult",
     "Loop",
     "LoopStatus",
+    "MaintenanceRun",
     "McpInboundSession",
     "McpSession",
     "Message",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, Text, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -22,6 +22,14 @@ class Event(Timestamps, Base):
     __table_args__ = (
         Index("ix_solidloop_events_loop_id", "loop_id"),
         Index("ix_solidloop_events_created_at", "created_at"),
+        # Inbound MCP requests (kind 'mcp_inbound', loop_id NULL), newest first,
+        # all of them or one session's: the admin's Inbound MCP page, and the
+        # janitor deleting an old session's events. Partial, so loop events
+        # (nearly every row) never pay for them.
+        Index("ix_solidloop_events_mcp_inbound", "id",
+              postgresql_where=text("kind = 'mcp_inbound'")),
+        Index("ix_solidloop_events_mcp_inbound_session", text("(payload ->> 'session_id')"), "id",
+              postgresql_where=text("kind = 'mcp_inbound'")),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)

@@ -56,6 +56,9 @@ class Job(Base):
             postgresql_where=text("state IN ('queued','running')"),
         ),
         Index("ix_solidloop_jobs_finished", "finished_at", postgresql_where=text("state = 'done'")),
+        # Dead-lettered rows, by id: the admin's count and newest-first list and
+        # requeue-all read only them (a few rows among millions of done ones).
+        Index("ix_solidloop_jobs_dead", "id", postgresql_where=text("state = 'dead'")),
         # An RQ-style job's deliveries, found by message id (only those rows pay for it).
         Index("ix_solidloop_jobs_host_message", "message_id",
               postgresql_where=text("actor_name = 'solidloop.job'")),

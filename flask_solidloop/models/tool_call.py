@@ -47,6 +47,10 @@ class ToolCall(Timestamps, Base):
             "loop_id",
             postgresql_where=text("response_message_id IS NULL"),
         ),
+        # The foreign key's own lookups: deleting a message (a loop's cascade)
+        # sets response_message_id NULL WHERE response_message_id = <its id>, one
+        # probe per deleted message, a sequential scan of the table without this.
+        Index("ix_solidloop_tool_calls_response_message_id", "response_message_id"),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)

@@ -162,13 +162,19 @@ def test_pages_render_real_runs_and_stream_tokens_across_reconnects(
     broken = Assistant.start(message="this one fails")
     wait_status(session, broken.id, ("failed",))
 
+    page.goto(stack + "/admin/workers")  # the stack's real worker process, registered
+    assert page.locator("#workers tr[data-worker] .status-live").count() >= 1
+    worker = page.locator("#workers tr[data-worker]").first.get_attribute("data-worker")
+
     page.goto(stack + "/admin/")
     assert page.locator("#by-status").inner_text().count("completed") == 1
     assert "infra:http" in page.locator("#failures").inner_text()
+    # The worker's own reaper thread recorded its passes; the dashboard (which
+    # refreshes itself) names that worker, with no staleness warning.
+    wait_text(page, "#last-reap", f"by {worker}, healed")
+    assert page.locator("#last-reap.warning").count() == 0
+    assert "Last prune: never" in page.locator("#last-prune").inner_text()
     shot(page, "admin-dashboard", tmp_path)
-
-    page.goto(stack + "/admin/workers")  # the stack's real worker process, registered
-    assert page.locator("#workers tr[data-worker] .status-live").count() >= 1
     page.goto(stack + "/admin/inbound")
     assert page.locator("h1").inner_text() == "Inbound MCP"
     assert page.locator("#inbound-sessions").count() == 1

@@ -441,3 +441,83 @@ def test_discard_closes_a_dead_job_and_says_so(session, client):
     assert session.execute(text("SELECT count(*) FROM solidloop_jobs")).scalar_one() == 1
     again = client.post(f"/admin/jobs/{row_id}/discard", headers=SAME)
     assert again.status_code == 409 and b"only dead jobs can be discarded" in again.data
+
+
+def _maintenance_line(html: str, task: str) -> tuple[bool, str]:
+    """(marked as a warning, the visible text) of the dashboard's line for ``task``."""
+    match = re.search(rf'<div class="maint( warning)?" id="last-{task}"[^>]*>(.*?)</div>',
+                      html, re.DOTALL)
+    assert match, f"no maintenance line for {task}"
+    words = re.sub(r"<[^>]+>", " ", match.group(2))
+    return bool(match.group(1)), re.sub(r"\s+", " ", words).replace(" ,", ",").strip()
+
+
+def test_dashboard_shows_the_last_reap_and_prune_from_the_database(app, session, client):
+    from flask_solidloop.leases import worker_identity
+    from flask_solidloop.maintenance.janitor import prune
+    from flask_solidloop.maintenance.reaper import reap
+
+    state = app.extensions["solidloop"]
+    warned, line = _maintenance_line(client.get("/admin/").get_data(as_text=True), "reap")
+    assert warned and line.startswith("Last reap: never")
+    assert "is any worker running?" in line
+    warned, line = _maintenance_line(client.get("/admin/").get_data(as_text=True), "prune")
+    assert not warned and line.startswith("Last prune: never")
+    assert "workers do not prune: no SOLIDLOOP_*_RETENTION setting is on" in line
+
+    reap(state)
+    state.config = state.config.replace(event_retention=3600)
+    prune(state)
+    html = client.get("/admin/").get_data(as_text=True)
+    warned, line = _maintenance_line(html, "reap")
+    assert not warned, line
+    assert re.fullmatch(rf"Last reap: (just now|[\d.]+ s ago) by {re.escape(worker_identity())}"
+                        r", healed 0, \d+ ms", line), line
+    warned, line = _maintenance_line(html, "prune")
+    assert not warned, line
+    assert re.fullmatch(rf"Last prune: (just now|[\d.]+ s ago) by {re.escape(worker_identity())}"
+                        r", pruned 0, \d+ ms", line), line
+
+    # No worker reaped for three minutes (5 x SOLIDLOOP_REAPER_INTERVAL is 10 s).
+    session.execute(text("UPDATE solidloop_maintenance_runs SET last_finished_at = "
+                         "last_finished_at - interval '3 minutes' WHERE task = 'reap'"))
+    session.commit()
+    warned, line = _maintenance_line(client.get("/admin/").get_data(as_text=True), "reap")
+    assert warned and line.startswith("Last reap: 3 min ago by ")
+    assert ("no worker has reaped for 3 min: is any worker running? "
+            "SOLIDLOOP_REAPER_INTERVAL=0 turns the in-worker reaper off") in line
+
+    # With the in-worker reaper off here, the hint says what to run instead.
+    state.config = state.config.replace(reaper_interval=0)
+    warned, line = _maintenance_line(client.get("/admin/").get_data(as_text=True), "reap")
+    assert not warned and "the in-worker reaper is off here" in line  # 3 min is not stale
+    session.execute(text("UPDATE solidloop_maintenance_runs SET last_finished_at = "
+                         "last_finished_at - interval '1 hour' WHERE task = 'reap'"))
+    session.commit()
+    warned, line = _maintenance_line(client.get("/admin/").get_data(as_text=True), "reap")
+    assert warned and "nothing has reaped for 1 h" in line
+    assert "flask solidloop reap --every 5" in line
+
+
+def test_dashboard_shows_a_failed_pass_and_its_redacted_error_as_text(
+        app, session, client, monkeypatch):
+    from flask_solidloop.maintenance.reaper import reap
+
+    state = app.extensions["solidloop"]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot reach postgresql://app:hunter2@db/x " + XSS)
+
+    monkeypatch.setattr(store, "heal_orphan_shells", broken)
+    with pytest.raises(RuntimeError):
+        reap(state)
+    html = client.get("/admin/").get_data(as_text=True)
+    warned, line = _maintenance_line(html, "reap")
+    assert warned and "failed (healed 0 before it failed)" in line
+    assert "The last pass failed" in line and "postgresql://app:***@db/x" in line
+    assert "hunter2" not in html and "<script>alert" not in html
+    assert "&lt;script&gt;alert(&#39;pwned&#39;)&lt;/script&gt;" in html
+    monkeypatch.undo()
+    reap(state)
+    warned, line = _maintenance_line(client.get("/admin/").get_data(as_text=True), "reap")
+    assert not warned and ", healed 0," in line and "Last failure" in line

@@ -101,3 +101,30 @@ def test_flask_migrate_host_picks_up_our_branch(scratch_url, tmp_path):
         versions = [r[0] for r in conn.execute("SELECT version_num FROM alembic_version")]
     assert head_revision() in versions
     app.extensions["solidloop"].broker.close()
+
+
+def test_0008_builds_its_indexes_concurrently_on_existing_rows_and_downgrades(scratch_url):
+    new_indexes = {"ix_solidloop_jobs_dead", "ix_solidloop_tool_calls_response_message_id",
+                   "ix_solidloop_events_mcp_inbound", "ix_solidloop_events_mcp_inbound_session"}
+    upgrade(scratch_url, "0007")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        conn.execute("INSERT INTO solidloop_jobs (queue_name, actor_name, message_id, message,"
+                     " state) SELECT 'q', 'a', gen_random_uuid(), '{}', 'dead'"
+                     " FROM generate_series(1, 50)")
+        conn.execute("INSERT INTO solidloop_events (kind, payload) SELECT 'mcp_inbound',"
+                     " jsonb_build_object('session_id', 's' || i) FROM generate_series(1, 50) i")
+    upgrade(scratch_url, "0008")
+    assert current_revision(scratch_url) == "0008"
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        valid = dict(conn.execute(
+            "SELECT c.relname, i.indisvalid FROM pg_index i JOIN pg_class c"
+            " ON c.oid = i.indexrelid WHERE c.relname = ANY(%s)", (list(new_indexes),)))
+        assert valid == dict.fromkeys(new_indexes, True)
+        assert conn.execute("SELECT count(*) FROM solidloop_maintenance_runs").fetchone() == (0,)
+    downgrade(scratch_url, "0007")
+    assert "solidloop_maintenance_runs" not in tables(scratch_url)
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        left = conn.execute("SELECT relname FROM pg_class WHERE relname = ANY(%s)",
+                            (list(new_indexes),)).fetchall()
+        assert left == []
+        assert conn.execute("SELECT count(*) FROM solidloop_jobs").fetchone() == (50,)

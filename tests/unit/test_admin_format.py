@@ -43,3 +43,50 @@ def test_safe_url_allows_only_relative_and_http_links(url, safe):
 ])
 def test_failure_classes_tell_infra_from_agent(error, cls):
     assert classify_failure(error) == cls
+
+
+@pytest.mark.parametrize(("seconds", "shown"), [
+    (None, "never"), (0.2, "just now"), (4.25, "4.2 s ago"), (42, "42 s ago"),
+    (180, "3 min ago"), (7300, "2 h ago"), (3 * 86400, "3 d ago"), (-1, "just now"),
+])
+def test_ago_reads_like_a_person_would_say_it(seconds, shown):
+    from flask_solidloop.admin.format import ago
+
+    assert ago(seconds) == shown
+
+
+def test_a_reap_is_stale_after_five_reaper_intervals_and_never_sooner_than_ten_seconds():
+    from datetime import UTC, datetime, timedelta
+
+    from flask_solidloop.admin import passes
+    from flask_solidloop.config import Config
+    from flask_solidloop.models import MaintenanceRun
+
+    now = datetime(2027, 1, 1, tzinfo=UTC)
+
+    def run(age: float) -> MaintenanceRun:
+        return MaintenanceRun(task="reap", last_finished_at=now - timedelta(seconds=age),
+                              last_ok=True, holder="h:1", total=0, counts={}, duration_ms=1)
+
+    every_2 = Config.from_mapping({"SOLIDLOOP_REAPER_INTERVAL": 2})
+    every_60 = Config.from_mapping({"SOLIDLOOP_REAPER_INTERVAL": 60})
+    every_half = Config.from_mapping({"SOLIDLOOP_REAPER_INTERVAL": 0.5})
+    off = Config.from_mapping({"SOLIDLOOP_REAPER_INTERVAL": 0})
+    assert passes.reap_status(run(9), now, every_2).warning is None
+    assert "no worker has reaped for 11 s" in passes.reap_status(run(11), now, every_2).warning
+    assert passes.reap_status(run(299), now, every_60).warning is None
+    assert passes.reap_status(run(301), now, every_60).warning is not None
+    assert passes.reap_status(run(9), now, every_half).warning is None  # the 10 s floor
+    assert "yet" in passes.reap_status(None, now, every_2).warning
+    assert passes.reap_status(run(200), now, off).warning is None
+    assert passes.reap_status(run(200), now, off).note is not None
+    assert "SOLIDLOOP_REAPER_INTERVAL=0" in passes.reap_status(run(400), now, off).warning
+    assert "SOLIDLOOP_REAPER_INTERVAL=0" in passes.reap_status(None, now, off).warning
+    # The janitor only runs in workers with a retention set; stale after 5 x 5 min.
+    kept = Config.from_mapping({"SOLIDLOOP_EVENT_RETENTION": 3600})
+    prune = run(26 * 60)
+    prune.task = "prune"
+    assert passes.prune_status(prune, now, every_2).warning is None
+    assert "RETENTION" in passes.prune_status(prune, now, every_2).note
+    assert "26 min" in passes.prune_status(prune, now, kept).warning
+    assert passes.prune_status(None, now, kept).warning is None

@@ -1,0 +1,163 @@
+"""The indexes migration 0008 added are the ones the admin, the janitor and the
+foreign keys really use: EXPLAIN of the statements the code itself runs
+(captured from the session), over tables of some thousands of rows, names the
+index and scans no table sequentially. Each is checked under the plan the
+statement gets on its first runs (a custom plan, parameters known) and under a
+generic plan (what a statement psycopg has prepared may get later)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from sqlalchemy import event
+
+from flask_solidloop.loops import queries
+from flask_solidloop.maintenance import janitor
+from flask_solidloop.queue.broker import libpq_url
+
+
+@pytest.fixture
+def pg(database_url):
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+        yield conn
+
+
+@contextmanager
+def captured(session):
+    """Every (statement, parameters) the session's engine runs inside the block."""
+    statements: list[tuple[str, Any]] = []
+    engine = session.get_bind()
+
+    def listen(conn, cursor, statement, parameters, context, executemany):
+        statements.append((statement, parameters))
+
+    event.listen(engine, "before_cursor_execute", listen)
+    try:
+        yield statements
+    finally:
+        event.remove(engine, "before_cursor_execute", listen)
+
+
+def one(statements, needle: str) -> tuple[str, Any]:
+    found = [s for s in statements if needle in s[0]]
+    assert len(found) == 1, [s[0] for s in statements]
+    return found[0]
+
+
+def plans(pg, statement: str, params: Any) -> tuple[str, str]:
+    """(custom plan, generic plan) of a pyformat ``statement`` with ``params``."""
+    params = params or {}
+    custom = "\n".join(r[0] for r in pg.execute("EXPLAIN " + statement, params).fetchall())
+    # The same statement PREPAREd, planned generically ($n in place of each value).
+    names: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        if match.group(1) not in names:
+            names.append(match.group(1))
+        return f"${names.index(match.group(1)) + 1}"
+
+    prepared = re.sub(r"%\((\w+)\)s", number, statement).replace("%%", "%")
+    pg.execute("DEALLOCATE ALL")
+    pg.execute(f"PREPARE probe AS {prepared}")
+    pg.execute("SET plan_cache_mode = force_generic_plan")
+    try:
+        args = sql.SQL(", ").join(sql.Literal(params[n]) for n in names)
+        execute = (sql.SQL("EXPLAIN EXECUTE probe({})").format(args) if names
+                   else sql.SQL("EXPLAIN EXECUTE probe"))
+        generic = "\n".join(r[0] for r in pg.execute(execute).fetchall())
+    finally:
+        pg.execute("RESET plan_cache_mode")
+        pg.execute("DEALLOCATE probe")
+    return custom, generic
+
+
+def assert_uses(plan: str, index: str, table: str) -> None:
+    assert index in plan, plan
+    assert f"Seq Scan on {table}" not in plan, plan
+
+
+def run_captured(session, fn: Callable[[], Any]) -> list[tuple[str, Any]]:
+    with captured(session) as statements:
+        fn()
+    session.rollback()
+    return statements
+
+
+def test_the_dashboards_dead_job_count_reads_the_dead_index(session, pg):
+    pg.execute("INSERT INTO solidloop_jobs (queue_name, actor_name, message_id, message, state,"
+               " finished_at) SELECT 'solidloop_llm', 'x', gen_random_uuid(), '{}',"
+               " CASE WHEN i % 1000 = 0 THEN 'dead' ELSE 'done' END, now()"
+               " FROM generate_series(1, 20000) AS i")
+    pg.execute("VACUUM ANALYZE solidloop_jobs")
+    statements = run_captured(session, lambda: queries.dashboard(session))
+    statement, params = one(statements, "state = 'dead'")
+    for plan in plans(pg, statement, params):
+        assert_uses(plan, "ix_solidloop_jobs_dead", "solidloop_jobs")
+    assert queries.dashboard(session).dead_jobs == 20
+
+
+def test_inbound_events_are_read_and_pruned_by_session_through_their_indexes(session, pg):
+    # Many loop events, a few inbound ones over 50 sessions, in between.
+    pg.execute("INSERT INTO solidloop_events (kind, payload) SELECT 'llm_request', "
+               "jsonb_build_object('session_id', 's' || (i % 50)) "
+               "FROM generate_series(1, 30000) AS i")
+    pg.execute("INSERT INTO solidloop_events (kind, payload) SELECT 'mcp_inbound', "
+               "jsonb_build_object('session_id', 's' || (i % 50), 'method', 'tools/call') "
+               "FROM generate_series(1, 2000) AS i")
+    pg.execute("INSERT INTO solidloop_events (kind, payload) SELECT 'llm_request', '{}' "
+               "FROM generate_series(1, 30000)")
+    pg.execute("INSERT INTO solidloop_mcp_inbound_sessions (id, server_name, principal_label,"
+               " protocol_version, created_at) SELECT 's' || i, 'tools', 'p', '2025-06-18',"
+               " now() - interval '2 days' FROM generate_series(0, 49) AS i")
+    pg.execute("VACUUM ANALYZE solidloop_events")
+    pg.execute("VACUUM ANALYZE solidloop_mcp_inbound_sessions")
+
+    # The admin's Inbound MCP page: one session's requests, and everyone's.
+    statements = run_captured(session, lambda: queries.inbound_requests(
+        session, limit=51, session_id="s7"))
+    statement, params = one(statements, "mcp_inbound")
+    for plan in plans(pg, statement, params):
+        assert_uses(plan, "ix_solidloop_events_mcp_inbound_session", "solidloop_events")
+    statements = run_captured(session, lambda: queries.inbound_requests(session, limit=51))
+    statement, params = one(statements, "mcp_inbound")
+    for plan in plans(pg, statement, params):
+        assert_uses(plan, "ix_solidloop_events_mcp_inbound", "solidloop_events")
+    rows = queries.inbound_requests(session, limit=51, session_id="s7")
+    assert len(rows) == 40 and {r.payload["session_id"] for r in rows} == {"s7"}
+    assert [r.id for r in rows] == sorted((r.id for r in rows), reverse=True)
+
+    # The janitor deleting old sessions with their events.
+    params = {"batch": 1000, "age": "1 day"}
+    for plan in plans(pg, janitor._PRUNE_INBOUND_SESSIONS.replace(":age", "%(age)s::interval")
+                      .replace(":batch", "%(batch)s"), params):
+        assert "Seq Scan on solidloop_events" not in plan, plan
+        assert "ix_solidloop_events_mcp_inbound" in plan, plan
+
+
+def test_deleting_a_message_finds_the_tool_call_it_answers_by_index(pg):
+    loop_id = pg.execute("INSERT INTO solidloop_loops (agent_name, status) "
+                         "VALUES ('assistant', 'completed') RETURNING id").fetchone()[0]
+    ids = [r[0] for r in pg.execute(
+        "INSERT INTO solidloop_messages (loop_id, role) SELECT %s, "
+        "CASE WHEN i <= 5000 THEN 'assistant' ELSE 'tool' END "
+        "FROM generate_series(1, 10000) AS i RETURNING id", (loop_id,)).fetchall()]
+    calls, answers = sorted(ids)[:5000], sorted(ids)[5000:]
+    pg.execute("INSERT INTO solidloop_tool_calls (loop_id, message_id, position, name, "
+               "response_message_id) SELECT %s, c, 0, 'calc__add', a "
+               "FROM unnest(%s::bigint[], %s::bigint[]) AS u(c, a)", (loop_id, calls, answers))
+    pg.execute("VACUUM ANALYZE solidloop_tool_calls")
+    # The statement PostgreSQL's ON DELETE SET NULL trigger runs for each deleted
+    # message (ri_triggers.c); no code of ours filters on the column by value.
+    ri = ("UPDATE ONLY solidloop_tool_calls SET response_message_id = NULL "
+          "WHERE %(id)s = response_message_id")
+    for plan in plans(pg, ri, {"id": answers[7]}):
+        assert_uses(plan, "ix_solidloop_tool_calls_response_message_id", "solidloop_tool_calls")
+    pg.execute("DELETE FROM solidloop_messages WHERE id = %s", (answers[7],))
+    assert pg.execute("SELECT message_id FROM solidloop_tool_calls "
+                      "WHERE response_message_id IS NULL").fetchall() == [(calls[7],)]
