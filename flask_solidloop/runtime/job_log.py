@@ -77,9 +77,10 @@ def logged_job(state: SolidLoopState, kind: str, *, loop_id: int | None = None,
     rows: list[Any] = []  # alive until the job ends (see _ids)
     ids = _ids(state, kind, loop_id=loop_id, tool_call_id=tool_call_id, keep=rows)
     ids["solidloop_inline"] = inline
-    what = _describe(ids) + (" inline" if inline else "")
+    what = _describe(ids)
     attempt = ids.get("solidloop_attempt")
-    logger.info("job start %s%s", what, f" attempt={attempt}" if attempt else "", extra=ids)
+    logger.info("job start %s%s%s", what, f" attempt={attempt}" if attempt else "",
+                " inline" if inline else "", extra=ids)
     started = time.perf_counter()
     try:
         yield

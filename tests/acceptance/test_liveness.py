@@ -192,3 +192,30 @@ def test_a_sequential_phase_is_not_healed_behind_its_head(app, session, llm, fle
     assert sorted(j.actor_name for j in jobs) == ["solidloop.llm_turn"] * 2 + \
         ["solidloop.tool_call"] * 3
     assert "reaper healed" not in Path(tmp_path / "only.log").read_text()
+
+
+def test_a_worker_killed_in_an_inline_tool_job_is_taken_over(
+        app, session, llm, fleets, effects, tmp_path):
+    """Inline continuation (runtime/inline.py): the thread that ran the LLM turn
+    claimed and ran its tool call itself. SIGKILL it there: the job row was marked
+    done with the call's claim, so recovery follows the call's lease, as for a
+    consumer-delivered job; a second fleet finishes the loop, one answer."""
+    slow_calls(llm, 5.0)
+    first = fleets("first")
+    loop = SlowAgent.start(message="slow please")
+    call = poll(session, lambda: running_calls(session, loop.id), what="the tool to start")[0]
+    log = tmp_path / "first.log"
+    poll(session, lambda: effects(call.idempotency_key), what="the tool body to start")
+    started = [line for line in log.read_text().splitlines()
+               if "job start tool_call" in line and f"tool_call={call.id} " in line]
+    assert started and started[0].endswith(" inline"), started  # ran on the turn's thread
+    os.killpg(holder_group(call.lease_holder), signal.SIGKILL)
+    first.wait(10)
+    fleets("second")
+    poll(session, lambda: session.get(Loop, loop.id).status == "completed",
+         what="the loop to complete after the kill")
+    (done,) = assert_finished_once(session, loop.id, calls=1)
+    assert len(effects(done.idempotency_key, "end")) == 1
+    session.expire_all()
+    states = {j.state for j in session.scalars(select(Job).where(Job.loop_id == loop.id))}
+    assert states == {"done"}

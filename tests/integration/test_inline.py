@@ -1,0 +1,245 @@
+"""Inline continuation (runtime/inline.py): the thread that commits a loop's turn
+runs the loop's next job itself; the job rows, their claims and their recovery
+stay the broker's.
+
+These run a real ``dramatiq.Worker`` in the test process (its worker threads are
+what continues inline) on the app's PostgreSQL broker, against the LLM emulator.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import dramatiq
+import psycopg
+import pytest
+from sqlalchemy import select
+
+from flask_solidloop.models import Job, Loop, Message, ToolCall
+from flask_solidloop.queue import sql as jobs_sql
+from flask_solidloop.queue.broker import libpq_url
+from flask_solidloop.state import get_state
+
+from ..support_app import SIDE_EFFECTS, Assistant, create_app
+
+TURN_ACTORS = ("solidloop.llm_turn", "solidloop.tool_call")
+
+
+def script_chain(llm, tools: int) -> None:
+    """A loop of ``tools`` one-call turns then an answer: add(0, 1), add(1, 1), ..."""
+    llm.script("chain", {"tool_calls": [{"name": "add", "arguments": {"a": 0, "b": 1}}]})
+    for n in range(1, tools):
+        llm.script(lambda body, n=n: body["messages"][-1].get("content") == str(n),
+                   {"tool_calls": [{"name": "add", "arguments": {"a": n, "b": 1}}]})
+    llm.script(lambda body: body["messages"][-1].get("content") == str(tools),
+               {"content": "done"})
+
+
+class JobLines(logging.Handler):
+    """The ``job start`` records of flask_solidloop.jobs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.starts: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("job start"):
+            self.starts.append(record)
+
+
+@pytest.fixture
+def job_lines():
+    handler = JobLines()
+    logger = logging.getLogger("flask_solidloop.jobs")
+    logger.addHandler(handler)
+    previous = logger.level
+    logger.setLevel(logging.INFO)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(previous)
+
+
+def run_worker_until(app, session, loop_ids, *, threads: int = 1, timeout: float = 60.0):
+    """A real dramatiq worker on the app's broker until the loops are finished and
+    no turn job is live (a guard against hanging the suite, not a speed check)."""
+    worker = dramatiq.Worker(get_state(app).broker, worker_threads=threads, worker_timeout=100)
+    worker.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            session.expire_all()
+            open_loops = session.scalars(select(Loop.id).where(
+                Loop.id.in_(loop_ids), Loop.status.in_(("queued", "running")))).all()
+            live = session.scalars(select(Job.id).where(
+                Job.actor_name.in_(TURN_ACTORS), Job.state.in_(("queued", "running")))).all()
+            session.rollback()
+            if not open_loops and not live:
+                return
+            if time.monotonic() > deadline:
+                pytest.fail(f"loops {open_loops} / jobs {live} still open")
+            time.sleep(0.05)
+    finally:
+        worker.stop(timeout=10000)
+
+
+def turn_jobs(session):
+    session.expire_all()
+    return list(session.scalars(select(Job).where(Job.actor_name.in_(TURN_ACTORS))
+                                .order_by(Job.id)))
+
+
+def assert_completed_once(session, loop_id: int, calls: int) -> None:
+    session.expire_all()
+    loop = session.get(Loop, loop_id)
+    assert loop.status == "completed", loop.error_message
+    rows = list(session.scalars(select(ToolCall).where(ToolCall.loop_id == loop_id)))
+    assert len(rows) == calls and all(c.executed_at and c.response_message_id for c in rows)
+    answers = session.scalars(select(Message.tool_call_id).where(
+        Message.loop_id == loop_id, Message.role == "tool")).all()
+    assert sorted(answers) == sorted(c.id for c in rows)  # one answer per call
+
+
+def test_a_loop_runs_on_its_thread_from_turn_to_turn(app, session, llm, job_lines):
+    script_chain(llm, tools=3)
+    SIDE_EFFECTS.clear()
+    loop = Assistant.start(message="chain")
+    run_worker_until(app, session, [loop.id])
+    assert_completed_once(session, loop.id, calls=3)
+    jobs = turn_jobs(session)
+    # 4 LLM turns and 3 tool calls, each job run once and done.
+    assert [j.actor_name for j in jobs] == ["solidloop.llm_turn", "solidloop.tool_call"] * 3 \
+        + ["solidloop.llm_turn"]
+    assert {(j.state, j.attempts) for j in jobs} == {("done", 1)}
+    assert len(SIDE_EFFECTS) == 3
+    # The first turn was delivered by the consumer; every later job ran inline,
+    # on the thread that committed the job before it.
+    inline = [r.solidloop_inline for r in job_lines.starts]
+    assert inline == [False] + [True] * 6
+    assert len({r.thread for r in job_lines.starts}) == 1
+    assert all(r.getMessage().endswith(" inline") for r in job_lines.starts[1:])
+
+
+def test_with_inline_continuation_off_every_job_goes_through_a_consumer(
+        database_url, llm, job_lines):
+    script_chain(llm, tools=2)
+    app = create_app(SOLIDLOOP_INLINE_CONTINUATION=False)
+    with app.app_context():
+        session = get_state(app).db.session
+        loop = Assistant.start(message="chain")
+        run_worker_until(app, session, [loop.id])
+        assert_completed_once(session, loop.id, calls=2)
+        assert {(j.state, j.attempts) for j in turn_jobs(session)} == {("done", 1)}
+        session.remove()
+    assert [r.solidloop_inline for r in job_lines.starts] == [False] * 5
+
+
+def test_the_hop_budget_hands_the_next_job_back_to_the_queue(database_url, llm, job_lines):
+    script_chain(llm, tools=3)
+    app = create_app(SOLIDLOOP_INLINE_MAX_HOPS=2)
+    with app.app_context():
+        session = get_state(app).db.session
+        loop = Assistant.start(message="chain")
+        run_worker_until(app, session, [loop.id])
+        assert_completed_once(session, loop.id, calls=3)
+        assert {(j.state, j.attempts) for j in turn_jobs(session)} == {("done", 1)}
+        session.remove()
+    # Two inline jobs after each delivered one; the third is woken and delivered.
+    assert [r.solidloop_inline for r in job_lines.starts] == [False, True, True] * 2 + [False]
+
+
+def test_parallel_calls_run_once_each_with_inline_and_consumers_racing(
+        app, session, llm, job_lines):
+    llm.script("three at once", {"tool_calls": [
+        {"name": "add", "arguments": {"a": n, "b": n}} for n in range(3)]})
+    llm.script(lambda body: body["messages"][-1]["role"] == "tool", {"content": "summed"})
+    loop = Assistant.start(message="three at once")
+    run_worker_until(app, session, [loop.id], threads=3)
+    assert_completed_once(session, loop.id, calls=3)
+    assert {(j.state, j.attempts) for j in turn_jobs(session)} == {("done", 1)}
+    tool_starts = [r for r in job_lines.starts if r.solidloop_job == "tool_call"]
+    # The first call was written without a NOTIFY for the LLM turn's thread; the
+    # NOTIFY of the other two may let a consumer claim all three first (its claim
+    # takes a batch). Either way each call started once.
+    assert len(tool_starts) == 3
+    assert sum(r.solidloop_inline for r in tool_starts) <= 1
+    assert len({r.solidloop_tool_call_id for r in tool_starts}) == 3
+
+
+# -- the claim itself ---------------------------------------------------------------
+
+
+def queued_turn_job(app, session, llm) -> Job:
+    """A loop's first LLM turn, queued and never woken for (as a captured successor is)."""
+    llm.script("hello", {"content": "hi"})
+    state = get_state(app)
+    loop = Assistant.start(message="hello", commit=False)
+    session.flush()
+    message = state.actors["llm_turn"].message_with_options(
+        args=(loop.id,), solidloop_loop_id=loop.id)
+    # The loop's own first job is replaced by one written without its NOTIFY.
+    session.execute(Job.__table__.delete().where(Job.loop_id == loop.id))
+    state.broker.enqueue(message, connection=session, notify=False)
+    session.commit()
+    return session.scalars(select(Job).where(Job.loop_id == loop.id)).one()
+
+
+def claim_inline(conn, job: Job) -> list:
+    return conn.execute(jobs_sql.CLAIM_INLINE, {
+        "lease": 30, "loop_id": job.loop_id, "message_id": job.message_id}).fetchall()
+
+
+def test_a_consumer_mid_claim_wins_and_the_inline_claim_finds_nothing(
+        app, session, llm, database_url):
+    job = queued_turn_job(app, session, llm)
+    url = libpq_url(database_url)
+    with psycopg.connect(url) as consumer, psycopg.connect(url) as inline:
+        # The consumer's claim, not committed yet: the row is locked.
+        claimed = consumer.execute(jobs_sql.CLAIM, {
+            "lease": 30, "queue": job.queue_name, "limit": 8}).fetchall()
+        assert [row[0] for row in claimed] == [job.id]
+        assert claim_inline(inline, job) == []  # SKIP LOCKED: no wait, no claim
+        inline.rollback()
+        consumer.commit()
+        assert claim_inline(inline, job) == []  # running now: not claimable
+        inline.rollback()
+
+
+def test_an_inline_claim_mid_transaction_keeps_consumers_off(app, session, llm, database_url):
+    job = queued_turn_job(app, session, llm)
+    url = libpq_url(database_url)
+    with psycopg.connect(url) as consumer, psycopg.connect(url) as inline:
+        (row,) = claim_inline(inline, job)
+        assert row[0] == job.id and row[2] == 1
+        assert consumer.execute(jobs_sql.CLAIM, {
+            "lease": 30, "queue": job.queue_name, "limit": 8}).fetchall() == []
+        consumer.rollback()
+        inline.rollback()  # the thread died before its commit: the job is queued again
+        claimed = consumer.execute(jobs_sql.CLAIM, {
+            "lease": 30, "queue": job.queue_name, "limit": 8}).fetchall()
+        assert [r[0] for r in claimed] == [job.id]
+        consumer.rollback()
+
+
+def test_a_successor_nobody_claims_inline_is_found_by_a_consumers_poll(
+        app, session, llm):
+    """What a thread that died right after its turn's commit leaves behind: a queued
+    job with no NOTIFY. A consumer's timed poll runs it."""
+    job = queued_turn_job(app, session, llm)
+    run_worker_until(app, session, [job.loop_id])
+    session.expire_all()
+    assert session.get(Loop, job.loop_id).status == "completed"
+    assert (session.get(Job, job.id).state, session.get(Job, job.id).attempts) == ("done", 1)
+
+
+def test_inline_claims_match_only_queued_jobs_of_their_loop(app, session, llm, database_url):
+    job = queued_turn_job(app, session, llm)
+    with psycopg.connect(libpq_url(database_url)) as conn:
+        assert conn.execute(jobs_sql.CLAIM_INLINE, {
+            "lease": 30, "loop_id": job.loop_id + 1000, "message_id": job.message_id,
+        }).fetchall() == []
+        assert conn.execute(jobs_sql.CLAIM_INLINE, {
+            "lease": 30, "loop_id": job.loop_id, "message_id": uuid.uuid4(),
+        }).fetchall() == []
+        conn.rollback()
