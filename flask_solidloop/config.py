@@ -258,6 +258,11 @@ SETTINGS: tuple[Setting, ...] = (
             "Characters of a request, response or tool result kept in a wire-log event; a "
             "larger body is kept as an excerpt with its size and SHA-256 (a tool's full "
             "result stays on its tool call)."),
+    Setting("SOLIDLOOP_EVENT_REPEAT_HISTORY", False, _bool,
+            "Keep each LLM request's whole conversation in its wire-log event. By default an "
+            "event keeps the conversation from the model's last answer on, and the count "
+            "and SHA-256 of the earlier part (which earlier events and the loop's messages "
+            "hold)."),
     Setting("SOLIDLOOP_MCP_INBOUND_SESSION_RETENTION", None, _optional_positive_int,
             "Seconds to keep the sessions outside MCP clients opened with an MCP server "
             "blueprint, counted from their creation, with their wire-log events; unset (the "
@@ -320,6 +325,7 @@ class Config:
     prices: dict[str, Any]
     tool_output_limit: int
     event_body_limit: int
+    event_repeat_history: bool
     mcp_inbound_session_retention: int | None
     mcp_max_request_body: int
     job_result_ttl: int

@@ -104,3 +104,44 @@ def excerpt(value: Any, limit: int) -> tuple[Any, bool]:
         "sha256": hashlib.sha256(encoded.encode("utf-8", "replace")).hexdigest(),
         "truncated": True,
     }, True
+
+
+#: The request-body keys that carry the conversation (OpenAI-compatible and
+#: Anthropic: ``messages``; Gemini: ``contents``), and the roles of the model's turns.
+_CONVERSATION_KEYS = ("messages", "contents")
+_MODEL_ROLES = ("assistant", "model")
+#: The key that replaces the omitted part of a logged request's conversation.
+HISTORY_OMITTED = "solidloop_history_omitted"
+
+
+def conversation_tail(body: Any) -> Any:
+    """A request body as the wire log keeps it: the conversation from the model's
+    last answer on (what this request adds), the earlier part replaced by its
+    count and the SHA-256 of its JSON as sent (compact, keys sorted). Every
+    earlier entry is in the loop's messages and in an earlier request's event,
+    so a loop's log grows with its turns, not with the square of them. A body
+    with no model turn yet (a loop's first request) is kept whole."""
+    if not isinstance(body, dict):
+        return body
+    for key in _CONVERSATION_KEYS:
+        turns = body.get(key)
+        if not isinstance(turns, list):
+            continue
+        last = max((i for i, turn in enumerate(turns)
+                    if isinstance(turn, dict) and turn.get("role") in _MODEL_ROLES),
+                   default=None)
+        if last is None:
+            return body
+        omitted = turns[:last]
+        if not omitted:
+            return body
+        return {**body, key: turns[last:], HISTORY_OMITTED: {
+            "field": key, "count": len(omitted), "sha256": history_digest(omitted)}}
+    return body
+
+
+def history_digest(turns: list[Any]) -> str:
+    """SHA-256 of ``turns`` as compact JSON with sorted keys (see conversation_tail)."""
+    encoded = json.dumps(turns, ensure_ascii=False, sort_keys=True, separators=(",", ":"),
+                         default=str)
+    return hashlib.sha256(encoded.encode("utf-8", "replace")).hexdigest()

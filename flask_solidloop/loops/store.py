@@ -165,12 +165,19 @@ def _event_payload(payload: dict[str, Any], limit: int) -> dict[str, Any]:
 
 
 def _wire_event(session: SessionLike, loop_id: int, message_id: int | None,
-                wire: WireRecord | None, *, body_limit: int, error: str | None = None) -> None:
+                wire: WireRecord | None, *, body_limit: int, error: str | None = None,
+                repeat_history: bool = False) -> None:
+    """The turn's ``llm_request`` event. Its request body keeps the conversation
+    from the model's last answer on (storable.conversation_tail) unless
+    ``repeat_history`` (SOLIDLOOP_EVENT_REPEAT_HISTORY) keeps it whole."""
     if wire is not None:
+        payload = wire.to_payload()
+        if not repeat_history:
+            payload["request"]["body"] = storable.conversation_tail(payload["request"]["body"])
         session.add(Event(
             loop_id=loop_id, message_id=message_id, kind="llm_request",
             status_code=wire.status, duration_ms=wire.duration_ms, error=_clean(error),
-            payload=_event_payload(wire.to_payload(), body_limit),
+            payload=_event_payload(payload, body_limit),
         ))
 
 
@@ -465,7 +472,8 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     rows = [_tool_call_row(loop_id, shell.id, position, call)
             for position, call in enumerate(calls)]
     session.add_all(rows)
-    _wire_event(session, loop_id, shell.id, wire, body_limit=state.config.event_body_limit)
+    _wire_event(session, loop_id, shell.id, wire, body_limit=state.config.event_body_limit,
+                repeat_history=state.config.event_repeat_history)
     # Every loop change before the one flush: a single UPDATE of the loop row.
     loop.lease_holder = None
     loop.lease_expires_at = None
@@ -491,7 +499,8 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
 
 def end_llm_turn(session: SessionLike, loop_id: int, token: uuid.UUID, *, to: str,
                  error_message: str, shell_id: int | None,
-                 wire: WireRecord | None, body_limit: int) -> bool:
+                 wire: WireRecord | None, body_limit: int,
+                 repeat_history: bool = False) -> bool:
     """End a turn with an expected outcome (a limit pauses, a provider error
     fails): the shell is failed and hidden, the wire record kept."""
     loop = transition(session, loop_id, from_="running", to=to, expected_token=token,
@@ -504,7 +513,8 @@ def end_llm_turn(session: SessionLike, loop_id: int, token: uuid.UUID, *, to: st
         if shell is not None and shell.status == "processing":
             shell.status = "failed"
             shell.is_hidden = True
-    _wire_event(session, loop_id, shell_id, wire, body_limit=body_limit, error=error_message)
+    _wire_event(session, loop_id, shell_id, wire, body_limit=body_limit, error=error_message,
+                repeat_history=repeat_history)
     session.commit()
     signals.send_status(to, loop_id=loop_id, error=_clean(error_message))
     return True

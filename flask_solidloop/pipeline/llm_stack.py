@@ -74,7 +74,8 @@ def _end_turn(ctx: LlmContext, *, to: str, error_message: str) -> None:
         return  # not ours any more: the reaper or the new generation decides
     store.end_llm_turn(ctx.session, ctx.loop_id, ctx.execution_token, to=to,
                        error_message=error_message, shell_id=ctx.shell_id, wire=ctx.wire,
-                       body_limit=ctx.state.config.event_body_limit)
+                       body_limit=ctx.state.config.event_body_limit,
+                       repeat_history=ctx.state.config.event_repeat_history)
 
 
 class AgentInitialization:

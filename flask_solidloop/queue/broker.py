@@ -243,7 +243,6 @@ class PostgresBroker(dramatiq.Broker):
         delay: int | None = None,
         connection: Any = None,
         eta: datetime | None = None,
-        notify: bool = True,
     ) -> Message:
         """Write ``message`` as a job row.
 
@@ -257,10 +256,7 @@ class PostgresBroker(dramatiq.Broker):
         on any actor of this broker) is taken out of the message and used as
         ``connection``, after checking it is a session of this broker's
         database. ``eta`` (an aware datetime) is an absolute due time, the
-        alternative to ``delay`` in milliseconds. ``notify=False`` writes the row
-        without waking a consumer: the caller runs it itself (inline continuation)
-        or wakes the queue with :meth:`notify` later; the consumers' timed poll
-        (``poll_interval``) finds it either way.
+        alternative to ``delay`` in milliseconds.
         """
         if message.queue_name not in self.queues:
             raise QueueNotFound(message.queue_name)
@@ -296,17 +292,13 @@ class PostgresBroker(dramatiq.Broker):
             "channel": CHANNEL_PREFIX + message.queue_name,
         }
         later = delay or (eta is not None and eta.timestamp() > time.time())
-        query = jobs_sql.INSERT if later or not notify else jobs_sql.INSERT_AND_NOTIFY
+        query = jobs_sql.INSERT if later else jobs_sql.INSERT_AND_NOTIFY
         if connection is None:
             self._run(query, params)
         else:
             execute_on(connection, query, params)
         self.emit_after("enqueue", message, delay)
         return message
-
-    def notify(self, queue_name: str) -> None:
-        """Wake the consumers of ``queue_name`` now (on the broker's pool)."""
-        self._run(jobs_sql.NOTIFY, (CHANNEL_PREFIX + queue_name,))
 
     def enqueue_host_job(
         self,

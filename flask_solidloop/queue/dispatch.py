@@ -16,6 +16,12 @@ import dramatiq
 from .._typing import SessionLike
 from .broker import PostgresBroker
 
+#: How long a continuation stays reserved for the thread that enqueued it (see
+#: Dispatcher.capture): at least the consumers' poll interval, so a reserved job
+#: never makes an idle consumer wake up early; short, because it is also how
+#: late a consumer takes over from a thread that died before its claim.
+INLINE_RESERVATION_MS = 2000
+
 
 @dataclass(frozen=True)
 class Successor:
@@ -43,8 +49,11 @@ class Dispatcher:
 
     def capture(self) -> None:
         """From now on, this thread's first continuation (a loop's tool call or
-        next LLM turn, due now) is written without its NOTIFY and kept for
-        :meth:`take_captured`: the thread runs it itself."""
+        next LLM turn, due now) is reserved for it: written due
+        ``INLINE_RESERVATION_MS`` later, so no consumer claims it meanwhile (and
+        without a NOTIFY), and kept for :meth:`take_captured`: the thread claims
+        it right away, due or not. Should the thread die first, the job becomes
+        due and a consumer's poll claims it."""
         self._local.capturing = True
         self._local.captured = None
 
@@ -65,7 +74,9 @@ class Dispatcher:
         capture = (continuation and loop_id is not None and not delay_ms
                    and getattr(self._local, "capturing", False)
                    and self._local.captured is None)
-        self.broker.enqueue(message, delay=delay_ms, connection=session, notify=not capture)
+        if capture:
+            delay_ms = INLINE_RESERVATION_MS
+        self.broker.enqueue(message, delay=delay_ms, connection=session)
         if capture:
             assert loop_id is not None
             self._local.captured = Successor(message.queue_name, message.actor_name,

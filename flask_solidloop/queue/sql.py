@@ -42,8 +42,10 @@ UPDATE solidloop_jobs AS j
 RETURNING j.id, j.lease_token, j.message, j.attempts
 """
 #: Inline continuation (runtime/inline.py): the thread that committed a loop's
-#: turn claims that turn's successor by its message id, inside the transaction
-#: of the successor's own claim. SKIP LOCKED: a consumer mid-claim wins.
+#: turn wrote the turn's successor due a little later (reserved for it: no
+#: consumer claims it before then), and claims it by its message id, due or not,
+#: inside the transaction of the successor's own claim. SKIP LOCKED: a consumer
+#: mid-claim wins.
 CLAIM_INLINE = """
 UPDATE solidloop_jobs AS j
    SET state = 'running', lease_token = gen_random_uuid(),
@@ -51,13 +53,19 @@ UPDATE solidloop_jobs AS j
        attempts = j.attempts + 1, started_at = now()
  WHERE j.id = (SELECT id FROM solidloop_jobs
                 WHERE loop_id = %(loop_id)s AND message_id = %(message_id)s
-                  AND state = 'queued' AND eta <= now()
+                  AND state = 'queued'
                 LIMIT 1 FOR UPDATE SKIP LOCKED)
 RETURNING j.id, j.lease_token, j.attempts
 """
+#: A reserved successor the thread will not run after all: due now, and woken for.
+RELEASE_INLINE = (
+    "WITH released AS (UPDATE solidloop_jobs SET eta = now() "
+    "WHERE loop_id = %(loop_id)s AND message_id = %(message_id)s AND state = 'queued' "
+    "RETURNING id) SELECT pg_notify(%(channel)s, '') FROM released"
+)
 #: An inline job whose body returned without committing its job done: done now,
 #: whether its claim committed (running, our lease) or rolled back with a no-op
-#: body (queued again, and never woken for: nothing else would run it soon).
+#: body (queued again, reserved: nothing else would run it before its eta).
 FINISH_INLINE = (
     "UPDATE solidloop_jobs SET state = 'done', finished_at = now(), lease_until = NULL "
     "WHERE id = %s AND (state = 'queued' OR (state = 'running' AND lease_token = %s))"

@@ -5,24 +5,26 @@ A turn's canonical commit enqueues its successor (a tool call, the next LLM
 turn) in the same transaction, as always: the job row is the record, and
 nothing about recovery changes. What changes is who runs it first. While a
 turn runs in a dramatiq worker thread, the dispatcher writes the turn's first
-continuation without its NOTIFY and hands it back here; after the turn
-returns, this thread claims that job by its message id with the same fenced
-claim a consumer makes (queued → running under a fresh job lease), inside the
-transaction of the successor's own claim, so the job is claimed and marked
-done in the turn's first commit. Then it runs the successor, and so on, up to
+continuation reserved for this thread (due two seconds later, so no consumer
+claims it meanwhile, and without its NOTIFY) and hands it back here; after the
+turn returns, this thread claims that job by its message id with the same
+fenced claim a consumer makes (queued → running under a fresh job lease),
+inside the transaction of the successor's own claim, so the job is claimed
+and marked done in the turn's first commit. Then it runs the successor, and so on, up to
 ``SOLIDLOOP_INLINE_MAX_HOPS`` jobs per delivered job.
 
 Why it is safe:
 
 * The claim is the broker's claim: ``FOR UPDATE SKIP LOCKED`` on a queued
-  row. A consumer that claimed the job first (its timed poll) wins, and this
-  thread's claim finds nothing.
-* If this thread dies before its claim commits, the job is still queued; a
-  consumer's timed poll (``SOLIDLOOP_POLL_INTERVAL``, 1 s) claims it. If it
-  dies after, the loop's or the tool call's lease is what recovery follows,
-  exactly as for a consumer-delivered job.
+  row. Were a consumer to claim the job first, this thread's claim would find
+  nothing.
+* If this thread dies before its claim commits, the job is still queued; when
+  its reservation ends a consumer's timed poll (``SOLIDLOOP_POLL_INTERVAL``)
+  claims it, about three seconds later at most. If it dies after, the loop's
+  or the tool call's lease is what recovery follows, exactly as for a
+  consumer-delivered job.
 * A successor this thread will not run (the hop budget is spent, the worker
-  is stopping, the turn raised) gets its NOTIFY now.
+  is stopping, the turn raised) is handed back at once: due now, NOTIFYed.
 
 Why it pays: no NOTIFY, no wake-up, no separate claim transaction per job, and
 the loop keeps its thread, so a started loop runs to its end (what DBOS does
@@ -39,7 +41,7 @@ from collections.abc import Callable
 from dramatiq import worker as dramatiq_worker
 
 from ..queue import sql as jobs_sql
-from ..queue.broker import execute_on
+from ..queue.broker import CHANNEL_PREFIX, execute_on
 from ..queue.current_job import (
     CurrentJob,
     job_done_committed,
@@ -47,7 +49,7 @@ from ..queue.current_job import (
     save_current_job,
     set_current_job,
 )
-from ..queue.dispatch import Successor
+from ..queue.dispatch import INLINE_RESERVATION_MS, Successor
 from ..state import SolidLoopState
 from .job_log import logged_job
 
@@ -160,10 +162,17 @@ def _run_body(state: SolidLoopState, successor: Successor) -> None:
 
 
 def _wake(state: SolidLoopState, successor: Successor) -> None:
-    """NOTIFY the successor's queue: a consumer claims it (it is queued)."""
+    """Hand a reserved successor back: due now, and its queue woken."""
+    session = state.db.session
     try:
-        state.broker.notify(successor.queue_name)
+        session.rollback()
+        execute_on(session, jobs_sql.RELEASE_INLINE, {
+            "loop_id": successor.loop_id, "message_id": uuid.UUID(str(successor.message_id)),
+            "channel": CHANNEL_PREFIX + successor.queue_name})
+        session.commit()
     except Exception:
-        # The consumers' timed poll finds it anyway.
-        logger.warning("inline: could not wake queue %s; its poll will find job %s",
-                       successor.queue_name, successor.message_id, exc_info=True)
+        session.rollback()
+        # Its reservation ends by itself; the consumers' timed poll finds it then.
+        logger.warning("inline: could not hand job %s back to queue %s; it is due in %.0f s",
+                       successor.message_id, successor.queue_name,
+                       INLINE_RESERVATION_MS / 1000, exc_info=True)

@@ -8,6 +8,7 @@ what continues inline) on the app's PostgreSQL broker, against the LLM emulator.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -20,6 +21,7 @@ from sqlalchemy import select
 from flask_solidloop.models import Job, Loop, Message, ToolCall
 from flask_solidloop.queue import sql as jobs_sql
 from flask_solidloop.queue.broker import libpq_url
+from flask_solidloop.queue.dispatch import INLINE_RESERVATION_MS
 from flask_solidloop.state import get_state
 
 from ..support_app import SIDE_EFFECTS, Assistant, create_app
@@ -84,6 +86,21 @@ def run_worker_until(app, session, loop_ids, *, threads: int = 1, timeout: float
         worker.stop(timeout=10000)
 
 
+@contextlib.contextmanager
+def own_app(**config):
+    """An app with its own settings (the ``app`` fixture's are the defaults)."""
+    app = create_app(**config)
+    try:
+        with app.app_context():
+            yield app, get_state(app).db.session
+            get_state(app).db.session.remove()
+            for engine in app.extensions["sqlalchemy"].engines.values():
+                engine.dispose()
+    finally:
+        get_state(app).stop_renewer()
+        get_state(app).broker.close()
+
+
 def turn_jobs(session):
     session.expire_all()
     return list(session.scalars(select(Job).where(Job.actor_name.in_(TURN_ACTORS))
@@ -123,33 +140,29 @@ def test_a_loop_runs_on_its_thread_from_turn_to_turn(app, session, llm, job_line
 
 def test_with_inline_continuation_off_every_job_goes_through_a_consumer(
         database_url, llm, job_lines):
+    llm.reset()  # the suite's emulator is reset by the app fixture, unused here
     script_chain(llm, tools=2)
-    app = create_app(SOLIDLOOP_INLINE_CONTINUATION=False)
-    with app.app_context():
-        session = get_state(app).db.session
+    with own_app(SOLIDLOOP_INLINE_CONTINUATION=False) as (app, session):
         loop = Assistant.start(message="chain")
         run_worker_until(app, session, [loop.id])
         assert_completed_once(session, loop.id, calls=2)
         assert {(j.state, j.attempts) for j in turn_jobs(session)} == {("done", 1)}
-        session.remove()
     assert [r.solidloop_inline for r in job_lines.starts] == [False] * 5
 
 
 def test_the_hop_budget_hands_the_next_job_back_to_the_queue(database_url, llm, job_lines):
+    llm.reset()
     script_chain(llm, tools=3)
-    app = create_app(SOLIDLOOP_INLINE_MAX_HOPS=2)
-    with app.app_context():
-        session = get_state(app).db.session
+    with own_app(SOLIDLOOP_INLINE_MAX_HOPS=2) as (app, session):
         loop = Assistant.start(message="chain")
         run_worker_until(app, session, [loop.id])
         assert_completed_once(session, loop.id, calls=3)
         assert {(j.state, j.attempts) for j in turn_jobs(session)} == {("done", 1)}
-        session.remove()
     # Two inline jobs after each delivered one; the third is woken and delivered.
     assert [r.solidloop_inline for r in job_lines.starts] == [False, True, True] * 2 + [False]
 
 
-def test_parallel_calls_run_once_each_with_inline_and_consumers_racing(
+def test_the_first_parallel_call_stays_on_the_turns_thread_the_others_are_woken(
         app, session, llm, job_lines):
     llm.script("three at once", {"tool_calls": [
         {"name": "add", "arguments": {"a": n, "b": n}} for n in range(3)]})
@@ -159,28 +172,29 @@ def test_parallel_calls_run_once_each_with_inline_and_consumers_racing(
     assert_completed_once(session, loop.id, calls=3)
     assert {(j.state, j.attempts) for j in turn_jobs(session)} == {("done", 1)}
     tool_starts = [r for r in job_lines.starts if r.solidloop_job == "tool_call"]
-    # The first call was written without a NOTIFY for the LLM turn's thread; the
-    # NOTIFY of the other two may let a consumer claim all three first (its claim
-    # takes a batch). Either way each call started once.
-    assert len(tool_starts) == 3
-    assert sum(r.solidloop_inline for r in tool_starts) <= 1
+    # The first call is reserved for the LLM turn's thread (not due yet, so the
+    # consumer woken for the other two cannot take it); the other two run on
+    # the other threads. Each call started once.
+    assert sorted(r.solidloop_inline for r in tool_starts) == [False, False, True]
     assert len({r.solidloop_tool_call_id for r in tool_starts}) == 3
 
 
 # -- the claim itself ---------------------------------------------------------------
 
 
-def queued_turn_job(app, session, llm) -> Job:
-    """A loop's first LLM turn, queued and never woken for (as a captured successor is)."""
+def queued_turn_job(app, session, llm, *, reserved: bool = False) -> Job:
+    """A loop's first LLM turn, queued; ``reserved``: written as a captured
+    successor is (due INLINE_RESERVATION_MS later, no NOTIFY)."""
     llm.script("hello", {"content": "hi"})
     state = get_state(app)
     loop = Assistant.start(message="hello", commit=False)
     session.flush()
     message = state.actors["llm_turn"].message_with_options(
         args=(loop.id,), solidloop_loop_id=loop.id)
-    # The loop's own first job is replaced by one written without its NOTIFY.
+    # The loop's own first job is replaced by one written the way the test needs.
     session.execute(Job.__table__.delete().where(Job.loop_id == loop.id))
-    state.broker.enqueue(message, connection=session, notify=False)
+    state.broker.enqueue(message, connection=session,
+                         delay=INLINE_RESERVATION_MS if reserved else None)
     session.commit()
     return session.scalars(select(Job).where(Job.loop_id == loop.id)).one()
 
@@ -222,11 +236,22 @@ def test_an_inline_claim_mid_transaction_keeps_consumers_off(app, session, llm, 
         consumer.rollback()
 
 
+def test_a_reserved_successor_is_not_claimable_by_consumers_until_it_is_due(
+        app, session, llm, database_url):
+    job = queued_turn_job(app, session, llm, reserved=True)
+    with psycopg.connect(libpq_url(database_url)) as conn:
+        assert conn.execute(jobs_sql.CLAIM, {
+            "lease": 30, "queue": job.queue_name, "limit": 8}).fetchall() == []
+        (row,) = claim_inline(conn, job)  # its thread's claim takes it, due or not
+        assert row[0] == job.id
+        conn.rollback()
+
+
 def test_a_successor_nobody_claims_inline_is_found_by_a_consumers_poll(
         app, session, llm):
-    """What a thread that died right after its turn's commit leaves behind: a queued
-    job with no NOTIFY. A consumer's timed poll runs it."""
-    job = queued_turn_job(app, session, llm)
+    """What a thread that died right after its turn's commit leaves behind: a
+    reserved job with no NOTIFY. Once due, a consumer's timed poll runs it."""
+    job = queued_turn_job(app, session, llm, reserved=True)
     run_worker_until(app, session, [job.loop_id])
     session.expire_all()
     assert session.get(Loop, job.loop_id).status == "completed"

@@ -1,0 +1,62 @@
+"""The wire log keeps what each LLM request adds, not the whole conversation again
+(SOLIDLOOP_EVENT_REPEAT_HISTORY off, the default): a loop's log grows with its
+turns, and the omitted part is named by count and SHA-256 of what was sent."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+
+from flask_solidloop.loops.storable import HISTORY_OMITTED, history_digest
+from flask_solidloop.models import Event
+from flask_solidloop.testing import drain as run
+
+from ..support_app import Assistant, create_app
+
+
+def script_three_turns(llm) -> None:
+    llm.script("chain", {"tool_calls": [{"name": "add", "arguments": {"a": 0, "b": 1}}]})
+    llm.script(lambda body: body["messages"][-1].get("content") == "1",
+               {"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 1}}]})
+    llm.script(lambda body: body["messages"][-1].get("content") == "2", {"content": "done"})
+
+
+def request_bodies(session, loop_id: int) -> list[dict]:
+    session.expire_all()
+    return [e.payload["request"]["body"] for e in session.scalars(
+        select(Event).where(Event.kind == "llm_request", Event.loop_id == loop_id)
+        .order_by(Event.id))]
+
+
+def test_each_event_keeps_the_conversation_from_the_last_answer_on(app, session, llm, drain):
+    script_three_turns(llm)
+    loop = Assistant.start(message="chain")
+    drain()
+    sent = [request.json for request in llm.requests]
+    logged = request_bodies(session, loop.id)
+    assert len(sent) == len(logged) == 3
+    assert logged[0] == sent[0]  # a first request has no answer before it: whole
+    for body, as_sent in zip(logged[1:], sent[1:], strict=True):
+        messages = as_sent["messages"]
+        last_answer = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        assert body["messages"] == messages[last_answer:]  # the answer and what follows
+        assert body[HISTORY_OMITTED] == {"field": "messages", "count": last_answer,
+                                         "sha256": history_digest(messages[:last_answer])}
+        # Everything else in the body is kept as sent.
+        assert {k: v for k, v in body.items() if k not in ("messages", HISTORY_OMITTED)} \
+            == {k: v for k, v in as_sent.items() if k != "messages"}
+    # What the log holds per request stays the same size however long the loop gets.
+    assert len(logged[2]["messages"]) == len(logged[1]["messages"]) == 2
+
+
+def test_repeat_history_keeps_every_request_whole(database_url, llm):
+    llm.reset()  # the suite's emulator is reset by the app fixture, unused here
+    script_three_turns(llm)
+    app = create_app(SOLIDLOOP_EVENT_REPEAT_HISTORY=True)
+    with app.app_context():
+        loop_id = Assistant.start(message="chain").id
+        run(app)
+        session = app.extensions["sqlalchemy"].session
+        assert request_bodies(session, loop_id) == [request.json for request in llm.requests]
+        session.remove()
+        for engine in app.extensions["sqlalchemy"].engines.values():
+            engine.dispose()
