@@ -34,6 +34,7 @@ A user's conftest::
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -75,9 +76,19 @@ def truncate_all(url: str) -> None:
     from ..urls import libpq_url
 
     tables = [sql.Identifier(table.name) for table in metadata.sorted_tables]
+    statement = sql.SQL("TRUNCATE {} RESTART IDENTITY CASCADE").format(sql.SQL(", ").join(tables))
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
-        conn.execute(sql.SQL("TRUNCATE {} RESTART IDENTITY CASCADE").format(
-            sql.SQL(", ").join(tables)))
+        for attempt in range(5):
+            try:
+                conn.execute(statement)
+                return
+            except psycopg.errors.DeadlockDetected:
+                # A previous test's server or worker still finishing a write (its
+                # process is stopping) holds one table while TRUNCATE holds another;
+                # PostgreSQL aborted ours. That writer is done in a moment.
+                if attempt == 4:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
 
 
 @pytest.fixture(scope="session")
