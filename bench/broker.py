@@ -97,9 +97,9 @@ TARGET_DRAIN = 1000.0
 TARGET_FLOOR_RATIO = 1.2
 TARGET_PROCRASTINATE_RATIO = 2.0
 
-SYSTEMS = ("postgres", "raw", "procrastinate", "redis")
+SYSTEMS = ("postgres", "raw", "procrastinate", "redis", "pg-async")
 TITLES = {"postgres": "postgres", "raw": "raw floor", "procrastinate": "procrastinate",
-          "redis": "redis"}
+          "redis": "redis", "pg-async": "pg async claim"}
 
 
 # -- results -------------------------------------------------------------------
@@ -110,11 +110,15 @@ class Latency:
     samples_ms: list[float] = field(default_factory=list)
     commit_ms: list[float] = field(default_factory=list)  # conn.commit() itself, where timed
     lost: int = 0
+    #: Our broker only: each sample cut into stages (ms), see Ours.latency.
+    stages: dict[str, list[float]] = field(default_factory=dict)
 
     def extend(self, other: Latency) -> None:
         self.samples_ms += other.samples_ms
         self.commit_ms += other.commit_ms
         self.lost += other.lost
+        for stage, values in other.stages.items():
+            self.stages.setdefault(stage, []).extend(values)
 
     @property
     def p50(self) -> float:
@@ -152,9 +156,11 @@ def sample_latency(
     samples: int,
     send: Callable[[int], tuple[float, float | None]],
     started: queue.Queue[tuple[int, float]],
+    on_sample: Callable[[Latency, float, float | None, float], None] | None = None,
 ) -> Latency:
     """``send(seq)`` writes one probe and returns (t_start, commit duration or None);
-    whatever runs the probe puts ``(seq, time.perf_counter())`` on ``started``."""
+    whatever runs the probe puts ``(seq, time.perf_counter())`` on ``started``.
+    ``on_sample(result, t0, commit_s, t_started)`` sees every kept sample."""
     result = Latency()
     for seq in range(-WARMUP_SAMPLES, samples):
         t0, commit_s = send(seq)
@@ -169,6 +175,8 @@ def sample_latency(
                     result.samples_ms.append((t_start - t0) * 1000)
                     if commit_s is not None:
                         result.commit_ms.append(commit_s * 1000)
+                    if on_sample is not None:
+                        on_sample(result, t0, commit_s, t_start)
                 break
         # Spaced out so the consumer is idle again: each sample is a cold wake-up.
         time.sleep(random.uniform(0.005, 0.010))
@@ -263,11 +271,14 @@ def running_worker(broker: dramatiq.Broker, threads: int) -> Iterator[dramatiq.W
         worker.stop(timeout=10_000)
 
 
-def dramatiq_latency(harness: Harness, samples: int, threads: int,
-                     send: Callable[[int], tuple[float, float | None]]) -> Latency:
+def dramatiq_latency(
+    harness: Harness, samples: int, threads: int,
+    send: Callable[[int], tuple[float, float | None]],
+    on_sample: Callable[[Latency, float, float | None, float], None] | None = None,
+) -> Latency:
     with running_worker(harness.broker, threads):
         time.sleep(0.2)  # let the consumer connect (and LISTEN) before the first sample
-        return sample_latency(samples, send, harness.started)
+        return sample_latency(samples, send, harness.started, on_sample)
 
 
 def dramatiq_drain(harness: Harness, jobs: int, threads: int,
@@ -287,13 +298,25 @@ def dramatiq_drain(harness: Harness, jobs: int, threads: int,
 
 
 class Ours:
-    """Our PostgresBroker."""
+    """Our PostgresBroker.
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    ``async_claims`` (the "pg async claim" column, ``--async-claims``) is an
+    experiment, not a setting of the broker: the consumers' claim connections
+    run ``SET synchronous_commit = off``, so a claim's commit does not wait
+    for its WAL flush. It shows what the claim's fsync costs in the wake-up
+    path.
+    """
+
+    def __init__(self, args: argparse.Namespace, *, async_claims: bool = False) -> None:
         self.args = args
+        self.async_claims = async_claims
         self.info = ""
 
     def setup(self) -> None:
+        if self.async_claims:  # the plain column's setup has migrated the database
+            self.info = ("the same broker and database; its consumers' connections run "
+                         "SET synchronous_commit = off (an experiment, not a broker setting)")
+            return
         url = self.args.url
         ensure_database(url)
         with psycopg.connect(libpq_url(url), autocommit=True) as conn:
@@ -315,14 +338,52 @@ class Ours:
             cur = conn.execute(query)
             return cur.fetchall() if cur.description else []
 
-    def _broker(self) -> PostgresBroker:
+    def _broker(self, claims: list[tuple[float, float]] | None = None) -> PostgresBroker:
+        """A fresh broker on an empty table. Its consumers record (start, end)
+        of every claim that returned rows in ``claims``."""
         self._sql("TRUNCATE solidloop_jobs RESTART IDENTITY")
-        return PostgresBroker(self.args.url, job_lease=60, poll_interval=1.0)
+        broker = PostgresBroker(self.args.url, job_lease=60, poll_interval=1.0)
+        consume = broker.consume
+        async_claims = self.async_claims
+
+        def instrumented(queue_name: str, prefetch: int = 1, timeout: int = 30000) -> Any:
+            consumer: Any = consume(queue_name, prefetch, timeout)
+            if async_claims:
+                consumer.conn.execute("SET synchronous_commit = off")
+            if claims is not None:
+                claim = consumer._claim
+
+                def timed_claim() -> bool:
+                    t0 = time.perf_counter()
+                    got = claim()
+                    if got:
+                        claims.append((t0, time.perf_counter()))
+                    return got
+
+                consumer._claim = timed_claim
+            return consumer
+
+        broker.consume = instrumented  # type: ignore[method-assign]
+        return broker
 
     def latency(self, samples: int) -> Latency:
-        broker = self._broker()
+        claims: list[tuple[float, float]] = []
+        broker = self._broker(claims)
         harness = make_harness(broker)
         sender = psycopg.connect(libpq_url(self.args.url))
+
+        def on_sample(result: Latency, t0: float, commit_s: float | None, t_actor: float) -> None:
+            # The claim that took this sample's job: the last one between the
+            # commit's start and the actor's start (samples are sequential).
+            mine = [c for c in claims if t0 <= c[0] and c[1] <= t_actor]
+            claims.clear()
+            if not mine or commit_s is None:
+                return
+            c0, c1 = mine[-1]
+            for stage, ms in (("commit", commit_s), ("commit -> claim", c0 - (t0 + commit_s)),
+                              ("claim", c1 - c0), ("claim -> actor", t_actor - c1)):
+                result.stages.setdefault(stage, []).append(ms * 1000)
+
         try:
             def send(seq: int) -> tuple[float, float]:
                 broker.enqueue(harness.probe.message(seq), connection=sender)
@@ -330,7 +391,7 @@ class Ours:
                 sender.commit()
                 return t0, time.perf_counter() - t0
 
-            return dramatiq_latency(harness, samples, self.args.threads, send)
+            return dramatiq_latency(harness, samples, self.args.threads, send, on_sample)
         finally:
             sender.close()
             broker.close()
@@ -357,7 +418,8 @@ class Ours:
         return drain
 
     def teardown(self) -> None:
-        self._sql("TRUNCATE solidloop_jobs RESTART IDENTITY")
+        if not self.async_claims:
+            self._sql("TRUNCATE solidloop_jobs RESTART IDENTITY")
 
 
 class Redis:
@@ -785,6 +847,10 @@ def report(args: argparse.Namespace, systems: dict[str, Any], lat: dict[str, Lat
                   f" / max {fmt(max(latency.samples_ms, default=None), 2)} ms")
         lost = f", {latency.lost} samples lost (>5 s)" if latency.lost else ""
         print(f"  {TITLES[name]} latency: {spread}{lost}")
+        if latency.stages:
+            print(f"  {TITLES[name]} latency by stage, p50 (ms): " + ", ".join(
+                f"{stage} {fmt(percentile(values, 50), 2)}"
+                for stage, values in latency.stages.items()))
         for i, drain in enumerate(drains[name], 1):
             status = " TIMED OUT" if drain.timed_out else ""
             print(f"  {TITLES[name]} drain {i}: {drain.acked}/{drain.jobs} in "
@@ -811,6 +877,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="Redis key namespace (flushed)")
     parser.add_argument("--drain-timeout", type=float, default=60.0,
                         help="give up on a drain after this many seconds (60)")
+    parser.add_argument("--async-claims", action="store_true",
+                        help="add the 'pg async claim' column: our broker with its claims "
+                             "committed with synchronous_commit=off (an experiment)")
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -830,6 +899,8 @@ def main(argv: list[str] | None = None) -> int:
         skipped["redis"] = redis_note
     else:
         candidates["redis"] = Redis(args)
+    if args.async_claims:
+        candidates["pg-async"] = Ours(args, async_claims=True)
     for name, why in skipped.items():
         if not why.startswith("--"):
             print(f"note: {why}; skipping the {name} column", file=sys.stderr)

@@ -284,7 +284,8 @@ class Listener:
 
     def _listen_new(self, conn: psycopg.Connection, session: _Session) -> None:
         with self._lock:
-            new = [q.channel for q in self._queues.values() if q.channel not in session.listening]
+            new = [q.channel for q in self._queues.values()
+                   if q.subscribers and q.channel not in session.listening]
         if not new and session.listening:
             return
         for channel in new:
