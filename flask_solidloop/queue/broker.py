@@ -12,7 +12,8 @@ queued → running → done | dead, ``eta`` for delays (nothing is held in worke
 memory), ``lease_token``/``lease_until`` for redelivery when a worker dies.
 
 * claim: ``UPDATE ... FROM (SELECT ... FOR UPDATE SKIP LOCKED LIMIT n)``
-* wake-up: LISTEN on one channel per queue, with a timed poll as fallback
+* wake-up: one LISTEN connection per process (queue/listener.py) wakes the
+  consumers of the queue notified, with a timed poll as fallback
 * ack/nack: fenced on the lease token, so a stale holder changes nothing
 * renewal: the consumer extends the leases of the jobs it holds
 * recovery: expired leases go back to queued (or dead after too many tries)
@@ -27,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -42,17 +44,19 @@ from dramatiq.broker import Consumer, MessageProxy
 from dramatiq.encoder import JSONEncoder
 from dramatiq.errors import BrokerConnectionError, QueueNotFound
 from dramatiq.message import Message
-from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 from ..errors import BrokerError, InvalidJobError, JobEncodeError
 from ..urls import libpq_url, redact_url
 from . import sql as jobs_sql
+from .listener import Listener
 
 logger = logging.getLogger("flask_solidloop.broker")
 
 # Kept importable from here for callers of the first release.
 CHANNEL_PREFIX = jobs_sql.CHANNEL_PREFIX
+#: application_name of each consumer's claim connection.
+CONSUMER_APPLICATION_NAME = "solidloop-consumer"
 
 #: dramatiq's own rule for queue names (dramatiq.actor enforces it too).
 QUEUE_NAME_RE = re.compile(r"[a-zA-Z_][a-zA-Z0-9._-]*")
@@ -179,16 +183,19 @@ class PostgresBroker(dramatiq.Broker):
         self.queues: dict[str, None] = {}
         self._pool: ConnectionPool | None = None
         self._pool_lock = threading.Lock()
+        self._listener: Listener | None = None
+        self._listener_lock = threading.Lock()
         self._last_recover = 0.0
         #: URLs of sessions already checked by check_session (the check runs once per engine).
         self._session_urls: set[str] = set()
 
     # -- connections -------------------------------------------------------
 
-    def connect(self) -> psycopg.Connection:
+    def connect(self, *, application_name: str | None = None) -> psycopg.Connection:
         """A new autocommit connection, with errors dramatiq's consumers understand."""
+        extra: dict[str, Any] = {"application_name": application_name} if application_name else {}
         try:
-            return psycopg.connect(self.conninfo, autocommit=True, connect_timeout=10)
+            return psycopg.connect(self.conninfo, autocommit=True, connect_timeout=10, **extra)
         except psycopg.OperationalError as exc:
             raise BrokerConnectionError(
                 f"cannot reach PostgreSQL at {redact_url(self.url)}: {exc}"
@@ -216,7 +223,23 @@ class PostgresBroker(dramatiq.Broker):
         except psycopg.OperationalError as exc:
             raise BrokerConnectionError(str(exc)) from exc
 
+    @property
+    def listener(self) -> Listener:
+        """This process's LISTEN connection for this broker's consumers (decision 0014);
+        a forked child gets its own."""
+        with self._listener_lock:
+            if self._listener is None or self._listener.pid != os.getpid():
+                self._listener = Listener(self.conninfo, self._poke)
+            return self._listener
+
+    def _poke(self, channel: str) -> None:
+        self._run(jobs_sql.NOTIFY, (channel,))
+
     def close(self) -> None:
+        with self._listener_lock:
+            listener, self._listener = self._listener, None
+        if listener is not None and listener.pid == os.getpid():
+            listener.stop()  # before the pool closes: stopping pokes through it
         with self._pool_lock:
             if self._pool is not None:
                 self._pool.close()
@@ -447,9 +470,11 @@ def execute_on(target: Any, query: str, params: Any, *, fetch: bool = False) -> 
 class PostgresConsumer(Consumer):
     """Iterates over the jobs of one queue. Used by one ConsumerThread.
 
-    The consumer thread claims and waits on its own connection; acks arrive
-    from worker threads and go through the broker's pool, so a consumer
-    blocked in LISTEN never delays an ack.
+    The consumer thread claims and renews on its own connection, which
+    LISTENs on nothing; it waits for work on the broker's shared
+    :class:`~flask_solidloop.queue.listener.Listener`, which wakes only the
+    consumers of the queue notified. Acks arrive from worker threads and go
+    through the broker's pool.
     """
 
     def __init__(self, broker: PostgresBroker, queue_name: str, prefetch: int, timeout: int):
@@ -464,12 +489,16 @@ class PostgresConsumer(Consumer):
         # consumer whose prefetch window is full resumes claiming at once.
         self.released = threading.Condition(self.held_lock)
         self.last_renewal = time.monotonic()
-        self.conn = broker.connect()
-        channel = CHANNEL_PREFIX + queue_name
-        try:
-            self.conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
-        except psycopg.OperationalError as exc:
-            raise BrokerConnectionError(str(exc)) from exc
+        #: Claim statements run, and waits a notification ended (the rest timed out).
+        self.claims = 0
+        self.wakeups = 0
+        self.conn = broker.connect(application_name=CONSUMER_APPLICATION_NAME)
+        self.listener = broker.listener
+        # Returns once the queue's channel is LISTENed, so no commit can fall
+        # between our first empty claim and the listening (or after a bounded
+        # wait if the listener cannot connect: we poll until it does).
+        self.listener.subscribe(queue_name)
+        self._subscribed = True
 
     def __next__(self) -> MessageProxy | None:
         try:
@@ -477,9 +506,12 @@ class PostgresConsumer(Consumer):
             self.broker.maybe_recover_expired()
             if self.buffer:
                 return self.buffer.popleft()
+            # Read before the claim: a notification landing after this read
+            # (even before the wait begins) ends the wait at once.
+            seen = self.listener.generation(self.queue_name)
             if self._claim():
                 return self.buffer.popleft()
-            self._wait()
+            self._wait(seen)
             if self._claim():
                 return self.buffer.popleft()
             return None
@@ -491,6 +523,7 @@ class PostgresConsumer(Consumer):
             room = self.prefetch - len(self.held)
         if room <= 0:
             return False
+        self.claims += 1
         rows = self.conn.execute(jobs_sql.CLAIM, {
             "lease": self.broker.job_lease, "queue": self.queue_name, "limit": room,
         }).fetchall()
@@ -502,31 +535,26 @@ class PostgresConsumer(Consumer):
             self.buffer.append(PostgresMessageProxy(message, job_id, lease_token, attempts))
         return bool(rows)
 
-    def _wait(self) -> None:
+    def _wait(self, seen: int) -> None:
+        """Wait for work: a notification of this queue after ``seen``, the
+        next ETA of a delayed job, or the poll interval, whichever is first."""
         wait = min(self.timeout, self.broker.poll_interval)
         with self.held_lock:
             full = len(self.held) >= self.prefetch
             if full:
                 # Nothing can be claimed until a worker thread releases a job, and
                 # releases send no NOTIFY: wait for the release itself, not a NOTIFY.
+                # The claim that follows sees every row announced meanwhile.
                 self.released.wait(timeout=wait)
         if full:
-            # Discard the wake-ups that arrived meanwhile (psycopg would keep them in
-            # its backlog for as long as we stay full); the claim that follows sees
-            # every row they announced, since NOTIFY is only delivered after commit.
-            for _notify in self.conn.notifies(timeout=0.0):
-                pass
             return
         row = self.conn.execute(jobs_sql.NEXT_ETA, (self.queue_name,)).fetchone()
         if row and row[0] is not None:
             wait = max(0.0, min(wait, float(row[0])))
         if wait <= 0:
             return
-        for _notify in self.conn.notifies(timeout=wait, stop_after=1):
-            break
-        # Drain any other notifications that arrived meanwhile; one claim serves them all.
-        for _notify in self.conn.notifies(timeout=0.0):
-            pass
+        if self.listener.wait(self.queue_name, seen, wait):
+            self.wakeups += 1
 
     def _renew_if_due(self) -> None:
         now = time.monotonic()
@@ -576,6 +604,9 @@ class PostgresConsumer(Consumer):
         try:
             self.requeue([])
         finally:
+            if self._subscribed:
+                self._subscribed = False
+                self.listener.unsubscribe(self.queue_name)
             with contextlib.suppress(Exception):
                 self.conn.close()
 

@@ -12,6 +12,11 @@ from __future__ import annotations
 
 #: Prefix of the NOTIFY channel of each queue (``solidloop_q_<queue>``).
 CHANNEL_PREFIX = "solidloop_q_"
+#: Prefix of a process listener's own control channel (``solidloop_listener_<hex>``),
+#: poked to make it LISTEN on a new queue or stop (queue/listener.py).
+LISTENER_CHANNEL_PREFIX = "solidloop_listener_"
+#: The channels the current session LISTENs on, as PostgreSQL reports them.
+LISTENING = "SELECT pg_listening_channels()"
 
 INSERT = (
     "INSERT INTO solidloop_jobs (queue_name, actor_name, message_id, message, eta, loop_id, "
