@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from decimal import Decimal
 from enum import Enum
@@ -283,6 +283,11 @@ class LlmClaim:
     #: another one, someone committed or rolled the claim back meanwhile.
     transaction: Any = None
     committed: bool = False
+    #: Run once the claim is committed (by :func:`commit_claim`, or found
+    #: committed by someone else): the runtime registers the lease with the
+    #: renewer here. Not before: a renewal inside the open transaction would
+    #: see the loop still queued and call the lease lost.
+    after_commit: list[Callable[[], None]] = field(default_factory=list)
 
     def is_open(self, session: SessionLike) -> bool:
         return not self.committed and _real(session).get_transaction() is self.transaction
@@ -323,11 +328,13 @@ def commit_claim(session: SessionLike, claim: LlmClaim) -> None:
         return
     open_ = claim.is_open(session)
     claim.committed = True
-    if not open_:
-        return  # committed (or rolled back) by someone else; the fence decides later
-    _commit_keeping_objects(session)
-    if claim.job_marked:
-        note_current_job_done()
+    if open_:
+        _commit_keeping_objects(session)
+        if claim.job_marked:
+            note_current_job_done()
+    # else: committed (or rolled back) by someone else; the fence decides later.
+    for callback in claim.after_commit:
+        callback()
 
 
 def claim_llm_turn(session: SessionLike, loop_id: int, *, lease_seconds: float,

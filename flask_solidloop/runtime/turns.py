@@ -72,13 +72,18 @@ def run_llm_turn(state: SolidLoopState, loop_id: int) -> None:
     ctx = LlmContext(state=state, session=session, loop_id=loop_id, execution_token=token,
                      agent=agent, lease=lease_handle, claim=claim)
 
-    def run() -> None:
+    def register_lease() -> None:
         renewer = state.renewer()
         lease_handle.renewer = renewer
         lease_handle.registration = renewer.register(
             loop_id, token, lease_seconds=lease,
             ceiling_seconds=max_duration + state.config.lease_leak_grace,
         )
+
+    # The renewer takes the lease once the claim is committed (see LlmClaim).
+    claim.after_commit.append(register_lease)
+
+    def run() -> None:
         builder = llm_stack(state, agent)
         # Answers carrying tool calls as text: partials hide their markup.
         ctx.extras["tool_text"] = parses_tool_text(agent, builder.middlewares)
@@ -88,11 +93,11 @@ def run_llm_turn(state: SolidLoopState, loop_id: int) -> None:
         _guarded(ctx, run, f"llm_turn: loop {loop_id}",
                  fail=lambda error: store.fail_turn(session, loop_id, token, error))
     finally:
-        lease_handle.release()
         # A stack that never reached AgentInitialization (a host middleware
         # before it returned early) still commits the claim it inherited.
         if claim.is_open(session):
             store.commit_claim(session, claim)
+        lease_handle.release()
 
 
 def _guarded(ctx: LlmContext | ToolContext, run: Callable[[], None], label: str, *,
