@@ -24,6 +24,10 @@ class CurrentJob:
     job_id: int
     lease_token: Any
     attempts: int
+    #: The job's claim already set it done inside the open transaction (an
+    #: inline claim, runtime/inline.py): marking it again would write the row
+    #: twice, so :func:`mark_current_job_done` only reports it.
+    marked_in_claim: bool = False
 
 
 def current_job() -> CurrentJob | None:
@@ -68,5 +72,6 @@ def mark_current_job_done(connection: Any) -> bool:
     job = current_job()
     if job is None:
         return False
-    execute_on(connection, jobs_sql.MARK_DONE, (job.job_id, job.lease_token))
+    if not job.marked_in_claim:
+        execute_on(connection, jobs_sql.MARK_DONE, (job.job_id, job.lease_token))
     return True

@@ -49,13 +49,14 @@ RETURNING j.id, j.lease_token, j.message, j.attempts
 #: Inline continuation (runtime/inline.py): the thread that committed a loop's
 #: turn wrote the turn's successor due a little later (reserved for it: no
 #: consumer claims it before then), and claims it by its message id, due or not,
-#: inside the transaction of the successor's own claim. SKIP LOCKED: a consumer
-#: mid-claim wins.
+#: inside the transaction of the successor's own claim. The claim sets it done
+#: at once: it commits only together with the turn's claim (which is what a
+#: consumer-delivered job's done mark joins too); a rollback leaves it queued.
+#: SKIP LOCKED: a consumer mid-claim wins.
 CLAIM_INLINE = """
 UPDATE solidloop_jobs AS j
-   SET state = 'running', lease_token = gen_random_uuid(),
-       lease_until = now() + make_interval(secs => %(lease)s),
-       attempts = j.attempts + 1, started_at = now()
+   SET state = 'done', lease_token = gen_random_uuid(), lease_until = NULL,
+       attempts = j.attempts + 1, started_at = now(), finished_at = now()
  WHERE j.id = (SELECT id FROM solidloop_jobs
                 WHERE loop_id = %(loop_id)s AND message_id = %(message_id)s
                   AND state = 'queued'
@@ -68,9 +69,9 @@ RELEASE_INLINE = (
     "WHERE loop_id = %(loop_id)s AND message_id = %(message_id)s AND state = 'queued' "
     "RETURNING id) SELECT pg_notify(%(channel)s, '') FROM released"
 )
-#: An inline job whose body returned without committing its job done: done now,
-#: whether its claim committed (running, our lease) or rolled back with a no-op
-#: body (queued again, reserved: nothing else would run it before its eta).
+#: An inline job whose body returned without committing its claim: done now
+#: (its body was a no-op: a stale job, a lost claim), or still running under our
+#: lease if it ever was. A claim that committed is done already: no row matches.
 FINISH_INLINE = (
     "UPDATE solidloop_jobs SET state = 'done', finished_at = now(), lease_until = NULL "
     "WHERE id = %s AND (state = 'queued' OR (state = 'running' AND lease_token = %s))"

@@ -8,10 +8,11 @@ turn runs in a dramatiq worker thread, the dispatcher writes the turn's first
 continuation reserved for this thread (due two seconds later, so no consumer
 claims it meanwhile, and without its NOTIFY) and hands it back here; after the
 turn returns, this thread claims that job by its message id with the same
-fenced claim a consumer makes (queued → running under a fresh job lease),
-inside the transaction of the successor's own claim, so the job is claimed
-and marked done in the turn's first commit. Then it runs the successor, and so on, up to
-``SOLIDLOOP_INLINE_MAX_HOPS`` jobs per delivered job.
+fenced claim a consumer makes (``FOR UPDATE SKIP LOCKED`` on the queued row), set
+done at once inside the transaction of the successor's own claim: the job's
+claim and its done mark commit with the turn's first commit, or not at all.
+Then it runs the successor, and so on, up to ``SOLIDLOOP_INLINE_MAX_HOPS`` jobs
+per delivered job.
 
 Why it is safe:
 
@@ -125,7 +126,7 @@ def _run_successor(state: SolidLoopState, successor: Successor) -> bool:
         session.rollback()
         return False
     job_id, lease_token, attempts = rows[0]
-    set_current_job(CurrentJob(job_id, lease_token, attempts))
+    set_current_job(CurrentJob(job_id, lease_token, attempts, marked_in_claim=True))
     try:
         _run_body(state, successor)
     except Exception:
@@ -138,8 +139,8 @@ def _run_successor(state: SolidLoopState, successor: Successor) -> bool:
         _wake(state, successor)
         return False
     if not job_done_committed(job_id):
-        # A body that returned without committing its job done (a stale job, a
-        # lost claim): the job is done all the same, as a consumer would ack it.
+        # A body that returned without committing its claim (a stale job, a lost
+        # claim): the job is done all the same, as a consumer would ack it.
         session.rollback()
         execute_on(session, jobs_sql.FINISH_INLINE, (job_id, lease_token))
         session.commit()
