@@ -93,6 +93,13 @@ SELECT t.id, t.lease_token FROM solidloop_tool_calls AS t
     ON t.id = r.id AND t.lease_token = r.token
 """
 _SQL = {"loop": (_RENEW, _STILL_OURS), "tool": (_RENEW_TOOL, _STILL_OURS_TOOL)}
+#: Of the tool calls whose lease went missing, those answered meanwhile: the
+#: turn's own answer releases its lease, usually just before the turn lets go of
+#: its registration. Not a takeover.
+_ANSWERED_TOOLS = """
+SELECT t.id FROM solidloop_tool_calls AS t
+ WHERE t.id = ANY(%s::bigint[]) AND t.lease_token IS NULL AND t.response_message_id IS NOT NULL
+"""
 
 
 @dataclass
@@ -285,11 +292,19 @@ class LeaseRenewer:
             still_ours = {(kind, row[0], row[1]) for row in conn.execute(
                 still_ours_sql, ([r.row_id for r in missing],
                                  [r.token for r in missing])).fetchall()}
-            for registration in missing:
+            gone = [r for r in missing if r.key not in still_ours]
+            answered: set[int] = set()
+            if kind == "tool" and gone:
+                answered = {row[0] for row in conn.execute(
+                    _ANSWERED_TOOLS, ([r.row_id for r in gone],)).fetchall()}
+            for registration in gone:
                 # Still ours but not renewed: our own commit ended the lease on
                 # purpose (tool phase, checkpoint). Anything else: it moved on.
-                if registration.key not in still_ours:
-                    registration.lost_event.set()
+                registration.lost_event.set()
+                if registration.row_id in answered:
+                    logger.debug("%s %s: answered; its lease has ended", kind,
+                                 registration.row_id)
+                else:
                     logger.info("%s %s: lease lost (taken over)", kind, registration.row_id)
 
 

@@ -30,9 +30,10 @@ from decimal import Decimal
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import func, or_, select, text, update
+from sqlalchemy import func, insert, or_, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, scoped_session
+from sqlalchemy.orm.util import identity_key
 
 from .. import signals
 from .._typing import SessionLike
@@ -174,7 +175,8 @@ def _wire_event(session: SessionLike, loop_id: int, message_id: int | None,
         payload = wire.to_payload()
         if not repeat_history:
             payload["request"]["body"] = storable.conversation_tail(payload["request"]["body"])
-        session.add(Event(
+        # A plain INSERT (nothing reads the row back).
+        session.execute(insert(Event).values(
             loop_id=loop_id, message_id=message_id, kind="llm_request",
             status_code=wire.status, duration_ms=wire.duration_ms, error=_clean(error),
             payload=_event_payload(payload, body_limit),
@@ -425,18 +427,19 @@ class NewToolCall:
     tool_name: str | None = None
 
 
-def _tool_call_row(loop_id: int, message_id: int, position: int,
-                   call: NewToolCall) -> ToolCall:
+def _tool_call_values(loop_id: int, message_id: int, position: int,
+                      call: NewToolCall) -> dict[str, Any]:
+    """A new tool call's column values (by attribute), its text made storable."""
     name, name_altered = storable.text(call.name)
     call_id, id_altered = storable.text(call.call_id or None)
     raw, raw_altered = storable.text(call.arguments_raw)
     arguments, arguments_altered, _ = storable.json_value(call.arguments)
     sanitized = _sanitized({"name": name_altered, "call_id": id_altered,
                             "arguments_raw": raw_altered, "arguments": arguments_altered})
-    return ToolCall(loop_id=loop_id, message_id=message_id, position=position, call_id=call_id,
-                    name=name or "", server_name=call.server_name, tool_name=call.tool_name,
-                    arguments_raw=raw, arguments=arguments,
-                    meta={"sanitized": sanitized} if sanitized else None)
+    return {"loop_id": loop_id, "message_id": message_id, "position": position,
+            "call_id": call_id, "name": name or "", "server_name": call.server_name,
+            "tool_name": call.tool_name, "arguments_raw": raw, "arguments": arguments,
+            "meta": {"sanitized": sanitized} if sanitized else None}
 
 
 def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int,
@@ -446,14 +449,34 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
                     sequential: bool) -> Message:
     """The LLM turn's canonical write, under the row lock and the fence: finalize
     the shell, record usage, cost, tool calls and the wire event, then complete
-    the loop or enter the tool phase with its tool jobs, all in one commit."""
-    loop = lock_loop(session, loop_id)
-    if not owns(loop, token):
+    the loop or enter the tool phase with its tool jobs, all in one commit.
+
+    Plain statements, no unit of work: the loop's fenced ``UPDATE ... RETURNING``
+    is the row lock and the fence check at once (loop row first, as always),
+    then the shell's ``UPDATE``, the calls' ``INSERT ... RETURNING id``, the
+    event, the jobs."""
+    usage = response.usage
+    loop_values: dict[str, Any] = {"step_count": Loop.step_count + 1,
+                                   "lease_holder": None, "lease_expires_at": None}
+    if usage is not None:
+        loop_values["input_tokens"] = Loop.input_tokens + usage.input_tokens
+        loop_values["output_tokens"] = Loop.output_tokens + usage.output_tokens
+        if turn_cost is not None:
+            loop_values["cost"] = func.coalesce(Loop.cost, 0) + turn_cost
+    if not calls:
+        loop_values.update(status="completed", execution_token=None, finished_at=func.now(),
+                           error_message=None)
+    fenced = session.execute(
+        update(Loop)
+        .where(Loop.id == loop_id, Loop.status == "running", Loop.execution_token == token)
+        .values(**loop_values)
+        .returning(Loop.agent_name)
+        .execution_options(synchronize_session=False)
+    ).one_or_none()
+    if fenced is None:
         session.rollback()
         raise LostLeaseError(f"loop {loop_id} changed hands during the request")
-    assert loop is not None
-    shell = session.get(Message, shell_id)
-    assert shell is not None
+    agent_name = fenced[0]
     content, content_altered = storable.text(response.content)
     reasoning, reasoning_altered = storable.text(response.reasoning)
     meta, meta_altered, _ = storable.json_value(meta)
@@ -461,47 +484,39 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
                             "metadata": meta_altered})
     if sanitized:
         meta["sanitized"] = sanitized
-    shell.content = content
-    shell.reasoning = reasoning
-    shell.finish_reason = _clean(response.finish_reason)
-    shell.status = "completed"
-    shell.is_hidden = False
-    shell.completed_at = func.now()
-    if response.usage is not None:
-        shell.usage = response.usage.to_dict()
-        loop.input_tokens += response.usage.input_tokens
-        loop.output_tokens += response.usage.output_tokens
+    shell_values: dict[str, Any] = {
+        "content": content, "reasoning": reasoning,
+        "finish_reason": _clean(response.finish_reason), "status": "completed",
+        "is_hidden": False, "completed_at": func.now(), "meta": meta}
+    if usage is not None:
+        shell_values["usage"] = usage.to_dict()
         if turn_cost is not None:
-            shell.cost = turn_cost
-            loop.cost = (loop.cost or 0) + turn_cost
-    shell.meta = meta
-    loop.step_count += 1
-    rows = [_tool_call_row(loop_id, shell.id, position, call)
-            for position, call in enumerate(calls)]
-    session.add_all(rows)
-    _wire_event(session, loop_id, shell.id, wire, body_limit=state.config.event_body_limit,
+            shell_values["cost"] = turn_cost
+    session.execute(update(Message).where(Message.id == shell_id).values(**shell_values)
+                    .execution_options(synchronize_session=False))
+    call_ids: list[int] = []
+    if calls:
+        call_ids = list(session.scalars(
+            insert(ToolCall).returning(ToolCall.id, sort_by_parameter_order=True),
+            [_tool_call_values(loop_id, shell_id, position, call)
+             for position, call in enumerate(calls)]))
+    _wire_event(session, loop_id, shell_id, wire, body_limit=state.config.event_body_limit,
                 repeat_history=state.config.event_repeat_history)
-    # Every loop change before the one flush: a single UPDATE of the loop row.
-    loop.lease_holder = None
-    loop.lease_expires_at = None
-    if not rows:
-        loop.status = "completed"
-        loop.execution_token = None
-        loop.finished_at = func.now()
-        loop.error_message = None
-    session.flush()
-    if rows:
+    if call_ids:
         # Tool phase: the loop stays running under this generation; no LLM lease.
-        _dispatch_tool_calls(state, session, loop_id, token, [row.id for row in rows],
-                             sequential=sequential)
+        _dispatch_tool_calls(state, session, loop_id, token, call_ids, sequential=sequential)
     # Admin live stream (issue 15): the finalized turn, announced on commit.
     session.execute(text("SELECT pg_notify(:channel, :payload)"),
                     {"channel": LIVE_CHANNEL, "payload": f"{loop_id}:{shell_id}"})
-    agent_name = loop.agent_name  # read before the commit expires it (no reload)
+    # The shell as the session knows it (no SELECT now; it loads on first use).
+    shell = _real(session).identity_map.get(identity_key(Message, shell_id))
     session.commit()
-    if not rows:
+    if not calls:
         signals.send(signals.loop_completed, loop_id=loop_id, agent=agent_name)
-    return shell
+    if shell is None:
+        shell = session.get(Message, shell_id)
+    assert shell is not None
+    return shell  # type: ignore[no-any-return]
 
 
 def end_llm_turn(session: SessionLike, loop_id: int, token: uuid.UUID, *, to: str,

@@ -115,22 +115,23 @@ def test_the_store_does_write_them():
     store = (PACKAGE / "loops" / "store.py").read_text()
     kinds = " ".join(violations(store, "store"))
     for expected in ("update(Loop)", "update(ToolCall)", "update(Message)", "new Message row",
-                     "new ToolCall row", "new Event row", "raw UPDATE solidloop_loops",
-                     "loop.status = ...", "pg_insert(McpSession)"):
+                     "insert(ToolCall)", "insert(Event)", "new Event row",
+                     "raw UPDATE solidloop_loops", "loop.status = ...", "pg_insert(McpSession)"):
         assert expected in kinds, expected
 
 
 def test_the_checks_catch_each_kind_of_write():
     sample = '''
-from ..models import Message, ToolCall
+from ..models import Event, Message, ToolCall
 session.execute(text("UPDATE solidloop_loops SET status = 'queued'"))
 session.execute(update(ToolCall).values(lease_token=None))
+session.execute(insert(Event).values(kind="tool_call"))
 session.add(Message(loop_id=1, role="user", content="x"))
 loop.status = "paused"
 call.lease_token = None
 '''
     kinds = violations(sample, "sample")
-    assert len(kinds) == 5, kinds
+    assert len(kinds) == 6, kinds
     assert lease_renewal_violations(
         '_X = """\nUPDATE solidloop_loops AS l SET status = 1 FROM x WHERE y\n"""', "s")
     assert not lease_renewal_violations(
