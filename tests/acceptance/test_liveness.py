@@ -113,6 +113,8 @@ def test_a_killed_workers_tool_is_taken_over_with_only_workers_running(
     call = poll(session, lambda: running_calls(session, loop.id), what="the tool to start")[0]
     holder = call.lease_holder
     assert holder and holder.split(":")[0]
+    # Kill it mid-body: the lease is claimed a moment before the body records its start.
+    poll(session, lambda: effects(call.idempotency_key), what="the tool body to start")
     os.killpg(holder_group(holder), signal.SIGKILL)
     poll(session, lambda: session.get(Loop, loop.id).status == "completed",
          what="the loop to complete after the kill")
