@@ -130,12 +130,8 @@ class Listener:
             q.subscribers -= 1
             if any(other.subscribers for other in self._queues.values()):
                 return
-            session = self._session
-            self._session = None
-            if session is None:
+            if self._detach() is None:
                 return
-            session.stop.set()
-            self._changed.notify_all()
         self._poke_quietly()
 
     def generation(self, queue_name: str) -> int:
@@ -178,15 +174,21 @@ class Listener:
     def stop(self, timeout: float = 2.0) -> None:
         """Stop the thread and close its connection (consumers fall back to polling)."""
         with self._lock:
-            session = self._session
-            self._session = None
+            session = self._detach()
             if session is None:
                 return
-            session.stop.set()
-            self._changed.notify_all()
         self._poke_quietly()
         if session.thread is not None and session.thread is not threading.current_thread():
             session.thread.join(timeout)
+
+    def _detach(self) -> _Session | None:
+        """Under self._lock: take the live session away and tell its thread to stop."""
+        session = self._session
+        self._session = None
+        if session is not None:
+            session.stop.set()
+            self._changed.notify_all()
+        return session
 
     def _ensure_session(self) -> _Session:
         # Under self._lock: a stopping session's thread may still be winding

@@ -69,12 +69,12 @@ RELEASE_INLINE = (
     "WHERE loop_id = %(loop_id)s AND message_id = %(message_id)s AND state = 'queued' "
     "RETURNING id) SELECT pg_notify(%(channel)s, '') FROM released"
 )
-#: An inline job whose body returned without committing its claim: done now
-#: (its body was a no-op: a stale job, a lost claim), or still running under our
-#: lease if it ever was. A claim that committed is done already: no row matches.
+#: An inline job whose body returned without committing its claim (a no-op
+#: body: a stale job, a lost claim) is queued again: done now, as a consumer
+#: would ack it. A claim that committed is done already: no row matches.
 FINISH_INLINE = (
-    "UPDATE solidloop_jobs SET state = 'done', finished_at = now(), lease_until = NULL "
-    "WHERE id = %s AND (state = 'queued' OR (state = 'running' AND lease_token = %s))"
+    "UPDATE solidloop_jobs SET state = 'done', finished_at = now() "
+    "WHERE id = %s AND state = 'queued'"
 )
 NEXT_ETA = (
     "SELECT EXTRACT(EPOCH FROM (min(eta) - now())) FROM solidloop_jobs "

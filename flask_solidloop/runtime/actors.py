@@ -19,7 +19,7 @@ def declare_actors(state: SolidLoopState) -> dict[str, dramatiq.Actor]:
     from ..maintenance import run_maintenance
     from .inline import run_chain
     from .job_log import logged_job
-    from .turns import run_llm_turn, run_tool_call
+    from .turns import llm_turn_job, tool_call_job
 
     config = state.config
     common: dict[str, Any] = {"max_retries": config.job_max_retries, "min_backoff": 1000,
@@ -30,17 +30,13 @@ def declare_actors(state: SolidLoopState) -> dict[str, dramatiq.Actor]:
         common["time_limit"] = NO_TIME_LIMIT_MS
 
     def llm_turn(loop_id: int) -> None:
-        def body() -> None:
-            with logged_job(state, "llm_turn", loop_id=loop_id):
-                run_llm_turn(state, loop_id)
-        run_chain(state, body)  # then the loop's next jobs, inline (runtime/inline.py)
+        # Then the loop's next jobs, inline (runtime/inline.py).
+        run_chain(state, lambda: llm_turn_job(state, loop_id))
 
     def tool_call(tool_call_id: int, execution_token: str,
                   reaper_lease_token: str | None = None) -> None:
-        def body() -> None:
-            with logged_job(state, "tool_call", tool_call_id=tool_call_id):
-                run_tool_call(state, tool_call_id, execution_token, reaper_lease_token)
-        run_chain(state, body)
+        run_chain(state, lambda: tool_call_job(state, tool_call_id, execution_token,
+                                               reaper_lease_token))
 
     def maintenance(task: str) -> None:
         with logged_job(state, f"maintenance {task}"):

@@ -52,7 +52,6 @@ from ..queue.current_job import (
 )
 from ..queue.dispatch import INLINE_RESERVATION_MS, Successor
 from ..state import SolidLoopState
-from .job_log import logged_job
 
 logger = logging.getLogger("flask_solidloop.inline")
 
@@ -118,8 +117,7 @@ def _run_successor(state: SolidLoopState, successor: Successor) -> bool:
     state.db.session.remove()
     session = state.db.session
     rows = execute_on(session, jobs_sql.CLAIM_INLINE, {
-        "lease": state.broker.job_lease, "loop_id": successor.loop_id,
-        "message_id": uuid.UUID(str(successor.message_id)),
+        "loop_id": successor.loop_id, "message_id": uuid.UUID(str(successor.message_id)),
     }, fetch=True)
     if not rows:
         # Claimed by a consumer meanwhile, or its transaction never committed.
@@ -131,9 +129,9 @@ def _run_successor(state: SolidLoopState, successor: Successor) -> bool:
         _run_body(state, successor)
     except Exception:
         # The body's own guard already failed the loop where it could; what
-        # escapes is for a retry. Its claim rolled back with the error (queued
-        # again: wake a consumer for it) or committed (running: its job lease
-        # lapses and the broker redelivers it, as after a crash).
+        # escapes is for a retry. A claim that rolled back with the error left
+        # the job queued and reserved: hand it back now. One that committed is
+        # done, and the loop's or the call's lease is what recovery follows.
         logger.exception("inline %s (job %s) failed", successor.actor_name, job_id)
         session.rollback()
         _wake(state, successor)
@@ -142,22 +140,20 @@ def _run_successor(state: SolidLoopState, successor: Successor) -> bool:
         # A body that returned without committing its claim (a stale job, a lost
         # claim): the job is done all the same, as a consumer would ack it.
         session.rollback()
-        execute_on(session, jobs_sql.FINISH_INLINE, (job_id, lease_token))
+        execute_on(session, jobs_sql.FINISH_INLINE, (job_id,))
         session.commit()
     return True
 
 
 def _run_body(state: SolidLoopState, successor: Successor) -> None:
-    from .turns import run_llm_turn, run_tool_call
+    from .turns import llm_turn_job, tool_call_job
 
     args = successor.args
     if successor.actor_name == LLM_TURN_ACTOR:
-        with logged_job(state, "llm_turn", loop_id=int(args[0]), inline=True):
-            run_llm_turn(state, int(args[0]))
+        llm_turn_job(state, int(args[0]), inline=True)
     elif successor.actor_name == TOOL_CALL_ACTOR:
-        with logged_job(state, "tool_call", tool_call_id=int(args[0]), inline=True):
-            run_tool_call(state, int(args[0]), str(args[1]),
-                          str(args[2]) if len(args) > 2 and args[2] else None)
+        tool_call_job(state, int(args[0]), str(args[1]),
+                      str(args[2]) if len(args) > 2 and args[2] else None, inline=True)
     else:  # pragma: no cover - the dispatcher captures only these two
         raise ValueError(f"inline continuation cannot run {successor.actor_name!r}")
 

@@ -28,11 +28,26 @@ from ..pipeline.context import LlmContext, ToolContext
 from ..pipeline.stacks import llm_stack, tool_stack
 from ..pipeline.xml_tools import parses_tool_text
 from ..state import SolidLoopState
+from .job_log import logged_job
 
 logger = logging.getLogger("flask_solidloop.turns")
 
 #: Kept importable from here (the first release documented it here).
 error_text = store.error_text
+
+
+def llm_turn_job(state: SolidLoopState, loop_id: int, *, inline: bool = False) -> None:
+    """The llm_turn job: the turn between its two log lines (``inline``: this
+    thread ran the loop's previous job and claimed this one itself)."""
+    with logged_job(state, "llm_turn", loop_id=loop_id, inline=inline):
+        run_llm_turn(state, loop_id)
+
+
+def tool_call_job(state: SolidLoopState, tool_call_id: int, execution_token: str,
+                  reaper_lease_token: str | None = None, *, inline: bool = False) -> None:
+    """The tool_call job: the tool turn between its two log lines."""
+    with logged_job(state, "tool_call", tool_call_id=tool_call_id, inline=inline):
+        run_tool_call(state, tool_call_id, execution_token, reaper_lease_token)
 
 
 def run_llm_turn(state: SolidLoopState, loop_id: int) -> None:

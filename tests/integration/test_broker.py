@@ -15,7 +15,6 @@ import uuid
 
 import dramatiq
 import psycopg
-import pytest
 from psycopg import sql
 from sqlalchemy import select, text
 
@@ -36,23 +35,6 @@ MAINTENANCE_CHANNEL = CHANNEL_PREFIX + QUEUE_MAINTENANCE
 
 
 # -- helpers ---------------------------------------------------------------------------
-
-
-@pytest.fixture
-def state(app):
-    return app.extensions["solidloop"]
-
-
-@pytest.fixture
-def broker(state):
-    return state.broker
-
-
-@pytest.fixture
-def pg(database_url):
-    """An independent autocommit connection: sees only what was committed."""
-    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
-        yield conn
 
 
 @contextlib.contextmanager

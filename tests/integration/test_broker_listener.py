@@ -17,8 +17,6 @@ import threading
 import time
 
 import dramatiq
-import psycopg
-import pytest
 
 from flask_solidloop.config import QUEUE_LLM, QUEUE_MAINTENANCE, QUEUE_TOOL
 from flask_solidloop.queue.listener import LISTENER_APPLICATION_NAME
@@ -28,22 +26,6 @@ from flask_solidloop.urls import libpq_url
 HOUR = 3600.0
 #: Guards against a hung suite; never a speed check (the machine may be loaded).
 GUARD = 60.0
-
-
-@pytest.fixture
-def state(app):
-    return app.extensions["solidloop"]
-
-
-@pytest.fixture
-def broker(state):
-    return state.broker
-
-
-@pytest.fixture
-def pg(database_url):
-    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
-        yield conn
 
 
 @contextlib.contextmanager

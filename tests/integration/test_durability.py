@@ -8,7 +8,6 @@ import uuid
 from datetime import timedelta
 
 import psycopg
-import pytest
 from sqlalchemy import func, select, text, update
 
 from flask_solidloop.leases import APPLICATION_NAME, LeaseRenewer
@@ -19,17 +18,6 @@ from flask_solidloop.queue.broker import libpq_url
 from flask_solidloop.testing import drain as run
 
 from ..support_app import SIDE_EFFECTS, Assistant
-
-
-@pytest.fixture
-def state(app):
-    return app.extensions["solidloop"]
-
-
-@pytest.fixture
-def pg(database_url):
-    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
-        yield conn
 
 
 def running_loop(session, *, lease_seconds: float = 60) -> tuple[int, uuid.UUID]:

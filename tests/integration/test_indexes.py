@@ -12,20 +12,11 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
-import psycopg
-import pytest
 from psycopg import sql
 from sqlalchemy import event
 
 from flask_solidloop.loops import queries
 from flask_solidloop.maintenance import janitor
-from flask_solidloop.queue.broker import libpq_url
-
-
-@pytest.fixture
-def pg(database_url):
-    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
-        yield conn
 
 
 @contextmanager

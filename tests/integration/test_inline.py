@@ -201,7 +201,7 @@ def queued_turn_job(app, session, llm, *, reserved: bool = False) -> Job:
 
 def claim_inline(conn, job: Job) -> list:
     return conn.execute(jobs_sql.CLAIM_INLINE, {
-        "lease": 30, "loop_id": job.loop_id, "message_id": job.message_id}).fetchall()
+        "loop_id": job.loop_id, "message_id": job.message_id}).fetchall()
 
 
 def test_a_consumer_mid_claim_wins_and_the_inline_claim_finds_nothing(
@@ -262,9 +262,9 @@ def test_inline_claims_match_only_queued_jobs_of_their_loop(app, session, llm, d
     job = queued_turn_job(app, session, llm)
     with psycopg.connect(libpq_url(database_url)) as conn:
         assert conn.execute(jobs_sql.CLAIM_INLINE, {
-            "lease": 30, "loop_id": job.loop_id + 1000, "message_id": job.message_id,
+            "loop_id": job.loop_id + 1000, "message_id": job.message_id,
         }).fetchall() == []
         assert conn.execute(jobs_sql.CLAIM_INLINE, {
-            "lease": 30, "loop_id": job.loop_id, "message_id": uuid.uuid4(),
+            "loop_id": job.loop_id, "message_id": uuid.uuid4(),
         }).fetchall() == []
         conn.rollback()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 
-import psycopg
 import pytest
 from sqlalchemy import text
 
@@ -16,20 +15,8 @@ from flask_solidloop.loops import store
 from flask_solidloop.maintenance import janitor, run_maintenance
 from flask_solidloop.maintenance.janitor import prune
 from flask_solidloop.maintenance.reaper import reap
-from flask_solidloop.queue.broker import libpq_url
 
 from .test_durability import running_loop
-
-
-@pytest.fixture
-def state(app):
-    return app.extensions["solidloop"]
-
-
-@pytest.fixture
-def pg(database_url):
-    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
-        yield conn
 
 
 def rows(pg):
