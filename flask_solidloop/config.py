@@ -215,10 +215,11 @@ SETTINGS: tuple[Setting, ...] = (
             "Continuation-first's starvation bound: a new loop's first turn (or a host job) "
             "waiting longer than this many seconds is claimed by age with the continuations."),
     Setting("SOLIDLOOP_INLINE_CONTINUATION", True, _bool,
-            "The worker thread that commits a loop's turn claims and runs the loop's next "
-            "job itself (a tool call, the next LLM turn) instead of waking another consumer; "
-            "the job row and its recovery are unchanged. False: every job goes through a "
-            "consumer."),
+            "The worker thread that commits a loop's turn runs the loop's next step itself "
+            "(a tool call, the next LLM turn) instead of waking another consumer: the turn's "
+            "commit writes that step's claim (the call's lease, the next turn's LLM lease) in "
+            "place of a job, and recovery follows that lease as for any claimed step. False: "
+            "every step is a job that goes through a consumer."),
     Setting("SOLIDLOOP_INLINE_MAX_HOPS", 32, _positive_int,
             "Jobs one worker thread runs inline after a delivered job before it hands the "
             "loop's next job back to the queue (so a long loop yields its thread now and then)."),

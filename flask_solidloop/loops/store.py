@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from ..llm.client import WireRecord
     from ..llm.types import AssistantTurn
     from ..mcp.toolset import ToolResult
+    from ..queue.dispatch import Adopted
     from ..state import SolidLoopState
 
 logger = logging.getLogger("flask_solidloop.store")
@@ -76,10 +77,35 @@ def calls_to_run(call_ids: Sequence[int], *, sequential: bool) -> list[int]:
     return list(call_ids[:1]) if sequential else list(call_ids)
 
 
+# An adopted tool call's lease, written by the commit that creates its phase
+# (or answers its predecessor): compare-and-set on an unleased, unexecuted call.
+_ADOPT_TOOL_CALL = text(
+    "UPDATE solidloop_tool_calls SET lease_token = :lease, lease_holder = :holder, "
+    "leased_until = now() + :ttl, updated_at = now() "
+    "WHERE id = :id AND executed_at IS NULL AND lease_token IS NULL")
+
+
 def _dispatch_tool_calls(state: SolidLoopState, session: SessionLike, loop_id: int,
-                         token: uuid.UUID, call_ids: Sequence[int], *, sequential: bool) -> None:
-    for call_id in calls_to_run(call_ids, sequential=sequential):
+                         token: uuid.UUID, call_ids: Sequence[int], *, sequential: bool,
+                         adopt: bool = False) -> Adopted | None:
+    """Enqueue the phase's calls to run now. ``adopt``: when this worker thread
+    continues inline (Dispatcher.can_adopt), the first of them is leased to it
+    in this transaction instead, with no job (the caller confirms it after its
+    commit; docs/decisions/0015-turn-cost.md)."""
+    to_run = calls_to_run(call_ids, sequential=sequential)
+    adopted = None
+    if adopt and to_run and state.dispatch.can_adopt():
+        lease = uuid.uuid4()
+        leased = session.execute(_ADOPT_TOOL_CALL, {
+            "id": to_run[0], "lease": lease, "holder": worker_identity(),
+            "ttl": timedelta(seconds=state.config.liveness_ttl)}).rowcount  # type: ignore[attr-defined]
+        if leased:
+            adopted = state.dispatch.adopt_tool_call(to_run[0], token, loop_id=loop_id,
+                                                     lease_token=lease)
+            to_run = to_run[1:]
+    for call_id in to_run:
         state.dispatch.tool_call(session, call_id, token, loop_id=loop_id)
+    return adopted
 
 
 def _commit_with_job_done(session: SessionLike, *, keep_objects: bool = False) -> None:
@@ -124,14 +150,31 @@ def _commit_keeping_objects(session: SessionLike) -> None:
         real.expire_on_commit = before
 
 
-def _requeue_for_llm(state: SolidLoopState, session: SessionLike, loop: Loop) -> None:
-    """Queue the loop's next LLM turn (the caller holds the loop row lock)."""
+def _requeue_for_llm(state: SolidLoopState, session: SessionLike, loop: Loop, *,
+                     adopt: bool = False) -> Adopted | None:
+    """Queue the loop's next LLM turn (the caller holds the loop row lock).
+
+    ``adopt``: when this worker thread continues inline (Dispatcher.can_adopt),
+    the next turn is claimed for it in this transaction instead (the loop stays
+    running under a fresh generation and LLM lease, as a claim leaves it), with
+    no job; the caller confirms it after its commit."""
+    if adopt and state.dispatch.can_adopt():
+        token = uuid.uuid4()
+        elapsed = session.execute(
+            update(Loop).where(Loop.id == loop.id)
+            .values(_claim_values(token, state.config.liveness_ttl))
+            .returning(func.extract("epoch", func.now() - Loop.run_started_at))
+            .execution_options(synchronize_session=False)
+        ).scalar_one()
+        return state.dispatch.adopt_llm_turn(loop.id, execution_token=token,
+                                             run_elapsed_seconds=float(elapsed))
     loop.status = "queued"
     loop.execution_token = None
     loop.lease_expires_at = None
     loop.lease_holder = None
     session.flush()
     state.dispatch.llm_turn(session, loop.id)
+    return None
 
 
 def _hide_shells(session: SessionLike, loop_id: int) -> None:
@@ -295,6 +338,16 @@ class LlmClaim:
         return not self.committed and _real(session).get_transaction() is self.transaction
 
 
+def _claim_values(token: uuid.UUID, lease_seconds: float) -> dict[str, Any]:
+    """What claiming an LLM turn writes on the loop row. Leases are stamped and
+    compared with the database clock, never a worker's."""
+    return {"status": "running", "execution_token": token,
+            "lease_expires_at": func.now() + timedelta(seconds=lease_seconds),
+            "lease_holder": worker_identity(),
+            "started_at": func.coalesce(Loop.started_at, func.now()),
+            "run_started_at": func.coalesce(Loop.run_started_at, func.now())}
+
+
 def start_llm_turn(session: SessionLike, loop_id: int, *, lease_seconds: float,
                    ) -> LlmClaim | None:
     """queued → running under a fresh execution token and lease, with the job
@@ -303,15 +356,10 @@ def start_llm_turn(session: SessionLike, loop_id: int, *, lease_seconds: float,
     The loop object in the session is refreshed from the claim (no reload).
     None (rolled back) when another claim won."""
     token = uuid.uuid4()
-    # Leases are stamped and compared with the database clock, never a worker's.
     row = session.execute(
         update(Loop)
         .where(Loop.id == loop_id, Loop.status == "queued")
-        .values(status="running", execution_token=token,
-                lease_expires_at=func.now() + timedelta(seconds=lease_seconds),
-                lease_holder=worker_identity(),
-                started_at=func.coalesce(Loop.started_at, func.now()),
-                run_started_at=func.coalesce(Loop.run_started_at, func.now()))
+        .values(_claim_values(token, lease_seconds))
         .returning(Loop, func.extract("epoch", func.now() - Loop.run_started_at))
         .execution_options(populate_existing=True, synchronize_session=False)
     ).one_or_none()
@@ -337,6 +385,61 @@ def commit_claim(session: SessionLike, claim: LlmClaim) -> None:
     # else: committed (or rolled back) by someone else; the fence decides later.
     for callback in claim.after_commit:
         callback()
+
+
+def adopted_llm_claim(session: SessionLike, adopted: Adopted) -> LlmClaim:
+    """The claim of an LLM turn this thread adopted (see :func:`_requeue_for_llm`):
+    already committed on the loop row, so what joins it here (the turn's
+    initialization reads and its shell) commits on its own, without the row
+    lock. The fence is not weakened by that: the turn's canonical write is
+    fenced on the generation, and a shell left by a turn that lost the loop
+    meanwhile is born hidden and healed by the reaper (``orphan_shells``)."""
+    assert adopted.execution_token is not None
+    real = _real(session)
+    if not real.in_transaction():
+        real.begin()
+    return LlmClaim(token=adopted.execution_token,
+                    run_elapsed_seconds=adopted.run_elapsed_seconds, job_marked=False,
+                    transaction=real.get_transaction())
+
+
+def hand_back_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int,
+                       token: uuid.UUID) -> bool:
+    """An adopted LLM turn this thread will not run after all (the worker is
+    stopping, or the chain broke): back to queued with a job, if the
+    generation is still the adopted one. False when it has moved on."""
+    session.rollback()
+    loop = transition(session, loop_id, from_="running", to="queued", expected_token=token)
+    if loop is None:
+        session.rollback()
+        return False
+    _hide_shells(session, loop_id)
+    state.dispatch.llm_turn(session, loop_id)
+    session.commit()
+    return True
+
+
+_RELEASE_ADOPTED_CALL = text(
+    "UPDATE solidloop_tool_calls SET lease_token = NULL, leased_until = NULL, "
+    "lease_holder = NULL, updated_at = now() "
+    "WHERE id = :id AND lease_token = :lease AND executed_at IS NULL")
+
+
+def hand_back_tool_call(state: SolidLoopState, session: SessionLike, *, loop_id: int,
+                        tool_call_id: int, token: uuid.UUID, lease_token: uuid.UUID) -> bool:
+    """An adopted tool call this thread will not run after all: its lease
+    released and a job queued in one commit, if the lease is still the
+    adopted one and the tool has not run. False otherwise."""
+    session.rollback()
+    lock_loop(session, loop_id)
+    released = session.execute(_RELEASE_ADOPTED_CALL, {
+        "id": tool_call_id, "lease": lease_token}).rowcount  # type: ignore[attr-defined]
+    if not released:
+        session.rollback()
+        return False
+    state.dispatch.tool_call(session, tool_call_id, token, loop_id=loop_id)
+    session.commit()
+    return True
 
 
 def claim_llm_turn(session: SessionLike, loop_id: int, *, lease_seconds: float,
@@ -470,7 +573,9 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
         update(Loop)
         .where(Loop.id == loop_id, Loop.status == "running", Loop.execution_token == token)
         .values(**loop_values)
-        .returning(Loop.agent_name)
+        # Admin live stream (issue 15): the finalized turn, announced on commit
+        # (NOTIFY is transactional: a turn that rolls back announces nothing).
+        .returning(Loop.agent_name, func.pg_notify(LIVE_CHANNEL, f"{loop_id}:{shell_id}"))
         .execution_options(synchronize_session=False)
     ).one_or_none()
     if fenced is None:
@@ -502,15 +607,15 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
              for position, call in enumerate(calls)]))
     _wire_event(session, loop_id, shell_id, wire, body_limit=state.config.event_body_limit,
                 repeat_history=state.config.event_repeat_history)
+    adopted = None
     if call_ids:
         # Tool phase: the loop stays running under this generation; no LLM lease.
-        _dispatch_tool_calls(state, session, loop_id, token, call_ids, sequential=sequential)
-    # Admin live stream (issue 15): the finalized turn, announced on commit.
-    session.execute(text("SELECT pg_notify(:channel, :payload)"),
-                    {"channel": LIVE_CHANNEL, "payload": f"{loop_id}:{shell_id}"})
+        adopted = _dispatch_tool_calls(state, session, loop_id, token, call_ids,
+                                       sequential=sequential, adopt=True)
     # The shell as the session knows it (no SELECT now; it loads on first use).
     shell = _real(session).identity_map.get(identity_key(Message, shell_id))
     session.commit()
+    state.dispatch.confirm(adopted)
     if not calls:
         signals.send(signals.loop_completed, loop_id=loop_id, agent=agent_name)
     if shell is None:
@@ -666,9 +771,12 @@ def checkpoint_and_answer_tool_call(
         message_id = _add_tool_message(session, loop.id, call, answer_text(canonical),
                                        is_error=canonical.is_error)
     _record_result(session, call, canonical, notes, duration_ms, body_limit)
+    adopted = None
     if answered:
-        _release_and_continue(state, session, loop, call, message_id, sequential=sequential)
+        adopted = _release_and_continue(state, session, loop, call, message_id,
+                                        sequential=sequential)
     session.commit()
+    state.dispatch.confirm(adopted)
     if answered:
         signals.send(signals.tool_call_answered, loop_id=loop_id, tool_call_id=tool_call_id,
                      is_error=canonical.is_error)
@@ -754,8 +862,10 @@ def answer_tool_call(state: SolidLoopState, session: SessionLike, *, loop_id: in
         session.rollback()
         return False
     message_id = _add_tool_message(session, loop_id, call, content, is_error=is_error)
-    _release_and_continue(state, session, loop, call, message_id, sequential=sequential)
+    adopted = _release_and_continue(state, session, loop, call, message_id,
+                                    sequential=sequential)
     session.commit()
+    state.dispatch.confirm(adopted)
     signals.send(signals.tool_call_answered, loop_id=loop_id, tool_call_id=tool_call_id,
                  is_error=is_error)
     return True
@@ -771,10 +881,12 @@ def _add_tool_message(session: SessionLike, loop_id: int, call: ToolCall, conten
 
 
 def _release_and_continue(state: SolidLoopState, session: SessionLike, loop: Loop,
-                          call: ToolCall, message_id: int, *, sequential: bool) -> None:
+                          call: ToolCall, message_id: int, *, sequential: bool,
+                          ) -> Adopted | None:
     """The call answered by ``message_id``, its lease released, and the successor
     job: the next LLM turn after the phase's last call (the next call, in
-    sequential mode). The caller holds both row locks and commits."""
+    sequential mode), adopted by this thread when it continues inline. The
+    caller holds both row locks, commits, and then confirms the adoption."""
     call.response_message_id = message_id
     call.lease_token = None
     call.lease_holder = None
@@ -785,13 +897,14 @@ def _release_and_continue(state: SolidLoopState, session: SessionLike, loop: Loo
         .order_by(ToolCall.position)
     ))
     if not remaining:
-        _requeue_for_llm(state, session, loop)
-    elif sequential:
+        return _requeue_for_llm(state, session, loop, adopt=True)
+    if sequential:
         # The loop's current generation: a resume may have rotated it while the
         # tool ran under its lease.
         assert loop.execution_token is not None
-        _dispatch_tool_calls(state, session, loop.id, loop.execution_token, remaining,
-                             sequential=True)
+        return _dispatch_tool_calls(state, session, loop.id, loop.execution_token, remaining,
+                                    sequential=True, adopt=True)
+    return None
 
 
 def fail_tool_call(session: SessionLike, *, loop_id: int, tool_call_id: int,

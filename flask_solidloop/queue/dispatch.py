@@ -34,6 +34,25 @@ class Successor:
     args: tuple[Any, ...]
 
 
+@dataclass(frozen=True)
+class Adopted:
+    """A continuation this thread took over in the turn's own commit, with no job
+    row: the tool call's lease (``lease_token``) or the loop's LLM claim (its
+    new ``execution_token`` and lease) was written by that commit, so recovery
+    follows the lease, as for any claimed job. Valid only once the store has
+    confirmed the commit."""
+
+    queue_name: str
+    actor_name: str
+    loop_id: int
+    args: tuple[Any, ...]
+    #: The tool call's lease (a tool call), or None (an LLM turn).
+    lease_token: uuid.UUID | None = None
+    #: An LLM turn's new execution token and the run's elapsed seconds at its claim.
+    execution_token: uuid.UUID | None = None
+    run_elapsed_seconds: float = 0.0
+
+
 class Dispatcher:
     """Typed enqueue helpers over the three solidloop actors."""
 
@@ -47,22 +66,70 @@ class Dispatcher:
 
     # -- inline continuation (runtime/inline.py) ------------------------------
 
-    def capture(self) -> None:
+    def capture(self, *, adopt: bool = False) -> None:
         """From now on, this thread's first continuation (a loop's tool call or
         next LLM turn, due now) is reserved for it: written due
         ``INLINE_RESERVATION_MS`` later, so no consumer claims it meanwhile (and
         without a NOTIFY), and kept for :meth:`take_captured`: the thread claims
         it right away, due or not. Should the thread die first, the job becomes
-        due and a consumer's poll claims it."""
+        due and a consumer's poll claims it.
+
+        ``adopt``: the store may go further and take the continuation over in
+        the turn's own commit, with no job at all (:meth:`can_adopt`)."""
         self._local.capturing = True
         self._local.captured = None
+        self._local.adopting = adopt
+        self._local.adopted = None
+        self._local.confirmed = False
 
-    def take_captured(self) -> Successor | None:
-        """The captured continuation (once), and capturing stops."""
-        captured = getattr(self._local, "captured", None)
-        self._local.capturing = False
-        self._local.captured = None
-        return captured
+    def can_adopt(self) -> bool:
+        """Whether the store may adopt this thread's next continuation: write its
+        claim (a tool call's lease, the loop's LLM claim) into the commit that
+        creates it, instead of a job (loops/store.py)."""
+        local = self._local
+        return bool(getattr(local, "capturing", False) and getattr(local, "adopting", False)
+                    and local.captured is None and local.adopted is None)
+
+    def adopt_tool_call(self, tool_call_id: int, execution_token: uuid.UUID, *,
+                        loop_id: int, lease_token: uuid.UUID) -> Adopted:
+        actor = self.actors["tool_call"]
+        return self._adopt(Adopted(actor.queue_name, actor.actor_name, loop_id,
+                                   (tool_call_id, str(execution_token)),
+                                   lease_token=lease_token))
+
+    def adopt_llm_turn(self, loop_id: int, *, execution_token: uuid.UUID,
+                       run_elapsed_seconds: float) -> Adopted:
+        actor = self.actors["llm_turn"]
+        return self._adopt(Adopted(actor.queue_name, actor.actor_name, loop_id, (loop_id,),
+                                   execution_token=execution_token,
+                                   run_elapsed_seconds=run_elapsed_seconds))
+
+    def _adopt(self, adopted: Adopted) -> Adopted:
+        self._local.adopted = adopted
+        self._local.confirmed = False
+        return adopted
+
+    def confirm(self, adopted: Adopted | None) -> None:
+        """The store committed the transaction that wrote ``adopted``'s claim: from
+        now on the thread owns it. An adoption never confirmed (its transaction
+        rolled back, or its commit raised) is dropped by :meth:`take_captured`;
+        a commit that raised but went through leaves a lease that the reaper
+        heals when it lapses."""
+        if adopted is not None and getattr(self._local, "adopted", None) is adopted:
+            self._local.confirmed = True
+
+    def take_captured(self) -> Successor | Adopted | None:
+        """The captured or confirmed adopted continuation (once), and capturing stops."""
+        local = self._local
+        taken: Successor | Adopted | None = getattr(local, "captured", None)
+        if taken is None and getattr(local, "confirmed", False):
+            taken = local.adopted
+        local.capturing = False
+        local.captured = None
+        local.adopting = False
+        local.adopted = None
+        local.confirmed = False
+        return taken
 
     def _send(self, session: SessionLike, actor: dramatiq.Actor, args: tuple[Any, ...], *,
               loop_id: int | None = None, delay_ms: int | None = None,
@@ -73,7 +140,8 @@ class Dispatcher:
         message = actor.message_with_options(args=args, **options)
         capture = (continuation and loop_id is not None and not delay_ms
                    and getattr(self._local, "capturing", False)
-                   and self._local.captured is None)
+                   and self._local.captured is None
+                   and getattr(self._local, "adopted", None) is None)
         if capture:
             delay_ms = INLINE_RESERVATION_MS
         self.broker.enqueue(message, delay=delay_ms, connection=session)

@@ -1,35 +1,46 @@
 """Inline continuation: the worker thread that commits a loop's turn runs the
 loop's next job itself, instead of waking another consumer to claim it.
 
-A turn's canonical commit enqueues its successor (a tool call, the next LLM
-turn) in the same transaction, as always: the job row is the record, and
-nothing about recovery changes. What changes is who runs it first. While a
-turn runs in a dramatiq worker thread, the dispatcher writes the turn's first
-continuation reserved for this thread (due two seconds later, so no consumer
-claims it meanwhile, and without its NOTIFY) and hands it back here; after the
-turn returns, this thread claims that job by its message id with the same
-fenced claim a consumer makes (``FOR UPDATE SKIP LOCKED`` on the queued row), set
-done at once inside the transaction of the successor's own claim: the job's
-claim and its done mark commit with the turn's first commit, or not at all.
+While a turn runs in a dramatiq worker thread, its canonical commit does one
+of two things with the turn's first continuation (a tool call, the next LLM
+turn):
+
+* **Adopt it** (the usual case: the LLM turn's end and the tool turn's answer,
+  loops/store.py). The commit writes the successor's claim instead of a job:
+  the tool call's lease, or the loop's next LLM claim (a fresh generation and
+  LLM lease; the loop stays ``running``). Once the commit is confirmed, this
+  thread runs the successor under that claim. No job row, no claim
+  transaction, no NOTIFY, no wake-up.
+* **Reserve a job for it** (any other enqueue of a continuation in the turn,
+  or the hop budget's last hop). The dispatcher writes the job due two seconds
+  later (no consumer claims it meanwhile, and without its NOTIFY); after the
+  turn returns, this thread claims it by its message id with the broker's
+  kind of fenced claim (``FOR UPDATE SKIP LOCKED`` on the queued row), set done
+  at once inside the transaction of the successor's own claim.
+
 Then it runs the successor, and so on, up to ``SOLIDLOOP_INLINE_MAX_HOPS`` jobs
 per delivered job.
 
 Why it is safe:
 
-* The claim is the broker's claim: ``FOR UPDATE SKIP LOCKED`` on a queued
-  row. Were a consumer to claim the job first, this thread's claim would find
-  nothing.
-* If this thread dies before its claim commits, the job is still queued; when
-  its reservation ends a consumer's timed poll (``SOLIDLOOP_POLL_INTERVAL``)
-  claims it, about three seconds later at most. If it dies after, the loop's
-  or the tool call's lease is what recovery follows, exactly as for a
-  consumer-delivered job.
-* A successor this thread will not run (the hop budget is spent, the worker
-  is stopping, the turn raised) is handed back at once: due now, NOTIFYed.
+* An adopted claim is what a consumer's claim would have written, committed
+  with the state change that made it due (invariant 1 holds: the successor's
+  record, its lease, commits with the state). If this thread dies after that
+  commit, the lease lapses after one ``SOLIDLOOP_LIVENESS_TTL`` and the reaper
+  takes the call (``stalled_tools``) or the turn (``expired_llm``) over, exactly
+  as for a worker that dies inside a claimed job.
+* A reserved job's claim is the broker's claim. Were a consumer to claim the
+  job first, this thread's claim would find nothing; if the thread dies before
+  its claim commits, the job becomes due when its reservation ends and a
+  consumer's timed poll (``SOLIDLOOP_POLL_INTERVAL``) claims it.
+* A successor this thread will not run (the worker is stopping, the turn
+  raised) is handed back at once: an adopted one's claim is released with a
+  job queued (compare-and-set on the claim), a reserved job is made due and
+  NOTIFYed.
 
-Why it pays: no NOTIFY, no wake-up, no separate claim transaction per job, and
-the loop keeps its thread, so a started loop runs to its end (what DBOS does
-with a workflow) while new loops wait for a free thread.
+Why it pays: per turn, one commit, one job row and its claim fewer, and the
+loop keeps its thread, so a started loop runs to its end (what DBOS does with
+a workflow) while new loops wait for a free thread.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from dramatiq import worker as dramatiq_worker
 
@@ -50,7 +62,7 @@ from ..queue.current_job import (
     save_current_job,
     set_current_job,
 )
-from ..queue.dispatch import INLINE_RESERVATION_MS, Successor
+from ..queue.dispatch import INLINE_RESERVATION_MS, Adopted, Successor
 from ..state import SolidLoopState
 
 logger = logging.getLogger("flask_solidloop.inline")
@@ -88,7 +100,8 @@ def run_chain(state: SolidLoopState, body: Callable[[], None]) -> None:
     dispatch = state.dispatch
     delivered = save_current_job()
     _local.active = True
-    dispatch.capture()
+    # Adopt only a continuation this thread will run: within the hop budget.
+    dispatch.capture(adopt=config.inline_max_hops > 0)
     try:
         body()
         hops = 0
@@ -97,18 +110,39 @@ def run_chain(state: SolidLoopState, body: Callable[[], None]) -> None:
             if successor is None:
                 return
             if hops >= config.inline_max_hops or not _worker_running():
-                _wake(state, successor)
+                _hand_back(state, successor)
                 return
             hops += 1
-            dispatch.capture()
-            if not _run_successor(state, successor):
+            dispatch.capture(adopt=hops < config.inline_max_hops)
+            if isinstance(successor, Adopted):
+                if not _run_adopted(state, successor):
+                    return
+            elif not _run_successor(state, successor):
                 return
     finally:
         leftover = dispatch.take_captured()
         if leftover is not None:
-            _wake(state, leftover)
+            _hand_back(state, leftover)
         restore_current_job(delivered)
         _local.active = False
+
+
+def _run_adopted(state: SolidLoopState, adopted: Adopted) -> bool:
+    """Run a continuation whose claim the previous turn's commit wrote (no job
+    row to claim: the lease is this thread's already). False when the chain
+    ends here."""
+    state.db.session.remove()
+    set_current_job(None)
+    try:
+        _run_body(state, adopted.actor_name, adopted.args, adopted)
+    except Exception:
+        # The body's own guard already failed the loop where it could; what
+        # escapes leaves a lease nobody runs: hand it back now rather than wait
+        # for it to lapse (a no-op when the turn moved it on).
+        logger.exception("inline %s (adopted) failed", adopted.actor_name)
+        _hand_back(state, adopted)
+        return False
+    return True
 
 
 def _run_successor(state: SolidLoopState, successor: Successor) -> bool:
@@ -126,7 +160,7 @@ def _run_successor(state: SolidLoopState, successor: Successor) -> bool:
     job_id, lease_token, attempts = rows[0]
     set_current_job(CurrentJob(job_id, lease_token, attempts, marked_in_claim=True))
     try:
-        _run_body(state, successor)
+        _run_body(state, successor.actor_name, successor.args, None)
     except Exception:
         # The body's own guard already failed the loop where it could; what
         # escapes is for a retry. A claim that rolled back with the error left
@@ -145,17 +179,49 @@ def _run_successor(state: SolidLoopState, successor: Successor) -> bool:
     return True
 
 
-def _run_body(state: SolidLoopState, successor: Successor) -> None:
+def _run_body(state: SolidLoopState, actor_name: str, args: tuple[Any, ...],
+              adopted: Adopted | None) -> None:
     from .turns import llm_turn_job, tool_call_job
 
-    args = successor.args
-    if successor.actor_name == LLM_TURN_ACTOR:
-        llm_turn_job(state, int(args[0]), inline=True)
-    elif successor.actor_name == TOOL_CALL_ACTOR:
+    if actor_name == LLM_TURN_ACTOR:
+        llm_turn_job(state, int(args[0]), inline=True, adopted=adopted)
+    elif actor_name == TOOL_CALL_ACTOR:
         tool_call_job(state, int(args[0]), str(args[1]),
-                      str(args[2]) if len(args) > 2 and args[2] else None, inline=True)
+                      str(args[2]) if len(args) > 2 and args[2] else None, inline=True,
+                      adopted=adopted)
     else:  # pragma: no cover - the dispatcher captures only these two
-        raise ValueError(f"inline continuation cannot run {successor.actor_name!r}")
+        raise ValueError(f"inline continuation cannot run {actor_name!r}")
+
+
+def _hand_back(state: SolidLoopState, successor: Successor | Adopted) -> None:
+    if isinstance(successor, Adopted):
+        _release_adopted(state, successor)
+    else:
+        _wake(state, successor)
+
+
+def _release_adopted(state: SolidLoopState, adopted: Adopted) -> None:
+    """An adopted continuation this thread will not run: its claim released and
+    a job queued (loops/store.py), so a consumer takes it at once."""
+    from ..loops import store
+
+    session = state.db.session
+    try:
+        if adopted.actor_name == LLM_TURN_ACTOR:
+            assert adopted.execution_token is not None
+            store.hand_back_llm_turn(state, session, adopted.loop_id, adopted.execution_token)
+        else:
+            assert adopted.lease_token is not None
+            store.hand_back_tool_call(state, session, loop_id=adopted.loop_id,
+                                      tool_call_id=int(adopted.args[0]),
+                                      token=uuid.UUID(str(adopted.args[1])),
+                                      lease_token=adopted.lease_token)
+    except Exception:
+        session.rollback()
+        # Its lease lapses by itself; the reaper heals it then.
+        logger.warning("inline: could not hand %s of loop %s back; the reaper takes it over "
+                       "when its lease lapses", adopted.actor_name, adopted.loop_id,
+                       exc_info=True)
 
 
 def _wake(state: SolidLoopState, successor: Successor) -> None:

@@ -27,6 +27,7 @@ from ..loops.fence import owns
 from ..pipeline.context import LlmContext, ToolContext
 from ..pipeline.stacks import llm_stack, tool_stack
 from ..pipeline.xml_tools import parses_tool_text
+from ..queue.dispatch import Adopted
 from ..state import SolidLoopState
 from .job_log import logged_job
 
@@ -36,27 +37,40 @@ logger = logging.getLogger("flask_solidloop.turns")
 error_text = store.error_text
 
 
-def llm_turn_job(state: SolidLoopState, loop_id: int, *, inline: bool = False) -> None:
+def llm_turn_job(state: SolidLoopState, loop_id: int, *, inline: bool = False,
+                 adopted: Adopted | None = None) -> None:
     """The llm_turn job: the turn between its two log lines (``inline``: this
-    thread ran the loop's previous job and claimed this one itself)."""
+    thread ran the loop's previous job and claimed this one itself;
+    ``adopted``: that job's commit claimed it, runtime/inline.py)."""
     with logged_job(state, "llm_turn", loop_id=loop_id, inline=inline):
-        run_llm_turn(state, loop_id)
+        run_llm_turn(state, loop_id, adopted=adopted)
 
 
 def tool_call_job(state: SolidLoopState, tool_call_id: int, execution_token: str,
-                  reaper_lease_token: str | None = None, *, inline: bool = False) -> None:
+                  reaper_lease_token: str | None = None, *, inline: bool = False,
+                  adopted: Adopted | None = None) -> None:
     """The tool_call job: the tool turn between its two log lines."""
     with logged_job(state, "tool_call", tool_call_id=tool_call_id, inline=inline):
-        run_tool_call(state, tool_call_id, execution_token, reaper_lease_token)
+        run_tool_call(state, tool_call_id, execution_token, reaper_lease_token,
+                      adopted_lease=adopted.lease_token if adopted else None)
 
 
-def run_llm_turn(state: SolidLoopState, loop_id: int) -> None:
+def run_llm_turn(state: SolidLoopState, loop_id: int, *,
+                 adopted: Adopted | None = None) -> None:
+    """One LLM turn: claim the queued loop, or go on with the claim the previous
+    turn's commit made for this thread (``adopted``), then run the LLM stack."""
     session = state.db.session
     loop = queries.get_loop(session, loop_id)
     if loop is None:
         logger.warning("llm_turn: loop %s does not exist; dropping the job", loop_id)
         return
-    if loop.status != "queued":
+    if adopted is not None:
+        if not owns(loop, adopted.execution_token):
+            # Paused, stopped or resumed since the claim committed: theirs now.
+            logger.debug("llm_turn: loop %s moved on since its adopted claim", loop_id)
+            session.rollback()
+            return
+    elif loop.status != "queued":
         logger.debug("llm_turn: loop %s is %s, not queued; stale job", loop_id, loop.status)
         session.rollback()
         return
@@ -71,13 +85,21 @@ def run_llm_turn(state: SolidLoopState, loop_id: int) -> None:
         # Fail visibly, before any claim: an unregistered agent or a broken
         # definition will not heal by retrying, and the loop must not sit queued.
         logger.error("llm_turn: loop %s cannot run: %s", loop_id, exc)
-        store.fail_unclaimed(session, loop_id, store.error_text(exc))
+        if adopted is None:
+            store.fail_unclaimed(session, loop_id, store.error_text(exc))
+        else:
+            assert adopted.execution_token is not None
+            store.fail_turn(session, loop_id, adopted.execution_token, store.error_text(exc))
         return
 
     # The claim's transaction stays open: the stack's initialization (limits,
     # tools, history) and the turn's shell join it, so the turn commits once
     # before its request (AgentInitialization commits it; see LlmContext.claim).
-    claim = store.start_llm_turn(session, loop_id, lease_seconds=lease)
+    claim: store.LlmClaim | None
+    if adopted is None:
+        claim = store.start_llm_turn(session, loop_id, lease_seconds=lease)
+    else:
+        claim = store.adopted_llm_claim(session, adopted)
     if claim is None:
         return
     token = claim.token
@@ -145,7 +167,13 @@ def run_tool_call(
     tool_call_id: int,
     execution_token: str,
     reaper_lease_token: str | None = None,
+    *,
+    adopted_lease: uuid.UUID | None = None,
 ) -> None:
+    """One tool turn: claim the call's lease, or run under the lease the previous
+    turn's commit took for this thread (``adopted_lease``), then the tool stack.
+    A held lease is the call's fence: like a claimed call, an adopted one runs
+    and is checkpointed even if the loop was paused meanwhile."""
     session = state.db.session
     token = uuid.UUID(execution_token)
     call = queries.get_tool_call(session, tool_call_id)
@@ -153,10 +181,9 @@ def run_tool_call(
         logger.warning("tool_call: tool call %s does not exist; dropping the job", tool_call_id)
         return
     loop = queries.get_loop(session, call.loop_id)
-    if not owns(loop, token):
+    if loop is None or (adopted_lease is None and not owns(loop, token)):
         session.rollback()
         return
-    assert loop is not None
     loop_id = loop.id
     ctx = ToolContext(state=state, session=session, loop_id=loop_id, execution_token=token,
                       agent=None, tool_call_id=tool_call_id)  # type: ignore[arg-type]
@@ -167,12 +194,16 @@ def run_tool_call(
         agent = state.agent_for(loop.agent_name, loop)
         ctx.agent = agent
         lease_seconds = state.config.liveness_ttl
-        outcome, lease_token = store.claim_tool_call(
-            state, session, call, token,
-            sequential=bool(agent.option("sequential_tool_calls")),
-            lease_seconds=lease_seconds,
-            reaper_lease_token=uuid.UUID(reaper_lease_token) if reaper_lease_token else None,
-        )
+        lease_token: uuid.UUID | None
+        if adopted_lease is not None:
+            outcome, lease_token = store.ToolClaim.CLAIMED, adopted_lease
+        else:
+            outcome, lease_token = store.claim_tool_call(
+                state, session, call, token,
+                sequential=bool(agent.option("sequential_tool_calls")),
+                lease_seconds=lease_seconds,
+                reaper_lease_token=uuid.UUID(reaper_lease_token) if reaper_lease_token else None,
+            )
         if outcome is store.ToolClaim.REDIRECTED:
             return
         if outcome is store.ToolClaim.LOST:

@@ -190,17 +190,18 @@ def test_a_sequential_phase_is_not_healed_behind_its_head(app, session, llm, fle
          what="the sequential loop to complete")
     assert_finished_once(session, loop.id, calls=3)
     jobs = list(session.scalars(select(Job).where(Job.loop_id == loop.id)))
-    # Fault-free: two LLM turns and one job per call, nothing healed or redirected.
-    assert sorted(j.actor_name for j in jobs) == ["solidloop.llm_turn"] * 2 + \
-        ["solidloop.tool_call"] * 3
+    # Fault-free, on one thread: the delivered first turn is the only job; every
+    # later call and turn was adopted by the commit before it. A heal or a
+    # redirect would have enqueued a job of its own.
+    assert [j.actor_name for j in jobs] == ["solidloop.llm_turn"]
     assert "reaper healed" not in Path(tmp_path / "only.log").read_text()
 
 
 def test_a_worker_killed_in_an_inline_tool_job_is_taken_over(
         app, session, llm, fleets, effects, tmp_path):
     """Inline continuation (runtime/inline.py): the thread that ran the LLM turn
-    claimed and ran its tool call itself. SIGKILL it there: the job row was marked
-    done with the call's claim, so recovery follows the call's lease, as for a
+    ran its tool call itself, under the lease the turn's commit wrote (no job
+    row). SIGKILL it there: recovery follows the call's lease, as for a
     consumer-delivered job; a second fleet finishes the loop, one answer."""
     slow_calls(llm, 5.0)
     first = fleets("first")
@@ -221,3 +222,47 @@ def test_a_worker_killed_in_an_inline_tool_job_is_taken_over(
     session.expire_all()
     states = {j.state for j in session.scalars(select(Job).where(Job.loop_id == loop.id))}
     assert states == {"done"}
+
+
+def test_a_worker_killed_in_an_adopted_llm_turn_is_taken_over(
+        app, session, llm, fleets, effects, tmp_path):
+    """The tool turn's commit claimed the loop's next LLM turn for its own thread
+    (adopted: a fresh generation and LLM lease, no job row). SIGKILL the worker
+    while that turn's request hangs: recovery follows the loop's LLM lease (the
+    reaper's expired_llm case), a second fleet finishes the loop, and the dead
+    turn's shell never enters the history."""
+    slow_calls(llm, 1.0)
+    first = fleets("first")
+    loop = SlowAgent.start(message="slow please")
+    call = poll(session, lambda: running_calls(session, loop.id), what="the tool to start")[0]
+    poll(session, lambda: effects(call.idempotency_key), what="the tool body to start")
+    requests_before = len([r for r in llm.requests if r.method == "POST"])
+    llm.fault_next("slow_prefill", seconds=60)  # the next request: the adopted turn's
+    poll(session, lambda: len([r for r in llm.requests if r.method == "POST"]) > requests_before,
+         what="the adopted turn's request")
+    session.expire_all()
+    held = session.get(Loop, loop.id)
+    assert held.status == "running" and held.lease_expires_at is not None, held.status
+    assert session.get(ToolCall, call.id).response_message_id is not None
+    log = tmp_path / "first.log"
+    started = [line for line in log.read_text().splitlines()
+               if "job start llm_turn" in line and f"loop={loop.id} " in line]
+    assert len(started) == 2 and started[1].endswith(" inline"), started
+    session.rollback()
+    os.killpg(holder_group(held.lease_holder), signal.SIGKILL)
+    first.wait(10)
+    fleets("second")
+    poll(session, lambda: session.get(Loop, loop.id).status == "completed",
+         what="the loop to complete after the kill")
+    assert_finished_once(session, loop.id, calls=1)
+    assert len(effects(call.idempotency_key, "end")) == 1  # the tool did not run again
+    session.expire_all()
+    assistants = list(session.scalars(select(Message).where(
+        Message.loop_id == loop.id, Message.role == "assistant").order_by(Message.id)))
+    visible = [m for m in assistants if not m.is_hidden]
+    assert [m.content for m in visible] == ["sleeping", "all slept"]
+    # The dead turn's shell: failed and hidden, never completed.
+    assert [m.status for m in assistants if m.is_hidden] == ["failed"]
+    jobs = list(session.scalars(select(Job).where(Job.loop_id == loop.id)))
+    assert {j.state for j in jobs} == {"done"}
+    assert sorted(j.actor_name for j in jobs) == ["solidloop.llm_turn"] * 2  # first + heal

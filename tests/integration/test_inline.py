@@ -1,6 +1,8 @@
 """Inline continuation (runtime/inline.py): the thread that commits a loop's turn
-runs the loop's next job itself; the job rows, their claims and their recovery
-stay the broker's.
+runs the loop's next job itself. A continuation it adopts is claimed in the
+turn's own commit and has no job row (its lease is the record); one it does
+not (past the hop budget's last adoption, a job enqueued outside the store's
+fused paths) is a reserved job, claimed the broker's way.
 
 These run a real ``dramatiq.Worker`` in the test process (its worker threads are
 what continues inline) on the app's PostgreSQL broker, against the LLM emulator.
@@ -125,10 +127,10 @@ def test_a_loop_runs_on_its_thread_from_turn_to_turn(app, session, llm, job_line
     run_worker_until(app, session, [loop.id])
     assert_completed_once(session, loop.id, calls=3)
     jobs = turn_jobs(session)
-    # 4 LLM turns and 3 tool calls, each job run once and done.
-    assert [j.actor_name for j in jobs] == ["solidloop.llm_turn", "solidloop.tool_call"] * 3 \
-        + ["solidloop.llm_turn"]
-    assert {(j.state, j.attempts) for j in jobs} == {("done", 1)}
+    # Only the delivered first turn is a job: each later turn was claimed by
+    # the commit of the turn before it (adopted), so nothing was enqueued.
+    assert [(j.actor_name, j.state, j.attempts) for j in jobs] == [
+        ("solidloop.llm_turn", "done", 1)]
     assert len(SIDE_EFFECTS) == 3
     # The first turn was delivered by the consumer; every later job ran inline,
     # on the thread that committed the job before it.
@@ -157,7 +159,12 @@ def test_the_hop_budget_hands_the_next_job_back_to_the_queue(database_url, llm, 
         loop = Assistant.start(message="chain")
         run_worker_until(app, session, [loop.id])
         assert_completed_once(session, loop.id, calls=3)
-        assert {(j.state, j.attempts) for j in turn_jobs(session)} == {("done", 1)}
+        jobs = turn_jobs(session)
+        assert {(j.state, j.attempts) for j in jobs} == {("done", 1)}
+        # The two inline hops are adopted; the third continuation is a job of
+        # its own, written reserved, handed back and delivered by the consumer.
+        assert [j.actor_name for j in jobs] == ["solidloop.llm_turn", "solidloop.tool_call",
+                                                "solidloop.llm_turn"]
     # Two inline jobs after each delivered one; the third is woken and delivered.
     assert [r.solidloop_inline for r in job_lines.starts] == [False, True, True] * 2 + [False]
 
@@ -170,11 +177,14 @@ def test_the_first_parallel_call_stays_on_the_turns_thread_the_others_are_woken(
     loop = Assistant.start(message="three at once")
     run_worker_until(app, session, [loop.id], threads=3)
     assert_completed_once(session, loop.id, calls=3)
-    assert {(j.state, j.attempts) for j in turn_jobs(session)} == {("done", 1)}
+    jobs = turn_jobs(session)
+    assert {(j.state, j.attempts) for j in jobs} == {("done", 1)}
+    # The first call is leased to the LLM turn's thread in the turn's commit
+    # (no job: the consumer woken for the other two cannot take it); the other
+    # two are jobs, run on the other threads. Each call started once.
+    assert sorted(j.actor_name for j in jobs) == ["solidloop.llm_turn"] + \
+        ["solidloop.tool_call"] * 2
     tool_starts = [r for r in job_lines.starts if r.solidloop_job == "tool_call"]
-    # The first call is reserved for the LLM turn's thread (not due yet, so the
-    # consumer woken for the other two cannot take it); the other two run on
-    # the other threads. Each call started once.
     assert sorted(r.solidloop_inline for r in tool_starts) == [False, False, True]
     assert len({r.solidloop_tool_call_id for r in tool_starts}) == 3
 
@@ -268,3 +278,113 @@ def test_inline_claims_match_only_queued_jobs_of_their_loop(app, session, llm, d
             "loop_id": job.loop_id, "message_id": uuid.uuid4(),
         }).fetchall() == []
         conn.rollback()
+
+
+# -- adoption: the turn's commit claims its successor (loops/store.py) --------------
+
+
+def loop_jobs(session, loop_id: int, actor: str) -> list[Job]:
+    session.expire_all()
+    return list(session.scalars(select(Job).where(Job.loop_id == loop_id,
+                                                  Job.actor_name == actor)))
+
+
+def adopt_first_call(app, session, llm):
+    """Run a loop's first LLM turn the way a worker thread does when it continues
+    inline (capturing, adoption allowed): its commit leases the call to us."""
+    from flask_solidloop.runtime.turns import run_llm_turn
+
+    llm.script("add please", {"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]})
+    llm.script(lambda body: body["messages"][-1]["role"] == "tool", {"content": "3"})
+    state = get_state(app)
+    loop = Assistant.start(message="add please")
+    # Its first job stands for the one a consumer delivered: done.
+    session.execute(Job.__table__.update().where(Job.loop_id == loop.id).values(state="done"))
+    session.commit()
+    state.dispatch.capture(adopt=True)
+    run_llm_turn(state, loop.id)
+    adopted = state.dispatch.take_captured()
+    return state, loop, adopted
+
+
+def test_an_adopted_tool_call_is_leased_in_the_turns_commit_with_no_job(app, session, llm):
+    from flask_solidloop.leases import worker_identity
+    from flask_solidloop.queue.dispatch import Adopted
+
+    _state, loop, adopted = adopt_first_call(app, session, llm)
+    assert isinstance(adopted, Adopted) and adopted.lease_token is not None
+    session.expire_all()
+    (call,) = session.scalars(select(ToolCall).where(ToolCall.loop_id == loop.id))
+    assert (call.lease_token, call.lease_holder) == (adopted.lease_token, worker_identity())
+    assert call.leased_until is not None and call.executed_at is None
+    assert adopted.args == (call.id, str(session.get(Loop, loop.id).execution_token))
+    assert loop_jobs(session, loop.id, "solidloop.tool_call") == []
+
+
+def test_an_adoption_whose_commit_never_happened_is_dropped(app, session):
+    state = get_state(app)
+    state.dispatch.capture(adopt=True)
+    assert state.dispatch.can_adopt()
+    adopted = state.dispatch.adopt_llm_turn(1, execution_token=uuid.uuid4(),
+                                            run_elapsed_seconds=0.0)
+    assert not state.dispatch.can_adopt()  # one continuation per turn
+    assert state.dispatch.take_captured() is None  # never confirmed: not ours to run
+    state.dispatch.capture(adopt=True)
+    state.dispatch.confirm(adopted)  # a stale adoption cannot be confirmed later
+    assert state.dispatch.take_captured() is None
+    state.dispatch.capture(adopt=False)
+    assert not state.dispatch.can_adopt()
+    state.dispatch.take_captured()
+
+
+def test_a_handed_back_tool_call_is_a_job_again_and_the_loop_finishes(
+        app, session, llm, drain):
+    from flask_solidloop.loops import store
+
+    state, loop, adopted = adopt_first_call(app, session, llm)
+    call_id, token = int(adopted.args[0]), uuid.UUID(adopted.args[1])
+    handed = dict(loop_id=loop.id, tool_call_id=call_id, token=token,
+                  lease_token=adopted.lease_token)
+    assert store.hand_back_tool_call(state, session, **handed)
+    session.expire_all()
+    call = session.get(ToolCall, call_id)
+    assert (call.lease_token, call.leased_until, call.lease_holder) == (None, None, None)
+    (job,) = loop_jobs(session, loop.id, "solidloop.tool_call")
+    assert job.state == "queued"
+    assert not store.hand_back_tool_call(state, session, **handed)  # the lease is gone
+    drain()
+    assert_completed_once(session, loop.id, calls=1)
+
+
+def test_an_adopted_llm_turn_runs_under_its_claim_or_is_handed_back(
+        app, session, llm, drain):
+    from flask_solidloop.loops import store
+    from flask_solidloop.runtime.turns import run_llm_turn, run_tool_call
+
+    state, loop, adopted_call = adopt_first_call(app, session, llm)
+    # The tool turn, continuing inline: its answer's commit claims the next LLM turn.
+    state.dispatch.capture(adopt=True)
+    run_tool_call(state, int(adopted_call.args[0]), adopted_call.args[1],
+                  adopted_lease=adopted_call.lease_token)
+    adopted = state.dispatch.take_captured()
+    assert adopted is not None and adopted.execution_token is not None
+    session.expire_all()
+    held = session.get(Loop, loop.id)
+    assert (held.status, held.execution_token) == ("running", adopted.execution_token)
+    assert held.lease_expires_at is not None
+    assert loop_jobs(session, loop.id, "solidloop.llm_turn")[0].state == "done"  # the first
+    assert len(loop_jobs(session, loop.id, "solidloop.llm_turn")) == 1  # no new job
+    session.rollback()
+    # Handed back (a stopping worker): queued again with a job, and only once.
+    assert store.hand_back_llm_turn(state, session, loop.id, adopted.execution_token)
+    assert not store.hand_back_llm_turn(state, session, loop.id, adopted.execution_token)
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "queued"
+    assert [j.state for j in loop_jobs(session, loop.id, "solidloop.llm_turn")] == [
+        "done", "queued"]
+    # The stale adoption finds the loop moved on and does nothing.
+    run_llm_turn(state, loop.id, adopted=adopted)
+    assert len(llm.requests) == 1
+    drain()
+    assert_completed_once(session, loop.id, calls=1)
+    assert len(llm.requests) == 2
