@@ -30,7 +30,8 @@ from decimal import Decimal
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import func, insert, or_, select, text, update
+from psycopg.types.json import Jsonb
+from sqlalchemy import func, or_, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, scoped_session
 from sqlalchemy.orm.util import identity_key
@@ -40,6 +41,7 @@ from .._typing import SessionLike
 from ..errors import LostLeaseError
 from ..leases import worker_identity
 from ..models import Event, Loop, McpSession, Message, ToolCall
+from ..queue.broker import execute_on
 from ..queue.current_job import mark_current_job_done, note_current_job_done
 from . import queries, storable
 from .fence import lock_loop, owns, transition
@@ -159,15 +161,8 @@ def _requeue_for_llm(state: SolidLoopState, session: SessionLike, loop: Loop, *,
     running under a fresh generation and LLM lease, as a claim leaves it), with
     no job; the caller confirms it after its commit."""
     if adopt and state.dispatch.can_adopt():
-        token = uuid.uuid4()
-        elapsed = session.execute(
-            update(Loop).where(Loop.id == loop.id)
-            .values(_claim_values(token, state.config.liveness_ttl))
-            .returning(func.extract("epoch", func.now() - Loop.run_started_at))
-            .execution_options(synchronize_session=False)
-        ).scalar_one()
-        return state.dispatch.adopt_llm_turn(loop.id, execution_token=token,
-                                             run_elapsed_seconds=float(elapsed))
+        session.flush()
+        return _adopt_llm_turn(state, session, loop.id)
     loop.status = "queued"
     loop.execution_token = None
     loop.lease_expires_at = None
@@ -175,6 +170,20 @@ def _requeue_for_llm(state: SolidLoopState, session: SessionLike, loop: Loop, *,
     session.flush()
     state.dispatch.llm_turn(session, loop.id)
     return None
+
+
+def _adopt_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int) -> Adopted:
+    """Claim the loop's next LLM turn for this thread in the caller's transaction
+    (the caller holds the loop row lock and confirms after its commit)."""
+    token = uuid.uuid4()
+    elapsed = session.execute(
+        update(Loop).where(Loop.id == loop_id)
+        .values(_claim_values(token, state.config.liveness_ttl))
+        .returning(func.extract("epoch", func.now() - Loop.run_started_at))
+        .execution_options(synchronize_session=False)
+    ).scalar_one()
+    return state.dispatch.adopt_llm_turn(loop_id, execution_token=token,
+                                         run_elapsed_seconds=float(elapsed))
 
 
 def _hide_shells(session: SessionLike, loop_id: int) -> None:
@@ -208,6 +217,12 @@ def _event_payload(payload: dict[str, Any], limit: int) -> dict[str, Any]:
     return cleaned  # type: ignore[no-any-return]
 
 
+_INSERT_LLM_EVENT = (
+    "INSERT INTO solidloop_events (loop_id, message_id, kind, status_code, duration_ms, "
+    "error, payload) VALUES (%(loop_id)s, %(message_id)s, 'llm_request', %(status_code)s, "
+    "%(duration_ms)s, %(error)s, %(payload)s)")
+
+
 def _wire_event(session: SessionLike, loop_id: int, message_id: int | None,
                 wire: WireRecord | None, *, body_limit: int, error: str | None = None,
                 repeat_history: bool = False) -> None:
@@ -218,12 +233,11 @@ def _wire_event(session: SessionLike, loop_id: int, message_id: int | None,
         payload = wire.to_payload()
         if not repeat_history:
             payload["request"]["body"] = storable.conversation_tail(payload["request"]["body"])
-        # A plain INSERT (nothing reads the row back).
-        session.execute(insert(Event).values(
-            loop_id=loop_id, message_id=message_id, kind="llm_request",
-            status_code=wire.status, duration_ms=wire.duration_ms, error=_clean(error),
-            payload=_event_payload(payload, body_limit),
-        ))
+        # A plain INSERT on the driver connection (nothing reads the row back).
+        execute_on(session, _INSERT_LLM_EVENT, {
+            "loop_id": loop_id, "message_id": message_id, "status_code": wire.status,
+            "duration_ms": wire.duration_ms, "error": _clean(error),
+            "payload": Jsonb(_event_payload(payload, body_limit))})
 
 
 def _lock_call(session: SessionLike, loop_id: int, token: uuid.UUID, tool_call_id: int,
@@ -554,34 +568,36 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     the shell, record usage, cost, tool calls and the wire event, then complete
     the loop or enter the tool phase with its tool jobs, all in one commit.
 
-    Plain statements, no unit of work: the loop's fenced ``UPDATE ... RETURNING``
-    is the row lock and the fence check at once (loop row first, as always),
-    then the shell's ``UPDATE``, the calls' ``INSERT ... RETURNING id``, the
-    event, the jobs."""
+    Plain statements on the driver connection, no unit of work: the loop's
+    fenced ``UPDATE ... RETURNING`` is the row lock and the fence check at once
+    (loop row first, as always), then the shell's ``UPDATE``, the calls'
+    ``INSERT ... RETURNING id`` (the first one leased to this thread when it
+    continues inline: adopted, no job), the event, the other calls' jobs."""
     usage = response.usage
-    loop_values: dict[str, Any] = {"step_count": Loop.step_count + 1,
-                                   "lease_holder": None, "lease_expires_at": None}
+    sets = ["step_count = step_count + 1", "lease_holder = NULL", "lease_expires_at = NULL",
+            "updated_at = now()"]
+    params: dict[str, Any] = {"id": loop_id, "token": token,
+                              "live": f"{loop_id}:{shell_id}"}
     if usage is not None:
-        loop_values["input_tokens"] = Loop.input_tokens + usage.input_tokens
-        loop_values["output_tokens"] = Loop.output_tokens + usage.output_tokens
+        sets += ["input_tokens = input_tokens + %(input)s",
+                 "output_tokens = output_tokens + %(output)s"]
+        params.update(input=usage.input_tokens, output=usage.output_tokens)
         if turn_cost is not None:
-            loop_values["cost"] = func.coalesce(Loop.cost, 0) + turn_cost
+            sets.append("cost = coalesce(cost, 0) + %(cost)s")
+            params["cost"] = turn_cost
     if not calls:
-        loop_values.update(status="completed", execution_token=None, finished_at=func.now(),
-                           error_message=None)
-    fenced = session.execute(
-        update(Loop)
-        .where(Loop.id == loop_id, Loop.status == "running", Loop.execution_token == token)
-        .values(**loop_values)
-        # Admin live stream (issue 15): the finalized turn, announced on commit
-        # (NOTIFY is transactional: a turn that rolls back announces nothing).
-        .returning(Loop.agent_name, func.pg_notify(LIVE_CHANNEL, f"{loop_id}:{shell_id}"))
-        .execution_options(synchronize_session=False)
-    ).one_or_none()
-    if fenced is None:
+        sets += ["status = 'completed'", "execution_token = NULL", "finished_at = now()",
+                 "error_message = NULL"]
+    # Admin live stream (issue 15): the finalized turn, announced on commit
+    # (NOTIFY is transactional: a turn that rolls back announces nothing).
+    fenced = execute_on(session, (
+        f"UPDATE solidloop_loops SET {', '.join(sets)} "
+        "WHERE id = %(id)s AND status = 'running' AND execution_token = %(token)s "
+        f"RETURNING agent_name, pg_notify('{LIVE_CHANNEL}', %(live)s)"), params, fetch=True)
+    if not fenced:
         session.rollback()
         raise LostLeaseError(f"loop {loop_id} changed hands during the request")
-    agent_name = fenced[0]
+    agent_name = fenced[0][0]
     content, content_altered = storable.text(response.content)
     reasoning, reasoning_altered = storable.text(response.reasoning)
     meta, meta_altered, _ = storable.json_value(meta)
@@ -589,29 +605,27 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
                             "metadata": meta_altered})
     if sanitized:
         meta["sanitized"] = sanitized
-    shell_values: dict[str, Any] = {
-        "content": content, "reasoning": reasoning,
-        "finish_reason": _clean(response.finish_reason), "status": "completed",
-        "is_hidden": False, "completed_at": func.now(), "meta": meta}
-    if usage is not None:
-        shell_values["usage"] = usage.to_dict()
-        if turn_cost is not None:
-            shell_values["cost"] = turn_cost
-    session.execute(update(Message).where(Message.id == shell_id).values(**shell_values)
-                    .execution_options(synchronize_session=False))
-    call_ids: list[int] = []
+    shell_params: dict[str, Any] = {
+        "id": shell_id, "content": content, "reasoning": reasoning,
+        "finish_reason": _clean(response.finish_reason), "meta": Jsonb(meta),
+        "usage": Jsonb(usage.to_dict()) if usage is not None else None,
+        "cost": turn_cost if usage is not None else None}
+    execute_on(session, _FINISH_SHELL, shell_params)
+    adopted = None
     if calls:
-        call_ids = list(session.scalars(
-            insert(ToolCall).returning(ToolCall.id, sort_by_parameter_order=True),
-            [_tool_call_values(loop_id, shell_id, position, call)
-             for position, call in enumerate(calls)]))
+        # Tool phase: the loop stays running under this generation; no LLM lease.
+        lease = uuid.uuid4() if state.dispatch.can_adopt() else None
+        call_ids = _insert_tool_calls(session, loop_id, shell_id, calls, lease,
+                                      lease_seconds=state.config.liveness_ttl)
+        to_run = calls_to_run(call_ids, sequential=sequential)
+        if lease is not None:
+            adopted = state.dispatch.adopt_tool_call(call_ids[0], token, loop_id=loop_id,
+                                                     lease_token=lease)
+            to_run = to_run[1:]
+        for call_id in to_run:
+            state.dispatch.tool_call(session, call_id, token, loop_id=loop_id)
     _wire_event(session, loop_id, shell_id, wire, body_limit=state.config.event_body_limit,
                 repeat_history=state.config.event_repeat_history)
-    adopted = None
-    if call_ids:
-        # Tool phase: the loop stays running under this generation; no LLM lease.
-        adopted = _dispatch_tool_calls(state, session, loop_id, token, call_ids,
-                                       sequential=sequential, adopt=True)
     # The shell as the session knows it (no SELECT now; it loads on first use).
     shell = _real(session).identity_map.get(identity_key(Message, shell_id))
     session.commit()
@@ -622,6 +636,41 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
         shell = session.get(Message, shell_id)
     assert shell is not None
     return shell  # type: ignore[no-any-return]
+
+
+_FINISH_SHELL = (
+    "UPDATE solidloop_messages SET content = %(content)s, reasoning = %(reasoning)s, "
+    "finish_reason = %(finish_reason)s, status = 'completed', is_hidden = false, "
+    "completed_at = now(), metadata = %(meta)s, usage = coalesce(%(usage)s, usage), "
+    "cost = coalesce(%(cost)s, cost), updated_at = now() WHERE id = %(id)s")
+_TOOL_CALL_COLUMNS = ("loop_id", "message_id", "position", "call_id", "name", "server_name",
+                      "tool_name", "arguments_raw", "arguments", "meta")
+
+
+def _insert_tool_calls(session: SessionLike, loop_id: int, message_id: int,
+                       calls: Sequence[NewToolCall], lease: uuid.UUID | None, *,
+                       lease_seconds: float) -> list[int]:
+    """Insert a turn's tool calls in one statement; with ``lease``, the first is
+    born leased to this worker (an adopted call). Their ids, in order."""
+    rows, params = [], []
+    for position, call in enumerate(calls):
+        values = _tool_call_values(loop_id, message_id, position, call)
+        for key in _TOOL_CALL_COLUMNS:
+            value = values[key]
+            params.append(Jsonb(value) if key in ("arguments", "meta") and value is not None
+                          else value)
+        placeholders = ", ".join(["%s"] * len(_TOOL_CALL_COLUMNS))
+        if position == 0 and lease is not None:
+            rows.append(f"({placeholders}, %s, %s, now() + %s)")
+            params += [lease, worker_identity(), timedelta(seconds=lease_seconds)]
+        else:
+            rows.append(f"({placeholders}, NULL, NULL, NULL)")
+    inserted = execute_on(session, (
+        "INSERT INTO solidloop_tool_calls (loop_id, message_id, position, call_id, name, "
+        "server_name, tool_name, arguments_raw, arguments, metadata, lease_token, "
+        f"lease_holder, leased_until) VALUES {', '.join(rows)} RETURNING id, position"),
+        params, fetch=True)
+    return [row[0] for row in sorted(inserted, key=lambda row: row[1])]
 
 
 def end_llm_turn(session: SessionLike, loop_id: int, token: uuid.UUID, *, to: str,
@@ -762,25 +811,139 @@ def checkpoint_and_answer_tool_call(
     running (paused or stopped while the tool ran) gets the checkpoint alone,
     as the two steps would have left it. Returns the call, the stored result
     and whether the call was answered."""
-    loop, call = _lock_for_checkpoint(session, loop_id, token, tool_call_id, lease_token)
+    if lease_token is None:
+        raise LostLeaseError(f"tool call {tool_call_id}: no lease to checkpoint under")
+    # Plain statements on the driver connection, no unit of work (the hot path
+    # of every in-process tool turn): lock the loop row, then the call's.
+    locked = execute_on(session, _LOCK_LOOP_FOR_CHECKPOINT, (loop_id,), fetch=True)
+    if not locked:
+        session.rollback()
+        raise LostLeaseError(f"loop {loop_id} changed generation during tool call")
+    loop_status, loop_token = locked[0]
+    rows = execute_on(session, _LOCK_CALL_FOR_CHECKPOINT, (tool_call_id,), fetch=True)
+    call = _CallRow(*rows[0])
+    if call.lease_token != lease_token:
+        session.rollback()
+        raise LostLeaseError(f"tool call {tool_call_id}: its lease was reclaimed")
+    if call.executed:  # someone else checkpointed first
+        session.rollback()
+        raise LostLeaseError(f"tool call {tool_call_id} was already executed")
     canonical, notes = _canonical_result(call, result)
-    answered = loop.status == "running" and call.response_message_id is None
+    answered = loop_status == "running" and call.response_message_id is None
+    message_id = None
     if answered:
-        # The message first: its INSERT is flushed for its id while the call is
-        # still clean, so the call's result and its answer are one UPDATE.
-        message_id = _add_tool_message(session, loop.id, call, answer_text(canonical),
-                                       is_error=canonical.is_error)
-    _record_result(session, call, canonical, notes, duration_ms, body_limit)
+        message_id = _insert_tool_message(session, loop_id, call, answer_text(canonical),
+                                          is_error=canonical.is_error)
+    stored = canonical.to_mcp()
+    execute_on(session, _RECORD_RESULT_AND_ANSWER, {
+        "id": tool_call_id, "result": Jsonb(stored), "is_success": not canonical.is_error,
+        "error_kind": canonical.error_kind, "duration_ms": duration_ms,
+        "meta": Jsonb(notes) if notes else None, "answer": message_id})
+    execute_on(session, _INSERT_TOOL_EVENT, {
+        "loop_id": loop_id, "tool_call_id": tool_call_id, "duration_ms": duration_ms,
+        "error": canonical.text()[:MAX_EVENT_ERROR] if canonical.is_error else None,
+        "payload": Jsonb(_event_payload({
+            "name": call.name, "server": call.server_name, "tool": call.tool_name,
+            "arguments": call.arguments if call.arguments is not None else call.arguments_raw,
+            "idempotency_key": call.idempotency_key, "result": stored,
+        }, body_limit))})
     adopted = None
     if answered:
-        adopted = _release_and_continue(state, session, loop, call, message_id,
-                                        sequential=sequential)
+        remaining = [row[0] for row in execute_on(
+            session, _UNANSWERED_SIBLINGS, (call.message_id,), fetch=True)]
+        if not remaining:
+            adopted = _requeue_loop_for_llm(state, session, loop_id)
+        elif sequential:
+            # The loop's current generation: a resume may have rotated it while the
+            # tool ran under its lease.
+            adopted = _dispatch_tool_calls(state, session, loop_id, loop_token, remaining,
+                                           sequential=True, adopt=True)
+    # The call as the session knows it, expired by the commit: it reloads (the
+    # stored result, the answer) when someone reads it.
+    orm_call = _real(session).identity_map.get(identity_key(ToolCall, tool_call_id))
     session.commit()
     state.dispatch.confirm(adopted)
     if answered:
         signals.send(signals.tool_call_answered, loop_id=loop_id, tool_call_id=tool_call_id,
                      is_error=canonical.is_error)
-    return call, canonical, answered
+    if orm_call is None:
+        orm_call = session.get(ToolCall, tool_call_id)
+    return orm_call, canonical, answered  # type: ignore[return-value]
+
+
+_LOCK_LOOP_FOR_CHECKPOINT = (
+    "SELECT status, execution_token FROM solidloop_loops WHERE id = %s FOR UPDATE")
+_LOCK_CALL_FOR_CHECKPOINT = (
+    "SELECT id, loop_id, message_id, name, server_name, tool_name, arguments, arguments_raw, "
+    "metadata, lease_token, executed_at IS NOT NULL, response_message_id "
+    "FROM solidloop_tool_calls WHERE id = %s FOR UPDATE")
+_RECORD_RESULT_AND_ANSWER = (
+    "UPDATE solidloop_tool_calls SET result = %(result)s, is_success = %(is_success)s, "
+    "error_kind = %(error_kind)s, executed_at = now(), duration_ms = %(duration_ms)s, "
+    "metadata = coalesce(%(meta)s, metadata), response_message_id = %(answer)s, "
+    "lease_token = CASE WHEN %(answer)s::bigint IS NULL THEN lease_token END, "
+    "lease_holder = CASE WHEN %(answer)s::bigint IS NULL THEN lease_holder END, "
+    "leased_until = CASE WHEN %(answer)s::bigint IS NULL THEN leased_until END, "
+    "updated_at = now() WHERE id = %(id)s")
+_INSERT_TOOL_EVENT = (
+    "INSERT INTO solidloop_events (loop_id, tool_call_id, kind, duration_ms, error, payload) "
+    "VALUES (%(loop_id)s, %(tool_call_id)s, 'tool_call', %(duration_ms)s, %(error)s, "
+    "%(payload)s)")
+_INSERT_TOOL_MESSAGE = (
+    "INSERT INTO solidloop_messages (loop_id, role, content, tool_call_id, metadata) "
+    "VALUES (%(loop_id)s, 'tool', %(content)s, %(tool_call_id)s, %(meta)s) RETURNING id")
+_UNANSWERED_SIBLINGS = (
+    "SELECT id FROM solidloop_tool_calls WHERE message_id = %s "
+    "AND response_message_id IS NULL ORDER BY position")
+_REQUEUE_FOR_LLM = (
+    "UPDATE solidloop_loops SET status = 'queued', execution_token = NULL, "
+    "lease_expires_at = NULL, lease_holder = NULL, updated_at = now() WHERE id = %s")
+
+
+@dataclass(frozen=True)
+class _CallRow:
+    """The columns of a locked tool call the checkpoint reads."""
+
+    id: int
+    loop_id: int
+    message_id: int
+    name: str
+    server_name: str | None
+    tool_name: str | None
+    arguments: dict[str, Any] | None
+    arguments_raw: str | None
+    meta: dict[str, Any] | None
+    lease_token: uuid.UUID | None
+    executed: bool
+    response_message_id: int | None
+
+    @property
+    def idempotency_key(self) -> str:
+        return f"solidloop:tool_call:{self.id}"
+
+
+def _insert_tool_message(session: SessionLike, loop_id: int, call: _CallRow, content: str, *,
+                         is_error: bool) -> int:
+    """The tool message answering ``call`` (as :func:`_add_tool_message`, one statement)."""
+    cleaned, altered = storable.text(content)
+    meta: dict[str, Any] = {"is_error": is_error, "tool_name": call.name}
+    if altered:
+        meta["sanitized"] = ["content"]
+    rows = execute_on(session, _INSERT_TOOL_MESSAGE, {
+        "loop_id": loop_id, "content": cleaned, "tool_call_id": call.id, "meta": Jsonb(meta)},
+        fetch=True)
+    return int(rows[0][0])
+
+
+def _requeue_loop_for_llm(state: SolidLoopState, session: SessionLike,
+                          loop_id: int) -> Adopted | None:
+    """:func:`_requeue_for_llm` for a loop locked by a plain statement: adopted by
+    this thread when it continues inline, else queued with its job."""
+    if state.dispatch.can_adopt():
+        return _adopt_llm_turn(state, session, loop_id)
+    execute_on(session, _REQUEUE_FOR_LLM, (loop_id,))
+    state.dispatch.llm_turn(session, loop_id)
+    return None
 
 
 def _lock_for_checkpoint(session: SessionLike, loop_id: int, token: uuid.UUID,
@@ -795,7 +958,7 @@ def _lock_for_checkpoint(session: SessionLike, loop_id: int, token: uuid.UUID,
     return loop, call
 
 
-def _canonical_result(call: ToolCall, result: ToolResult
+def _canonical_result(call: ToolCall | _CallRow, result: ToolResult
                       ) -> tuple[ToolResult, dict[str, Any]]:
     """The result as it will be stored, and the call's notes about what changed."""
     from ..mcp.toolset import ToolResult

@@ -115,8 +115,10 @@ def test_the_store_does_write_them():
     store = (PACKAGE / "loops" / "store.py").read_text()
     kinds = " ".join(violations(store, "store"))
     for expected in ("update(Loop)", "update(ToolCall)", "update(Message)", "new Message row",
-                     "insert(ToolCall)", "insert(Event)", "new Event row",
-                     "raw UPDATE solidloop_loops", "loop.status = ...", "pg_insert(McpSession)"):
+                     "raw INSERT INTO solidloop_tool_calls", "raw INSERT INTO solidloop_events",
+                     "raw INSERT INTO solidloop_messages", "new Event row",
+                     "raw UPDATE solidloop_loops", "raw UPDATE solidloop_tool_calls",
+                     "loop.status = ...", "pg_insert(McpSession)"):
         assert expected in kinds, expected
 
 
