@@ -66,6 +66,8 @@ def transition(
     if expected_token is not _ANY and loop.execution_token != expected_token:
         return None
     loop.status = to
+    if to == "queued":
+        changes.setdefault("queued_at", func.now())
     if to in (*TERMINAL_STATUSES, "paused", "queued"):
         changes.setdefault("execution_token", None)
         changes.setdefault("lease_expires_at", None)

@@ -31,6 +31,16 @@ def get_tool_call(session: SessionLike, tool_call_id: int) -> ToolCall | None:
     return session.get(ToolCall, tool_call_id)
 
 
+def get_tool_call_and_loop(session: SessionLike, tool_call_id: int,
+                           ) -> tuple[ToolCall | None, Loop | None]:
+    """A tool call and its loop in one round trip (a tool turn reads both first)."""
+    row = session.execute(
+        select(ToolCall, Loop).join(Loop, Loop.id == ToolCall.loop_id)
+        .where(ToolCall.id == tool_call_id)
+    ).one_or_none()
+    return (row[0], row[1]) if row is not None else (None, None)
+
+
 def is_owned(session: SessionLike, loop_id: int, token: uuid.UUID) -> bool:
     """True while ``token``'s generation still owns the running loop (no lock)."""
     row = session.execute(

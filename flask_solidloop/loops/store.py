@@ -164,6 +164,7 @@ def _requeue_for_llm(state: SolidLoopState, session: SessionLike, loop: Loop, *,
         session.flush()
         return _adopt_llm_turn(state, session, loop.id)
     loop.status = "queued"
+    loop.queued_at = func.now()
     loop.execution_token = None
     loop.lease_expires_at = None
     loop.lease_holder = None
@@ -896,7 +897,8 @@ _UNANSWERED_SIBLINGS = (
     "SELECT id FROM solidloop_tool_calls WHERE message_id = %s "
     "AND response_message_id IS NULL ORDER BY position")
 _REQUEUE_FOR_LLM = (
-    "UPDATE solidloop_loops SET status = 'queued', execution_token = NULL, "
+    "UPDATE solidloop_loops SET status = 'queued', queued_at = now(), "
+    "execution_token = NULL, "
     "lease_expires_at = NULL, lease_holder = NULL, updated_at = now() WHERE id = %s")
 
 
@@ -1343,7 +1345,7 @@ SELECT l.id FROM solidloop_loops l
 STUCK_QUEUED = f"""
 SELECT l.id FROM solidloop_loops l
  WHERE l.status = 'queued'
-   AND l.updated_at < now() - make_interval(secs => :grace)
+   AND l.queued_at < now() - make_interval(secs => :grace)
    AND NOT {_LIVE_JOB}
  LIMIT {HEAL_BATCH}
  FOR UPDATE SKIP LOCKED
@@ -1357,7 +1359,8 @@ UPDATE solidloop_messages m SET status = 'failed', is_hidden = true, updated_at 
 RETURNING m.id
 """
 _REQUEUE_LOOP = (
-    "UPDATE solidloop_loops SET status = 'queued', execution_token = NULL, "
+    "UPDATE solidloop_loops SET status = 'queued', queued_at = now(), "
+    "execution_token = NULL, "
     "lease_expires_at = NULL, lease_holder = NULL, updated_at = now() WHERE id = :id"
 )
 _HIDE_SHELLS = (
@@ -1371,7 +1374,8 @@ _MINT_TOOL_LEASE = (
     "AND executed_at IS NULL"
 )
 _TOUCH_TOOL_CALL = "UPDATE solidloop_tool_calls SET updated_at = now() WHERE id = :id"
-_TOUCH_LOOP = "UPDATE solidloop_loops SET updated_at = now() WHERE id = :id"
+_TOUCH_LOOP = ("UPDATE solidloop_loops SET updated_at = now(), queued_at = now() "
+               "WHERE id = :id")
 
 
 def heal_expired_llm(state: SolidLoopState, session: SessionLike) -> list[int]:

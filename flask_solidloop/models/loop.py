@@ -19,6 +19,7 @@ from sqlalchemy import (
     String,
     Text,
     Uuid,
+    func,
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
@@ -58,16 +59,16 @@ class Loop(Timestamps, Base):
         ),
         Index("ix_solidloop_loops_status", "status"),
         Index("ix_solidloop_loops_subject", "subject_type", "subject_id"),
-        # The reaper's scans touch only live loops; these stay tiny however many
-        # loops have finished.
+        # The reaper's scan of queued loops stays tiny however many have finished.
+        # No index covers a column that a running loop's updates change (lease,
+        # token, counters, updated_at): those updates keep the status, so
+        # PostgreSQL can make them HOT (migration 0009 also gives the table a
+        # fillfactor, so the new row version fits on its page). The reaper finds
+        # expired leases through ix_solidloop_loops_status: running loops are
+        # bounded by the fleet's threads.
         Index(
-            "ix_solidloop_loops_running_lease",
-            "lease_expires_at",
-            postgresql_where=text("status = 'running'"),
-        ),
-        Index(
-            "ix_solidloop_loops_queued_since",
-            "updated_at",
+            "ix_solidloop_loops_queued_at",
+            "queued_at",
             postgresql_where=text("status = 'queued'"),
         ),
     )
@@ -82,6 +83,10 @@ class Loop(Timestamps, Base):
     #: The worker process (``host:pid``) holding the running LLM turn's lease.
     lease_holder: Mapped[str | None] = mapped_column(String(200))
     error_message: Mapped[str | None] = mapped_column(Text)
+    #: When the loop last became ``queued`` (the reaper's ``stuck_queued`` age).
+    queued_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, server_default=func.now()
+    )
     step_count: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # Limits (max_steps, max_duration) apply per run: from the first claim after

@@ -40,11 +40,12 @@ def _ids(state: SolidLoopState, kind: str, *, loop_id: int | None = None,
     session = state.db.session
     try:
         if tool_call_id is not None:
-            call = queries.get_tool_call(session, tool_call_id)
+            call, loop = queries.get_tool_call_and_loop(session, tool_call_id)
             ids["solidloop_loop_id"] = call.loop_id if call else None
+            ids["solidloop_agent"] = loop.agent_name if loop else None
             if keep is not None:
-                keep.append(call)
-        if ids["solidloop_loop_id"] is not None:
+                keep += [call, loop]
+        elif ids["solidloop_loop_id"] is not None:
             loop = queries.get_loop(session, ids["solidloop_loop_id"])
             ids["solidloop_agent"] = loop.agent_name if loop else None
             if keep is not None:

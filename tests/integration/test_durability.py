@@ -313,7 +313,11 @@ def test_reaper_requeues_a_queued_loop_with_no_live_job(app, state, session, llm
     loop = Assistant.start(message="stuck in the queue")
     pg.execute("UPDATE solidloop_jobs SET state = 'dead'")
     assert reap(state).stuck_queued == []  # younger than SOLIDLOOP_QUEUED_REAP_THRESHOLD
+    # Its age is queued_at, the moment it became queued (updated_at moves with
+    # any update, and is not indexed: migration 0009).
     pg.execute("UPDATE solidloop_loops SET updated_at = now() - interval '1 hour'")
+    assert reap(state).stuck_queued == []
+    pg.execute("UPDATE solidloop_loops SET queued_at = now() - interval '1 hour'")
     assert reap(state).stuck_queued == [loop.id]
     assert reap(state).stuck_queued == []  # a live job exists now
     run(app)

@@ -12,11 +12,13 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
+import psycopg
 from psycopg import sql
 from sqlalchemy import event
 
 from flask_solidloop.loops import queries
 from flask_solidloop.maintenance import janitor
+from flask_solidloop.queue.broker import libpq_url
 
 
 @contextmanager
@@ -152,3 +154,71 @@ def test_deleting_a_message_finds_the_tool_call_it_answers_by_index(pg):
     pg.execute("DELETE FROM solidloop_messages WHERE id = %s", (answers[7],))
     assert pg.execute("SELECT message_id FROM solidloop_tool_calls "
                       "WHERE response_message_id IS NULL").fetchall() == [(calls[7],)]
+
+
+# -- migration 0009: a running loop's updates are HOT ---------------------------------
+
+
+def test_a_running_loops_mid_run_update_is_hot(database_url):
+    """What a running loop's turns write (the end of an LLM turn entering its tool
+    phase, the adoption of its next turn) changes no indexed column, so
+    PostgreSQL updates the row in place (HOT): no index entry is written. The
+    transaction's own counters say so (pg_stat_get_xact_tuples_hot_updated)."""
+    with psycopg.connect(libpq_url(database_url)) as pg:
+        hot_updates(pg)
+
+
+def hot_updates(pg) -> None:
+    (loop_id,) = pg.execute(
+        "INSERT INTO solidloop_loops (agent_name, status, execution_token, lease_expires_at)"
+        " VALUES ('a', 'running', gen_random_uuid(), now() + interval '20 s')"
+        " RETURNING id").fetchone()
+    pg.commit()
+
+    def counts() -> tuple[int, int]:
+        # This backend's not yet reported counts: they do not move within a transaction.
+        return pg.execute("SELECT pg_stat_get_xact_tuples_updated(c.oid),"
+                          " pg_stat_get_xact_tuples_hot_updated(c.oid) FROM pg_class c"
+                          " WHERE c.relname = 'solidloop_loops'").fetchone()
+
+    def update(statement: str) -> tuple[int, int]:
+        """(rows updated, of them HOT) by ``statement``, in a transaction of its own."""
+        before = counts()
+        pg.execute(statement, (loop_id,))
+        after = counts()
+        pg.commit()
+        return after[0] - before[0], after[1] - before[1]
+
+    # finish_llm_turn, entering the tool phase
+    assert update(
+        "UPDATE solidloop_loops SET step_count = step_count + 1, lease_holder = NULL,"
+        " lease_expires_at = NULL, input_tokens = input_tokens + 10,"
+        " output_tokens = output_tokens + 5, cost = coalesce(cost, 0) + 0.001,"
+        " updated_at = now() WHERE id = %s") == (1, 1)
+    # the tool answer adopting the next LLM turn (store._adopt_llm_turn)
+    assert update(
+        "UPDATE solidloop_loops SET status = 'running', execution_token = gen_random_uuid(),"
+        " lease_expires_at = now() + interval '20 s', lease_holder = 'vm:1',"
+        " started_at = coalesce(started_at, now()),"
+        " run_started_at = coalesce(run_started_at, now()), updated_at = now() WHERE id = %s"
+    ) == (1, 1)
+    # Leaving running changes the status, which is indexed: not HOT, as it must not be.
+    assert update("UPDATE solidloop_loops SET status = 'completed' WHERE id = %s") == (1, 0)
+
+
+def test_the_reapers_loop_scans_read_the_status_and_queued_at_indexes(pg):
+    """With no index on the lease or updated_at (above), the reaper's scans of
+    running and queued loops still find them by index, among many finished loops."""
+    from flask_solidloop.loops import store
+
+    pg.execute("INSERT INTO solidloop_loops (agent_name, status, lease_expires_at)"
+               " SELECT 'a', CASE WHEN i % 500 = 0 THEN 'running' WHEN i % 500 = 1"
+               " THEN 'queued' ELSE 'completed' END,"
+               " CASE WHEN i % 500 = 0 THEN now() - interval '1 s' END"
+               " FROM generate_series(1, 30000) AS i")
+    pg.execute("VACUUM ANALYZE solidloop_loops")
+    for statement, index in ((store.EXPIRED_LLM, "ix_solidloop_loops_status"),
+                             (store.STUCK_QUEUED.replace(":grace", "%(grace)s"),
+                              "ix_solidloop_loops_queued_at")):
+        for plan in plans(pg, statement, {"grace": 300}):
+            assert_uses(plan, index, "solidloop_loops")

@@ -128,3 +128,34 @@ def test_0008_builds_its_indexes_concurrently_on_existing_rows_and_downgrades(sc
                             (list(new_indexes),)).fetchall()
         assert left == []
         assert conn.execute("SELECT count(*) FROM solidloop_jobs").fetchone() == (50,)
+
+
+def test_0009_moves_the_queued_age_to_queued_at_and_downgrades(scratch_url):
+    upgrade(scratch_url, "0008")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        conn.execute("INSERT INTO solidloop_loops (agent_name, status, updated_at)"
+                     " SELECT 'a', s, now() - interval '2 hours'"
+                     " FROM unnest(ARRAY['queued', 'running', 'completed']) s")
+    upgrade(scratch_url, "0009")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        ages = dict(conn.execute(
+            "SELECT status, queued_at = updated_at FROM solidloop_loops").fetchall())
+        # A loop queued before the upgrade keeps its age; the others start now.
+        assert ages == {"queued": True, "running": False, "completed": False}
+        indexes = dict(conn.execute(
+            "SELECT c.relname, i.indisvalid FROM pg_index i JOIN pg_class c"
+            " ON c.oid = i.indexrelid JOIN pg_class t ON t.oid = i.indrelid"
+            " WHERE t.relname = 'solidloop_loops'").fetchall())
+        assert indexes == dict.fromkeys({
+            "pk_solidloop_loops", "ix_solidloop_loops_status", "ix_solidloop_loops_subject",
+            "ix_solidloop_loops_queued_at"}, True)
+        (options,) = conn.execute(
+            "SELECT reloptions FROM pg_class WHERE relname = 'solidloop_loops'").fetchone()
+        assert options == ["fillfactor=80"]
+    downgrade(scratch_url, "0008")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        names = {r[0] for r in conn.execute(
+            "SELECT indexname FROM pg_indexes WHERE tablename = 'solidloop_loops'")}
+        assert {"ix_solidloop_loops_queued_since", "ix_solidloop_loops_running_lease"} <= names
+        assert "ix_solidloop_loops_queued_at" not in names
+        assert conn.execute("SELECT count(*) FROM solidloop_loops").fetchone() == (3,)
