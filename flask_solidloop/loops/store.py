@@ -41,7 +41,7 @@ from .._typing import SessionLike
 from ..errors import LostLeaseError
 from ..leases import worker_identity
 from ..models import Event, Loop, McpSession, Message, ToolCall
-from ..queue.broker import execute_on
+from ..queue.broker import driver_connection, execute_on
 from ..queue.current_job import mark_current_job_done, note_current_job_done
 from . import queries, storable
 from .fence import lock_loop, owns, transition
@@ -177,14 +177,20 @@ def _adopt_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int) -
     """Claim the loop's next LLM turn for this thread in the caller's transaction
     (the caller holds the loop row lock and confirms after its commit)."""
     token = uuid.uuid4()
-    elapsed = session.execute(
-        update(Loop).where(Loop.id == loop_id)
-        .values(_claim_values(token, state.config.liveness_ttl))
-        .returning(func.extract("epoch", func.now() - Loop.run_started_at))
-        .execution_options(synchronize_session=False)
-    ).scalar_one()
+    ((elapsed,),) = execute_on(session, _ADOPT_LLM_TURN, {
+        "id": loop_id, "token": token, "holder": worker_identity(),
+        "ttl": timedelta(seconds=state.config.liveness_ttl)}, fetch=True)
     return state.dispatch.adopt_llm_turn(loop_id, execution_token=token,
                                          run_elapsed_seconds=float(elapsed))
+
+
+# What _claim_values writes, as one plain statement (the adoption's hot path).
+_ADOPT_LLM_TURN = (
+    "UPDATE solidloop_loops SET status = 'running', execution_token = %(token)s, "
+    "lease_expires_at = now() + %(ttl)s, lease_holder = %(holder)s, "
+    "started_at = coalesce(started_at, now()), "
+    "run_started_at = coalesce(run_started_at, now()), updated_at = now() "
+    "WHERE id = %(id)s RETURNING extract(epoch FROM now() - run_started_at)")
 
 
 def _hide_shells(session: SessionLike, loop_id: int) -> None:
@@ -230,15 +236,25 @@ def _wire_event(session: SessionLike, loop_id: int, message_id: int | None,
     """The turn's ``llm_request`` event. Its request body keeps the conversation
     from the model's last answer on (storable.conversation_tail) unless
     ``repeat_history`` (SOLIDLOOP_EVENT_REPEAT_HISTORY) keeps it whole."""
-    if wire is not None:
-        payload = wire.to_payload()
-        if not repeat_history:
-            payload["request"]["body"] = storable.conversation_tail(payload["request"]["body"])
+    params = _wire_event_params(loop_id, message_id, wire, body_limit=body_limit,
+                                error=error, repeat_history=repeat_history)
+    if params is not None:
         # A plain INSERT on the driver connection (nothing reads the row back).
-        execute_on(session, _INSERT_LLM_EVENT, {
-            "loop_id": loop_id, "message_id": message_id, "status_code": wire.status,
+        execute_on(session, _INSERT_LLM_EVENT, params)
+
+
+def _wire_event_params(loop_id: int, message_id: int | None, wire: WireRecord | None, *,
+                       body_limit: int, error: str | None = None,
+                       repeat_history: bool = False) -> dict[str, Any] | None:
+    """The parameters of :data:`_INSERT_LLM_EVENT` for ``wire`` (None: no event)."""
+    if wire is None:
+        return None
+    payload = wire.to_payload()
+    if not repeat_history:
+        payload["request"]["body"] = storable.conversation_tail(payload["request"]["body"])
+    return {"loop_id": loop_id, "message_id": message_id, "status_code": wire.status,
             "duration_ms": wire.duration_ms, "error": _clean(error),
-            "payload": Jsonb(_event_payload(payload, body_limit))})
+            "payload": Jsonb(_event_payload(payload, body_limit))}
 
 
 def _lock_call(session: SessionLike, loop_id: int, token: uuid.UUID, tool_call_id: int,
@@ -591,14 +607,6 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
                  "error_message = NULL"]
     # Admin live stream (issue 15): the finalized turn, announced on commit
     # (NOTIFY is transactional: a turn that rolls back announces nothing).
-    fenced = execute_on(session, (
-        f"UPDATE solidloop_loops SET {', '.join(sets)} "
-        "WHERE id = %(id)s AND status = 'running' AND execution_token = %(token)s "
-        f"RETURNING agent_name, pg_notify('{LIVE_CHANNEL}', %(live)s)"), params, fetch=True)
-    if not fenced:
-        session.rollback()
-        raise LostLeaseError(f"loop {loop_id} changed hands during the request")
-    agent_name = fenced[0][0]
     content, content_altered = storable.text(response.content)
     reasoning, reasoning_altered = storable.text(response.reasoning)
     meta, meta_altered, _ = storable.json_value(meta)
@@ -611,13 +619,30 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
         "finish_reason": _clean(response.finish_reason), "meta": Jsonb(meta),
         "usage": Jsonb(usage.to_dict()) if usage is not None else None,
         "cost": turn_cost if usage is not None else None}
-    execute_on(session, _FINISH_SHELL, shell_params)
+    # Tool phase: the loop stays running under this generation; no LLM lease. The
+    # first call is born leased to this thread when it continues inline.
+    lease = uuid.uuid4() if calls and state.dispatch.can_adopt() else None
+    event = _wire_event_params(loop_id, shell_id, wire,
+                               body_limit=state.config.event_body_limit,
+                               repeat_history=state.config.event_repeat_history)
+    conn = driver_connection(session)
+    fenced = conn.execute((
+        f"UPDATE solidloop_loops SET {', '.join(sets)} "
+        "WHERE id = %(id)s AND status = 'running' AND execution_token = %(token)s "
+        f"RETURNING agent_name, pg_notify('{LIVE_CHANNEL}', %(live)s)"), params).fetchall()
+    if not fenced:
+        session.rollback()
+        raise LostLeaseError(f"loop {loop_id} changed hands during the request")
+    conn.execute(_FINISH_SHELL, shell_params)
+    inserted = conn.execute(*_insert_tool_calls(
+        loop_id, shell_id, calls, lease,
+        lease_seconds=state.config.liveness_ttl)) if calls else None
+    if event is not None:
+        conn.execute(_INSERT_LLM_EVENT, event)
+    agent_name = fenced[0][0]
     adopted = None
-    if calls:
-        # Tool phase: the loop stays running under this generation; no LLM lease.
-        lease = uuid.uuid4() if state.dispatch.can_adopt() else None
-        call_ids = _insert_tool_calls(session, loop_id, shell_id, calls, lease,
-                                      lease_seconds=state.config.liveness_ttl)
+    if inserted is not None:
+        call_ids = [row[0] for row in sorted(inserted.fetchall(), key=lambda row: row[1])]
         to_run = calls_to_run(call_ids, sequential=sequential)
         if lease is not None:
             adopted = state.dispatch.adopt_tool_call(call_ids[0], token, loop_id=loop_id,
@@ -625,8 +650,6 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
             to_run = to_run[1:]
         for call_id in to_run:
             state.dispatch.tool_call(session, call_id, token, loop_id=loop_id)
-    _wire_event(session, loop_id, shell_id, wire, body_limit=state.config.event_body_limit,
-                repeat_history=state.config.event_repeat_history)
     # The shell as the session knows it (no SELECT now; it loads on first use).
     shell = _real(session).identity_map.get(identity_key(Message, shell_id))
     session.commit()
@@ -648,11 +671,12 @@ _TOOL_CALL_COLUMNS = ("loop_id", "message_id", "position", "call_id", "name", "s
                       "tool_name", "arguments_raw", "arguments", "meta")
 
 
-def _insert_tool_calls(session: SessionLike, loop_id: int, message_id: int,
-                       calls: Sequence[NewToolCall], lease: uuid.UUID | None, *,
-                       lease_seconds: float) -> list[int]:
-    """Insert a turn's tool calls in one statement; with ``lease``, the first is
-    born leased to this worker (an adopted call). Their ids, in order."""
+def _insert_tool_calls(loop_id: int, message_id: int, calls: Sequence[NewToolCall],
+                       lease: uuid.UUID | None, *, lease_seconds: float,
+                       ) -> tuple[str, list[Any]]:
+    """The statement inserting a turn's tool calls, and its parameters; with
+    ``lease``, the first is born leased to this worker (an adopted call). It
+    returns ``(id, position)`` of each."""
     rows, params = [], []
     for position, call in enumerate(calls):
         values = _tool_call_values(loop_id, message_id, position, call)
@@ -666,12 +690,12 @@ def _insert_tool_calls(session: SessionLike, loop_id: int, message_id: int,
             params += [lease, worker_identity(), timedelta(seconds=lease_seconds)]
         else:
             rows.append(f"({placeholders}, NULL, NULL, NULL)")
-    inserted = execute_on(session, (
+    return ((
         "INSERT INTO solidloop_tool_calls (loop_id, message_id, position, call_id, name, "
         "server_name, tool_name, arguments_raw, arguments, metadata, lease_token, "
         f"lease_holder, leased_until) VALUES {', '.join(rows)} RETURNING id, position"),
-        params, fetch=True)
-    return [row[0] for row in sorted(inserted, key=lambda row: row[1])]
+        params)
+
 
 
 def end_llm_turn(session: SessionLike, loop_id: int, token: uuid.UUID, *, to: str,

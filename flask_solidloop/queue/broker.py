@@ -446,9 +446,15 @@ class PostgresBroker(dramatiq.Broker):
 
 def execute_on(target: Any, query: str, params: Any, *, fetch: bool = False) -> list[Any]:
     """Run ``query`` on a caller-owned SQLAlchemy session/connection or psycopg connection."""
+    cur = driver_connection(target).execute(query, params)
+    return cur.fetchall() if fetch and cur.description else []
+
+
+def driver_connection(target: Any) -> psycopg.Connection[Any]:
+    """The psycopg connection under a SQLAlchemy session or connection (in the
+    transaction the session has begun), or ``target`` itself."""
     if isinstance(target, psycopg.Connection):
-        cur = target.execute(query, params)
-        return cur.fetchall() if fetch and cur.description else []
+        return target
     # SQLAlchemy Session or Connection: go through the DBAPI connection so that
     # psycopg's own %(name)s parameters work and we stay inside the same transaction.
     get_connection = getattr(target, "connection", None)
@@ -463,8 +469,7 @@ def execute_on(target: Any, query: str, params: Any, *, fetch: bool = False) -> 
         raise BrokerError(
             "the session is not using the psycopg 3 driver; use a postgresql+psycopg:// URL"
         )
-    cur = driver.execute(query, params)
-    return cur.fetchall() if fetch and cur.description else []
+    return driver
 
 
 class PostgresConsumer(Consumer):
