@@ -8,12 +8,16 @@ Nothing here writes or commits; a caller that must not hold a snapshot open
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Text, bindparam, func, literal_column, select, text
+from sqlalchemy import inspect as sa_inspect
+from sqlalchemy.orm import make_transient_to_detached, scoped_session
+from sqlalchemy.orm.attributes import set_committed_value
+from sqlalchemy.orm.util import identity_key
 
 from .._typing import SessionLike
 from ..llm.types import ChatMessage, ToolCallRequest
@@ -31,9 +35,36 @@ def get_tool_call(session: SessionLike, tool_call_id: int) -> ToolCall | None:
     return session.get(ToolCall, tool_call_id)
 
 
+def row_object(session: SessionLike, model: type[Any], row: Mapping[str, Any]) -> Any:
+    """The ``model`` object of a row the caller has just written and read back
+    whole (``RETURNING *``), put in ``session`` as persistent and unchanged, so
+    the next read of it is the identity map's, with no ``SELECT``. Only for a
+    row as the database now holds it (runtime/inline.py carries the rows an
+    adopted step starts from)."""
+    real = session() if isinstance(session, scoped_session) else session
+    values = {prop.key: row[prop.columns[0].name] for prop in sa_inspect(model).column_attrs}
+    primary_key = tuple(values[col.key] for col in sa_inspect(model).primary_key)
+    existing = real.identity_map.get(identity_key(model, primary_key))
+    if existing is not None:
+        for key, value in values.items():
+            set_committed_value(existing, key, value)
+        return existing
+    obj = model(**values)
+    make_transient_to_detached(obj)
+    real.add(obj)
+    return obj
+
+
 def get_tool_call_and_loop(session: SessionLike, tool_call_id: int,
                            ) -> tuple[ToolCall | None, Loop | None]:
-    """A tool call and its loop in one round trip (a tool turn reads both first)."""
+    """A tool call and its loop: from the identity map when both are loaded
+    there (rows an adopted step carries), else in one round trip."""
+    real = session() if isinstance(session, scoped_session) else session
+    call = real.identity_map.get(identity_key(ToolCall, tool_call_id))
+    if call is not None and not sa_inspect(call).expired_attributes:
+        loop = real.identity_map.get(identity_key(Loop, call.loop_id))
+        if loop is not None and not sa_inspect(loop).expired_attributes:
+            return call, loop
     row = session.execute(
         select(ToolCall, Loop).join(Loop, Loop.id == ToolCall.loop_id)
         .where(ToolCall.id == tool_call_id)

@@ -30,6 +30,7 @@ from decimal import Decimal
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from sqlalchemy import func, or_, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -177,11 +178,13 @@ def _adopt_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int) -
     """Claim the loop's next LLM turn for this thread in the caller's transaction
     (the caller holds the loop row lock and confirms after its commit)."""
     token = uuid.uuid4()
-    ((elapsed,),) = execute_on(session, _ADOPT_LLM_TURN, {
+    row = driver_connection(session).cursor(row_factory=dict_row).execute(_ADOPT_LLM_TURN, {
         "id": loop_id, "token": token, "holder": worker_identity(),
-        "ttl": timedelta(seconds=state.config.liveness_ttl)}, fetch=True)
+        "ttl": timedelta(seconds=state.config.liveness_ttl)}).fetchone()
+    assert row is not None
     return state.dispatch.adopt_llm_turn(loop_id, execution_token=token,
-                                         run_elapsed_seconds=float(elapsed))
+                                         run_elapsed_seconds=float(row["run_elapsed"]),
+                                         carried=((Loop, row),))
 
 
 # What _claim_values writes, as one plain statement (the adoption's hot path).
@@ -190,7 +193,7 @@ _ADOPT_LLM_TURN = (
     "lease_expires_at = now() + %(ttl)s, lease_holder = %(holder)s, "
     "started_at = coalesce(started_at, now()), "
     "run_started_at = coalesce(run_started_at, now()), updated_at = now() "
-    "WHERE id = %(id)s RETURNING extract(epoch FROM now() - run_started_at)")
+    "WHERE id = %(id)s RETURNING *, extract(epoch FROM now() - run_started_at) AS run_elapsed")
 
 
 def _hide_shells(session: SessionLike, loop_id: int) -> None:
@@ -625,28 +628,32 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     event = _wire_event_params(loop_id, shell_id, wire,
                                body_limit=state.config.event_body_limit,
                                repeat_history=state.config.event_repeat_history)
+    # Rows come back whole (RETURNING *): an adopted tool call's step starts
+    # from them (Adopted.carried) instead of reading them again.
     conn = driver_connection(session)
-    fenced = conn.execute((
+    rows = conn.cursor(row_factory=dict_row)
+    fenced = rows.execute((
         f"UPDATE solidloop_loops SET {', '.join(sets)} "
         "WHERE id = %(id)s AND status = 'running' AND execution_token = %(token)s "
-        f"RETURNING agent_name, pg_notify('{LIVE_CHANNEL}', %(live)s)"), params).fetchall()
-    if not fenced:
+        f"RETURNING *, pg_notify('{LIVE_CHANNEL}', %(live)s)"), params).fetchone()
+    if fenced is None:
         session.rollback()
         raise LostLeaseError(f"loop {loop_id} changed hands during the request")
     conn.execute(_FINISH_SHELL, shell_params)
-    inserted = conn.execute(*_insert_tool_calls(
-        loop_id, shell_id, calls, lease,
-        lease_seconds=state.config.liveness_ttl)) if calls else None
+    inserted = sorted(rows.execute(*_insert_tool_calls(
+        loop_id, shell_id, calls, lease, lease_seconds=state.config.liveness_ttl)).fetchall(),
+        key=lambda row: row["position"]) if calls else None
     if event is not None:
         conn.execute(_INSERT_LLM_EVENT, event)
-    agent_name = fenced[0][0]
+    agent_name = fenced["agent_name"]
     adopted = None
     if inserted is not None:
-        call_ids = [row[0] for row in sorted(inserted.fetchall(), key=lambda row: row[1])]
+        call_ids = [row["id"] for row in inserted]
         to_run = calls_to_run(call_ids, sequential=sequential)
         if lease is not None:
-            adopted = state.dispatch.adopt_tool_call(call_ids[0], token, loop_id=loop_id,
-                                                     lease_token=lease)
+            adopted = state.dispatch.adopt_tool_call(
+                call_ids[0], token, loop_id=loop_id, lease_token=lease,
+                carried=((Loop, fenced), (ToolCall, inserted[0])))
             to_run = to_run[1:]
         for call_id in to_run:
             state.dispatch.tool_call(session, call_id, token, loop_id=loop_id)
@@ -676,7 +683,7 @@ def _insert_tool_calls(loop_id: int, message_id: int, calls: Sequence[NewToolCal
                        ) -> tuple[str, list[Any]]:
     """The statement inserting a turn's tool calls, and its parameters; with
     ``lease``, the first is born leased to this worker (an adopted call). It
-    returns ``(id, position)`` of each."""
+    returns each row whole."""
     rows, params = [], []
     for position, call in enumerate(calls):
         values = _tool_call_values(loop_id, message_id, position, call)
@@ -693,7 +700,7 @@ def _insert_tool_calls(loop_id: int, message_id: int, calls: Sequence[NewToolCal
     return ((
         "INSERT INTO solidloop_tool_calls (loop_id, message_id, position, call_id, name, "
         "server_name, tool_name, arguments_raw, arguments, metadata, lease_token, "
-        f"lease_holder, leased_until) VALUES {', '.join(rows)} RETURNING id, position"),
+        f"lease_holder, leased_until) VALUES {', '.join(rows)} RETURNING *"),
         params)
 
 

@@ -51,6 +51,9 @@ class Adopted:
     #: An LLM turn's new execution token and the run's elapsed seconds at its claim.
     execution_token: uuid.UUID | None = None
     run_elapsed_seconds: float = 0.0
+    #: ``(model, row)`` pairs the commit wrote and read back whole (``RETURNING
+    #: *``): the step starts from them without reading them again.
+    carried: tuple[tuple[Any, Any], ...] = ()
 
 
 class Dispatcher:
@@ -91,18 +94,20 @@ class Dispatcher:
                     and local.captured is None and local.adopted is None)
 
     def adopt_tool_call(self, tool_call_id: int, execution_token: uuid.UUID, *,
-                        loop_id: int, lease_token: uuid.UUID) -> Adopted:
+                        loop_id: int, lease_token: uuid.UUID,
+                        carried: tuple[tuple[Any, Any], ...] = ()) -> Adopted:
         actor = self.actors["tool_call"]
         return self._adopt(Adopted(actor.queue_name, actor.actor_name, loop_id,
                                    (tool_call_id, str(execution_token)),
-                                   lease_token=lease_token))
+                                   lease_token=lease_token, carried=carried))
 
     def adopt_llm_turn(self, loop_id: int, *, execution_token: uuid.UUID,
-                       run_elapsed_seconds: float) -> Adopted:
+                       run_elapsed_seconds: float,
+                       carried: tuple[tuple[Any, Any], ...] = ()) -> Adopted:
         actor = self.actors["llm_turn"]
         return self._adopt(Adopted(actor.queue_name, actor.actor_name, loop_id, (loop_id,),
                                    execution_token=execution_token,
-                                   run_elapsed_seconds=run_elapsed_seconds))
+                                   run_elapsed_seconds=run_elapsed_seconds, carried=carried))
 
     def _adopt(self, adopted: Adopted) -> Adopted:
         self._local.adopted = adopted

@@ -131,8 +131,14 @@ def _run_adopted(state: SolidLoopState, adopted: Adopted) -> bool:
     """Run a continuation whose claim the previous turn's commit wrote (no job
     row to claim: the lease is this thread's already). False when the chain
     ends here."""
+    from ..loops import queries
+
     state.db.session.remove()
     set_current_job(None)
+    session = state.db.session
+    # The rows its commit wrote, as loaded objects (held here: the session's
+    # identity map holds them weakly): the step reads them with no SELECT.
+    carried = [queries.row_object(session, model, row) for model, row in adopted.carried]
     try:
         _run_body(state, adopted.actor_name, adopted.args, adopted)
     except Exception:
@@ -142,6 +148,7 @@ def _run_adopted(state: SolidLoopState, adopted: Adopted) -> bool:
         logger.exception("inline %s (adopted) failed", adopted.actor_name)
         _hand_back(state, adopted)
         return False
+    del carried  # kept alive until the step has run
     return True
 
 

@@ -388,3 +388,61 @@ def test_an_adopted_llm_turn_runs_under_its_claim_or_is_handed_back(
     drain()
     assert_completed_once(session, loop.id, calls=1)
     assert len(llm.requests) == 2
+
+
+def test_adopted_steps_start_from_the_rows_their_commit_returned(app, session, llm):
+    """The commit that adopts a step reads its rows back whole (RETURNING *); the
+    step starts from them: neither the job log nor the turn reads the loop or
+    the call again. Only the delivered first turn reads its loop."""
+    from sqlalchemy import event
+
+    script_chain(llm, tools=3)
+    engine = get_state(app).db.engine
+    reads: list[str] = []
+
+    def listen(conn, cursor, statement, parameters, context, executemany):
+        if statement.lstrip().startswith("SELECT") and "FROM solidloop_" in statement:
+            reads.append(statement)
+
+    loop_id = Assistant.start(message="chain").id
+    event.listen(engine, "before_cursor_execute", listen)
+    try:
+        run_worker_until(app, session, [loop_id])
+    finally:
+        event.remove(engine, "before_cursor_execute", listen)
+    assert_completed_once(session, loop_id, calls=3)
+    # The test's own polling reads loops by status; the turns' reads by id are
+    # the ones that count here.
+    loop_by_id = [s for s in reads if "FROM solidloop_loops \nWHERE solidloop_loops.id = " in s]
+    call_with_loop = [s for s in reads if "JOIN solidloop_loops" in s]
+    assert len(loop_by_id) == 1, loop_by_id
+    assert call_with_loop == []
+
+
+def test_a_row_object_is_loaded_and_unchanged_in_the_session(app, session):
+    from sqlalchemy import event
+    from sqlalchemy import inspect as sa_inspect
+
+    from flask_solidloop.loops import queries
+
+    loop = Assistant.start(message="hello")
+    loop_id = loop.id
+    row = dict(session.execute(select(Loop.__table__).where(Loop.id == loop_id))
+               .mappings().one())
+    session.expunge_all()
+    obj = queries.row_object(session, Loop, row)
+    state = sa_inspect(obj)
+    assert state.persistent and not state.modified and not state.expired_attributes
+    statements: list[str] = []
+    engine = get_state(app).db.engine
+    listen = lambda *args: statements.append(args[2])  # noqa: E731
+    event.listen(engine, "before_cursor_execute", listen)
+    try:
+        assert session.get(Loop, loop_id) is obj and obj.status == row["status"]
+    finally:
+        event.remove(engine, "before_cursor_execute", listen)
+    assert statements == []
+    # A row for an object already in the session refreshes it, unchanged.
+    again = queries.row_object(session, Loop, {**row, "step_count": 7})
+    assert again is obj and obj.step_count == 7 and not sa_inspect(obj).modified
+    session.rollback()
