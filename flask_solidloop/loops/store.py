@@ -174,17 +174,34 @@ def _requeue_for_llm(state: SolidLoopState, session: SessionLike, loop: Loop, *,
     return None
 
 
-def _adopt_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int) -> Adopted:
+def _adopt_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int, *,
+                    open_shell: bool = False) -> Adopted:
     """Claim the loop's next LLM turn for this thread in the caller's transaction
-    (the caller holds the loop row lock and confirms after its commit)."""
+    (the caller holds the loop row lock and confirms after its commit).
+    ``open_shell``: insert the turn's hidden shell in the same transaction, for
+    a stack whose request follows its initialization directly (the turn then
+    makes no commit before its request)."""
     token = uuid.uuid4()
-    row = driver_connection(session).cursor(row_factory=dict_row).execute(_ADOPT_LLM_TURN, {
+    cursor = driver_connection(session).cursor(row_factory=dict_row)
+    row = cursor.execute(_ADOPT_LLM_TURN, {
         "id": loop_id, "token": token, "holder": worker_identity(),
         "ttl": timedelta(seconds=state.config.liveness_ttl)}).fetchone()
     assert row is not None
+    carried: tuple[tuple[Any, Any], ...] = ((Loop, row),)
+    shell_id = None
+    if open_shell:
+        shell = cursor.execute(_INSERT_SHELL, (loop_id,)).fetchone()
+        assert shell is not None
+        shell_id = shell["id"]
+        carried += ((Message, shell),)
     return state.dispatch.adopt_llm_turn(loop_id, execution_token=token,
                                          run_elapsed_seconds=float(row["run_elapsed"]),
-                                         carried=((Loop, row),))
+                                         carried=carried, shell_id=shell_id)
+
+
+_INSERT_SHELL = (
+    "INSERT INTO solidloop_messages (loop_id, role, content, status, is_hidden) "
+    "VALUES (%s, 'assistant', '', 'processing', true) RETURNING *")
 
 
 # What _claim_values writes, as one plain statement (the adoption's hot path).
@@ -834,15 +851,16 @@ def checkpoint_and_answer_tool_call(
     state: SolidLoopState, session: SessionLike, *, loop_id: int, token: uuid.UUID,
     tool_call_id: int, lease_token: uuid.UUID | None, result: ToolResult,
     duration_ms: float, body_limit: int, answer_text: Callable[[ToolResult], str],
-    sequential: bool,
+    sequential: bool, open_next_shell: bool = False,
 ) -> tuple[ToolCall, ToolResult, bool]:
     """:func:`checkpoint_tool_call` and :func:`answer_tool_call` in one commit,
     for a tool stack with nothing between the two steps: the canonical result,
     its event, the tool message (``answer_text`` renders it from the stored
     result) and the successor job land together. A loop that is no longer
     running (paused or stopped while the tool ran) gets the checkpoint alone,
-    as the two steps would have left it. Returns the call, the stored result
-    and whether the call was answered."""
+    as the two steps would have left it. When this thread adopts the loop's
+    next LLM turn, ``open_next_shell`` inserts that turn's shell here too.
+    Returns the call, the stored result and whether the call was answered."""
     if lease_token is None:
         raise LostLeaseError(f"tool call {tool_call_id}: no lease to checkpoint under")
     # Plain statements on the driver connection, no unit of work (the hot path
@@ -884,7 +902,8 @@ def checkpoint_and_answer_tool_call(
         remaining = [row[0] for row in execute_on(
             session, _UNANSWERED_SIBLINGS, (call.message_id,), fetch=True)]
         if not remaining:
-            adopted = _requeue_loop_for_llm(state, session, loop_id)
+            adopted = _requeue_loop_for_llm(state, session, loop_id,
+                                            open_shell=open_next_shell)
         elif sequential:
             # The loop's current generation: a resume may have rotated it while the
             # tool ran under its lease.
@@ -968,12 +987,13 @@ def _insert_tool_message(session: SessionLike, loop_id: int, call: _CallRow, con
     return int(rows[0][0])
 
 
-def _requeue_loop_for_llm(state: SolidLoopState, session: SessionLike,
-                          loop_id: int) -> Adopted | None:
+def _requeue_loop_for_llm(state: SolidLoopState, session: SessionLike, loop_id: int, *,
+                          open_shell: bool = False) -> Adopted | None:
     """:func:`_requeue_for_llm` for a loop locked by a plain statement: adopted by
-    this thread when it continues inline, else queued with its job."""
+    this thread when it continues inline (with its shell, if ``open_shell``),
+    else queued with its job."""
     if state.dispatch.can_adopt():
-        return _adopt_llm_turn(state, session, loop_id)
+        return _adopt_llm_turn(state, session, loop_id, open_shell=open_shell)
     execute_on(session, _REQUEUE_FOR_LLM, (loop_id,))
     state.dispatch.llm_turn(session, loop_id)
     return None

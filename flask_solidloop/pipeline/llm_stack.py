@@ -86,7 +86,8 @@ class AgentInitialization:
         claim = ctx.claim
         try:
             self._initialize(ctx)
-            if claim is not None and isinstance(self.next_step, NetworkCalling):
+            if (claim is not None and ctx.shell_id is None
+                    and isinstance(self.next_step, NetworkCalling)):
                 # The shell joins the claim's transaction: one commit before the
                 # request holds the claim, the job done and the shell. With host
                 # middlewares in between (they may end the turn without a request)

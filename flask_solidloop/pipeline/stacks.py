@@ -3,6 +3,7 @@ global hooks, then the agent's own ``configure_*_middlewares``."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 from ..state import AgentLike, SolidLoopState
@@ -27,3 +28,17 @@ def llm_stack(state: SolidLoopState, agent: AgentLike) -> Builder:
 def tool_stack(state: SolidLoopState, agent: AgentLike) -> Builder:
     return _stack(DEFAULT_TOOL_STACK, state.extension.tool_middleware_hooks,
                   agent.configure_tool_middlewares)
+
+
+def opens_shell_in_claim(state: SolidLoopState, agent: AgentLike) -> bool:
+    """Whether ``agent``'s LLM stack sends its request right after its
+    initialization (the default): then nothing in between can end the turn
+    without a request, and the turn's shell may be written with its claim
+    (AgentInitialization; for an adopted turn, the tool answer's commit)."""
+    from .llm_stack import AgentInitialization, NetworkCalling
+
+    def _is(middleware: object, cls: type) -> bool:
+        return isinstance(middleware, type) and issubclass(middleware, cls)
+
+    return any(_is(first, AgentInitialization) and _is(then, NetworkCalling)
+               for first, then in itertools.pairwise(llm_stack(state, agent).middlewares))

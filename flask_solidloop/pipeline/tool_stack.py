@@ -113,6 +113,8 @@ class ResponseCreation:
         self.next_step = next_step
 
     def __call__(self, ctx: ToolContext) -> Any:
+        from .stacks import opens_shell_in_claim  # stacks builds this module's stack
+
         limit = ctx.state.config.tool_output_limit
         sequential = bool(ctx.agent.option("sequential_tool_calls"))
         unrecorded = ctx.extras.pop("unrecorded_result", None)
@@ -124,7 +126,8 @@ class ResponseCreation:
                 ctx.state, ctx.session, loop_id=ctx.loop_id, token=ctx.execution_token,
                 tool_call_id=ctx.tool_call_id, lease_token=ctx.lease_token, result=result,
                 duration_ms=duration_ms, body_limit=ctx.state.config.event_body_limit,
-                answer_text=lambda stored: answer_text(stored, limit), sequential=sequential)
+                answer_text=lambda stored: answer_text(stored, limit), sequential=sequential,
+                open_next_shell=opens_shell_in_claim(ctx.state, ctx.agent))
         else:
             result = ctx.result
             assert result is not None

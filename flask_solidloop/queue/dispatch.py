@@ -54,6 +54,8 @@ class Adopted:
     #: ``(model, row)`` pairs the commit wrote and read back whole (``RETURNING
     #: *``): the step starts from them without reading them again.
     carried: tuple[tuple[Any, Any], ...] = ()
+    #: An LLM turn's hidden ``processing`` shell, inserted by the same commit.
+    shell_id: int | None = None
 
 
 class Dispatcher:
@@ -103,11 +105,13 @@ class Dispatcher:
 
     def adopt_llm_turn(self, loop_id: int, *, execution_token: uuid.UUID,
                        run_elapsed_seconds: float,
-                       carried: tuple[tuple[Any, Any], ...] = ()) -> Adopted:
+                       carried: tuple[tuple[Any, Any], ...] = (),
+                       shell_id: int | None = None) -> Adopted:
         actor = self.actors["llm_turn"]
         return self._adopt(Adopted(actor.queue_name, actor.actor_name, loop_id, (loop_id,),
                                    execution_token=execution_token,
-                                   run_elapsed_seconds=run_elapsed_seconds, carried=carried))
+                                   run_elapsed_seconds=run_elapsed_seconds, carried=carried,
+                                   shell_id=shell_id))
 
     def _adopt(self, adopted: Adopted) -> Adopted:
         self._local.adopted = adopted

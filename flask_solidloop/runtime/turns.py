@@ -107,7 +107,9 @@ def run_llm_turn(state: SolidLoopState, loop_id: int, *,
     # From here the lease is renewed by this process's renewer until the turn ends.
     lease_handle = RenewerHandle(None, None)
     ctx = LlmContext(state=state, session=session, loop_id=loop_id, execution_token=token,
-                     agent=agent, lease=lease_handle, claim=claim)
+                     agent=agent, lease=lease_handle, claim=claim,
+                     # An adopted turn's shell, written by the commit that claimed it.
+                     shell_id=adopted.shell_id if adopted is not None else None)
 
     def register_lease() -> None:
         renewer = state.renewer()

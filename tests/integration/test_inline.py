@@ -446,3 +446,44 @@ def test_a_row_object_is_loaded_and_unchanged_in_the_session(app, session):
     again = queries.row_object(session, Loop, {**row, "step_count": 7})
     assert again is obj and obj.step_count == 7 and not sa_inspect(obj).modified
     session.rollback()
+
+
+def test_an_adopted_turns_shell_commits_with_the_tool_answer(app, session, llm):
+    """For the default LLM stack (its request right after its initialization)
+    the tool answer's commit that adopts the next turn also writes that turn's
+    shell: both rows carry that transaction's now(). The turn itself then
+    commits nothing before its request."""
+    script_chain(llm, tools=3)
+    loop_id = Assistant.start(message="chain").id
+    run_worker_until(app, session, [loop_id])
+    assert_completed_once(session, loop_id, calls=3)
+    messages = list(session.scalars(select(Message).where(Message.loop_id == loop_id)
+                                    .order_by(Message.id)))
+    answers = [m for m in messages if m.role == "tool"]
+    assert len(answers) == 3
+    for answer in answers:
+        shells = [m for m in messages if m.role == "assistant" and m.id > answer.id
+                  and m.created_at == answer.created_at]
+        assert len(shells) == 1 and shells[0].status == "completed", shells
+    first = next(m for m in messages if m.role == "assistant")  # the delivered turn's
+    assert first.created_at not in {a.created_at for a in answers}
+
+
+def test_a_stack_with_a_step_between_initialization_and_request_opens_its_own_shell(app):
+    from flask_solidloop.pipeline.llm_stack import AgentInitialization
+    from flask_solidloop.pipeline.stacks import opens_shell_in_claim
+
+    class Between:
+        def __init__(self, next_step):
+            self.next_step = next_step
+
+        def __call__(self, ctx):
+            return self.next_step(ctx)
+
+    class WithAStepBetween(Assistant):
+        def configure_llm_middlewares(self, builder) -> None:
+            builder.insert_after(AgentInitialization, Between)
+
+    state = get_state(app)
+    assert opens_shell_in_claim(state, Assistant(None))
+    assert not opens_shell_in_claim(state, WithAStepBetween(None))
