@@ -22,6 +22,7 @@ from sqlalchemy.orm.util import identity_key
 from .._typing import SessionLike
 from ..llm.types import ChatMessage, ToolCallRequest
 from ..models import Loop, McpSession, Message, ToolCall
+from ..queue.broker import driver_connection
 
 #: Keys of a message's metadata that its dialect gets back next turn.
 PROVIDER_META_KEYS = ("anthropic_blocks", "gemini_parts")
@@ -135,47 +136,49 @@ def tool_calls(session: SessionLike, loop_id: int) -> list[ToolCall]:
         select(ToolCall).where(ToolCall.loop_id == loop_id).order_by(ToolCall.id)))
 
 
+_HISTORY_MESSAGES = (
+    "SELECT id, role, content, reasoning, metadata, tool_call_id FROM solidloop_messages "
+    "WHERE loop_id = %s AND NOT is_hidden AND status = 'completed' ORDER BY id")
+_HISTORY_CALLS = (
+    "SELECT id, message_id, call_id, name, arguments_raw FROM solidloop_tool_calls "
+    "WHERE loop_id = %s ORDER BY position")
+
+
 def history(session: SessionLike, loop_id: int) -> list[ChatMessage]:
-    """The visible, completed history in the provider-neutral shape a dialect renders."""
-    visible = list(session.scalars(
-        select(Message)
-        .where(Message.loop_id == loop_id, Message.is_hidden.is_(False),
-               Message.status == "completed")
-        .order_by(Message.id)
-    ))
-    calls_by_message: dict[int, list[ToolCall]] = {}
-    calls_by_id: dict[int, ToolCall] = {}
-    call_ids: dict[int, str] = {}
-    for call in session.scalars(
-        select(ToolCall).where(ToolCall.loop_id == loop_id).order_by(ToolCall.position)
-    ):
-        calls_by_message.setdefault(call.message_id, []).append(call)
-        calls_by_id[call.id] = call
-        call_ids[call.id] = call.call_id or f"call_{call.id}"
+    """The visible, completed history in the provider-neutral shape a dialect renders.
+
+    Read as plain rows on the driver connection (every LLM turn reads its whole
+    conversation, and ORM entities cost several times more per row), inside
+    the session's transaction, after flushing what the session holds."""
+    session.flush()
+    conn = driver_connection(session)
+    visible = conn.execute(_HISTORY_MESSAGES, (loop_id,)).fetchall()
+    calls_by_message: dict[int, list[tuple[str, str, str]]] = {}
+    answered: dict[int, tuple[str, str]] = {}
+    for call_pk, message_id, call_id, name, arguments_raw in conn.execute(
+            _HISTORY_CALLS, (loop_id,)):
+        wire_id = call_id or f"call_{call_pk}"
+        calls_by_message.setdefault(message_id, []).append((wire_id, name, arguments_raw or ""))
+        answered[call_pk] = (wire_id, name)
     result = []
-    for message in visible:
-        if message.role == "assistant":
-            meta = message.meta or {}
+    for row_id, role, content, reasoning, meta, tool_call_id in visible:
+        meta = meta or {}
+        if role == "assistant":
             result.append(ChatMessage(
                 role="assistant",
-                content=message.content,
-                reasoning=message.reasoning,
+                content=content,
+                reasoning=reasoning,
                 meta={k: meta[k] for k in PROVIDER_META_KEYS if k in meta},
-                tool_calls=[
-                    ToolCallRequest(call_ids[c.id], c.name, c.arguments_raw or "")
-                    for c in calls_by_message.get(message.id, [])
-                ],
+                tool_calls=[ToolCallRequest(*call) for call in calls_by_message.get(row_id, [])],
             ))
-        elif message.role == "tool":
-            answered = calls_by_id.get(message.tool_call_id or -1)
+        elif role == "tool":
+            wire_id, name = answered.get(tool_call_id or -1, (None, None))
             result.append(ChatMessage(
-                role="tool", content=message.content,
-                tool_call_id=call_ids.get(message.tool_call_id or -1),
-                name=answered.name if answered else None,
-                is_error=bool((message.meta or {}).get("is_error")),
+                role="tool", content=content, tool_call_id=wire_id, name=name,
+                is_error=bool(meta.get("is_error")),
             ))
         else:
-            result.append(ChatMessage(role=message.role, content=message.content))
+            result.append(ChatMessage(role=role, content=content))
     return result
 
 
