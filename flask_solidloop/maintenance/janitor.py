@@ -53,15 +53,19 @@ def runs_in_workers(config: Config) -> bool:
     return bool(config.event_retention or config.finished_job_retention
                 or config.mcp_inbound_session_retention)
 
+# ``id = ANY(ARRAY(...))``, not ``id IN (...)``: the batch's ids are computed
+# first and deleted by primary key. With ``IN``, a generic plan (what a
+# statement psycopg has prepared may get) hash-joins the batch against a
+# sequential scan of the whole table, once per batch.
 _PRUNE_EVENTS = """
-DELETE FROM solidloop_events WHERE id IN (
+DELETE FROM solidloop_events WHERE id = ANY(ARRAY(
     SELECT id FROM solidloop_events WHERE created_at < now() - :age
-    ORDER BY id LIMIT :batch FOR UPDATE SKIP LOCKED)
+    ORDER BY id LIMIT :batch FOR UPDATE SKIP LOCKED))
 """
 _PRUNE_JOBS = """
-DELETE FROM solidloop_jobs WHERE id IN (
+DELETE FROM solidloop_jobs WHERE id = ANY(ARRAY(
     SELECT id FROM solidloop_jobs WHERE state = 'done' AND finished_at < now() - :age
-    ORDER BY id LIMIT :batch FOR UPDATE SKIP LOCKED)
+    ORDER BY id LIMIT :batch FOR UPDATE SKIP LOCKED))
 """
 
 _PRUNE_HOST_JOBS = """

@@ -21,7 +21,10 @@ class Event(Timestamps, Base):
     __tablename__ = "solidloop_events"
     __table_args__ = (
         Index("ix_solidloop_events_loop_id", "loop_id"),
-        Index("ix_solidloop_events_created_at", "created_at"),
+        # The janitor's retention scan. BRIN: events are append-only, so their
+        # created_at follows the heap order, and a block-range summary finds old
+        # rows with no B-tree entry written per event (migration 0009).
+        Index("ix_solidloop_events_created_at", "created_at", postgresql_using="brin"),
         # Inbound MCP requests (kind 'mcp_inbound', loop_id NULL), newest first,
         # all of them or one session's: the admin's Inbound MCP page, and the
         # janitor deleting an old session's events. Partial, so loop events

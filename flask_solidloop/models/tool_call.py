@@ -50,7 +50,10 @@ class ToolCall(Timestamps, Base):
         # The foreign key's own lookups: deleting a message (a loop's cascade)
         # sets response_message_id NULL WHERE response_message_id = <its id>, one
         # probe per deleted message, a sequential scan of the table without this.
-        Index("ix_solidloop_tool_calls_response_message_id", "response_message_id"),
+        # Partial: a call is inserted unanswered, and pays for the entry only
+        # when its answer is written (migration 0009).
+        Index("ix_solidloop_tool_calls_response_message_id", "response_message_id",
+              postgresql_where=text("response_message_id IS NOT NULL")),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)

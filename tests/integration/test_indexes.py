@@ -222,3 +222,24 @@ def test_the_reapers_loop_scans_read_the_status_and_queued_at_indexes(pg):
                               "ix_solidloop_loops_queued_at")):
         for plan in plans(pg, statement, {"grace": 300}):
             assert_uses(plan, index, "solidloop_loops")
+
+
+def test_the_janitors_event_retention_reads_by_index_with_a_brin_created_at(pg):
+    """Migration 0009 made the events' created_at index a BRIN (no B-tree entry per
+    event). Over an append-only table a retention batch still reads by index
+    and deletes by primary key, under both plans: no scan of the whole table."""
+    pg.execute("INSERT INTO solidloop_events (kind, payload, created_at)"
+               " SELECT 'llm_request', '{}', now() - make_interval(secs => 200000 - i)"
+               " FROM generate_series(1, 200000) AS i")
+    pg.execute("VACUUM ANALYZE solidloop_events")
+    (method,) = pg.execute(
+        "SELECT am.amname FROM pg_class c JOIN pg_am am ON am.oid = c.relam"
+        " WHERE c.relname = 'ix_solidloop_events_created_at'").fetchone()
+    assert method == "brin"
+    statement = (janitor._PRUNE_EVENTS.replace(":age", "%(age)s::interval")
+                 .replace(":batch", "%(batch)s"))
+    custom, generic = plans(pg, statement, {"age": "199000 seconds", "batch": 500})
+    assert_uses(custom, "ix_solidloop_events_created_at", "solidloop_events")
+    # Generic: the batch walks the primary key from the oldest event (append-only:
+    # the oldest ids first), and the delete probes it by id.
+    assert_uses(generic, "pk_solidloop_events", "solidloop_events")

@@ -152,6 +152,13 @@ def test_0009_moves_the_queued_age_to_queued_at_and_downgrades(scratch_url):
         (options,) = conn.execute(
             "SELECT reloptions FROM pg_class WHERE relname = 'solidloop_loops'").fetchone()
         assert options == ["fillfactor=80"]
+        shapes = dict(conn.execute(
+            "SELECT indexname, indexdef FROM pg_indexes WHERE indexname = ANY(%s)",
+            (["ix_solidloop_events_created_at",
+              "ix_solidloop_tool_calls_response_message_id"],)).fetchall())
+        assert "USING brin (created_at)" in shapes["ix_solidloop_events_created_at"]
+        assert shapes["ix_solidloop_tool_calls_response_message_id"].endswith(
+            "WHERE (response_message_id IS NOT NULL)")
     downgrade(scratch_url, "0008")
     with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
         names = {r[0] for r in conn.execute(
@@ -159,3 +166,7 @@ def test_0009_moves_the_queued_age_to_queued_at_and_downgrades(scratch_url):
         assert {"ix_solidloop_loops_queued_since", "ix_solidloop_loops_running_lease"} <= names
         assert "ix_solidloop_loops_queued_at" not in names
         assert conn.execute("SELECT count(*) FROM solidloop_loops").fetchone() == (3,)
+        (events_index,) = conn.execute(
+            "SELECT indexdef FROM pg_indexes"
+            " WHERE indexname = 'ix_solidloop_events_created_at'").fetchone()
+        assert "USING btree (created_at)" in events_index

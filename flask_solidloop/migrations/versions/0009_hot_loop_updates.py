@@ -1,4 +1,4 @@
-"""HOT-friendly loop rows: no index on a column a running loop's updates change.
+"""HOT-friendly loop rows, and fewer index entries per turn.
 
 A loop now stays ``running`` from turn to turn (inline continuation adopts its
 next step in the same commit), so its updates change the lease, the token, the
@@ -14,6 +14,15 @@ columns and made every one of those updates rewrite all five indexes:
 
 The table gets ``fillfactor = 80``, so the new version of a row usually fits on
 its page (a HOT update needs that); it applies to pages written from now on.
+
+Two indexes every turn paid an entry for without needing one:
+
+* ``ix_solidloop_events_created_at`` (the janitor's retention scan) becomes a
+  BRIN index: events are append-only, so a block-range summary finds the old
+  ones, and no B-tree entry is written per event.
+* ``ix_solidloop_tool_calls_response_message_id`` (the foreign key's lookups)
+  becomes partial on ``response_message_id IS NOT NULL``: a call is inserted
+  unanswered and gets its entry when its answer is written.
 
 Revision ID: 0009
 Revises: 0008
@@ -33,6 +42,7 @@ depends_on: str | Sequence[str] | None = None
 
 QUEUED = sa.text("status = 'queued'")
 RUNNING = sa.text("status = 'running'")
+ANSWERED = sa.text("response_message_id IS NOT NULL")
 
 
 def upgrade() -> None:
@@ -50,10 +60,27 @@ def upgrade() -> None:
                       postgresql_where=QUEUED, postgresql_concurrently=True)
         op.drop_index('ix_solidloop_loops_running_lease', table_name='solidloop_loops',
                       postgresql_where=RUNNING, postgresql_concurrently=True)
+        op.drop_index('ix_solidloop_events_created_at', table_name='solidloop_events',
+                      postgresql_concurrently=True)
+        op.create_index('ix_solidloop_events_created_at', 'solidloop_events', ['created_at'],
+                        unique=False, postgresql_using='brin', postgresql_concurrently=True)
+        op.drop_index('ix_solidloop_tool_calls_response_message_id',
+                      table_name='solidloop_tool_calls', postgresql_concurrently=True)
+        op.create_index('ix_solidloop_tool_calls_response_message_id', 'solidloop_tool_calls',
+                        ['response_message_id'], unique=False, postgresql_where=ANSWERED,
+                        postgresql_concurrently=True)
 
 
 def downgrade() -> None:
     """Downgrade schema."""
+    op.drop_index('ix_solidloop_tool_calls_response_message_id',
+                  table_name='solidloop_tool_calls', postgresql_where=ANSWERED)
+    op.create_index('ix_solidloop_tool_calls_response_message_id', 'solidloop_tool_calls',
+                    ['response_message_id'], unique=False)
+    op.drop_index('ix_solidloop_events_created_at', table_name='solidloop_events',
+                  postgresql_using='brin')
+    op.create_index('ix_solidloop_events_created_at', 'solidloop_events', ['created_at'],
+                    unique=False)
     op.create_index('ix_solidloop_loops_running_lease', 'solidloop_loops',
                     ['lease_expires_at'], unique=False, postgresql_where=RUNNING)
     op.create_index('ix_solidloop_loops_queued_since', 'solidloop_loops', ['updated_at'],
