@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy import Text, bindparam, func, literal_column, select, text
 from sqlalchemy import inspect as sa_inspect
-from sqlalchemy.orm import make_transient_to_detached, scoped_session
+from sqlalchemy.orm import Session, make_transient_to_detached, scoped_session
 from sqlalchemy.orm.attributes import set_committed_value
 from sqlalchemy.orm.util import identity_key
 
@@ -36,13 +36,18 @@ def get_tool_call(session: SessionLike, tool_call_id: int) -> ToolCall | None:
     return session.get(ToolCall, tool_call_id)
 
 
+def real_session(session: SessionLike) -> Session:
+    """The Session behind a scoped session (Flask-SQLAlchemy's ``db.session``)."""
+    return session() if isinstance(session, scoped_session) else session
+
+
 def row_object(session: SessionLike, model: type[Any], row: Mapping[str, Any]) -> Any:
     """The ``model`` object of a row the caller has just written and read back
     whole (``RETURNING *``), put in ``session`` as persistent and unchanged, so
     the next read of it is the identity map's, with no ``SELECT``. Only for a
     row as the database now holds it (runtime/inline.py carries the rows an
     adopted step starts from)."""
-    real = session() if isinstance(session, scoped_session) else session
+    real = real_session(session)
     values = {prop.key: row[prop.columns[0].name] for prop in sa_inspect(model).column_attrs}
     primary_key = tuple(values[col.key] for col in sa_inspect(model).primary_key)
     existing = real.identity_map.get(identity_key(model, primary_key))
@@ -60,7 +65,7 @@ def get_tool_call_and_loop(session: SessionLike, tool_call_id: int,
                            ) -> tuple[ToolCall | None, Loop | None]:
     """A tool call and its loop: from the identity map when both are loaded
     there (rows an adopted step carries), else in one round trip."""
-    real = session() if isinstance(session, scoped_session) else session
+    real = real_session(session)
     call = real.identity_map.get(identity_key(ToolCall, tool_call_id))
     if call is not None and not sa_inspect(call).expired_attributes:
         loop = real.identity_map.get(identity_key(Loop, call.loop_id))

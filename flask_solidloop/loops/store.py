@@ -34,7 +34,6 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from sqlalchemy import func, or_, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.orm import Session, scoped_session
 from sqlalchemy.orm.util import identity_key
 
 from .. import signals
@@ -125,9 +124,7 @@ def _commit_with_job_done(session: SessionLike, *, keep_objects: bool = False) -
         note_current_job_done()
 
 
-def _real(session: SessionLike) -> Session:
-    """The Session behind a scoped session (Flask-SQLAlchemy's ``db.session``)."""
-    return session() if isinstance(session, scoped_session) else session
+_real = queries.real_session
 
 
 def end_transaction(session: SessionLike) -> None:
@@ -182,15 +179,13 @@ def _adopt_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int, *
     a stack whose request follows its initialization directly (the turn then
     makes no commit before its request)."""
     token = uuid.uuid4()
-    cursor = driver_connection(session).cursor(row_factory=dict_row)
-    row = cursor.execute(_ADOPT_LLM_TURN, {
-        "id": loop_id, "token": token, "holder": worker_identity(),
-        "ttl": timedelta(seconds=state.config.liveness_ttl)}).fetchone()
+    row = _claim_row(session, _ADOPT_LLM_TURN, loop_id, token, state.config.liveness_ttl)
     assert row is not None
     carried: tuple[tuple[Any, Any], ...] = ((Loop, row),)
     shell_id = None
     if open_shell:
-        shell = cursor.execute(_INSERT_SHELL, (loop_id,)).fetchone()
+        shell = driver_connection(session).cursor(row_factory=dict_row).execute(
+            _INSERT_SHELL, (loop_id,)).fetchone()
         assert shell is not None
         shell_id = shell["id"]
         carried += ((Message, shell),)
@@ -204,13 +199,28 @@ _INSERT_SHELL = (
     "VALUES (%s, 'assistant', '', 'processing', true) RETURNING *")
 
 
-# What _claim_values writes, as one plain statement (the adoption's hot path).
-_ADOPT_LLM_TURN = (
+# What claiming an LLM turn writes on the loop row. Leases are stamped and
+# compared with the database clock, never a worker's. The row comes back whole,
+# with the run's elapsed seconds by that clock.
+_CLAIM = (
     "UPDATE solidloop_loops SET status = 'running', execution_token = %(token)s, "
     "lease_expires_at = now() + %(ttl)s, lease_holder = %(holder)s, "
     "started_at = coalesce(started_at, now()), "
     "run_started_at = coalesce(run_started_at, now()), updated_at = now() "
-    "WHERE id = %(id)s RETURNING *, extract(epoch FROM now() - run_started_at) AS run_elapsed")
+    "WHERE id = %(id)s {condition}"
+    "RETURNING *, extract(epoch FROM now() - run_started_at) AS run_elapsed")
+#: A queued loop's claim (its first turn, or a turn a consumer delivered).
+_CLAIM_LLM_TURN = _CLAIM.format(condition="AND status = 'queued' ")
+#: The claim a tool answer adopts for its thread (the caller holds the row lock).
+_ADOPT_LLM_TURN = _CLAIM.format(condition="")
+
+
+def _claim_row(session: SessionLike, statement: str, loop_id: int, token: uuid.UUID,
+               lease_seconds: float) -> dict[str, Any] | None:
+    """Run one of the claim statements; the loop's row, or None when it matched none."""
+    return driver_connection(session).cursor(row_factory=dict_row).execute(statement, {
+        "id": loop_id, "token": token, "holder": worker_identity(),
+        "ttl": timedelta(seconds=lease_seconds)}).fetchone()
 
 
 def _hide_shells(session: SessionLike, loop_id: int) -> None:
@@ -320,12 +330,19 @@ def fenced_transition(session: SessionLike, loop_id: int, token: uuid.UUID, *,
 # -- creation ---------------------------------------------------------------------
 
 
-def _message(loop_id: int, role: str, content: str, **fields: Any) -> Message:
-    """A new message row with storable content (flagged when it had to change)."""
+def _storable_content(content: str, meta: dict[str, Any] | None
+                      ) -> tuple[str | None, dict[str, Any]]:
+    """A new message's content made storable, and its metadata flagging that."""
     cleaned, altered = storable.text(content)
-    meta = dict(fields.pop("meta", None) or {})
+    meta = dict(meta or {})
     if altered:
         meta["sanitized"] = ["content"]
+    return cleaned, meta
+
+
+def _message(loop_id: int, role: str, content: str, **fields: Any) -> Message:
+    """A new message row with storable content (flagged when it had to change)."""
+    cleaned, meta = _storable_content(content, fields.pop("meta", None))
     return Message(loop_id=loop_id, role=role, content=cleaned, meta=meta, **fields)
 
 
@@ -389,16 +406,6 @@ class LlmClaim:
         return not self.committed and _real(session).get_transaction() is self.transaction
 
 
-def _claim_values(token: uuid.UUID, lease_seconds: float) -> dict[str, Any]:
-    """What claiming an LLM turn writes on the loop row. Leases are stamped and
-    compared with the database clock, never a worker's."""
-    return {"status": "running", "execution_token": token,
-            "lease_expires_at": func.now() + timedelta(seconds=lease_seconds),
-            "lease_holder": worker_identity(),
-            "started_at": func.coalesce(Loop.started_at, func.now()),
-            "run_started_at": func.coalesce(Loop.run_started_at, func.now())}
-
-
 def start_llm_turn(session: SessionLike, loop_id: int, *, lease_seconds: float,
                    ) -> LlmClaim | None:
     """queued → running under a fresh execution token and lease, with the job
@@ -407,18 +414,13 @@ def start_llm_turn(session: SessionLike, loop_id: int, *, lease_seconds: float,
     The loop object in the session is refreshed from the claim (no reload).
     None (rolled back) when another claim won."""
     token = uuid.uuid4()
-    row = session.execute(
-        update(Loop)
-        .where(Loop.id == loop_id, Loop.status == "queued")
-        .values(_claim_values(token, lease_seconds))
-        .returning(Loop, func.extract("epoch", func.now() - Loop.run_started_at))
-        .execution_options(populate_existing=True, synchronize_session=False)
-    ).one_or_none()
+    row = _claim_row(session, _CLAIM_LLM_TURN, loop_id, token, lease_seconds)
     if row is None:
         session.rollback()
         return None
+    queries.row_object(session, Loop, row)  # the session's loop, as claimed
     marked = mark_current_job_done(session)
-    return LlmClaim(token=token, run_elapsed_seconds=float(row[1]), job_marked=marked,
+    return LlmClaim(token=token, run_elapsed_seconds=float(row["run_elapsed"]), job_marked=marked,
                     transaction=_real(session).get_transaction())
 
 
@@ -625,8 +627,6 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     if not calls:
         sets += ["status = 'completed'", "execution_token = NULL", "finished_at = now()",
                  "error_message = NULL"]
-    # Admin live stream (issue 15): the finalized turn, announced on commit
-    # (NOTIFY is transactional: a turn that rolls back announces nothing).
     content, content_altered = storable.text(response.content)
     reasoning, reasoning_altered = storable.text(response.reasoning)
     meta, meta_altered, _ = storable.json_value(meta)
@@ -646,7 +646,9 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
                                body_limit=state.config.event_body_limit,
                                repeat_history=state.config.event_repeat_history)
     # Rows come back whole (RETURNING *): an adopted tool call's step starts
-    # from them (Adopted.carried) instead of reading them again.
+    # from them (Adopted.carried) instead of reading them again. The admin's
+    # live stream is announced on commit (NOTIFY is transactional: a turn that
+    # rolls back announces nothing).
     conn = driver_connection(session)
     rows = conn.cursor(row_factory=dict_row)
     fenced = rows.execute((
@@ -719,7 +721,6 @@ def _insert_tool_calls(loop_id: int, message_id: int, calls: Sequence[NewToolCal
         "server_name, tool_name, arguments_raw, arguments, metadata, lease_token, "
         f"lease_holder, leased_until) VALUES {', '.join(rows)} RETURNING *"),
         params)
-
 
 
 def end_llm_turn(session: SessionLike, loop_id: int, token: uuid.UUID, *, to: str,
@@ -946,10 +947,6 @@ _INSERT_TOOL_MESSAGE = (
 _UNANSWERED_SIBLINGS = (
     "SELECT id FROM solidloop_tool_calls WHERE message_id = %s "
     "AND response_message_id IS NULL ORDER BY position")
-_REQUEUE_FOR_LLM = (
-    "UPDATE solidloop_loops SET status = 'queued', queued_at = now(), "
-    "execution_token = NULL, "
-    "lease_expires_at = NULL, lease_holder = NULL, updated_at = now() WHERE id = %s")
 
 
 @dataclass(frozen=True)
@@ -977,10 +974,7 @@ class _CallRow:
 def _insert_tool_message(session: SessionLike, loop_id: int, call: _CallRow, content: str, *,
                          is_error: bool) -> int:
     """The tool message answering ``call`` (as :func:`_add_tool_message`, one statement)."""
-    cleaned, altered = storable.text(content)
-    meta: dict[str, Any] = {"is_error": is_error, "tool_name": call.name}
-    if altered:
-        meta["sanitized"] = ["content"]
+    cleaned, meta = _storable_content(content, {"is_error": is_error, "tool_name": call.name})
     rows = execute_on(session, _INSERT_TOOL_MESSAGE, {
         "loop_id": loop_id, "content": cleaned, "tool_call_id": call.id, "meta": Jsonb(meta)},
         fetch=True)
@@ -994,7 +988,7 @@ def _requeue_loop_for_llm(state: SolidLoopState, session: SessionLike, loop_id: 
     else queued with its job."""
     if state.dispatch.can_adopt():
         return _adopt_llm_turn(state, session, loop_id, open_shell=open_shell)
-    execute_on(session, _REQUEUE_FOR_LLM, (loop_id,))
+    session.execute(text(_REQUEUE_LOOP), {"id": loop_id})
     state.dispatch.llm_turn(session, loop_id)
     return None
 

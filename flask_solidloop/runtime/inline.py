@@ -53,6 +53,7 @@ from typing import Any
 
 from dramatiq import worker as dramatiq_worker
 
+from ..loops import queries, store
 from ..queue import sql as jobs_sql
 from ..queue.broker import CHANNEL_PREFIX, execute_on
 from ..queue.current_job import (
@@ -131,8 +132,6 @@ def _run_adopted(state: SolidLoopState, adopted: Adopted) -> bool:
     """Run a continuation whose claim the previous turn's commit wrote (no job
     row to claim: the lease is this thread's already). False when the chain
     ends here."""
-    from ..loops import queries
-
     state.db.session.remove()
     set_current_job(None)
     session = state.db.session
@@ -210,8 +209,6 @@ def _hand_back(state: SolidLoopState, successor: Successor | Adopted) -> None:
 def _release_adopted(state: SolidLoopState, adopted: Adopted) -> None:
     """An adopted continuation this thread will not run: its claim released and
     a job queued (loops/store.py), so a consumer takes it at once."""
-    from ..loops import store
-
     session = state.db.session
     try:
         if adopted.actor_name == LLM_TURN_ACTOR:
