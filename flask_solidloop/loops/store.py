@@ -172,31 +172,33 @@ def _requeue_for_llm(state: SolidLoopState, session: SessionLike, loop: Loop, *,
 
 
 def _adopt_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int, *,
-                    open_shell: bool = False) -> Adopted:
+                    open_shell: bool = False, read_history: bool = False) -> Adopted:
     """Claim the loop's next LLM turn for this thread in the caller's transaction
     (the caller holds the loop row lock and confirms after its commit).
-    ``open_shell``: insert the turn's hidden shell in the same transaction, for
-    a stack whose request follows its initialization directly (the turn then
-    makes no commit before its request)."""
+    ``open_shell``: insert the turn's hidden shell in the same statement, for a
+    stack whose request follows its initialization directly (the turn then
+    makes no commit before its request). ``read_history``: read the turn's
+    history here too, for a stack that starts with its initialization: under
+    the row lock nothing can add to it before the turn begins, so the turn
+    sends what it would have read."""
     token = uuid.uuid4()
-    row = _claim_row(session, _ADOPT_LLM_TURN, loop_id, token, state.config.liveness_ttl)
+    params = {"id": loop_id, "token": token, "holder": worker_identity(),
+              "ttl": timedelta(seconds=state.config.liveness_ttl)}
+    cursor = driver_connection(session).cursor(row_factory=dict_row)
+    row = cursor.execute(_ADOPT_WITH_SHELL if open_shell else _ADOPT_LLM_TURN,
+                         params).fetchone()
     assert row is not None
-    carried: tuple[tuple[Any, Any], ...] = ((Loop, row),)
+    carried: tuple[tuple[Any, Any], ...] = ()
     shell_id = None
     if open_shell:
-        shell = driver_connection(session).cursor(row_factory=dict_row).execute(
-            _INSERT_SHELL, (loop_id,)).fetchone()
-        assert shell is not None
+        shell = {column: row.pop(f"shell_{column}") for column in _SHELL_COLUMNS}
         shell_id = shell["id"]
         carried += ((Message, shell),)
+    carried = ((Loop, row), *carried)
+    history = queries.history(session, loop_id) if read_history else None
     return state.dispatch.adopt_llm_turn(loop_id, execution_token=token,
                                          run_elapsed_seconds=float(row["run_elapsed"]),
-                                         carried=carried, shell_id=shell_id)
-
-
-_INSERT_SHELL = (
-    "INSERT INTO solidloop_messages (loop_id, role, content, status, is_hidden) "
-    "VALUES (%s, 'assistant', '', 'processing', true) RETURNING *")
+                                         carried=carried, shell_id=shell_id, history=history)
 
 
 # What claiming an LLM turn writes on the loop row. Leases are stamped and
@@ -213,6 +215,16 @@ _CLAIM = (
 _CLAIM_LLM_TURN = _CLAIM.format(condition="AND status = 'queued' ")
 #: The claim a tool answer adopts for its thread (the caller holds the row lock).
 _ADOPT_LLM_TURN = _CLAIM.format(condition="")
+_SHELL_COLUMNS = tuple(column.name for column in Message.__table__.columns)
+#: The adopted claim and its turn's hidden shell, in one statement: the loop's
+#: row whole, and the shell's columns as ``shell_<column>``.
+_ADOPT_WITH_SHELL = (
+    f"WITH claim AS ({_ADOPT_LLM_TURN}), "
+    "shell AS (INSERT INTO solidloop_messages (loop_id, role, content, status, is_hidden) "
+    "SELECT id, 'assistant', '', 'processing', true FROM claim RETURNING *) "
+    "SELECT claim.*, "
+    + ", ".join(f'shell.{column} AS "shell_{column}"' for column in _SHELL_COLUMNS)
+    + " FROM claim, shell")
 
 
 def _claim_row(session: SessionLike, statement: str, loop_id: int, token: uuid.UUID,
@@ -401,6 +413,9 @@ class LlmClaim:
     #: renewer here. Not before: a renewal inside the open transaction would
     #: see the loop still queued and call the lease lost.
     after_commit: list[Callable[[], None]] = field(default_factory=list)
+    #: The turn's history, when the commit that claimed it read it (an adopted
+    #: turn: see _adopt_llm_turn); else None and the turn reads it.
+    history: list[Any] | None = None
 
     def is_open(self, session: SessionLike) -> bool:
         return not self.committed and _real(session).get_transaction() is self.transaction
@@ -453,7 +468,7 @@ def adopted_llm_claim(session: SessionLike, adopted: Adopted) -> LlmClaim:
         real.begin()
     return LlmClaim(token=adopted.execution_token,
                     run_elapsed_seconds=adopted.run_elapsed_seconds, job_marked=False,
-                    transaction=real.get_transaction())
+                    transaction=real.get_transaction(), history=adopted.history)
 
 
 def hand_back_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int,
@@ -852,7 +867,7 @@ def checkpoint_and_answer_tool_call(
     state: SolidLoopState, session: SessionLike, *, loop_id: int, token: uuid.UUID,
     tool_call_id: int, lease_token: uuid.UUID | None, result: ToolResult,
     duration_ms: float, body_limit: int, answer_text: Callable[[ToolResult], str],
-    sequential: bool, open_next_shell: bool = False,
+    sequential: bool, open_next_shell: bool = False, read_next_history: bool = False,
 ) -> tuple[ToolCall, ToolResult, bool]:
     """:func:`checkpoint_tool_call` and :func:`answer_tool_call` in one commit,
     for a tool stack with nothing between the two steps: the canonical result,
@@ -860,19 +875,21 @@ def checkpoint_and_answer_tool_call(
     result) and the successor job land together. A loop that is no longer
     running (paused or stopped while the tool ran) gets the checkpoint alone,
     as the two steps would have left it. When this thread adopts the loop's
-    next LLM turn, ``open_next_shell`` inserts that turn's shell here too.
+    next LLM turn, ``open_next_shell`` and ``read_next_history`` say what of
+    that turn is done here too (see pipeline.stacks.adopted_turn_shape).
     Returns the call, the stored result and whether the call was answered."""
     if lease_token is None:
         raise LostLeaseError(f"tool call {tool_call_id}: no lease to checkpoint under")
     # Plain statements on the driver connection, no unit of work (the hot path
-    # of every in-process tool turn): lock the loop row, then the call's.
-    locked = execute_on(session, _LOCK_LOOP_FOR_CHECKPOINT, (loop_id,), fetch=True)
-    if not locked:
+    # of every in-process tool turn): the loop row and the call's locked in one
+    # statement, in that order (FOR UPDATE OF locks a joined row's tables in the
+    # order it names them: the loop first, as everywhere).
+    rows = execute_on(session, _LOCK_FOR_CHECKPOINT, (loop_id, tool_call_id), fetch=True)
+    if not rows:
         session.rollback()
         raise LostLeaseError(f"loop {loop_id} changed generation during tool call")
-    loop_status, loop_token = locked[0]
-    rows = execute_on(session, _LOCK_CALL_FOR_CHECKPOINT, (tool_call_id,), fetch=True)
-    call = _CallRow(*rows[0])
+    loop_status, loop_token, *call_columns = rows[0]
+    call = _CallRow(*call_columns)
     if call.lease_token != lease_token:
         session.rollback()
         raise LostLeaseError(f"tool call {tool_call_id}: its lease was reclaimed")
@@ -881,30 +898,34 @@ def checkpoint_and_answer_tool_call(
         raise LostLeaseError(f"tool call {tool_call_id} was already executed")
     canonical, notes = _canonical_result(call, result)
     answered = loop_status == "running" and call.response_message_id is None
-    message_id = None
-    if answered:
-        message_id = _insert_tool_message(session, loop_id, call, answer_text(canonical),
-                                          is_error=canonical.is_error)
     stored = canonical.to_mcp()
-    execute_on(session, _RECORD_RESULT_AND_ANSWER, {
-        "id": tool_call_id, "result": Jsonb(stored), "is_success": not canonical.is_error,
+    params: dict[str, Any] = {
+        "id": tool_call_id, "loop_id": loop_id, "message_id": call.message_id,
+        "result": Jsonb(stored), "is_success": not canonical.is_error,
         "error_kind": canonical.error_kind, "duration_ms": duration_ms,
-        "meta": Jsonb(notes) if notes else None, "answer": message_id})
-    execute_on(session, _INSERT_TOOL_EVENT, {
-        "loop_id": loop_id, "tool_call_id": tool_call_id, "duration_ms": duration_ms,
+        "meta": Jsonb(notes) if notes else None,
         "error": canonical.text()[:MAX_EVENT_ERROR] if canonical.is_error else None,
         "payload": Jsonb(_event_payload({
             "name": call.name, "server": call.server_name, "tool": call.tool_name,
             "arguments": call.arguments if call.arguments is not None else call.arguments_raw,
             "idempotency_key": call.idempotency_key, "result": stored,
-        }, body_limit))})
+        }, body_limit))}
+    remaining: list[int] = []
+    if answered:
+        # The tool message, the result, its event and what is left to answer, in
+        # one statement (see _RECORD_AND_ANSWER).
+        content, message_meta = _storable_content(
+            answer_text(canonical), {"is_error": canonical.is_error, "tool_name": call.name})
+        params.update(content=content, message_meta=Jsonb(message_meta))
+        (remaining,), = execute_on(session, _RECORD_AND_ANSWER, params, fetch=True)
+    else:
+        execute_on(session, _RECORD_RESULT, params)
     adopted = None
     if answered:
-        remaining = [row[0] for row in execute_on(
-            session, _UNANSWERED_SIBLINGS, (call.message_id,), fetch=True)]
         if not remaining:
             adopted = _requeue_loop_for_llm(state, session, loop_id,
-                                            open_shell=open_next_shell)
+                                            open_shell=open_next_shell,
+                                            read_history=read_next_history)
         elif sequential:
             # The loop's current generation: a resume may have rotated it while the
             # tool ran under its lease.
@@ -923,30 +944,41 @@ def checkpoint_and_answer_tool_call(
     return orm_call, canonical, answered  # type: ignore[return-value]
 
 
-_LOCK_LOOP_FOR_CHECKPOINT = (
-    "SELECT status, execution_token FROM solidloop_loops WHERE id = %s FOR UPDATE")
-_LOCK_CALL_FOR_CHECKPOINT = (
-    "SELECT id, loop_id, message_id, name, server_name, tool_name, arguments, arguments_raw, "
-    "metadata, lease_token, executed_at IS NOT NULL, response_message_id "
-    "FROM solidloop_tool_calls WHERE id = %s FOR UPDATE")
-_RECORD_RESULT_AND_ANSWER = (
-    "UPDATE solidloop_tool_calls SET result = %(result)s, is_success = %(is_success)s, "
-    "error_kind = %(error_kind)s, executed_at = now(), duration_ms = %(duration_ms)s, "
-    "metadata = coalesce(%(meta)s, metadata), response_message_id = %(answer)s, "
-    "lease_token = CASE WHEN %(answer)s::bigint IS NULL THEN lease_token END, "
-    "lease_holder = CASE WHEN %(answer)s::bigint IS NULL THEN lease_holder END, "
-    "leased_until = CASE WHEN %(answer)s::bigint IS NULL THEN leased_until END, "
-    "updated_at = now() WHERE id = %(id)s")
+_LOCK_FOR_CHECKPOINT = (
+    "SELECT l.status, l.execution_token, c.id, c.loop_id, c.message_id, c.name, "
+    "c.server_name, c.tool_name, c.arguments, c.arguments_raw, c.metadata, c.lease_token, "
+    "c.executed_at IS NOT NULL, c.response_message_id "
+    "FROM solidloop_loops l JOIN solidloop_tool_calls c ON c.loop_id = l.id "
+    "WHERE l.id = %s AND c.id = %s FOR UPDATE OF l, c")
+#: What a tool call's outcome sets on its row; the answer's id, or NULL (the
+#: loop no longer runs: the checkpoint alone, and the call keeps its lease).
+_RESULT_SET = (
+    "result = %(result)s, is_success = %(is_success)s, error_kind = %(error_kind)s, "
+    "executed_at = now(), duration_ms = %(duration_ms)s, "
+    "metadata = coalesce(%(meta)s, metadata), updated_at = now()")
 _INSERT_TOOL_EVENT = (
     "INSERT INTO solidloop_events (loop_id, tool_call_id, kind, duration_ms, error, payload) "
-    "VALUES (%(loop_id)s, %(tool_call_id)s, 'tool_call', %(duration_ms)s, %(error)s, "
-    "%(payload)s)")
-_INSERT_TOOL_MESSAGE = (
-    "INSERT INTO solidloop_messages (loop_id, role, content, tool_call_id, metadata) "
-    "VALUES (%(loop_id)s, 'tool', %(content)s, %(tool_call_id)s, %(meta)s) RETURNING id")
-_UNANSWERED_SIBLINGS = (
-    "SELECT id FROM solidloop_tool_calls WHERE message_id = %s "
-    "AND response_message_id IS NULL ORDER BY position")
+    "VALUES (%(loop_id)s, %(id)s, 'tool_call', %(duration_ms)s, %(error)s, %(payload)s)")
+#: The checkpoint of a call whose loop no longer runs: the result and its event.
+_RECORD_RESULT = (
+    f"WITH event AS ({_INSERT_TOOL_EVENT}) "
+    f"UPDATE solidloop_tool_calls SET {_RESULT_SET} WHERE id = %(id)s")
+#: The checkpoint and the answer: the tool message, the result pointing at it
+#: (the lease released), the event, and the message's calls still unanswered.
+#: Every WITH part runs exactly once; the final SELECT sees the table as the
+#: statement began (this call still unanswered, hence ``id <>``), and every
+#: sibling answered before is visible: answering one takes the loop row lock,
+#: which this transaction holds.
+_RECORD_AND_ANSWER = (
+    "WITH answer AS (INSERT INTO solidloop_messages (loop_id, role, content, tool_call_id, "
+    "metadata) VALUES (%(loop_id)s, 'tool', %(content)s, %(id)s, %(message_meta)s) "
+    "RETURNING id), "
+    f"recorded AS (UPDATE solidloop_tool_calls SET {_RESULT_SET}, "
+    "response_message_id = (SELECT id FROM answer), lease_token = NULL, "
+    "lease_holder = NULL, leased_until = NULL WHERE id = %(id)s), "
+    f"event AS ({_INSERT_TOOL_EVENT}) "
+    "SELECT ARRAY(SELECT id FROM solidloop_tool_calls WHERE message_id = %(message_id)s "
+    "AND response_message_id IS NULL AND id <> %(id)s ORDER BY position)")
 
 
 @dataclass(frozen=True)
@@ -971,23 +1003,15 @@ class _CallRow:
         return f"solidloop:tool_call:{self.id}"
 
 
-def _insert_tool_message(session: SessionLike, loop_id: int, call: _CallRow, content: str, *,
-                         is_error: bool) -> int:
-    """The tool message answering ``call`` (as :func:`_add_tool_message`, one statement)."""
-    cleaned, meta = _storable_content(content, {"is_error": is_error, "tool_name": call.name})
-    rows = execute_on(session, _INSERT_TOOL_MESSAGE, {
-        "loop_id": loop_id, "content": cleaned, "tool_call_id": call.id, "meta": Jsonb(meta)},
-        fetch=True)
-    return int(rows[0][0])
-
-
 def _requeue_loop_for_llm(state: SolidLoopState, session: SessionLike, loop_id: int, *,
-                          open_shell: bool = False) -> Adopted | None:
+                          open_shell: bool = False, read_history: bool = False,
+                          ) -> Adopted | None:
     """:func:`_requeue_for_llm` for a loop locked by a plain statement: adopted by
-    this thread when it continues inline (with its shell, if ``open_shell``),
-    else queued with its job."""
+    this thread when it continues inline (with its shell and its history, as
+    asked), else queued with its job."""
     if state.dispatch.can_adopt():
-        return _adopt_llm_turn(state, session, loop_id, open_shell=open_shell)
+        return _adopt_llm_turn(state, session, loop_id, open_shell=open_shell,
+                               read_history=read_history)
     session.execute(text(_REQUEUE_LOOP), {"id": loop_id})
     state.dispatch.llm_turn(session, loop_id)
     return None

@@ -127,7 +127,9 @@ class AgentInitialization:
                 "resume() starts a new run"
             )
         ctx.tools = _tools_with_snapshots(ctx)
-        ctx.history = queries.history(ctx.session, ctx.loop_id)
+        carried = ctx.claim.history if ctx.claim is not None else None
+        ctx.history = carried if carried is not None else queries.history(ctx.session,
+                                                                          ctx.loop_id)
 
 
 def _tools_with_snapshots(ctx: LlmContext) -> ToolRegistry:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from ..state import AgentLike, SolidLoopState
 from .builder import Builder
@@ -30,15 +31,40 @@ def tool_stack(state: SolidLoopState, agent: AgentLike) -> Builder:
                   agent.configure_tool_middlewares)
 
 
-def opens_shell_in_claim(state: SolidLoopState, agent: AgentLike) -> bool:
-    """Whether ``agent``'s LLM stack sends its request right after its
-    initialization (the default): then nothing in between can end the turn
-    without a request, and the turn's shell may be written with its claim
-    (AgentInitialization; for an adopted turn, the tool answer's commit)."""
-    from .llm_stack import AgentInitialization, NetworkCalling
+@dataclass(frozen=True)
+class AdoptedTurnShape:
+    """What a tool answer that adopts the loop's next LLM turn may do for it in
+    its own commit, given the agent's LLM stack."""
+
+    #: The stack sends its request right after its initialization (the default):
+    #: nothing in between can end the turn without a request, so the turn's
+    #: shell may be written with its claim.
+    open_shell: bool
+    #: The stack starts with its initialization (only the built-in error handling
+    #: before it): no host middleware runs before the history is read, so it may
+    #: be read with the claim, under the loop row lock.
+    read_history: bool
+
+
+def adopted_turn_shape(state: SolidLoopState, agent: AgentLike) -> AdoptedTurnShape:
+    from .llm_stack import AgentInitialization, ErrorHandling, NetworkCalling
 
     def _is(middleware: object, cls: type) -> bool:
         return isinstance(middleware, type) and issubclass(middleware, cls)
 
-    return any(_is(first, AgentInitialization) and _is(then, NetworkCalling)
-               for first, then in itertools.pairwise(llm_stack(state, agent).middlewares))
+    middlewares = list(llm_stack(state, agent).middlewares)
+    initialization = next((i for i, m in enumerate(middlewares)
+                           if _is(m, AgentInitialization)), None)
+    return AdoptedTurnShape(
+        open_shell=any(_is(first, AgentInitialization) and _is(then, NetworkCalling)
+                       for first, then in itertools.pairwise(middlewares)),
+        read_history=initialization is not None
+        and middlewares[initialization] is AgentInitialization
+        and all(m is ErrorHandling for m in middlewares[:initialization]))
+
+
+def opens_shell_in_claim(state: SolidLoopState, agent: AgentLike) -> bool:
+    """Whether ``agent``'s LLM stack sends its request right after its
+    initialization (AdoptedTurnShape.open_shell): AgentInitialization then
+    writes the shell with the claim."""
+    return adopted_turn_shape(state, agent).open_shell

@@ -113,12 +113,13 @@ class ResponseCreation:
         self.next_step = next_step
 
     def __call__(self, ctx: ToolContext) -> Any:
-        from .stacks import opens_shell_in_claim  # stacks builds this module's stack
+        from .stacks import adopted_turn_shape  # stacks builds this module's stack
 
         limit = ctx.state.config.tool_output_limit
         sequential = bool(ctx.agent.option("sequential_tool_calls"))
         unrecorded = ctx.extras.pop("unrecorded_result", None)
         if unrecorded is not None:
+            next_turn = adopted_turn_shape(ctx.state, ctx.agent)
             # ToolExecution ran the tool and left its result to us: the checkpoint
             # and the answer share one commit (the answer renders the stored result).
             result, duration_ms = unrecorded
@@ -127,7 +128,7 @@ class ResponseCreation:
                 tool_call_id=ctx.tool_call_id, lease_token=ctx.lease_token, result=result,
                 duration_ms=duration_ms, body_limit=ctx.state.config.event_body_limit,
                 answer_text=lambda stored: answer_text(stored, limit), sequential=sequential,
-                open_next_shell=opens_shell_in_claim(ctx.state, ctx.agent))
+                open_next_shell=next_turn.open_shell, read_next_history=next_turn.read_history)
         else:
             result = ctx.result
             assert result is not None

@@ -56,6 +56,9 @@ class Adopted:
     carried: tuple[tuple[Any, Any], ...] = ()
     #: An LLM turn's hidden ``processing`` shell, inserted by the same commit.
     shell_id: int | None = None
+    #: An LLM turn's history (loops.queries.history), read by the same commit
+    #: under the loop row lock; None when the turn reads it itself.
+    history: list[Any] | None = None
 
 
 class Dispatcher:
@@ -106,12 +109,13 @@ class Dispatcher:
     def adopt_llm_turn(self, loop_id: int, *, execution_token: uuid.UUID,
                        run_elapsed_seconds: float,
                        carried: tuple[tuple[Any, Any], ...] = (),
-                       shell_id: int | None = None) -> Adopted:
+                       shell_id: int | None = None,
+                       history: list[Any] | None = None) -> Adopted:
         actor = self.actors["llm_turn"]
         return self._adopt(Adopted(actor.queue_name, actor.actor_name, loop_id, (loop_id,),
                                    execution_token=execution_token,
                                    run_elapsed_seconds=run_elapsed_seconds, carried=carried,
-                                   shell_id=shell_id))
+                                   shell_id=shell_id, history=history))
 
     def _adopt(self, adopted: Adopted) -> Adopted:
         self._local.adopted = adopted

@@ -487,3 +487,120 @@ def test_a_stack_with_a_step_between_initialization_and_request_opens_its_own_sh
     state = get_state(app)
     assert opens_shell_in_claim(state, Assistant(None))
     assert not opens_shell_in_claim(state, WithAStepBetween(None))
+
+
+def test_an_adopted_turn_sends_the_history_its_claim_read(app, session, llm, monkeypatch):
+    """The tool answer that adopts the next turn reads that turn's history under
+    the loop row lock; the turn sends it without reading it again, and it is
+    the whole conversation, as a fresh read would give it."""
+    import inspect
+
+    from flask_solidloop.loops import queries
+
+    real_history = queries.history
+    reads: list[tuple[str, int]] = []
+
+    def history(session_, loop_id):
+        result = real_history(session_, loop_id)
+        where = ("adoption" if any(f.function == "_adopt_llm_turn" for f in inspect.stack())
+                 else "turn")
+        reads.append((where, len(result)))
+        return result
+
+    monkeypatch.setattr(queries, "history", history)
+    script_chain(llm, tools=3)
+    loop_id = Assistant.start(message="chain").id
+    run_worker_until(app, session, [loop_id])
+    assert_completed_once(session, loop_id, calls=3)
+    # The delivered first turn reads its own; each answer reads the next turn's,
+    # two messages longer each time (the model's call and its answer).
+    assert reads == [("turn", 2), ("adoption", 4), ("adoption", 6), ("adoption", 8)]
+    sent = [request.json["messages"] for request in llm.requests]
+    assert [len(messages) for messages in sent] == [2, 4, 6, 8]
+    monkeypatch.setattr(queries, "history", real_history)
+    final = queries.history(session, loop_id)
+    session.rollback()
+    # What the last turn sent is the stored conversation up to its own answer.
+    assert [m["role"] for m in sent[-1]] == [m.role for m in final[:-1]]
+    assert sent[-1][-1]["content"] == "3" and final[-1].content == "done"
+
+
+def test_a_host_middleware_before_initialization_reads_its_turns_history_itself(app):
+    """A middleware ahead of AgentInitialization may change the conversation
+    before it is read: then the adopting answer leaves the read to the turn."""
+    from flask_solidloop.pipeline.llm_stack import AgentInitialization, NetworkCalling
+    from flask_solidloop.pipeline.stacks import adopted_turn_shape
+
+    class Ahead:
+        def __init__(self, next_step):
+            self.next_step = next_step
+
+        def __call__(self, ctx):
+            return self.next_step(ctx)
+
+    class WithAStepAhead(Assistant):
+        def configure_llm_middlewares(self, builder) -> None:
+            builder.insert_before(AgentInitialization, Ahead)
+
+    class WithAStepBetween(Assistant):
+        def configure_llm_middlewares(self, builder) -> None:
+            builder.insert_before(NetworkCalling, Ahead)
+
+    state = get_state(app)
+    default = adopted_turn_shape(state, Assistant(None))
+    assert default.open_shell and default.read_history
+    ahead = adopted_turn_shape(state, WithAStepAhead(None))
+    assert ahead.open_shell and not ahead.read_history
+    between = adopted_turn_shape(state, WithAStepBetween(None))
+    assert not between.open_shell and between.read_history
+
+
+def test_the_checkpoint_locks_the_loop_row_before_the_calls(app, session, database_url):
+    """One statement locks both rows, the loop's first (the order every writer
+    takes them in): while the call's row is held elsewhere, the checkpoint
+    waits holding the loop's, so a writer that takes the loop first waits on it
+    and none takes the call before the loop."""
+    import threading
+
+    from flask_solidloop.loops import store
+
+    loop = Assistant.start(message="hello")
+    loop_id = loop.id
+    shell = Message(loop_id=loop_id, role="assistant", content="", status="completed")
+    session.add(shell)
+    session.flush()
+    call = ToolCall(loop_id=loop_id, message_id=shell.id, position=0, name="add")
+    session.add(call)
+    session.commit()
+    call_id = call.id
+    url = libpq_url(database_url)
+    with psycopg.connect(url) as holder, psycopg.connect(url) as checkpoint, \
+            psycopg.connect(url, autocommit=True) as probe:
+        holder.execute("SELECT 1 FROM solidloop_tool_calls WHERE id = %s FOR UPDATE",
+                       (call_id,))
+        done = threading.Event()
+
+        def run() -> None:
+            checkpoint.execute(store._LOCK_FOR_CHECKPOINT, (loop_id, call_id)).fetchall()
+            done.set()
+
+        waiter = threading.Thread(target=run)
+        waiter.start()
+        try:
+            deadline = time.monotonic() + 10
+            loop_locked = False
+            while time.monotonic() < deadline and not loop_locked:
+                try:
+                    probe.execute("SELECT 1 FROM solidloop_loops WHERE id = %s "
+                                  "FOR UPDATE NOWAIT", (loop_id,))
+                except psycopg.errors.LockNotAvailable:
+                    loop_locked = True
+                else:
+                    time.sleep(0.02)
+            assert loop_locked, "the checkpoint did not take the loop row first"
+            assert not done.is_set()  # and it waits for the call's
+        finally:
+            holder.rollback()
+            waiter.join(10)
+        assert done.is_set()
+        checkpoint.rollback()
