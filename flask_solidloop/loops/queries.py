@@ -41,6 +41,21 @@ def real_session(session: SessionLike) -> Session:
     return session() if isinstance(session, scoped_session) else session
 
 
+_RowLayout = tuple[tuple[tuple[str, str], ...], tuple[str, ...]]
+_ROW_LAYOUTS: dict[type[Any], _RowLayout] = {}
+
+
+def _row_layout(model: type[Any]) -> _RowLayout:
+    """A model's (attribute, column) pairs and its primary key's columns."""
+    layout = _ROW_LAYOUTS.get(model)
+    if layout is None:
+        mapper = sa_inspect(model)
+        layout = _ROW_LAYOUTS[model] = (
+            tuple((prop.key, prop.columns[0].name) for prop in mapper.column_attrs),
+            tuple(column.name for column in mapper.primary_key))
+    return layout
+
+
 def row_object(session: SessionLike, model: type[Any], row: Mapping[str, Any]) -> Any:
     """The ``model`` object of a row the caller has just written and read back
     whole (``RETURNING *``), put in ``session`` as persistent and unchanged, so
@@ -48,14 +63,16 @@ def row_object(session: SessionLike, model: type[Any], row: Mapping[str, Any]) -
     row as the database now holds it (runtime/inline.py carries the rows an
     adopted step starts from)."""
     real = real_session(session)
-    values = {prop.key: row[prop.columns[0].name] for prop in sa_inspect(model).column_attrs}
-    primary_key = tuple(values[col.key] for col in sa_inspect(model).primary_key)
-    existing = real.identity_map.get(identity_key(model, primary_key))
+    columns, primary_key = _row_layout(model)
+    existing = real.identity_map.get(identity_key(model, tuple(row[c] for c in primary_key)))
     if existing is not None:
-        for key, value in values.items():
-            set_committed_value(existing, key, value)
+        for key, column in columns:
+            set_committed_value(existing, key, row[column])
         return existing
-    obj = model(**values)
+    # Built as a load builds it: the values are the object's committed state
+    # (no constructor, no change history), then attached as persistent.
+    obj = sa_inspect(model).class_manager.new_instance()
+    obj.__dict__.update((key, row[column]) for key, column in columns)
     make_transient_to_detached(obj)
     real.add(obj)
     return obj

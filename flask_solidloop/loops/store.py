@@ -215,6 +215,9 @@ _CLAIM = (
 _CLAIM_LLM_TURN = _CLAIM.format(condition="AND status = 'queued' ")
 #: The claim a tool answer adopts for its thread (the caller holds the row lock).
 _ADOPT_LLM_TURN = _CLAIM.format(condition="")
+_INSERT_SHELL = (
+    "INSERT INTO solidloop_messages (loop_id, role, content, status, is_hidden) "
+    "VALUES (%s, 'assistant', '', 'processing', true) RETURNING *")
 _SHELL_COLUMNS = tuple(column.name for column in Message.__table__.columns)
 #: The adopted claim and its turn's hidden shell, in one statement: the loop's
 #: row whole, and the shell's columns as ``shell_<column>``.
@@ -550,15 +553,15 @@ def open_shell(session: SessionLike, loop_id: int, token: uuid.UUID,
         if not owns(loop, token):
             session.rollback()
             raise LostLeaseError(f"loop {loop_id} changed hands before the request")
-    shell = Message(loop_id=loop_id, role="assistant", status="processing", is_hidden=True,
-                    content="")
-    session.add(shell)
-    session.flush()
-    shell_id = shell.id  # read before the commit: afterwards it would reload
+    session.flush()  # what the session holds goes first, as a flush would order it
+    row = driver_connection(session).cursor(row_factory=dict_row).execute(
+        _INSERT_SHELL, (loop_id,)).fetchone()
+    assert row is not None
+    shell_id = int(row["id"])
     # The session holds its objects weakly: keep the shell for the turn's
     # canonical write, which then finds it without a SELECT (when no commit or
     # rollback has expired it meanwhile).
-    _real(session).info["solidloop_open_shell"] = shell
+    _real(session).info["solidloop_open_shell"] = queries.row_object(session, Message, row)
     if not in_claim:
         session.commit()
     return shell_id

@@ -1,4 +1,5 @@
-"""URL redaction (urls.py) and storable text/JSON (loops/storable.py): pure functions."""
+"""URL redaction (urls.py), secret redaction (llm/redact.py) and storable text/JSON
+(loops/storable.py): pure functions."""
 
 from __future__ import annotations
 
@@ -71,3 +72,24 @@ def test_a_large_body_is_kept_as_an_excerpt_with_size_and_hash():
     big, cut = storable.excerpt("x" * 1000, 100)
     assert cut and big["truncated"] and len(big["excerpt"]) == 100
     assert big["size"] == 1002 and len(big["sha256"]) == 64
+
+
+def test_secrets_are_redacted_wherever_they_hide_in_a_body():
+    from flask_solidloop.llm.redact import REDACTED, redact_secrets
+
+    key = "sk-live-0123456789"
+    body = {"messages": [{"role": "user", "content": f"my key is {key}, keep it"}],
+            "nested": [[{"deep": key}]], "count": 3, "flag": None}
+    redacted = redact_secrets(body, [key])
+    assert redacted["messages"][0]["content"] == f"my key is {REDACTED}, keep it"
+    assert redacted["nested"][0][0]["deep"] == REDACTED
+    assert body["nested"][0][0]["deep"] == key  # the caller's body is left alone
+    # Nothing to find: the very same object comes back.
+    clean = {"messages": [{"role": "user", "content": "nothing here"}]}
+    assert redact_secrets(clean, [key]) is clean
+    # A secret JSON would escape (a quote, a backslash, a newline) is still found.
+    for odd in ('pa"ss-word-1', "back\\slash-9x", "new\nline-secret"):
+        assert redact_secrets({"a": [f"x{odd}y"]}, [odd]) == {"a": [f"x{REDACTED}y"]}
+    # Non-ASCII text, and a value JSON cannot encode, on its own.
+    assert redact_secrets({"t": f"\u00e9{key}\u00e9"}, [key]) == {"t": f"\u00e9{REDACTED}\u00e9"}
+    assert redact_secrets(f"plain {key}", [key]) == f"plain {REDACTED}"
