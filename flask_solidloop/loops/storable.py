@@ -145,3 +145,24 @@ def history_digest(turns: list[Any]) -> str:
     encoded = json.dumps(turns, ensure_ascii=False, sort_keys=True, separators=(",", ":"),
                          default=str)
     return hashlib.sha256(encoded.encode("utf-8", "replace")).hexdigest()
+
+
+#: The key that replaces a logged request's tool declarations when the same
+#: ones were logged for the loop before.
+TOOLS_OMITTED = "solidloop_tools_omitted"
+
+
+def tools_digest(body: Any) -> str | None:
+    """SHA-256 of a request body's tool declarations (``tools``, every dialect),
+    as :func:`history_digest` hashes; None for a body without any."""
+    tools = body.get("tools") if isinstance(body, dict) else None
+    return history_digest(tools) if isinstance(tools, list) and tools else None
+
+
+def without_tools(body: dict[str, Any], digest: str) -> dict[str, Any]:
+    """``body`` with its tool declarations replaced by their count and SHA-256
+    (their digest, :func:`tools_digest`): an earlier event of the loop holds
+    them whole."""
+    kept = {key: value for key, value in body.items() if key != "tools"}
+    kept[TOOLS_OMITTED] = {"field": "tools", "count": len(body["tools"]), "sha256": digest}
+    return kept

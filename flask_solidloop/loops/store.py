@@ -22,7 +22,9 @@ one write elsewhere: leases.py, on the renewer's own connection.
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -290,16 +292,52 @@ def _wire_event(session: SessionLike, loop_id: int, message_id: int | None,
 
 def _wire_event_params(loop_id: int, message_id: int | None, wire: WireRecord | None, *,
                        body_limit: int, error: str | None = None,
-                       repeat_history: bool = False) -> dict[str, Any] | None:
-    """The parameters of :data:`_INSERT_LLM_EVENT` for ``wire`` (None: no event)."""
+                       repeat_history: bool = False, tools_logged: str | None = None,
+                       ) -> dict[str, Any] | None:
+    """The parameters of :data:`_INSERT_LLM_EVENT` for ``wire`` (None: no event).
+    ``tools_logged``: the digest of the tools an earlier event of the loop holds
+    whole (see :class:`_LoggedTools`); the same tools are named, not repeated."""
     if wire is None:
         return None
     payload = wire.to_payload()
     if not repeat_history:
-        payload["request"]["body"] = storable.conversation_tail(payload["request"]["body"])
+        body = storable.conversation_tail(payload["request"]["body"])
+        if tools_logged is not None and storable.tools_digest(body) == tools_logged:
+            body = storable.without_tools(body, tools_logged)
+        payload["request"]["body"] = body
     return {"loop_id": loop_id, "message_id": message_id, "status_code": wire.status,
             "duration_ms": wire.duration_ms, "error": _clean(error),
             "payload": Jsonb(_event_payload(payload, body_limit))}
+
+
+class _LoggedTools:
+    """The digest of the tool declarations this process last committed whole in
+    a loop's wire log, per loop (its id and ``created_at``; bounded: forgetting
+    one only logs its tools whole again). Every request sends the agent's tools,
+    often many kilobytes of schema; the wire log keeps them once per loop and
+    process, and again whenever they change."""
+
+    LIMIT = 10_000
+
+    def __init__(self) -> None:
+        self._digests: OrderedDict[tuple[int, Any], str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, loop: tuple[int, Any]) -> str | None:
+        with self._lock:
+            return self._digests.get(loop)
+
+    def remember(self, loop: tuple[int, Any], digest: str | None) -> None:
+        if digest is None:
+            return
+        with self._lock:
+            self._digests[loop] = digest
+            self._digests.move_to_end(loop)
+            while len(self._digests) > self.LIMIT:
+                self._digests.popitem(last=False)
+
+
+_logged_tools = _LoggedTools()
 
 
 def _lock_call(session: SessionLike, loop_id: int, token: uuid.UUID, tool_call_id: int,
@@ -660,9 +698,6 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     # Tool phase: the loop stays running under this generation; no LLM lease. The
     # first call is born leased to this thread when it continues inline.
     lease = uuid.uuid4() if calls and state.dispatch.can_adopt() else None
-    event = _wire_event_params(loop_id, shell_id, wire,
-                               body_limit=state.config.event_body_limit,
-                               repeat_history=state.config.event_repeat_history)
     # Rows come back whole (RETURNING *): an adopted tool call's step starts
     # from them (Adopted.carried) instead of reading them again. The admin's
     # live stream is announced on commit (NOTIFY is transactional: a turn that
@@ -677,6 +712,14 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
         session.rollback()
         raise LostLeaseError(f"loop {loop_id} changed hands during the request")
     conn.execute(_FINISH_SHELL, shell_params)
+    # The loop as this process's wire-log memory knows it: its id and its birth
+    # (ids repeat across databases, and in one after a reset).
+    logged_key = (loop_id, fenced["created_at"])
+    repeat_history = state.config.event_repeat_history
+    event = _wire_event_params(loop_id, shell_id, wire,
+                               body_limit=state.config.event_body_limit,
+                               repeat_history=repeat_history,
+                               tools_logged=_logged_tools.get(logged_key))
     inserted = sorted(rows.execute(*_insert_tool_calls(
         loop_id, shell_id, calls, lease, lease_seconds=state.config.liveness_ttl)).fetchall(),
         key=lambda row: row["position"]) if calls else None
@@ -698,6 +741,8 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     shell = _real(session).identity_map.get(identity_key(Message, shell_id))
     session.commit()
     state.dispatch.confirm(adopted)
+    if wire is not None and not repeat_history:  # the event's tools are now in the log
+        _logged_tools.remember(logged_key, storable.tools_digest(wire.request_body))
     if not calls:
         signals.send(signals.loop_completed, loop_id=loop_id, agent=agent_name)
     if shell is None:

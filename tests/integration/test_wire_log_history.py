@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from sqlalchemy import select
 
-from flask_solidloop.loops.storable import HISTORY_OMITTED, history_digest
+from flask_solidloop.loops.storable import HISTORY_OMITTED, TOOLS_OMITTED, history_digest
 from flask_solidloop.models import Event
 from flask_solidloop.testing import drain as run
 
@@ -35,15 +35,21 @@ def test_each_event_keeps_the_conversation_from_the_last_answer_on(app, session,
     logged = request_bodies(session, loop.id)
     assert len(sent) == len(logged) == 3
     assert logged[0] == sent[0]  # a first request has no answer before it: whole
+    assert sent[0]["tools"]
     for body, as_sent in zip(logged[1:], sent[1:], strict=True):
         messages = as_sent["messages"]
         last_answer = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         assert body["messages"] == messages[last_answer:]  # the answer and what follows
         assert body[HISTORY_OMITTED] == {"field": "messages", "count": last_answer,
                                          "sha256": history_digest(messages[:last_answer])}
+        # The tools the first event holds are named by count and SHA-256.
+        assert body[TOOLS_OMITTED] == {"field": "tools", "count": len(as_sent["tools"]),
+                                       "sha256": history_digest(as_sent["tools"])}
+        assert history_digest(as_sent["tools"]) == history_digest(logged[0]["tools"])
         # Everything else in the body is kept as sent.
-        assert {k: v for k, v in body.items() if k not in ("messages", HISTORY_OMITTED)} \
-            == {k: v for k, v in as_sent.items() if k != "messages"}
+        omitted = ("messages", HISTORY_OMITTED, "tools", TOOLS_OMITTED)
+        assert {k: v for k, v in body.items() if k not in omitted} \
+            == {k: v for k, v in as_sent.items() if k not in omitted}
     # What the log holds per request stays the same size however long the loop gets.
     assert len(logged[2]["messages"]) == len(logged[1]["messages"]) == 2
 
@@ -60,3 +66,29 @@ def test_repeat_history_keeps_every_request_whole(database_url, llm):
         session.remove()
         for engine in app.extensions["sqlalchemy"].engines.values():
             engine.dispose()
+
+
+def test_tools_that_change_are_logged_whole_again():
+    """A request's tools are left out only when they are the ones the loop's
+    log already holds (by digest): other tools, or none known, are kept."""
+    from flask_solidloop.loops import store
+    from flask_solidloop.wire import WireRecord
+
+    def body(tools):
+        return {"model": "m", "tools": tools, "messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
+            {"role": "tool", "content": "r", "tool_call_id": "c"}]}
+
+    first = [{"type": "function", "function": {"name": "add"}}]
+    other = [*first, {"type": "function", "function": {"name": "sub"}}]
+
+    def logged(tools, known):
+        wire = WireRecord(url="u", request_headers={}, request_body=body(tools))
+        params = store._wire_event_params(1, 2, wire, body_limit=65536, tools_logged=known)
+        return params["payload"].obj["request"]["body"]
+
+    same = logged(first, history_digest(first))
+    assert "tools" not in same
+    assert same[TOOLS_OMITTED] == {"field": "tools", "count": 1, "sha256": history_digest(first)}
+    assert logged(other, history_digest(first))["tools"] == other
+    assert logged(first, None)["tools"] == first
