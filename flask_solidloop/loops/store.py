@@ -698,33 +698,34 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     # Tool phase: the loop stays running under this generation; no LLM lease. The
     # first call is born leased to this thread when it continues inline.
     lease = uuid.uuid4() if calls and state.dispatch.can_adopt() else None
-    # Rows come back whole (RETURNING *): an adopted tool call's step starts
-    # from them (Adopted.carried) instead of reading them again. The admin's
-    # live stream is announced on commit (NOTIFY is transactional: a turn that
-    # rolls back announces nothing).
+    # The loop as this process's wire-log memory knows it: its id and its birth
+    # (ids repeat across databases, and in one after a reset), from the loop
+    # object the turn holds (not loaded for this: unknown, the tools are kept).
+    known = _real(session).identity_map.get(identity_key(Loop, loop_id))
+    born = known.__dict__.get("created_at") if known is not None else None
+    repeat_history = state.config.event_repeat_history
+    event = _wire_event_params(
+        loop_id, shell_id, wire, body_limit=state.config.event_body_limit,
+        repeat_history=repeat_history,
+        tools_logged=_logged_tools.get((loop_id, born)) if born is not None else None)
+    # One statement writes the loop (fenced), the shell and the wire event; the
+    # loop row comes back whole (RETURNING *), as do the calls: an adopted tool
+    # call's step starts from them (Adopted.carried) instead of reading them
+    # again. The admin's live stream is announced on commit (NOTIFY is
+    # transactional: a turn that rolls back announces nothing).
+    params.update(_prefixed("shell_", shell_params))
+    if event is not None:
+        params.update(_prefixed("event_", event))
     conn = driver_connection(session)
     rows = conn.cursor(row_factory=dict_row)
-    fenced = rows.execute((
-        f"UPDATE solidloop_loops SET {', '.join(sets)} "
-        "WHERE id = %(id)s AND status = 'running' AND execution_token = %(token)s "
-        f"RETURNING *, pg_notify('{LIVE_CHANNEL}', %(live)s)"), params).fetchone()
+    fenced = rows.execute(_finish_statement(sets, with_event=event is not None),
+                          params).fetchone()
     if fenced is None:
         session.rollback()
         raise LostLeaseError(f"loop {loop_id} changed hands during the request")
-    conn.execute(_FINISH_SHELL, shell_params)
-    # The loop as this process's wire-log memory knows it: its id and its birth
-    # (ids repeat across databases, and in one after a reset).
-    logged_key = (loop_id, fenced["created_at"])
-    repeat_history = state.config.event_repeat_history
-    event = _wire_event_params(loop_id, shell_id, wire,
-                               body_limit=state.config.event_body_limit,
-                               repeat_history=repeat_history,
-                               tools_logged=_logged_tools.get(logged_key))
     inserted = sorted(rows.execute(*_insert_tool_calls(
         loop_id, shell_id, calls, lease, lease_seconds=state.config.liveness_ttl)).fetchall(),
         key=lambda row: row["position"]) if calls else None
-    if event is not None:
-        conn.execute(_INSERT_LLM_EVENT, event)
     agent_name = fenced["agent_name"]
     adopted = None
     if inserted is not None:
@@ -742,7 +743,8 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     session.commit()
     state.dispatch.confirm(adopted)
     if wire is not None and not repeat_history:  # the event's tools are now in the log
-        _logged_tools.remember(logged_key, storable.tools_digest(wire.request_body))
+        _logged_tools.remember((loop_id, fenced["created_at"]),
+                               storable.tools_digest(wire.request_body))
     if not calls:
         signals.send(signals.loop_completed, loop_id=loop_id, agent=agent_name)
     if shell is None:
@@ -756,6 +758,30 @@ _FINISH_SHELL = (
     "finish_reason = %(finish_reason)s, status = 'completed', is_hidden = false, "
     "completed_at = now(), metadata = %(meta)s, usage = coalesce(%(usage)s, usage), "
     "cost = coalesce(%(cost)s, cost), updated_at = now() WHERE id = %(id)s")
+
+
+def _prefixed(prefix: str, params: dict[str, Any]) -> dict[str, Any]:
+    return {prefix + key: value for key, value in params.items()}
+
+
+def _finish_statement(sets: list[str], *, with_event: bool) -> str:
+    """The turn end's fenced loop UPDATE with the shell's UPDATE and the wire
+    event's INSERT as parts of the same statement (``shell_`` and ``event_``
+    parameters). Every WITH part runs once; the others write only when the
+    fence matched (a statement that matched nothing is rolled back anyway)."""
+    shell = _FINISH_SHELL.replace("%(", "%(shell_") + " AND EXISTS (SELECT 1 FROM fenced)"
+    parts = [
+        f"fenced AS (UPDATE solidloop_loops SET {', '.join(sets)} "
+        "WHERE id = %(id)s AND status = 'running' AND execution_token = %(token)s "
+        f"RETURNING *, pg_notify('{LIVE_CHANNEL}', %(live)s))",
+        f"shell AS ({shell})"]
+    if with_event:
+        parts.append(
+            "event AS (INSERT INTO solidloop_events (loop_id, message_id, kind, status_code, "
+            "duration_ms, error, payload) SELECT %(event_loop_id)s, %(event_message_id)s, "
+            "'llm_request', %(event_status_code)s, %(event_duration_ms)s, %(event_error)s, "
+            "%(event_payload)s FROM fenced)")
+    return f"WITH {', '.join(parts)} SELECT * FROM fenced"
 _TOOL_CALL_COLUMNS = ("loop_id", "message_id", "position", "call_id", "name", "server_name",
                       "tool_name", "arguments_raw", "arguments", "meta")
 

@@ -8,6 +8,7 @@ import uuid
 from datetime import timedelta
 
 import psycopg
+import pytest
 from sqlalchemy import func, select, text, update
 
 from flask_solidloop.leases import APPLICATION_NAME, LeaseRenewer
@@ -526,3 +527,36 @@ def test_reaper_leaves_a_stalled_call_alone_while_a_job_for_it_is_queued(
     assert reap(state).stalled_tools == []
     pg.execute("UPDATE solidloop_jobs SET state = 'done'")
     assert reap(state).stalled_tools == [call.id]
+
+
+def test_a_turn_end_after_the_loop_changed_hands_writes_nothing(state, session):
+    """The turn's end is one fenced statement for the loop, its shell and its
+    wire event: when the generation moved on during the request, none of them
+    (nor a tool call) is written."""
+    from flask_solidloop.errors import LostLeaseError
+    from flask_solidloop.llm.types import AssistantTurn, Usage
+    from flask_solidloop.loops import store
+    from flask_solidloop.wire import WireRecord
+
+    loop_id, token = running_loop(session)
+    shell_id = store.open_shell(session, loop_id, token)
+    # Another generation takes the loop while the request is out.
+    session.execute(update(Loop).where(Loop.id == loop_id).values(execution_token=uuid.uuid4()))
+    session.commit()
+    steps_before = session.get(Loop, loop_id).step_count
+    wire = WireRecord(url="http://llm/v1", request_headers={}, request_body={"model": "m"},
+                      status=200, response_body={"ok": True})
+    call = store.NewToolCall(call_id="c1", name="add", arguments_raw='{"a": 1}',
+                             arguments={"a": 1})
+    with pytest.raises(LostLeaseError):
+        store.finish_llm_turn(
+            state, session, loop_id=loop_id, token=token, shell_id=shell_id,
+            response=AssistantTurn(content="late", tool_calls=[], finish_reason="tool_calls",
+                                   usage=Usage(input_tokens=3, output_tokens=1)),
+            meta={}, turn_cost=None, calls=[call], wire=wire, sequential=False)
+    session.expire_all()
+    shell = session.get(Message, shell_id)
+    assert shell.status == "processing" and shell.content == ""
+    assert session.get(Loop, loop_id).step_count == steps_before
+    assert session.scalars(select(Event).where(Event.loop_id == loop_id)).all() == []
+    assert session.scalars(select(ToolCall).where(ToolCall.loop_id == loop_id)).all() == []
