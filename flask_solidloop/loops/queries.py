@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from psycopg.rows import dict_row
 from sqlalchemy import Text, bindparam, func, literal_column, select, text
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.orm import Session, make_transient_to_detached, scoped_session
@@ -29,7 +30,18 @@ PROVIDER_META_KEYS = ("anthropic_blocks", "gemini_parts")
 
 
 def get_loop(session: SessionLike, loop_id: int) -> Loop | None:
-    return session.get(Loop, loop_id)
+    """The loop, as ``session.get`` gives it. A loop the session does not hold
+    (the usual case: a job's first read) is read with a plain ``SELECT *`` and
+    loaded as :func:`row_object` loads a row, without the ORM's query
+    machinery; anything the session holds, or has pending, goes through
+    ``session.get`` itself."""
+    real = real_session(session)
+    if identity_key(Loop, loop_id) in real.identity_map or real.new or real.dirty \
+            or real.deleted:
+        return session.get(Loop, loop_id)
+    row = driver_connection(session).cursor(row_factory=dict_row).execute(
+        "SELECT * FROM solidloop_loops WHERE id = %s", (loop_id,)).fetchone()
+    return row_object(session, Loop, row) if row is not None else None
 
 
 def get_tool_call(session: SessionLike, tool_call_id: int) -> ToolCall | None:

@@ -390,30 +390,35 @@ def test_an_adopted_llm_turn_runs_under_its_claim_or_is_handed_back(
     assert len(llm.requests) == 2
 
 
-def test_adopted_steps_start_from_the_rows_their_commit_returned(app, session, llm):
+def test_adopted_steps_start_from_the_rows_their_commit_returned(app, session, llm,
+                                                                monkeypatch):
     """The commit that adopts a step reads its rows back whole (RETURNING *); the
     step starts from them: neither the job log nor the turn reads the loop or
     the call again. Only the delivered first turn reads its loop."""
-    from sqlalchemy import event
+    import re
 
     script_chain(llm, tools=3)
-    engine = get_state(app).db.engine
     reads: list[str] = []
+    execute = psycopg.Cursor.execute
 
-    def listen(conn, cursor, statement, parameters, context, executemany):
-        if statement.lstrip().startswith("SELECT") and "FROM solidloop_" in statement:
-            reads.append(statement)
+    def observed(cursor, query, *args, **kwargs):
+        text = query if isinstance(query, str) else str(query)
+        if text.lstrip().startswith("SELECT") and "FROM solidloop_" in text:
+            reads.append(text)
+        return execute(cursor, query, *args, **kwargs)
 
     loop_id = Assistant.start(message="chain").id
-    event.listen(engine, "before_cursor_execute", listen)
+    # Every statement, the ORM's and the plain ones on the driver connection.
+    monkeypatch.setattr(psycopg.Cursor, "execute", observed)
     try:
         run_worker_until(app, session, [loop_id])
     finally:
-        event.remove(engine, "before_cursor_execute", listen)
+        monkeypatch.undo()
     assert_completed_once(session, loop_id, calls=3)
     # The test's own polling reads loops by status; the turns' reads by id are
     # the ones that count here.
-    loop_by_id = [s for s in reads if "FROM solidloop_loops \nWHERE solidloop_loops.id = " in s]
+    by_id = re.compile(r"FROM solidloop_loops\s+WHERE (solidloop_loops\.)?id = ")
+    loop_by_id = [s for s in reads if by_id.search(s)]
     call_with_loop = [s for s in reads if "JOIN solidloop_loops" in s]
     assert len(loop_by_id) == 1, loop_by_id
     assert call_with_loop == []
@@ -604,3 +609,23 @@ def test_the_checkpoint_locks_the_loop_row_before_the_calls(app, session, databa
             waiter.join(10)
         assert done.is_set()
         checkpoint.rollback()
+
+
+def test_get_loop_loads_a_loop_as_session_get_would(app, session):
+    from sqlalchemy import inspect as sa_inspect
+
+    from flask_solidloop.loops import queries
+
+    loop_id = Assistant.start(message="hello").id
+    session.expunge_all()
+    loop = queries.get_loop(session, loop_id)  # not in the session: a plain read
+    state = sa_inspect(loop)
+    assert state.persistent and not state.modified and loop.status == "queued"
+    assert queries.get_loop(session, loop_id) is loop
+    loop.error_message = "pending"
+    # A change the session holds is never overwritten by a read.
+    assert queries.get_loop(session, loop_id).error_message == "pending"
+    session.rollback()
+    assert queries.get_loop(session, loop_id).error_message is None
+    assert queries.get_loop(session, 10**12) is None
+    session.rollback()
