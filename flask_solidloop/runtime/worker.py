@@ -25,19 +25,24 @@ from ..state import EXTENSION_KEY, get_state
 #: Loggers that flood a ``dramatiq --verbose`` log with wire-level DEBUG lines
 #: (each HTTP read, each HTTP/2 frame, each migration plugin); held at INFO
 #: unless SOLIDLOOP_HTTP_DEBUG=1 asks for them.
-QUIET_LOGGERS = ("httpcore", "httpx", "hpack", "h2", "h11", "anyio", "mcp", "asyncio",
-                 "urllib3", "alembic")
+QUIET_LOGGERS = ("httpcore", "httpx", "httpx2", "hpack", "h2", "h11", "anyio", "mcp",
+                 "asyncio", "urllib3", "alembic")
+#: Of those, the ones held at WARNING: the HTTP clients log every request at
+#: INFO (a line per LLM turn and per remote tool call, which the job log and
+#: the wire log already record), and alembic each migration plugin.
+WARNING_ONLY = ("httpx", "httpx2", "alembic")
 HTTP_DEBUG_ENV = "SOLIDLOOP_HTTP_DEBUG"
 
 
 def quiet_noisy_loggers() -> None:
-    """Keep --verbose about our jobs, not about the HTTP client's reads."""
+    """Keep the worker's log about our jobs, not about the HTTP clients' requests
+    and reads (a logger the host set to a level of its own is left alone)."""
     if os.environ.get(HTTP_DEBUG_ENV):
         return
     for name in QUIET_LOGGERS:
         noisy = logging.getLogger(name)
         if noisy.level in (logging.NOTSET, logging.DEBUG):
-            noisy.setLevel(logging.WARNING if name == "alembic" else logging.INFO)
+            noisy.setLevel(logging.WARNING if name in WARNING_ONLY else logging.INFO)
 
 
 def load_worker_app() -> tuple[Flask, PostgresBroker]:

@@ -54,6 +54,9 @@ def test_credentials_in_urls_are_never_stored_or_logged(
             server.url, f"agent:{USER_TOKEN}", f"token={QUERY_TOKEN}&page=1"))
         llm.script("echo it", {"tool_calls": [{"name": "echo", "arguments": {}}]})
         llm.script(lambda body: body["messages"][-1]["role"] == "tool", "done")
+        # The HTTP clients' line per request (held at WARNING by default) let
+        # through: the log then carries the URLs whose credentials must not.
+        monkeypatch.setenv("SOLIDLOOP_HTTP_DEBUG", "1")
         log = tmp_path / "worker.log"
         proc = spawn_workers([sys.executable, "-m", "dramatiq", "flask_solidloop.worker",
                               "--processes", "1", "--threads", "2"], log=log)

@@ -51,9 +51,22 @@ def test_verbose_workers_do_not_log_the_http_clients_debug(monkeypatch):
             logging.getLogger(name).setLevel(logging.NOTSET)
         quiet_noisy_loggers()
         assert not logging.getLogger("httpcore").isEnabledFor(logging.DEBUG)
-        assert not logging.getLogger("httpx").isEnabledFor(logging.DEBUG)
+        # The HTTP client's line per request is the job log's and the wire log's.
+        assert not logging.getLogger("httpx").isEnabledFor(logging.INFO)
+        assert logging.getLogger("httpx").isEnabledFor(logging.WARNING)
         assert not logging.getLogger("alembic").isEnabledFor(logging.INFO)
         assert logging.getLogger("flask_solidloop.jobs").isEnabledFor(logging.DEBUG)
+        # SOLIDLOOP_HTTP_DEBUG=1 lets them all through.
+        for name in saved:
+            logging.getLogger(name).setLevel(logging.NOTSET)
+        monkeypatch.setenv("SOLIDLOOP_HTTP_DEBUG", "1")
+        quiet_noisy_loggers()
+        assert logging.getLogger("httpx").isEnabledFor(logging.DEBUG)
+        # A level the host set is its own.
+        monkeypatch.delenv("SOLIDLOOP_HTTP_DEBUG")
+        logging.getLogger("httpx").setLevel(logging.INFO)
+        quiet_noisy_loggers()
+        assert logging.getLogger("httpx").isEnabledFor(logging.INFO)
     finally:
         for name, level in saved.items():
             logging.getLogger(name).setLevel(level)
