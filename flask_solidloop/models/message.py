@@ -47,6 +47,14 @@ class Message(Timestamps, Base):
             "loop_id",
             postgresql_where=text("status = 'processing'"),
         ),
+        # A tool call has one answer. Partial: only tool answers have a
+        # tool_call_id, and no other message pays for an entry (migration 0010).
+        Index(
+            "uq_solidloop_messages_tool_call_id",
+            "tool_call_id",
+            unique=True,
+            postgresql_where=text("tool_call_id IS NOT NULL"),
+        ),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
@@ -64,7 +72,7 @@ class Message(Timestamps, Base):
     reasoning: Mapped[str | None] = mapped_column(Text)
     # For role='tool': the tool call this message answers.
     tool_call_id: Mapped[int | None] = mapped_column(
-        ForeignKey("solidloop_tool_calls.id", ondelete="CASCADE", use_alter=True), unique=True
+        ForeignKey("solidloop_tool_calls.id", ondelete="CASCADE", use_alter=True)
     )
     finish_reason: Mapped[str | None] = mapped_column(String(50))
     usage: Mapped[dict[str, Any] | None] = mapped_column(JSONB)

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg import sql
 from sqlalchemy import event
 
@@ -154,6 +155,33 @@ def test_deleting_a_message_finds_the_tool_call_it_answers_by_index(pg):
     pg.execute("DELETE FROM solidloop_messages WHERE id = %s", (answers[7],))
     assert pg.execute("SELECT message_id FROM solidloop_tool_calls "
                       "WHERE response_message_id IS NULL").fetchall() == [(calls[7],)]
+
+
+def test_deleting_a_tool_call_finds_its_answer_by_the_partial_unique_index(pg):
+    """Migration 0010: only tool answers have an entry in the unique index on
+    messages.tool_call_id, and the ON DELETE CASCADE lookup still uses it."""
+    loop_id = pg.execute("INSERT INTO solidloop_loops (agent_name, status) "
+                         "VALUES ('assistant', 'completed') RETURNING id").fetchone()[0]
+    asks = [r[0] for r in pg.execute(
+        "INSERT INTO solidloop_messages (loop_id, role) SELECT %s, 'assistant' "
+        "FROM generate_series(1, 5000) RETURNING id", (loop_id,)).fetchall()]
+    calls = [r[0] for r in pg.execute(
+        "INSERT INTO solidloop_tool_calls (loop_id, message_id, position, name) "
+        "SELECT %s, m, 0, 'calc__add' FROM unnest(%s::bigint[]) AS m RETURNING id",
+        (loop_id, asks)).fetchall()]
+    pg.execute("INSERT INTO solidloop_messages (loop_id, role, tool_call_id) "
+               "SELECT %s, 'tool', c FROM unnest(%s::bigint[]) AS c", (loop_id, calls))
+    pg.execute("VACUUM ANALYZE solidloop_messages")
+    # The statement the ON DELETE CASCADE trigger runs for each deleted call.
+    ri = "DELETE FROM ONLY solidloop_messages WHERE %(id)s = tool_call_id"
+    for plan in plans(pg, ri, {"id": calls[7]}):
+        assert_uses(plan, "uq_solidloop_messages_tool_call_id", "solidloop_messages")
+    (entries,), = pg.execute(
+        "SELECT reltuples FROM pg_class WHERE relname = 'uq_solidloop_messages_tool_call_id'")
+    assert entries == len(calls)  # the 5000 assistant messages have none
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        pg.execute("INSERT INTO solidloop_messages (loop_id, role, tool_call_id) "
+                   "VALUES (%s, 'tool', %s)", (loop_id, calls[0]))
 
 
 # -- migration 0009: a running loop's updates are HOT ---------------------------------

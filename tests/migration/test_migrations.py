@@ -170,3 +170,37 @@ def test_0009_moves_the_queued_age_to_queued_at_and_downgrades(scratch_url):
             "SELECT indexdef FROM pg_indexes"
             " WHERE indexname = 'ix_solidloop_events_created_at'").fetchone()
         assert "USING btree (created_at)" in events_index
+
+
+def test_0010_makes_the_tool_answer_index_partial_and_downgrades(scratch_url):
+    upgrade(scratch_url, "0009")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        loop_id = conn.execute("INSERT INTO solidloop_loops (agent_name, status) "
+                               "VALUES ('a', 'completed') RETURNING id").fetchone()[0]
+        ask = conn.execute("INSERT INTO solidloop_messages (loop_id, role) "
+                           "VALUES (%s, 'assistant') RETURNING id", (loop_id,)).fetchone()[0]
+        call = conn.execute("INSERT INTO solidloop_tool_calls (loop_id, message_id, position, "
+                            "name) VALUES (%s, %s, 0, 'add') RETURNING id",
+                            (loop_id, ask)).fetchone()[0]
+        conn.execute("INSERT INTO solidloop_messages (loop_id, role, tool_call_id) "
+                     "VALUES (%s, 'tool', %s)", (loop_id, call))
+    upgrade(scratch_url, "0010")
+
+    def shape(conn):
+        return conn.execute(
+            "SELECT i.indisunique, i.indisvalid, pg_get_expr(i.indpred, i.indrelid), "
+            "(SELECT count(*) FROM pg_constraint WHERE conname = c.relname) "
+            "FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+            "WHERE c.relname = 'uq_solidloop_messages_tool_call_id'").fetchone()
+
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        assert shape(conn) == (True, True, "(tool_call_id IS NOT NULL)", 0)
+        with pytest.raises(psycopg.errors.UniqueViolation):
+            conn.execute("INSERT INTO solidloop_messages (loop_id, role, tool_call_id) "
+                         "VALUES (%s, 'tool', %s)", (loop_id, call))
+        assert conn.execute("SELECT count(*) FROM solidloop_messages").fetchone() == (2,)
+    downgrade(scratch_url, "0009")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        # The UNIQUE constraint again, over every row.
+        assert shape(conn) == (True, True, None, 1)
+        assert conn.execute("SELECT count(*) FROM solidloop_messages").fetchone() == (2,)
