@@ -716,25 +716,27 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     params.update(_prefixed("shell_", shell_params))
     if event is not None:
         params.update(_prefixed("event_", event))
-    conn = driver_connection(session)
-    rows = conn.cursor(row_factory=dict_row)
-    fenced = rows.execute(_finish_statement(sets, with_event=event is not None),
-                          params).fetchone()
+    calls_values = None
+    if calls:
+        calls_values, call_params = _tool_call_rows(
+            loop_id, shell_id, calls, lease, lease_seconds=state.config.liveness_ttl)
+        params.update(call_params)
+    fenced = driver_connection(session).cursor(row_factory=dict_row).execute(
+        _finish_statement(sets, with_event=event is not None, calls_values=calls_values),
+        params).fetchone()
     if fenced is None:
         session.rollback()
         raise LostLeaseError(f"loop {loop_id} changed hands during the request")
-    inserted = sorted(rows.execute(*_insert_tool_calls(
-        loop_id, shell_id, calls, lease, lease_seconds=state.config.liveness_ttl)).fetchall(),
-        key=lambda row: row["position"]) if calls else None
     agent_name = fenced["agent_name"]
     adopted = None
-    if inserted is not None:
-        call_ids = [row["id"] for row in inserted]
+    if calls:
+        call_ids: list[int] = fenced.pop("solidloop_call_ids")
+        first_call = {column: fenced.pop(f"call_{column}") for column in _CALL_COLUMNS}
         to_run = calls_to_run(call_ids, sequential=sequential)
         if lease is not None:
             adopted = state.dispatch.adopt_tool_call(
                 call_ids[0], token, loop_id=loop_id, lease_token=lease,
-                carried=((Loop, fenced), (ToolCall, inserted[0])))
+                carried=((Loop, fenced), (ToolCall, first_call)))
             to_run = to_run[1:]
         for call_id in to_run:
             state.dispatch.tool_call(session, call_id, token, loop_id=loop_id)
@@ -764,11 +766,16 @@ def _prefixed(prefix: str, params: dict[str, Any]) -> dict[str, Any]:
     return {prefix + key: value for key, value in params.items()}
 
 
-def _finish_statement(sets: list[str], *, with_event: bool) -> str:
-    """The turn end's fenced loop UPDATE with the shell's UPDATE and the wire
-    event's INSERT as parts of the same statement (``shell_`` and ``event_``
-    parameters). Every WITH part runs once; the others write only when the
-    fence matched (a statement that matched nothing is rolled back anyway)."""
+def _finish_statement(sets: list[str], *, with_event: bool,
+                      calls_values: str | None) -> str:
+    """The turn end's fenced loop UPDATE with the shell's UPDATE, the wire
+    event's INSERT (``shell_`` and ``event_`` parameters) and the tool calls'
+    INSERT (``calls_values``, see :func:`_tool_call_rows`) as parts of one
+    statement. Every WITH part runs once; the others write only when the fence
+    matched (and a statement that matched nothing is rolled back anyway). It
+    returns the loop's row whole; with calls, also their ids in order
+    (``solidloop_call_ids``) and the first call's row whole (``call_<column>``:
+    an adopted call's step starts from it)."""
     shell = _FINISH_SHELL.replace("%(", "%(shell_") + " AND EXISTS (SELECT 1 FROM fenced)"
     parts = [
         f"fenced AS (UPDATE solidloop_loops SET {', '.join(sets)} "
@@ -781,35 +788,56 @@ def _finish_statement(sets: list[str], *, with_event: bool) -> str:
             "duration_ms, error, payload) SELECT %(event_loop_id)s, %(event_message_id)s, "
             "'llm_request', %(event_status_code)s, %(event_duration_ms)s, %(event_error)s, "
             "%(event_payload)s FROM fenced)")
-    return f"WITH {', '.join(parts)} SELECT * FROM fenced"
+    if calls_values is None:
+        return f"WITH {', '.join(parts)} SELECT * FROM fenced"
+    parts.append(
+        "calls AS (INSERT INTO solidloop_tool_calls (loop_id, message_id, position, call_id, "
+        "name, server_name, tool_name, arguments_raw, arguments, metadata, lease_token, "
+        f"lease_holder, leased_until) SELECT v.* FROM (VALUES {calls_values}) AS v, fenced "
+        "RETURNING *)")
+    first = ", ".join(f'first.{column} AS "call_{column}"' for column in _CALL_COLUMNS)
+    return (f"WITH {', '.join(parts)} SELECT fenced.*, "
+            "ARRAY(SELECT id FROM calls ORDER BY position) AS solidloop_call_ids, "
+            f"{first} FROM fenced, "
+            "(SELECT * FROM calls ORDER BY position LIMIT 1) AS first")
+
+
 _TOOL_CALL_COLUMNS = ("loop_id", "message_id", "position", "call_id", "name", "server_name",
                       "tool_name", "arguments_raw", "arguments", "meta")
+_TOOL_CALL_TYPES = {"loop_id": "bigint", "message_id": "bigint", "position": "integer",
+                    "call_id": "varchar", "name": "varchar", "server_name": "varchar",
+                    "tool_name": "varchar", "arguments_raw": "text", "arguments": "jsonb",
+                    "meta": "jsonb"}
 
 
-def _insert_tool_calls(loop_id: int, message_id: int, calls: Sequence[NewToolCall],
-                       lease: uuid.UUID | None, *, lease_seconds: float,
-                       ) -> tuple[str, list[Any]]:
-    """The statement inserting a turn's tool calls, and its parameters; with
-    ``lease``, the first is born leased to this worker (an adopted call). It
-    returns each row whole."""
-    rows, params = [], []
+_CALL_COLUMNS = tuple(column.name for column in ToolCall.__table__.columns)
+
+
+def _tool_call_rows(loop_id: int, message_id: int, calls: Sequence[NewToolCall],
+                    lease: uuid.UUID | None, *, lease_seconds: float,
+                    ) -> tuple[str, dict[str, Any]]:
+    """The ``VALUES`` rows of a turn's tool calls (``call<n>_`` parameters), in
+    the column order :func:`_finish_statement` inserts them; with ``lease``,
+    the first is born leased to this worker (an adopted call). Each value is
+    cast to its column's type: in a ``SELECT`` a parameter has none of its own."""
+    rows, params = [], {}
     for position, call in enumerate(calls):
         values = _tool_call_values(loop_id, message_id, position, call)
+        names = []
         for key in _TOOL_CALL_COLUMNS:
             value = values[key]
-            params.append(Jsonb(value) if key in ("arguments", "meta") and value is not None
-                          else value)
-        placeholders = ", ".join(["%s"] * len(_TOOL_CALL_COLUMNS))
+            params[f"call{position}_{key}"] = (
+                Jsonb(value) if key in ("arguments", "meta") and value is not None else value)
+            names.append(f"%(call{position}_{key})s::{_TOOL_CALL_TYPES[key]}")
         if position == 0 and lease is not None:
-            rows.append(f"({placeholders}, %s, %s, now() + %s)")
-            params += [lease, worker_identity(), timedelta(seconds=lease_seconds)]
+            params.update({"call_lease": lease, "call_holder": worker_identity(),
+                           "call_ttl": timedelta(seconds=lease_seconds)})
+            names += ["%(call_lease)s::uuid", "%(call_holder)s::varchar",
+                      "now() + %(call_ttl)s::interval"]
         else:
-            rows.append(f"({placeholders}, NULL, NULL, NULL)")
-    return ((
-        "INSERT INTO solidloop_tool_calls (loop_id, message_id, position, call_id, name, "
-        "server_name, tool_name, arguments_raw, arguments, metadata, lease_token, "
-        f"lease_holder, leased_until) VALUES {', '.join(rows)} RETURNING *"),
-        params)
+            names += ["NULL::uuid", "NULL::varchar", "NULL::timestamptz"]
+        rows.append(f"({', '.join(names)})")
+    return ", ".join(rows), params
 
 
 def end_llm_turn(session: SessionLike, loop_id: int, token: uuid.UUID, *, to: str,
