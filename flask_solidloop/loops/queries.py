@@ -170,12 +170,18 @@ def tool_calls(session: SessionLike, loop_id: int) -> list[ToolCall]:
         select(ToolCall).where(ToolCall.loop_id == loop_id).order_by(ToolCall.id)))
 
 
-_HISTORY_MESSAGES = (
-    "SELECT id, role, content, reasoning, metadata, tool_call_id FROM solidloop_messages "
-    "WHERE loop_id = %s AND NOT is_hidden AND status = 'completed' ORDER BY id")
-_HISTORY_CALLS = (
-    "SELECT id, message_id, call_id, name, arguments_raw FROM solidloop_tool_calls "
-    "WHERE loop_id = %s ORDER BY position")
+#: A loop's tool calls (by position), then its visible, completed messages (by
+#: id), in one round trip: ``is_call, id, role, content or call_id, reasoning,
+#: metadata, tool_call_id or message_id, name, arguments_raw``.
+_HISTORY = (
+    "SELECT true AS is_call, id, NULL AS role, call_id AS text, NULL AS reasoning, "
+    "NULL::jsonb AS metadata, message_id AS ref, name, arguments_raw, position AS sort_key "
+    "FROM solidloop_tool_calls WHERE loop_id = %(loop_id)s "
+    "UNION ALL "
+    "SELECT false, id, role, content, reasoning, metadata, tool_call_id, NULL, NULL, id "
+    "FROM solidloop_messages "
+    "WHERE loop_id = %(loop_id)s AND NOT is_hidden AND status = 'completed' "
+    "ORDER BY is_call DESC, sort_key")
 
 
 def history(session: SessionLike, loop_id: int) -> list[ChatMessage]:
@@ -185,17 +191,17 @@ def history(session: SessionLike, loop_id: int) -> list[ChatMessage]:
     conversation, and ORM entities cost several times more per row), inside
     the session's transaction, after flushing what the session holds."""
     session.flush()
-    conn = driver_connection(session)
-    visible = conn.execute(_HISTORY_MESSAGES, (loop_id,)).fetchall()
     calls_by_message: dict[int, list[tuple[str, str, str]]] = {}
     answered: dict[int, tuple[str, str]] = {}
-    for call_pk, message_id, call_id, name, arguments_raw in conn.execute(
-            _HISTORY_CALLS, (loop_id,)):
-        wire_id = call_id or f"call_{call_pk}"
-        calls_by_message.setdefault(message_id, []).append((wire_id, name, arguments_raw or ""))
-        answered[call_pk] = (wire_id, name)
     result = []
-    for row_id, role, content, reasoning, meta, tool_call_id in visible:
+    for is_call, row_id, role, content, reasoning, meta, ref, name, arguments_raw, _ in \
+            driver_connection(session).execute(_HISTORY, {"loop_id": loop_id}):
+        if is_call:  # the calls come first: the messages below name them
+            wire_id = content or f"call_{row_id}"
+            calls_by_message.setdefault(ref, []).append((wire_id, name, arguments_raw or ""))
+            answered[row_id] = (wire_id, name)
+            continue
+        tool_call_id = ref
         meta = meta or {}
         if role == "assistant":
             result.append(ChatMessage(

@@ -184,6 +184,24 @@ def test_deleting_a_tool_call_finds_its_answer_by_the_partial_unique_index(pg):
                    "VALUES (%s, 'tool', %s)", (loop_id, calls[0]))
 
 
+def test_a_turns_history_reads_its_loops_rows_by_index(pg):
+    """queries.history's one statement reads the loop's calls and messages
+    through their loop_id indexes, among many other loops' rows."""
+    loop_ids = [r[0] for r in pg.execute(
+        "INSERT INTO solidloop_loops (agent_name, status) SELECT 'assistant', 'completed' "
+        "FROM generate_series(1, 2000) RETURNING id").fetchall()]
+    pg.execute("INSERT INTO solidloop_messages (loop_id, role, content) "
+               "SELECT l, 'assistant', 'x' FROM unnest(%s::bigint[]) AS l, "
+               "generate_series(1, 10)", (loop_ids,))
+    pg.execute("INSERT INTO solidloop_tool_calls (loop_id, message_id, position, name) "
+               "SELECT m.loop_id, m.id, 0, 'calc__add' FROM solidloop_messages m")
+    pg.execute("VACUUM ANALYZE solidloop_messages")
+    pg.execute("VACUUM ANALYZE solidloop_tool_calls")
+    for plan in plans(pg, queries._HISTORY, {"loop_id": loop_ids[7]}):
+        assert_uses(plan, "ix_solidloop_messages_loop_id_id", "solidloop_messages")
+        assert_uses(plan, "ix_solidloop_tool_calls_", "solidloop_tool_calls")
+
+
 # -- migration 0009: a running loop's updates are HOT ---------------------------------
 
 
