@@ -31,7 +31,9 @@ min-max, and every figure as a ratio to DBOS:
   server counts too), WAL bytes per turn (server-wide LSN difference);
 * the turn gap (one LLM request of a loop to its next; the answer is
   instant, so this is the loop's own machinery: claim, tool call, commits,
-  queueing) p50, with 200 loops queued; and for one loop alone, p50/p99;
+  queueing) p50, with 200 loops queued; and for one loop alone, p50/p99
+  (a loop of ``--alone-turns`` LLM turns per rep, so the percentiles rest on
+  some dozens of gaps);
 * loop completion time p50/p99: from the start of all loops to each end.
 
 Targets (issue 10): turns/s >= 1.5x DBOS; worker CPU/turn <= 0.7x and
@@ -157,11 +159,13 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class Script:
-    """Answers with a noop tool call until the loop has had ``turns`` LLM turns,
-    and records when each loop's requests arrived."""
+    """Answers with a noop tool call until the loop has had ``turns`` LLM turns
+    (``alone_turns`` for a loop labelled ``alone...``), and records when each
+    loop's requests arrived."""
 
-    def __init__(self, turns: int) -> None:
+    def __init__(self, turns: int, alone_turns: int | None = None) -> None:
         self.turns = turns
+        self.alone_turns = alone_turns or turns
         self.arrivals: dict[str, list[float]] = collections.defaultdict(list)
         self.lock = threading.Lock()
 
@@ -171,7 +175,8 @@ class Script:
         with self.lock:
             self.arrivals[label].append(time.monotonic())
         done = sum(1 for m in messages if m.get("role") == "tool")
-        if done + 1 >= self.turns:
+        turns = self.alone_turns if label.startswith("alone") else self.turns
+        if done + 1 >= turns:
             return {"content": "done"}
         return {"content": "", "tool_calls": [{"name": "noop", "arguments": {"n": done}}]}
 
@@ -346,11 +351,13 @@ def main() -> None:
     parser.add_argument("--loops", type=int, default=200)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--alone-turns", type=int, default=20,
+                        help="LLM turns of the one-loop-alone run (default 20)")
     args = parser.parse_args()
 
     from flask_solidloop.testing import LLMEmulator
 
-    script = Script(args.turns)
+    script = Script(args.turns, args.alone_turns)
     emulator = LLMEmulator().start()
     emulator.script(lambda body: True, script.reply)
     os.environ["SOLIDLOOP_BENCH_LLM_URL"] = emulator.base_url
