@@ -24,7 +24,6 @@ from typing import Any
 
 REPLACEMENT = "\ufffd"
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def text(value: str | None) -> tuple[str | None, bool]:
@@ -78,17 +77,6 @@ def json_value(value: Any) -> tuple[Any, bool, bool]:
     a readable length (or a note saying so), flagged as not JSON (it cannot
     have come from ``json.loads`` anyway).
     """
-    try:
-        # The common case at C speed: plain JSON with nothing to replace comes
-        # back as a fresh copy (keys made strings, tuples lists, as the walk does).
-        encoded = json.dumps(value, ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError, RecursionError):
-        pass  # NaN or infinity, a value JSON cannot hold, a cycle: the walk says which
-    else:
-        # NUL is escaped in JSON text (a literal "\\u0000" only costs a walk);
-        # a lone surrogate is written as it is.
-        if "\\u0000" not in encoded and not _SURROGATE.search(encoded):
-            return json.loads(encoded), False, False
     walk = _Walk()
     try:
         return walk.value(value), walk.altered, walk.unserializable
