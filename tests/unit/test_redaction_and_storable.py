@@ -84,9 +84,8 @@ def test_secrets_are_redacted_wherever_they_hide_in_a_body():
     assert redacted["messages"][0]["content"] == f"my key is {REDACTED}, keep it"
     assert redacted["nested"][0][0]["deep"] == REDACTED
     assert body["nested"][0][0]["deep"] == key  # the caller's body is left alone
-    # Nothing to find: the very same object comes back.
     clean = {"messages": [{"role": "user", "content": "nothing here"}]}
-    assert redact_secrets(clean, [key]) is clean
+    assert redact_secrets(clean, [key]) == clean
     # A secret JSON would escape (a quote, a backslash, a newline) is still found.
     for odd in ('pa"ss-word-1', "back\\slash-9x", "new\nline-secret"):
         assert redact_secrets({"a": [f"x{odd}y"]}, [odd]) == {"a": [f"x{REDACTED}y"]}
