@@ -180,16 +180,28 @@ def _adopt_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int, *
     ``open_shell``: insert the turn's hidden shell in the same statement, for a
     stack whose request follows its initialization directly (the turn then
     makes no commit before its request). ``read_history``: read the turn's
-    history here too, for a stack that starts with its initialization: under
-    the row lock nothing can add to it before the turn begins, so the turn
-    sends what it would have read."""
+    history here too, for a stack that starts with its initialization (see
+    decision 0015, cut 14: the turn sends what it would have read)."""
     token = uuid.uuid4()
-    params = {"id": loop_id, "token": token, "holder": worker_identity(),
-              "ttl": timedelta(seconds=state.config.liveness_ttl)}
-    cursor = driver_connection(session).cursor(row_factory=dict_row)
-    row = cursor.execute(_ADOPT_WITH_SHELL if open_shell else _ADOPT_LLM_TURN,
-                         params).fetchone()
+    row = driver_connection(session).cursor(row_factory=dict_row).execute(
+        _ADOPT_WITH_SHELL if open_shell else _ADOPT_LLM_TURN,
+        _prefixed("claim_", _claim_params(state, loop_id, token))).fetchone()
     assert row is not None
+    return _adopted_llm_turn(state, session, loop_id, token, row, open_shell=open_shell,
+                             read_history=read_history)
+
+
+def _claim_params(state: SolidLoopState, loop_id: int, token: uuid.UUID) -> dict[str, Any]:
+    return {"id": loop_id, "token": token, "holder": worker_identity(),
+            "ttl": timedelta(seconds=state.config.liveness_ttl)}
+
+
+def _adopted_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int,
+                      token: uuid.UUID, row: dict[str, Any], *, open_shell: bool,
+                      read_history: bool) -> Adopted:
+    """The adoption of the claim ``row`` (the loop's row whole, its shell's
+    columns as ``shell_<column>`` when ``open_shell``), with its history read
+    now if ``read_history``."""
     carried: tuple[tuple[Any, Any], ...] = ()
     shell_id = None
     if open_shell:
@@ -215,21 +227,23 @@ _CLAIM = (
     "RETURNING *, extract(epoch FROM now() - run_started_at) AS run_elapsed")
 #: A queued loop's claim (its first turn, or a turn a consumer delivered).
 _CLAIM_LLM_TURN = _CLAIM.format(condition="AND status = 'queued' ")
-#: The claim a tool answer adopts for its thread (the caller holds the row lock).
-_ADOPT_LLM_TURN = _CLAIM.format(condition="")
+#: The claim a tool answer adopts for its thread (the caller holds the row lock),
+#: its parameters ``claim_``-prefixed, as it is also part of a larger statement.
+_ADOPTING_CLAIM = _CLAIM.replace("%(", "%(claim_")
+_ADOPT_LLM_TURN = _ADOPTING_CLAIM.format(condition="")
 _INSERT_SHELL = (
     "INSERT INTO solidloop_messages (loop_id, role, content, status, is_hidden) "
     "VALUES (%s, 'assistant', '', 'processing', true) RETURNING *")
 _SHELL_COLUMNS = tuple(column.name for column in Message.__table__.columns)
 #: The adopted claim and its turn's hidden shell, in one statement: the loop's
 #: row whole, and the shell's columns as ``shell_<column>``.
-_ADOPT_WITH_SHELL = (
-    f"WITH claim AS ({_ADOPT_LLM_TURN}), "
+_SHELL_PART = (
     "shell AS (INSERT INTO solidloop_messages (loop_id, role, content, status, is_hidden) "
-    "SELECT id, 'assistant', '', 'processing', true FROM claim RETURNING *) "
-    "SELECT claim.*, "
-    + ", ".join(f'shell.{column} AS "shell_{column}"' for column in _SHELL_COLUMNS)
-    + " FROM claim, shell")
+    "SELECT claim.id, 'assistant', '', 'processing', true FROM claim RETURNING *)")
+_SHELL_SELECTED = ", ".join(f'shell.{column} AS "shell_{column}"' for column in _SHELL_COLUMNS)
+_ADOPT_WITH_SHELL = (
+    f"WITH claim AS ({_ADOPT_LLM_TURN}), {_SHELL_PART} "
+    f"SELECT claim.*, {_SHELL_SELECTED} FROM claim, shell")
 
 
 def _claim_row(session: SessionLike, statement: str, loop_id: int, token: uuid.UUID,
@@ -1013,26 +1027,38 @@ def checkpoint_and_answer_tool_call(
             "idempotency_key": call.idempotency_key, "result": stored,
         }, body_limit))}
     remaining: list[int] = []
+    adopted = None
     if answered:
         # The tool message, the result, its event and what is left to answer, in
-        # one statement (see _RECORD_AND_ANSWER).
+        # one statement (see _RECORD_AND_ANSWER); when this thread continues
+        # inline, with the next LLM turn's claim (and shell) for the last answer.
         content, message_meta = _storable_content(
             answer_text(canonical), {"is_error": canonical.is_error, "tool_name": call.name})
         params.update(content=content, message_meta=Jsonb(message_meta))
-        (remaining,), = execute_on(session, _RECORD_AND_ANSWER, params, fetch=True)
-    else:
-        execute_on(session, _RECORD_RESULT, params)
-    adopted = None
-    if answered:
-        if not remaining:
-            adopted = _requeue_loop_for_llm(state, session, loop_id,
+        if state.dispatch.can_adopt():
+            next_token = uuid.uuid4()
+            params.update(_prefixed("claim_", _claim_params(state, loop_id, next_token)))
+            row = driver_connection(session).cursor(row_factory=dict_row).execute(
+                _RECORD_ANSWER_AND_ADOPT[open_next_shell], params).fetchone()
+            assert row is not None
+            remaining = row.pop("solidloop_remaining")
+            if row["id"] is not None:  # the last answer: the claim was made
+                adopted = _adopted_llm_turn(state, session, loop_id, next_token, row,
                                             open_shell=open_next_shell,
                                             read_history=read_next_history)
-        elif sequential:
-            # The loop's current generation: a resume may have rotated it while the
-            # tool ran under its lease.
-            adopted = _dispatch_tool_calls(state, session, loop_id, loop_token, remaining,
-                                           sequential=True, adopt=True)
+            elif not remaining:  # one snapshot decides both; never leave the loop unqueued
+                _requeue_loop_for_llm(state, session, loop_id)
+        else:
+            (remaining,), = execute_on(session, _RECORD_AND_ANSWER, params, fetch=True)
+            if not remaining:
+                _requeue_loop_for_llm(state, session, loop_id)
+    else:
+        execute_on(session, _RECORD_RESULT, params)
+    if answered and remaining and sequential:
+        # The loop's current generation: a resume may have rotated it while the
+        # tool ran under its lease.
+        adopted = _dispatch_tool_calls(state, session, loop_id, loop_token, remaining,
+                                       sequential=True, adopt=True)
     # The call as the session knows it, expired by the commit: it reloads (the
     # stored result, the answer) when someone reads it.
     orm_call = _real(session).identity_map.get(identity_key(ToolCall, tool_call_id))
@@ -1081,6 +1107,37 @@ _RECORD_AND_ANSWER = (
     f"event AS ({_INSERT_TOOL_EVENT}) "
     "SELECT ARRAY(SELECT id FROM solidloop_tool_calls WHERE message_id = %(message_id)s "
     "AND response_message_id IS NULL AND id <> %(id)s ORDER BY position)")
+_UNANSWERED_BESIDE = ("FROM solidloop_tool_calls s WHERE s.message_id = %(message_id)s "
+                      "AND s.response_message_id IS NULL AND s.id <> %(id)s")
+
+
+def _record_answer_and_adopt(open_shell: bool) -> str:
+    """:data:`_RECORD_AND_ANSWER` with the loop's next LLM claim for this thread
+    (``claim_`` parameters) as one more part, made only when no other call of
+    the message is unanswered (the same snapshot as the siblings' list), and
+    the turn's shell when ``open_shell``. It returns the siblings still
+    unanswered (``solidloop_remaining``) and the claimed row whole (all NULL
+    when no claim was made), with the shell's columns as ``shell_<column>``."""
+    answer = _RECORD_AND_ANSWER[:_RECORD_AND_ANSWER.index(" SELECT ARRAY(")]
+    claim = _ADOPTING_CLAIM.format(
+        condition=f"AND NOT EXISTS (SELECT 1 {_UNANSWERED_BESIDE}) ")
+    parts = f"{answer}, claim AS ({claim})"
+    selected = "claim.*"
+    joined = "LEFT JOIN claim ON true"
+    if open_shell:
+        # The shell is made from the answer's row too, so its id is drawn after
+        # the answer's: a conversation is ordered by message id, and the parts
+        # of one statement run in no given order otherwise.
+        parts += ", " + _SHELL_PART.replace("FROM claim RETURNING", "FROM claim, answer RETURNING")
+        selected += f", {_SHELL_SELECTED}"
+        joined += " LEFT JOIN shell ON true"
+    return (f"{parts} SELECT ARRAY(SELECT s.id {_UNANSWERED_BESIDE} ORDER BY s.position) "
+            f"AS solidloop_remaining, {selected} FROM (SELECT 1) AS one {joined}")
+
+
+#: By whether the next turn's shell is written too.
+_RECORD_ANSWER_AND_ADOPT = {open_shell: _record_answer_and_adopt(open_shell)
+                            for open_shell in (False, True)}
 
 
 @dataclass(frozen=True)
@@ -1105,18 +1162,11 @@ class _CallRow:
         return f"solidloop:tool_call:{self.id}"
 
 
-def _requeue_loop_for_llm(state: SolidLoopState, session: SessionLike, loop_id: int, *,
-                          open_shell: bool = False, read_history: bool = False,
-                          ) -> Adopted | None:
-    """:func:`_requeue_for_llm` for a loop locked by a plain statement: adopted by
-    this thread when it continues inline (with its shell and its history, as
-    asked), else queued with its job."""
-    if state.dispatch.can_adopt():
-        return _adopt_llm_turn(state, session, loop_id, open_shell=open_shell,
-                               read_history=read_history)
+def _requeue_loop_for_llm(state: SolidLoopState, session: SessionLike, loop_id: int) -> None:
+    """:func:`_requeue_for_llm` for a loop locked by a plain statement that this
+    thread does not adopt: queued, with its job."""
     session.execute(text(_REQUEUE_LOOP), {"id": loop_id})
     state.dispatch.llm_turn(session, loop_id)
-    return None
 
 
 def _lock_for_checkpoint(session: SessionLike, loop_id: int, token: uuid.UUID,

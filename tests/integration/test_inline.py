@@ -467,9 +467,12 @@ def test_an_adopted_turns_shell_commits_with_the_tool_answer(app, session, llm):
     answers = [m for m in messages if m.role == "tool"]
     assert len(answers) == 3
     for answer in answers:
-        shells = [m for m in messages if m.role == "assistant" and m.id > answer.id
+        shells = [m for m in messages if m.role == "assistant"
                   and m.created_at == answer.created_at]
         assert len(shells) == 1 and shells[0].status == "completed", shells
+        # Written in one statement with the answer, the shell still comes after
+        # it: the conversation is ordered by message id.
+        assert shells[0].id > answer.id
     first = next(m for m in messages if m.role == "assistant")  # the delivered turn's
     assert first.created_at not in {a.created_at for a in answers}
 
@@ -507,7 +510,7 @@ def test_an_adopted_turn_sends_the_history_its_claim_read(app, session, llm, mon
 
     def history(session_, loop_id):
         result = real_history(session_, loop_id)
-        where = ("adoption" if any(f.function == "_adopt_llm_turn" for f in inspect.stack())
+        where = ("adoption" if any(f.function == "_adopted_llm_turn" for f in inspect.stack())
                  else "turn")
         reads.append((where, len(result)))
         return result
