@@ -185,15 +185,17 @@ def _adopt_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int, *
     token = uuid.uuid4()
     row = driver_connection(session).cursor(row_factory=dict_row).execute(
         _ADOPT_WITH_SHELL if open_shell else _ADOPT_LLM_TURN,
-        _prefixed("claim_", _claim_params(state, loop_id, token))).fetchone()
+        _prefixed("claim_", _claim_params(loop_id, token, state.config.liveness_ttl))
+    ).fetchone()
     assert row is not None
     return _adopted_llm_turn(state, session, loop_id, token, row, open_shell=open_shell,
                              read_history=read_history)
 
 
-def _claim_params(state: SolidLoopState, loop_id: int, token: uuid.UUID) -> dict[str, Any]:
+def _claim_params(loop_id: int, token: uuid.UUID, lease_seconds: float) -> dict[str, Any]:
+    """The parameters of the claim statements (:data:`_CLAIM`)."""
     return {"id": loop_id, "token": token, "holder": worker_identity(),
-            "ttl": timedelta(seconds=state.config.liveness_ttl)}
+            "ttl": timedelta(seconds=lease_seconds)}
 
 
 def _adopted_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int,
@@ -237,21 +239,26 @@ _INSERT_SHELL = (
 _SHELL_COLUMNS = tuple(column.name for column in Message.__table__.columns)
 #: The adopted claim and its turn's hidden shell, in one statement: the loop's
 #: row whole, and the shell's columns as ``shell_<column>``.
-_SHELL_PART = (
-    "shell AS (INSERT INTO solidloop_messages (loop_id, role, content, status, is_hidden) "
-    "SELECT claim.id, 'assistant', '', 'processing', true FROM claim RETURNING *)")
+def _shell_part(sources: str = "claim") -> str:
+    """The ``shell`` part of a statement whose ``claim`` part claims the turn:
+    its hidden ``processing`` shell, made from the rows of ``sources``."""
+    return ("shell AS (INSERT INTO solidloop_messages (loop_id, role, content, status, "
+            f"is_hidden) SELECT claim.id, 'assistant', '', 'processing', true FROM {sources} "
+            "RETURNING *)")
+
+
+
 _SHELL_SELECTED = ", ".join(f'shell.{column} AS "shell_{column}"' for column in _SHELL_COLUMNS)
 _ADOPT_WITH_SHELL = (
-    f"WITH claim AS ({_ADOPT_LLM_TURN}), {_SHELL_PART} "
+    f"WITH claim AS ({_ADOPT_LLM_TURN}), {_shell_part()} "
     f"SELECT claim.*, {_SHELL_SELECTED} FROM claim, shell")
 
 
 def _claim_row(session: SessionLike, statement: str, loop_id: int, token: uuid.UUID,
                lease_seconds: float) -> dict[str, Any] | None:
     """Run one of the claim statements; the loop's row, or None when it matched none."""
-    return driver_connection(session).cursor(row_factory=dict_row).execute(statement, {
-        "id": loop_id, "token": token, "holder": worker_identity(),
-        "ttl": timedelta(seconds=lease_seconds)}).fetchone()
+    return driver_connection(session).cursor(row_factory=dict_row).execute(
+        statement, _claim_params(loop_id, token, lease_seconds)).fetchone()
 
 
 def _hide_shells(session: SessionLike, loop_id: int) -> None:
@@ -722,10 +729,10 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
         loop_id, shell_id, wire, body_limit=state.config.event_body_limit,
         repeat_history=repeat_history,
         tools_logged=_logged_tools.get((loop_id, born)) if born is not None else None)
-    # One statement writes the loop (fenced), the shell and the wire event; the
-    # loop row comes back whole (RETURNING *), as do the calls: an adopted tool
-    # call's step starts from them (Adopted.carried) instead of reading them
-    # again. The admin's live stream is announced on commit (NOTIFY is
+    # One statement writes the loop (fenced), the shell, the wire event and the
+    # tool calls; the loop's row and the first call's come back whole: an
+    # adopted tool call's step starts from them (Adopted.carried) instead of
+    # reading them again. The admin's live stream is announced on commit (NOTIFY is
     # transactional: a turn that rolls back announces nothing).
     params.update(_prefixed("shell_", shell_params))
     if event is not None:
@@ -816,12 +823,12 @@ def _finish_statement(sets: list[str], *, with_event: bool,
             "(SELECT * FROM calls ORDER BY position LIMIT 1) AS first")
 
 
-_TOOL_CALL_COLUMNS = ("loop_id", "message_id", "position", "call_id", "name", "server_name",
-                      "tool_name", "arguments_raw", "arguments", "meta")
+#: The columns a new tool call is inserted with (by attribute), and their types.
 _TOOL_CALL_TYPES = {"loop_id": "bigint", "message_id": "bigint", "position": "integer",
                     "call_id": "varchar", "name": "varchar", "server_name": "varchar",
                     "tool_name": "varchar", "arguments_raw": "text", "arguments": "jsonb",
                     "meta": "jsonb"}
+_TOOL_CALL_COLUMNS = tuple(_TOOL_CALL_TYPES)
 
 
 _CALL_COLUMNS = tuple(column.name for column in ToolCall.__table__.columns)
@@ -1037,7 +1044,8 @@ def checkpoint_and_answer_tool_call(
         params.update(content=content, message_meta=Jsonb(message_meta))
         if state.dispatch.can_adopt():
             next_token = uuid.uuid4()
-            params.update(_prefixed("claim_", _claim_params(state, loop_id, next_token)))
+            params.update(_prefixed("claim_", _claim_params(
+                loop_id, next_token, state.config.liveness_ttl)))
             row = driver_connection(session).cursor(row_factory=dict_row).execute(
                 _RECORD_ANSWER_AND_ADOPT[open_next_shell], params).fetchone()
             assert row is not None
@@ -1078,8 +1086,8 @@ _LOCK_FOR_CHECKPOINT = (
     "c.executed_at IS NOT NULL, c.response_message_id "
     "FROM solidloop_loops l JOIN solidloop_tool_calls c ON c.loop_id = l.id "
     "WHERE l.id = %s AND c.id = %s FOR UPDATE OF l, c")
-#: What a tool call's outcome sets on its row; the answer's id, or NULL (the
-#: loop no longer runs: the checkpoint alone, and the call keeps its lease).
+#: What a tool call's outcome sets on its row (its answer and lease are set
+#: by the statement that answers it).
 _RESULT_SET = (
     "result = %(result)s, is_success = %(is_success)s, error_kind = %(error_kind)s, "
     "executed_at = now(), duration_ms = %(duration_ms)s, "
@@ -1097,18 +1105,19 @@ _RECORD_RESULT = (
 #: statement began (this call still unanswered, hence ``id <>``), and every
 #: sibling answered before is visible: answering one takes the loop row lock,
 #: which this transaction holds.
-_RECORD_AND_ANSWER = (
+_ANSWER_PARTS = (
     "WITH answer AS (INSERT INTO solidloop_messages (loop_id, role, content, tool_call_id, "
     "metadata) VALUES (%(loop_id)s, 'tool', %(content)s, %(id)s, %(message_meta)s) "
     "RETURNING id), "
     f"recorded AS (UPDATE solidloop_tool_calls SET {_RESULT_SET}, "
     "response_message_id = (SELECT id FROM answer), lease_token = NULL, "
     "lease_holder = NULL, leased_until = NULL WHERE id = %(id)s), "
-    f"event AS ({_INSERT_TOOL_EVENT}) "
-    "SELECT ARRAY(SELECT id FROM solidloop_tool_calls WHERE message_id = %(message_id)s "
-    "AND response_message_id IS NULL AND id <> %(id)s ORDER BY position)")
+    f"event AS ({_INSERT_TOOL_EVENT})")
+#: The message's other calls still unanswered, as the statement began.
 _UNANSWERED_BESIDE = ("FROM solidloop_tool_calls s WHERE s.message_id = %(message_id)s "
                       "AND s.response_message_id IS NULL AND s.id <> %(id)s")
+_REMAINING = f"ARRAY(SELECT s.id {_UNANSWERED_BESIDE} ORDER BY s.position)"
+_RECORD_AND_ANSWER = f"{_ANSWER_PARTS} SELECT {_REMAINING}"
 
 
 def _record_answer_and_adopt(open_shell: bool) -> str:
@@ -1118,21 +1127,20 @@ def _record_answer_and_adopt(open_shell: bool) -> str:
     the turn's shell when ``open_shell``. It returns the siblings still
     unanswered (``solidloop_remaining``) and the claimed row whole (all NULL
     when no claim was made), with the shell's columns as ``shell_<column>``."""
-    answer = _RECORD_AND_ANSWER[:_RECORD_AND_ANSWER.index(" SELECT ARRAY(")]
     claim = _ADOPTING_CLAIM.format(
         condition=f"AND NOT EXISTS (SELECT 1 {_UNANSWERED_BESIDE}) ")
-    parts = f"{answer}, claim AS ({claim})"
+    parts = f"{_ANSWER_PARTS}, claim AS ({claim})"
     selected = "claim.*"
     joined = "LEFT JOIN claim ON true"
     if open_shell:
         # The shell is made from the answer's row too, so its id is drawn after
         # the answer's: a conversation is ordered by message id, and the parts
         # of one statement run in no given order otherwise.
-        parts += ", " + _SHELL_PART.replace("FROM claim RETURNING", "FROM claim, answer RETURNING")
+        parts += ", " + _shell_part("claim, answer")
         selected += f", {_SHELL_SELECTED}"
         joined += " LEFT JOIN shell ON true"
-    return (f"{parts} SELECT ARRAY(SELECT s.id {_UNANSWERED_BESIDE} ORDER BY s.position) "
-            f"AS solidloop_remaining, {selected} FROM (SELECT 1) AS one {joined}")
+    return (f"{parts} SELECT {_REMAINING} AS solidloop_remaining, {selected} "
+            f"FROM (SELECT 1) AS one {joined}")
 
 
 #: By whether the next turn's shell is written too.

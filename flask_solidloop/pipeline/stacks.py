@@ -62,9 +62,3 @@ def adopted_turn_shape(state: SolidLoopState, agent: AgentLike) -> AdoptedTurnSh
         and middlewares[initialization] is AgentInitialization
         and all(m is ErrorHandling for m in middlewares[:initialization]))
 
-
-def opens_shell_in_claim(state: SolidLoopState, agent: AgentLike) -> bool:
-    """Whether ``agent``'s LLM stack sends its request right after its
-    initialization (AdoptedTurnShape.open_shell): AgentInitialization then
-    writes the shell with the claim."""
-    return adopted_turn_shape(state, agent).open_shell

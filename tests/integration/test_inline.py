@@ -477,24 +477,27 @@ def test_an_adopted_turns_shell_commits_with_the_tool_answer(app, session, llm):
     assert first.created_at not in {a.created_at for a in answers}
 
 
+class PassThrough:
+    """A host middleware that only calls the next step."""
+
+    def __init__(self, next_step):
+        self.next_step = next_step
+
+    def __call__(self, ctx):
+        return self.next_step(ctx)
+
+
 def test_a_stack_with_a_step_between_initialization_and_request_opens_its_own_shell(app):
     from flask_solidloop.pipeline.llm_stack import AgentInitialization
-    from flask_solidloop.pipeline.stacks import opens_shell_in_claim
-
-    class Between:
-        def __init__(self, next_step):
-            self.next_step = next_step
-
-        def __call__(self, ctx):
-            return self.next_step(ctx)
+    from flask_solidloop.pipeline.stacks import adopted_turn_shape
 
     class WithAStepBetween(Assistant):
         def configure_llm_middlewares(self, builder) -> None:
-            builder.insert_after(AgentInitialization, Between)
+            builder.insert_after(AgentInitialization, PassThrough)
 
     state = get_state(app)
-    assert opens_shell_in_claim(state, Assistant(None))
-    assert not opens_shell_in_claim(state, WithAStepBetween(None))
+    assert adopted_turn_shape(state, Assistant(None)).open_shell
+    assert not adopted_turn_shape(state, WithAStepBetween(None)).open_shell
 
 
 def test_an_adopted_turn_sends_the_history_its_claim_read(app, session, llm, monkeypatch):
@@ -539,20 +542,13 @@ def test_a_host_middleware_before_initialization_reads_its_turns_history_itself(
     from flask_solidloop.pipeline.llm_stack import AgentInitialization, NetworkCalling
     from flask_solidloop.pipeline.stacks import adopted_turn_shape
 
-    class Ahead:
-        def __init__(self, next_step):
-            self.next_step = next_step
-
-        def __call__(self, ctx):
-            return self.next_step(ctx)
-
     class WithAStepAhead(Assistant):
         def configure_llm_middlewares(self, builder) -> None:
-            builder.insert_before(AgentInitialization, Ahead)
+            builder.insert_before(AgentInitialization, PassThrough)
 
     class WithAStepBetween(Assistant):
         def configure_llm_middlewares(self, builder) -> None:
-            builder.insert_before(NetworkCalling, Ahead)
+            builder.insert_before(NetworkCalling, PassThrough)
 
     state = get_state(app)
     default = adopted_turn_shape(state, Assistant(None))
