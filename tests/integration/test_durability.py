@@ -529,10 +529,12 @@ def test_reaper_leaves_a_stalled_call_alone_while_a_job_for_it_is_queued(
     assert reap(state).stalled_tools == [call.id]
 
 
-def test_a_turn_end_after_the_loop_changed_hands_writes_nothing(state, session):
+@pytest.mark.parametrize("alone", [False, True], ids=["in-a-transaction", "autocommit"])
+def test_a_turn_end_after_the_loop_changed_hands_writes_nothing(state, session, alone):
     """The turn's end is one fenced statement for the loop, its shell and its
     wire event: when the generation moved on during the request, none of them
-    (nor a tool call) is written."""
+    (nor a tool call) is written. Alone (a final answer, nothing read since the
+    last commit) the statement is its own transaction; the fence holds the same."""
     from flask_solidloop.errors import LostLeaseError
     from flask_solidloop.llm.types import AssistantTurn, Usage
     from flask_solidloop.loops import store
@@ -548,12 +550,17 @@ def test_a_turn_end_after_the_loop_changed_hands_writes_nothing(state, session):
                       status=200, response_body={"ok": True})
     call = store.NewToolCall(call_id="c1", name="add", arguments_raw='{"a": 1}',
                              arguments={"a": 1})
+    if alone:
+        session.commit()
     with pytest.raises(LostLeaseError):
         store.finish_llm_turn(
             state, session, loop_id=loop_id, token=token, shell_id=shell_id,
-            response=AssistantTurn(content="late", tool_calls=[], finish_reason="tool_calls",
+            response=AssistantTurn(content="late", tool_calls=[],
+                                   finish_reason="stop" if alone else "tool_calls",
                                    usage=Usage(input_tokens=3, output_tokens=1)),
-            meta={}, turn_cost=None, calls=[call], wire=wire, sequential=False)
+            meta={}, turn_cost=None, calls=[] if alone else [call], wire=wire,
+            sequential=False)
+    assert session.get(Loop, loop_id).status == "running"  # not completed either
     session.expire_all()
     shell = session.get(Message, shell_id)
     assert shell.status == "processing" and shell.content == ""

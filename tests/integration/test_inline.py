@@ -424,6 +424,44 @@ def test_adopted_steps_start_from_the_rows_their_commit_returned(app, session, l
     assert call_with_loop == []
 
 
+def test_a_turn_end_that_is_its_whole_transaction_runs_in_autocommit(
+        app, session, llm, monkeypatch):
+    """A turn's end with nothing else to commit (a final answer, or one call this
+    thread adopts) is one statement sent in autocommit: no BEGIN, no COMMIT. One
+    whose other calls are enqueued with it runs in a transaction with their jobs."""
+    ends: list[tuple[bool, int]] = []
+    execute = psycopg.Cursor.execute
+
+    def observed(cursor, query, *args, **kwargs):
+        text = query if isinstance(query, str) else str(query)
+        if text.startswith("WITH fenced AS (UPDATE solidloop_loops"):
+            calls = text.count("INSERT INTO solidloop_tool_calls")
+            ends.append((cursor.connection.autocommit, calls))
+        return execute(cursor, query, *args, **kwargs)
+
+    script_chain(llm, tools=2)
+    llm.script("fan out", {"tool_calls": [{"name": "add", "arguments": {"a": 5, "b": 1}},
+                                          {"name": "add", "arguments": {"a": 6, "b": 1}}]})
+    llm.script(lambda body: body["messages"][-1].get("role") == "tool"
+               and body["messages"][-2].get("role") == "tool", {"content": "fanned"})
+    chain = Assistant.start(message="chain").id
+    monkeypatch.setattr(psycopg.Cursor, "execute", observed)
+    try:
+        run_worker_until(app, session, [chain])
+        chain_ends = list(ends)
+        ends.clear()
+        fan = Assistant.start(message="fan out").id
+        run_worker_until(app, session, [fan])
+    finally:
+        monkeypatch.undo()
+    assert_completed_once(session, chain, calls=2)
+    assert_completed_once(session, fan, calls=2)
+    # Two one-call turns and the answer: each end alone.
+    assert chain_ends == [(True, 1), (True, 1), (True, 0)]
+    # The parallel pair's end carries the second call's job: a transaction.
+    assert ends == [(False, 1), (True, 0)]
+
+
 def test_a_row_object_is_loaded_and_unchanged_in_the_session(app, session):
     from sqlalchemy import event
     from sqlalchemy import inspect as sa_inspect
