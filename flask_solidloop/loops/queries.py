@@ -8,7 +8,7 @@ Nothing here writes or commits; a caller that must not hold a snapshot open
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -170,18 +170,22 @@ def tool_calls(session: SessionLike, loop_id: int) -> list[ToolCall]:
         select(ToolCall).where(ToolCall.loop_id == loop_id).order_by(ToolCall.id)))
 
 
-#: A loop's tool calls (by position), then its visible, completed messages (by
-#: id), in one round trip: ``is_call, id, role, content or call_id, reasoning,
-#: metadata, tool_call_id or message_id, name, arguments_raw``.
-_HISTORY = (
+#: The rows of a loop's history: its tool calls first (they name the messages
+#: that asked for them), then its visible, completed messages, each as
+#: (is_call, id, role, text, reasoning, metadata, ref, name, arguments_raw,
+#: sort_key). Unordered: :data:`_HISTORY` orders it, and the store adds rows of
+#: its own to it (loops/store.py, an answer and the history in one statement).
+HISTORY_ROWS = (
     "SELECT true AS is_call, id, NULL AS role, call_id AS text, NULL AS reasoning, "
     "NULL::jsonb AS metadata, message_id AS ref, name, arguments_raw, position AS sort_key "
     "FROM solidloop_tool_calls WHERE loop_id = %(loop_id)s "
     "UNION ALL "
     "SELECT false, id, role, content, reasoning, metadata, tool_call_id, NULL, NULL, id "
     "FROM solidloop_messages "
-    "WHERE loop_id = %(loop_id)s AND NOT is_hidden AND status = 'completed' "
-    "ORDER BY is_call DESC, sort_key")
+    "WHERE loop_id = %(loop_id)s AND NOT is_hidden AND status = 'completed'")
+#: The order :func:`history_from_rows` reads the rows in.
+HISTORY_ORDER = "is_call DESC, sort_key"
+_HISTORY = f"{HISTORY_ROWS} ORDER BY {HISTORY_ORDER}"
 
 
 def history(session: SessionLike, loop_id: int) -> list[ChatMessage]:
@@ -191,11 +195,15 @@ def history(session: SessionLike, loop_id: int) -> list[ChatMessage]:
     conversation, and ORM entities cost several times more per row), inside
     the session's transaction, after flushing what the session holds."""
     session.flush()
+    return history_from_rows(driver_connection(session).execute(_HISTORY, {"loop_id": loop_id}))
+
+
+def history_from_rows(rows: Iterable[Sequence[Any]]) -> list[ChatMessage]:
+    """The history from its rows (:data:`HISTORY_ROWS`, in :data:`HISTORY_ORDER`)."""
     calls_by_message: dict[int, list[tuple[str, str, str]]] = {}
     answered: dict[int, tuple[str, str]] = {}
     result = []
-    for is_call, row_id, role, content, reasoning, meta, ref, name, arguments_raw, _ in \
-            driver_connection(session).execute(_HISTORY, {"loop_id": loop_id}):
+    for is_call, row_id, role, content, reasoning, meta, ref, name, arguments_raw, _ in rows:
         if is_call:  # the calls come first: the messages below name them
             wire_id = content or f"call_{row_id}"
             calls_by_message.setdefault(ref, []).append((wire_id, name, arguments_raw or ""))

@@ -225,10 +225,10 @@ def _claim_params(loop_id: int, token: uuid.UUID, lease_seconds: float) -> dict[
 
 def _adopted_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int,
                       token: uuid.UUID, row: dict[str, Any], *, open_shell: bool,
-                      read_history: bool) -> Adopted:
+                      read_history: bool, history: list[Any] | None = None) -> Adopted:
     """The adoption of the claim ``row`` (the loop's row whole, its shell's
     columns as ``shell_<column>`` when ``open_shell``), with its history read
-    now if ``read_history``."""
+    now if ``read_history`` (unless the claim's statement read it: ``history``)."""
     carried: tuple[tuple[Any, Any], ...] = ()
     shell_id = None
     if open_shell:
@@ -236,7 +236,10 @@ def _adopted_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int,
         shell_id = shell["id"]
         carried += ((Message, shell),)
     carried = ((Loop, row), *carried)
-    history = queries.history(session, loop_id) if read_history else None
+    if read_history and history is None:
+        history = queries.history(session, loop_id)
+    elif not read_history:
+        history = None
     return state.dispatch.adopt_llm_turn(loop_id, execution_token=token,
                                          run_elapsed_seconds=float(row["run_elapsed"]),
                                          carried=carried, shell_id=shell_id, history=history)
@@ -785,7 +788,7 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
         if lease is not None:
             adopted = state.dispatch.adopt_tool_call(
                 call_ids[0], token, loop_id=loop_id, lease_token=lease,
-                carried=((Loop, fenced), (ToolCall, first_call)))
+                carried=((Loop, fenced), (ToolCall, first_call)), sole_call=len(call_ids) == 1)
             to_run = to_run[1:]
         for call_id in to_run:
             state.dispatch.tool_call(session, call_id, token, loop_id=loop_id)
@@ -1019,6 +1022,7 @@ def checkpoint_and_answer_tool_call(
     tool_call_id: int, lease_token: uuid.UUID | None, result: ToolResult,
     duration_ms: float, body_limit: int, answer_text: Callable[[ToolResult], str],
     sequential: bool, open_next_shell: bool = False, read_next_history: bool = False,
+    known: KnownCall | None = None,
 ) -> tuple[ToolCall, ToolResult, bool]:
     """:func:`checkpoint_tool_call` and :func:`answer_tool_call` in one commit,
     for a tool stack with nothing between the two steps: the canonical result,
@@ -1028,9 +1032,19 @@ def checkpoint_and_answer_tool_call(
     as the two steps would have left it. When this thread adopts the loop's
     next LLM turn, ``open_next_shell`` and ``read_next_history`` say what of
     that turn is done here too (see pipeline.stacks.adopted_turn_shape).
-    Returns the call, the stored result and whether the call was answered."""
+    ``known``: the call as the step read it before the tool ran, when it is its
+    message's only call and this thread adopted it; the whole outcome is then
+    one statement (:func:`_answer_alone`). Returns the call, the stored result
+    and whether the call was answered."""
     if lease_token is None:
         raise LostLeaseError(f"tool call {tool_call_id}: no lease to checkpoint under")
+    if known is not None and known.id == tool_call_id and state.dispatch.can_adopt():
+        outcome = _answer_alone(
+            state, session, known, loop_id=loop_id, lease_token=lease_token, result=result,
+            duration_ms=duration_ms, body_limit=body_limit, answer_text=answer_text,
+            open_next_shell=open_next_shell, read_next_history=read_next_history)
+        if outcome is not None:
+            return outcome
     # Plain statements on the driver connection, no unit of work (the hot path
     # of every in-process tool turn): the loop row and the call's locked in one
     # statement, in that order (FOR UPDATE OF locks a joined row's tables in the
@@ -1177,6 +1191,164 @@ _RECORD_ANSWER_AND_ADOPT = {open_shell: _record_answer_and_adopt(open_shell)
 
 
 @dataclass(frozen=True)
+class KnownCall:
+    """A tool call's columns that stay as they are until its checkpoint, read by
+    its step before the tool runs (:meth:`of`), for the one-statement outcome
+    (:func:`_answer_alone`)."""
+
+    id: int
+    loop_id: int
+    message_id: int
+    name: str
+    server_name: str | None
+    tool_name: str | None
+    arguments: dict[str, Any] | None
+    arguments_raw: str | None
+    meta: dict[str, Any] | None
+
+    @classmethod
+    def of(cls, call: ToolCall) -> KnownCall:
+        return cls(call.id, call.loop_id, call.message_id, call.name, call.server_name,
+                   call.tool_name, call.arguments, call.arguments_raw, call.meta)
+
+    @property
+    def idempotency_key(self) -> str:
+        return f"solidloop:tool_call:{self.id}"
+
+
+def _answer_alone_statement(open_shell: bool, read_history: bool) -> str:
+    """The outcome of a call that is its message's only one, adopted by this
+    thread, as one statement: the loop's and the call's row locks (loop first),
+    the checks the two-step path makes in Python (the call's lease, not yet
+    executed, no sibling), then, when they hold, the checkpoint, its event and,
+    while the loop runs and the call is unanswered, the answer with the next
+    LLM turn's claim for this thread (``claim_`` parameters), its shell when
+    ``open_shell`` and its history when ``read_history``.
+
+    Why one statement is enough here: a statement's snapshot is taken before
+    it waits for the row locks, so it may miss what committed meanwhile. The
+    locked rows themselves are read as they are now (``FOR UPDATE`` and
+    ``UPDATE`` follow a row to its newest version); what else is read is a
+    sibling's answer (none: there is no sibling, and which calls a message
+    has never changes) and the history, whose writers all take the loop row
+    lock first and, while this call is leased and unanswered, move the loop
+    out of ``running`` or execute this call (then nothing is answered here).
+    Calls with siblings keep the two-step path, whose answer statement starts
+    after the lock is held."""
+    answered = "(SELECT answered FROM ok)"
+    parts = [
+        "WITH locked AS (SELECT l.status, c.lease_token, c.executed_at IS NOT NULL AS executed, "
+        "c.response_message_id, EXISTS (SELECT 1 FROM solidloop_tool_calls s "
+        "WHERE s.message_id = c.message_id AND s.id <> c.id) AS siblings "
+        "FROM solidloop_loops l JOIN solidloop_tool_calls c ON c.loop_id = l.id "
+        "WHERE l.id = %(loop_id)s AND c.id = %(id)s FOR UPDATE OF l, c)",
+        "ok AS (SELECT status = 'running' AND response_message_id IS NULL AS answered "
+        "FROM locked WHERE lease_token = %(lease)s AND NOT executed AND NOT siblings)",
+        "answer AS (INSERT INTO solidloop_messages (loop_id, role, content, tool_call_id, "
+        "metadata) SELECT %(loop_id)s, 'tool', %(content)s, %(id)s, %(message_meta)s "
+        "FROM ok WHERE ok.answered RETURNING id, content, metadata, tool_call_id)",
+        f"recorded AS (UPDATE solidloop_tool_calls SET {_RESULT_SET}, "
+        "response_message_id = coalesce((SELECT id FROM answer), response_message_id), "
+        f"lease_token = CASE WHEN {answered} THEN NULL ELSE lease_token END, "
+        f"lease_holder = CASE WHEN {answered} THEN NULL ELSE lease_holder END, "
+        f"leased_until = CASE WHEN {answered} THEN NULL ELSE leased_until END "
+        "WHERE id = %(id)s AND EXISTS (SELECT 1 FROM ok))",
+        "event AS (INSERT INTO solidloop_events (loop_id, tool_call_id, kind, duration_ms, "
+        "error, payload) SELECT %(loop_id)s, %(id)s, 'tool_call', %(duration_ms)s, %(error)s, "
+        "%(payload)s FROM ok)",
+        "claim AS ({})".format(_ADOPTING_CLAIM.format(condition=f"AND {answered} ")),
+    ]
+    selected = ["locked.status AS solidloop_status", "locked.lease_token AS solidloop_lease",
+                "locked.executed AS solidloop_executed",
+                "locked.siblings AS solidloop_siblings", f"{answered} AS solidloop_answered",
+                "claim.*"]
+    joined = "LEFT JOIN locked ON true LEFT JOIN claim ON true"
+    if open_shell:
+        parts.append(_shell_part("claim, answer"))
+        selected.append(_SHELL_SELECTED)
+        joined += " LEFT JOIN shell ON true"
+    if read_history:
+        # The history as the statement began, and the answer it adds.
+        selected.append(
+            "(SELECT json_agg(json_build_array(h.is_call, h.id, h.role, h.text, h.reasoning, "
+            "h.metadata, h.ref, h.name, h.arguments_raw, h.sort_key) "
+            f"ORDER BY {queries.HISTORY_ORDER}) "
+            f"FROM ({queries.HISTORY_ROWS} UNION ALL SELECT false, a.id, 'tool', a.content, "
+            "NULL, a.metadata, a.tool_call_id, NULL, NULL, a.id FROM answer a) AS h "
+            f"WHERE {answered}) AS solidloop_history")
+    return f"{', '.join(parts)} SELECT {', '.join(selected)} FROM (SELECT 1) AS one {joined}"
+
+
+#: By (open_shell, read_history).
+_ANSWER_ALONE = {(shell, history): _answer_alone_statement(shell, history)
+                 for shell in (False, True) for history in (False, True)}
+
+
+def _answer_alone(state: SolidLoopState, session: SessionLike, known: KnownCall, *,
+                  loop_id: int, lease_token: uuid.UUID, result: ToolResult,
+                  duration_ms: float, body_limit: int,
+                  answer_text: Callable[[ToolResult], str], open_next_shell: bool,
+                  read_next_history: bool) -> tuple[ToolCall, ToolResult, bool] | None:
+    """:func:`checkpoint_and_answer_tool_call` in one statement (see
+    :func:`_answer_alone_statement`), run as its own transaction when the
+    session holds nothing. None when the call has siblings after all (nothing
+    was written): the caller takes the two-step path."""
+    canonical, notes = _canonical_result(known, result)
+    stored = canonical.to_mcp()
+    content, message_meta = _storable_content(
+        answer_text(canonical), {"is_error": canonical.is_error, "tool_name": known.name})
+    next_token = uuid.uuid4()
+    params: dict[str, Any] = {
+        "id": known.id, "loop_id": loop_id, "lease": lease_token,
+        "result": Jsonb(stored), "is_success": not canonical.is_error,
+        "error_kind": canonical.error_kind, "duration_ms": duration_ms,
+        "meta": Jsonb(notes) if notes else None,
+        "error": canonical.text()[:MAX_EVENT_ERROR] if canonical.is_error else None,
+        "payload": Jsonb(_event_payload({
+            "name": known.name, "server": known.server_name, "tool": known.tool_name,
+            "arguments": known.arguments if known.arguments is not None else known.arguments_raw,
+            "idempotency_key": known.idempotency_key, "result": stored,
+        }, body_limit)),
+        "content": content, "message_meta": Jsonb(message_meta),
+        **_prefixed("claim_", _claim_params(loop_id, next_token, state.config.liveness_ttl))}
+    row = _execute_one(session, _ANSWER_ALONE[(open_next_shell, read_next_history)], params,
+                       sole=True)
+    assert row is not None  # one row, always
+    status = row.pop("solidloop_status")
+    if status is None:
+        session.rollback()
+        raise LostLeaseError(f"loop {loop_id} changed generation during tool call")
+    if row.pop("solidloop_lease") != lease_token:
+        session.rollback()
+        raise LostLeaseError(f"tool call {known.id}: its lease was reclaimed")
+    if row.pop("solidloop_executed"):
+        session.rollback()
+        raise LostLeaseError(f"tool call {known.id} was already executed")
+    if row.pop("solidloop_siblings"):
+        session.rollback()
+        return None
+    answered = bool(row.pop("solidloop_answered"))
+    history_rows = row.pop("solidloop_history", None)
+    adopted = None
+    if answered and row["id"] is not None:
+        adopted = _adopted_llm_turn(
+            state, session, loop_id, next_token, row, open_shell=open_next_shell,
+            read_history=read_next_history,
+            history=queries.history_from_rows(history_rows) if read_next_history else None)
+    elif answered:  # pragma: no cover - the claim matches whenever the answer is written
+        _requeue_loop_for_llm(state, session, loop_id)
+    orm_call = _real(session).identity_map.get(identity_key(ToolCall, known.id))
+    session.commit()
+    state.dispatch.confirm(adopted)
+    if answered:
+        signals.send(signals.tool_call_answered, loop_id=loop_id, tool_call_id=known.id,
+                     is_error=canonical.is_error)
+    if orm_call is None:
+        orm_call = session.get(ToolCall, known.id)
+    return orm_call, canonical, answered  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
 class _CallRow:
     """The columns of a locked tool call the checkpoint reads."""
 
@@ -1217,7 +1389,7 @@ def _lock_for_checkpoint(session: SessionLike, loop_id: int, token: uuid.UUID,
     return loop, call
 
 
-def _canonical_result(call: ToolCall | _CallRow, result: ToolResult
+def _canonical_result(call: ToolCall | _CallRow | KnownCall, result: ToolResult
                       ) -> tuple[ToolResult, dict[str, Any]]:
     """The result as it will be stored, and the call's notes about what changed."""
     from ..mcp.toolset import ToolResult

@@ -87,6 +87,10 @@ class ToolContext(TurnContext):
 
     tool_call_id: int = 0
     lease_token: uuid.UUID | None = None
+    #: The call is its message's only one and this thread adopted it with the
+    #: turn that asked for it (the built-in stack may then record its outcome
+    #: in one statement).
+    sole_call: bool = False
     tool_call: ToolCall | None = None
     tools: ToolRegistry | None = None
     result: ToolResult | None = None

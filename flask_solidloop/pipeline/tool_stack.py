@@ -46,11 +46,13 @@ class ToolExecution:
             ctx.result = ToolResult.from_mcp(call.result or {"content": []})
             return self.next_step(ctx)
 
+        # Read now: the tool's run ends the session's transaction (expiring it).
+        known = store.KnownCall.of(call) if ctx.sole_call else None
         result, duration_ms = self._run(ctx, call)
         if isinstance(self.next_step, ResponseCreation):
             # Nothing between the two steps: ResponseCreation records the result
             # and its answer in one commit (see ResponseCreation.__call__).
-            ctx.extras["unrecorded_result"] = (result, duration_ms)
+            ctx.extras["unrecorded_result"] = (result, duration_ms, known)
             return self.next_step(ctx)
         # From here on the stored (storable) result is the canonical one.
         ctx.tool_call, ctx.result = store.checkpoint_tool_call(
@@ -122,13 +124,14 @@ class ResponseCreation:
             next_turn = adopted_turn_shape(ctx.state, ctx.agent)
             # ToolExecution ran the tool and left its result to us: the checkpoint
             # and the answer share one commit (the answer renders the stored result).
-            result, duration_ms = unrecorded
+            result, duration_ms, known = unrecorded
             ctx.tool_call, ctx.result, _ = store.checkpoint_and_answer_tool_call(
                 ctx.state, ctx.session, loop_id=ctx.loop_id, token=ctx.execution_token,
                 tool_call_id=ctx.tool_call_id, lease_token=ctx.lease_token, result=result,
                 duration_ms=duration_ms, body_limit=ctx.state.config.event_body_limit,
                 answer_text=lambda stored: answer_text(stored, limit), sequential=sequential,
-                open_next_shell=next_turn.open_shell, read_next_history=next_turn.read_history)
+                open_next_shell=next_turn.open_shell, read_next_history=next_turn.read_history,
+                known=known)
         else:
             result = ctx.result
             assert result is not None

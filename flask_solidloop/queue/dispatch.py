@@ -59,6 +59,9 @@ class Adopted:
     #: An LLM turn's history (loops.queries.history), read by the same commit
     #: under the loop row lock; None when the turn reads it itself.
     history: list[Any] | None = None
+    #: A tool call that is its message's only one (its outcome may be one
+    #: statement: loops.store.checkpoint_and_answer_tool_call).
+    sole_call: bool = False
 
 
 class Dispatcher:
@@ -100,11 +103,13 @@ class Dispatcher:
 
     def adopt_tool_call(self, tool_call_id: int, execution_token: uuid.UUID, *,
                         loop_id: int, lease_token: uuid.UUID,
-                        carried: tuple[tuple[Any, Any], ...] = ()) -> Adopted:
+                        carried: tuple[tuple[Any, Any], ...] = (),
+                        sole_call: bool = False) -> Adopted:
         actor = self.actors["tool_call"]
         return self._adopt(Adopted(actor.queue_name, actor.actor_name, loop_id,
                                    (tool_call_id, str(execution_token)),
-                                   lease_token=lease_token, carried=carried))
+                                   lease_token=lease_token, carried=carried,
+                                   sole_call=sole_call))
 
     def adopt_llm_turn(self, loop_id: int, *, execution_token: uuid.UUID,
                        run_elapsed_seconds: float,

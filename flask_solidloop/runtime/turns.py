@@ -52,7 +52,8 @@ def tool_call_job(state: SolidLoopState, tool_call_id: int, execution_token: str
     """The tool_call job: the tool turn between its two log lines."""
     with logged_job(state, "tool_call", tool_call_id=tool_call_id, inline=inline):
         run_tool_call(state, tool_call_id, execution_token, reaper_lease_token,
-                      adopted_lease=adopted.lease_token if adopted else None)
+                      adopted_lease=adopted.lease_token if adopted else None,
+                      sole_call=adopted.sole_call if adopted else False)
 
 
 def run_llm_turn(state: SolidLoopState, loop_id: int, *,
@@ -171,9 +172,11 @@ def run_tool_call(
     reaper_lease_token: str | None = None,
     *,
     adopted_lease: uuid.UUID | None = None,
+    sole_call: bool = False,
 ) -> None:
     """One tool turn: claim the call's lease, or run under the lease the previous
-    turn's commit took for this thread (``adopted_lease``), then the tool stack.
+    turn's commit took for this thread (``adopted_lease``; ``sole_call``: it is
+    its message's only call), then the tool stack.
     A held lease is the call's fence: like a claimed call, an adopted one runs
     and is checkpointed even if the loop was paused meanwhile."""
     session = state.db.session
@@ -188,7 +191,8 @@ def run_tool_call(
         return
     loop_id = loop.id
     ctx = ToolContext(state=state, session=session, loop_id=loop_id, execution_token=token,
-                      agent=None, tool_call_id=tool_call_id)  # type: ignore[arg-type]
+                      agent=None, tool_call_id=tool_call_id,  # type: ignore[arg-type]
+                      sole_call=sole_call and adopted_lease is not None)
     tool_lease = RenewerHandle(None, None)
 
     def run() -> None:

@@ -540,23 +540,26 @@ def test_a_stack_with_a_step_between_initialization_and_request_opens_its_own_sh
 
 def test_an_adopted_turn_sends_the_history_its_claim_read(app, session, llm, monkeypatch):
     """The tool answer that adopts the next turn reads that turn's history under
-    the loop row lock; the turn sends it without reading it again, and it is
-    the whole conversation, as a fresh read would give it."""
+    the loop row lock (a sole call's answer: in the answer's own statement);
+    the turn sends it without reading it again, and it is the whole
+    conversation, as a fresh read would give it."""
     import inspect
 
     from flask_solidloop.loops import queries
 
     real_history = queries.history
+    from_rows = queries.history_from_rows
     reads: list[tuple[str, int]] = []
 
-    def history(session_, loop_id):
-        result = real_history(session_, loop_id)
-        where = ("adoption" if any(f.function == "_adopted_llm_turn" for f in inspect.stack())
+    def history_from_rows(rows):
+        result = from_rows(rows)
+        adopting = {"_adopted_llm_turn", "_answer_alone"}
+        where = ("adoption" if any(f.function in adopting for f in inspect.stack())
                  else "turn")
         reads.append((where, len(result)))
         return result
 
-    monkeypatch.setattr(queries, "history", history)
+    monkeypatch.setattr(queries, "history_from_rows", history_from_rows)
     script_chain(llm, tools=3)
     loop_id = Assistant.start(message="chain").id
     run_worker_until(app, session, [loop_id])
@@ -566,12 +569,17 @@ def test_an_adopted_turn_sends_the_history_its_claim_read(app, session, llm, mon
     assert reads == [("turn", 2), ("adoption", 4), ("adoption", 6), ("adoption", 8)]
     sent = [request.json["messages"] for request in llm.requests]
     assert [len(messages) for messages in sent] == [2, 4, 6, 8]
-    monkeypatch.setattr(queries, "history", real_history)
-    final = queries.history(session, loop_id)
+    monkeypatch.setattr(queries, "history_from_rows", from_rows)
+    final = real_history(session, loop_id)
     session.rollback()
     # What the last turn sent is the stored conversation up to its own answer.
     assert [m["role"] for m in sent[-1]] == [m.role for m in final[:-1]]
     assert sent[-1][-1]["content"] == "3" and final[-1].content == "done"
+    # The calls and their answers, paired as a fresh read pairs them.
+    asked = [call["id"] for m in sent[-1] for call in m.get("tool_calls") or []]
+    assert asked == [call.call_id for m in final for call in m.tool_calls]
+    assert [(m["tool_call_id"], m["content"]) for m in sent[-1] if m["role"] == "tool"] == [
+        (m.tool_call_id, m.content) for m in final if m.role == "tool"]
 
 
 def test_a_host_middleware_before_initialization_reads_its_turns_history_itself(app):
