@@ -289,3 +289,19 @@ def test_the_statement_locks_the_loop_row_before_the_call(app, state, session, d
             waiter.join(10)
     answered, adopted = outcome["value"]
     assert answered and adopted is not None
+
+
+def test_objects_the_session_holds_read_what_the_statement_wrote(state, session):
+    """The statement commits on a pooled connection of its own, outside the
+    session; what the session holds is expired as its commit would expire it,
+    so the loop and the call read back as written, not as loaded."""
+    loop_id, token, (call_id,), lease = tool_phase(session)
+    loop = session.get(Loop, loop_id)
+    assert loop.execution_token == token
+    answered, adopted = answer(state, session, loop_id, token, call_id, lease)
+    assert answered
+    assert not session().in_transaction()  # the session was never used for it
+    call = session.get(ToolCall, call_id)
+    assert loop.execution_token == adopted.execution_token
+    assert call.response_message_id is not None and call.lease_token is None
+    session.rollback()
