@@ -63,6 +63,11 @@ UPDATE solidloop_jobs AS j
                 LIMIT 1 FOR UPDATE SKIP LOCKED)
 RETURNING j.id, j.lease_token, j.attempts
 """
+#: A due job no consumer of these queues has claimed (inline continuation asks
+#: before it yields its thread at the end of its hop budget).
+WORK_WAITING = (
+    "SELECT EXISTS (SELECT 1 FROM solidloop_jobs WHERE queue_name = ANY(%s) "
+    "AND state = 'queued' AND eta <= now())")
 #: A reserved successor the thread will not run after all: due now, and woken for.
 RELEASE_INLINE = (
     "WITH released AS (UPDATE solidloop_jobs SET eta = now() "

@@ -19,7 +19,9 @@ turn):
   at once inside the transaction of the successor's own claim.
 
 Then it runs the successor, and so on, up to ``SOLIDLOOP_INLINE_MAX_HOPS`` jobs
-per delivered job.
+per delivered job; then it hands the loop's next job back to the queue if
+another job waits for a thread (``_work_waiting``), and otherwise starts its
+budget over.
 
 Why it is safe:
 
@@ -91,6 +93,29 @@ def _worker_running() -> bool:
     return bool(getattr(threading.current_thread(), "running", True))
 
 
+def _work_waiting(state: SolidLoopState) -> bool:
+    """Whether another job waits for a worker thread: one this worker's consumers
+    have fetched and no thread has taken yet, or a due job in the queues they
+    consume that no consumer has claimed (all of them busy). On any doubt,
+    True: the thread yields, as it always did at the end of its budget."""
+    thread = threading.current_thread()
+    work_queue = getattr(thread, "work_queue", None)
+    queues = list(getattr(thread, "consumers", None) or ())
+    if work_queue is None or not queues:
+        return True
+    if work_queue.qsize():
+        return True
+    session = state.db.session
+    try:
+        (waiting,), = execute_on(session, jobs_sql.WORK_WAITING, (queues,), fetch=True)
+        session.commit()
+    except Exception:
+        session.rollback()
+        logger.debug("inline: could not look for waiting jobs", exc_info=True)
+        return True
+    return bool(waiting)
+
+
 def run_chain(state: SolidLoopState, body: Callable[[], None]) -> None:
     """Run a delivered turn job, then its continuations inline (see module doc)."""
     config = state.config
@@ -114,6 +139,11 @@ def run_chain(state: SolidLoopState, body: Callable[[], None]) -> None:
                 _hand_back(state, successor)
                 return
             hops += 1
+            if hops >= config.inline_max_hops and _worker_running() \
+                    and not _work_waiting(state):
+                # Nobody waits for a thread: yielding this one would only move
+                # the loop to another. The budget starts over.
+                hops = 0
             dispatch.capture(adopt=hops < config.inline_max_hops)
             if isinstance(successor, Adopted):
                 if not _run_adopted(state, successor):

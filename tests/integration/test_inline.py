@@ -153,20 +153,40 @@ def test_with_inline_continuation_off_every_job_goes_through_a_consumer(
 
 
 def test_the_hop_budget_hands_the_next_job_back_to_the_queue(database_url, llm, job_lines):
+    """At the end of its budget a thread yields when another job waits for a
+    thread: here a second loop's first turn, fetched by the one consumer while
+    the only thread runs the first loop."""
     llm.reset()
     script_chain(llm, tools=3)
     with own_app(SOLIDLOOP_INLINE_MAX_HOPS=2) as (app, session):
         loop = Assistant.start(message="chain")
-        run_worker_until(app, session, [loop.id])
+        other = Assistant.start(message="chain")
+        run_worker_until(app, session, [loop.id, other.id])
         assert_completed_once(session, loop.id, calls=3)
-        jobs = turn_jobs(session)
+        assert_completed_once(session, other.id, calls=3)
+        jobs = [j for j in turn_jobs(session) if j.loop_id == loop.id]
         assert {(j.state, j.attempts) for j in jobs} == {("done", 1)}
         # The two inline hops are adopted; the third continuation is a job of
         # its own, written reserved, handed back and delivered by the consumer.
         assert [j.actor_name for j in jobs] == ["solidloop.llm_turn", "solidloop.tool_call",
                                                 "solidloop.llm_turn"]
     # Two inline jobs after each delivered one; the third is woken and delivered.
-    assert [r.solidloop_inline for r in job_lines.starts] == [False, True, True] * 2 + [False]
+    mine = [r.solidloop_inline for r in job_lines.starts if r.solidloop_loop_id == loop.id]
+    assert mine == [False, True, True] * 2 + [False]
+
+
+def test_with_nothing_waiting_the_hop_budget_starts_over(database_url, llm, job_lines):
+    """A loop alone keeps its thread past the budget: yielding would only move it
+    to another thread (the worker's other threads are idle)."""
+    llm.reset()
+    script_chain(llm, tools=3)
+    with own_app(SOLIDLOOP_INLINE_MAX_HOPS=2) as (app, session):
+        loop = Assistant.start(message="chain")
+        run_worker_until(app, session, [loop.id], threads=2)
+        assert_completed_once(session, loop.id, calls=3)
+        # Only the first turn was ever a job.
+        assert [j.actor_name for j in turn_jobs(session)] == ["solidloop.llm_turn"]
+    assert [r.solidloop_inline for r in job_lines.starts] == [False] + [True] * 6
 
 
 def test_the_first_parallel_call_stays_on_the_turns_thread_the_others_are_woken(
