@@ -39,12 +39,12 @@ class Event(Timestamps, Base):
     loop_id: Mapped[int | None] = mapped_column(
         ForeignKey("solidloop_loops.id", ondelete="CASCADE")
     )
-    message_id: Mapped[int | None] = mapped_column(
-        ForeignKey("solidloop_messages.id", ondelete="SET NULL")
-    )
-    tool_call_id: Mapped[int | None] = mapped_column(
-        ForeignKey("solidloop_tool_calls.id", ondelete="SET NULL")
-    )
+    # The message and the tool call the event is about, by id and without a
+    # foreign key (migration 0011): the log keeps the ids it was written with,
+    # and the loop's cascade removes its events. Neither column is indexed, so
+    # a SET NULL key would scan the table for every message or call deleted.
+    message_id: Mapped[int | None] = mapped_column(BigInteger)
+    tool_call_id: Mapped[int | None] = mapped_column(BigInteger)
     kind: Mapped[str] = mapped_column(String(50), nullable=False)
     status_code: Mapped[int | None] = mapped_column(Integer)
     duration_ms: Mapped[float | None] = mapped_column()

@@ -134,6 +134,25 @@ def test_inbound_events_are_read_and_pruned_by_session_through_their_indexes(ses
         assert "ix_solidloop_events_mcp_inbound" in plan, plan
 
 
+def test_every_foreign_key_has_an_index_that_leads_with_its_column(pg):
+    """A foreign key's ON DELETE action looks the referencing rows up by its
+    column, once per deleted row: without an index that leads with the column
+    it scans the whole table each time (migration 0011 found two on the
+    events). A partial index serves it only when its predicate is the column
+    being set."""
+    rows = pg.execute(
+        "SELECT c.conrelid::regclass::text, c.conname, a.attname, "
+        "ARRAY(SELECT coalesce(pg_get_expr(i.indpred, i.indrelid), '') FROM pg_index i "
+        "      WHERE i.indrelid = c.conrelid AND i.indkey[0] = c.conkey[1]) "
+        "FROM pg_constraint c "
+        "JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = c.conkey[1] "
+        "WHERE c.contype = 'f' AND c.conrelid::regclass::text LIKE 'solidloop_%'").fetchall()
+    assert rows  # the schema has foreign keys: the query sees them
+    unindexed = [(table, name) for table, name, column, predicates in rows
+                 if not any(p in ("", f"({column} IS NOT NULL)") for p in predicates)]
+    assert unindexed == []
+
+
 def test_deleting_a_message_finds_the_tool_call_it_answers_by_index(pg):
     loop_id = pg.execute("INSERT INTO solidloop_loops (agent_name, status) "
                          "VALUES ('assistant', 'completed') RETURNING id").fetchone()[0]

@@ -204,3 +204,32 @@ def test_0010_makes_the_tool_answer_index_partial_and_downgrades(scratch_url):
         # The UNIQUE constraint again, over every row.
         assert shape(conn) == (True, True, None, 1)
         assert conn.execute("SELECT count(*) FROM solidloop_messages").fetchone() == (2,)
+
+
+def test_0011_drops_the_events_unindexed_references_and_downgrades(scratch_url):
+    upgrade(scratch_url, "0011")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        loop_id = conn.execute("INSERT INTO solidloop_loops (agent_name, status) "
+                               "VALUES ('a', 'completed') RETURNING id").fetchone()[0]
+        message = conn.execute("INSERT INTO solidloop_messages (loop_id, role) "
+                               "VALUES (%s, 'assistant') RETURNING id", (loop_id,)).fetchone()[0]
+        kept = conn.execute("INSERT INTO solidloop_messages (loop_id, role) "
+                            "VALUES (%s, 'assistant') RETURNING id", (loop_id,)).fetchone()[0]
+        for ref in (message, kept):
+            conn.execute("INSERT INTO solidloop_events (loop_id, message_id, kind, payload) "
+                         "VALUES (%s, %s, 'llm_request', '{}')", (loop_id, ref))
+        # No key: deleting a message leaves its event's id as written.
+        conn.execute("DELETE FROM solidloop_messages WHERE id = %s", (message,))
+        assert sorted(r[0] for r in conn.execute(
+            "SELECT message_id FROM solidloop_events")) == sorted([message, kept])
+    downgrade(scratch_url, "0010")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        # The keys again, valid: the reference that no longer resolved is NULL.
+        assert conn.execute(
+            "SELECT count(*) FROM pg_constraint WHERE conrelid = 'solidloop_events'::regclass "
+            "AND contype = 'f' AND convalidated").fetchone() == (3,)
+        refs = [r[0] for r in conn.execute("SELECT message_id FROM solidloop_events")]
+        assert sorted(refs, key=str) == sorted([None, kept], key=str)
+        # The loop's cascade removes its events, both ways.
+        conn.execute("DELETE FROM solidloop_loops WHERE id = %s", (loop_id,))
+        assert conn.execute("SELECT count(*) FROM solidloop_events").fetchone() == (0,)
