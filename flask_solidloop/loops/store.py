@@ -365,16 +365,18 @@ def _wire_event(session: SessionLike, loop_id: int, message_id: int | None,
 def _wire_event_params(loop_id: int, message_id: int | None, wire: WireRecord | None, *,
                        body_limit: int, error: str | None = None,
                        repeat_history: bool = False, tools_logged: str | None = None,
-                       ) -> dict[str, Any] | None:
+                       tools: str | None = None) -> dict[str, Any] | None:
     """The parameters of :data:`_INSERT_LLM_EVENT` for ``wire`` (None: no event).
     ``tools_logged``: the digest of the tools an earlier event of the loop holds
-    whole (see :class:`_LoggedTools`); the same tools are named, not repeated."""
+    whole (see :class:`_LoggedTools`); the same tools are named, not repeated.
+    ``tools``: this request's own digest, when the caller has it already."""
     if wire is None:
         return None
     payload = wire.to_payload()
     if not repeat_history:
         body = storable.conversation_tail(payload["request"]["body"])
-        if tools_logged is not None and storable.tools_digest(body) == tools_logged:
+        if tools_logged is not None and (
+                tools if tools is not None else storable.tools_digest(body)) == tools_logged:
             body = storable.without_tools(body, tools_logged)
         payload["request"]["body"] = body
     return {"loop_id": loop_id, "message_id": message_id, "status_code": wire.status,
@@ -776,9 +778,12 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     known = _real(session).identity_map.get(identity_key(Loop, loop_id))
     born = known.__dict__.get("created_at") if known is not None else None
     repeat_history = state.config.event_repeat_history
+    # Hashed once: to compare with what the log holds, and to remember after.
+    tools = (storable.tools_digest(wire.request_body)
+             if wire is not None and not repeat_history else None)
     event = _wire_event_params(
         loop_id, shell_id, wire, body_limit=state.config.event_body_limit,
-        repeat_history=repeat_history,
+        repeat_history=repeat_history, tools=tools,
         tools_logged=_logged_tools.get((loop_id, born)) if born is not None else None)
     # One statement writes the loop (fenced), the shell, the wire event and the
     # tool calls; the loop's row and the first call's come back whole: an
@@ -819,9 +824,8 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     shell = _real(session).identity_map.get(identity_key(Message, shell_id))
     _commit_unless(committed, session)
     state.dispatch.confirm(adopted)
-    if wire is not None and not repeat_history:  # the event's tools are now in the log
-        _logged_tools.remember((loop_id, fenced["created_at"]),
-                               storable.tools_digest(wire.request_body))
+    if tools is not None:  # the event's tools are now in the log
+        _logged_tools.remember((loop_id, fenced["created_at"]), tools)
     if not calls:
         signals.send(signals.loop_completed, loop_id=loop_id, agent=agent_name)
     if shell is None:
