@@ -1361,7 +1361,7 @@ def _answer_alone(state: SolidLoopState, session: SessionLike, known: KnownCall,
         adopted = _adopted_llm_turn(
             state, session, loop_id, next_token, row, open_shell=open_next_shell,
             read_history=read_next_history,
-            history=queries.history_from_rows(history_rows) if read_next_history else None)
+            history=queries.history_from_rows(history_rows or []) if read_next_history else None)
     elif answered:  # pragma: no cover - the claim matches whenever the answer is written
         _requeue_loop_for_llm(state, session, loop_id)
         committed = False
