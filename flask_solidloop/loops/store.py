@@ -38,6 +38,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from sqlalchemy import Engine, func, or_, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.orm.attributes import set_committed_value
 from sqlalchemy.orm.util import identity_key
 
 from .. import signals
@@ -1012,15 +1013,25 @@ def claim_tool_call(state: SolidLoopState, session: SessionLike, call: ToolCall,
                or_(ToolCall.lease_token.is_(None), ToolCall.leased_until < func.now()))
         .values(lease_token=candidate, lease_holder=worker_identity(),
                 leased_until=func.now() + timedelta(seconds=lease_seconds))
-        # The call object is refreshed from the row: the tool runs from it.
-        .returning(ToolCall)
-        .execution_options(populate_existing=True, synchronize_session=False)
+        .returning(*_CLAIMED_COLUMNS)
+        .execution_options(synchronize_session=False)
     ).one_or_none()
     if claimed is None:
         session.rollback()
         return ToolClaim.LOST, None
+    # The call object takes the claimed row's values: the tool runs from it,
+    # and the session's readers see the lease. (SQLAlchemy 2.0 does not
+    # refresh an object already loaded from an UPDATE's RETURNING, even with
+    # populate_existing; 2.1 does.)
+    for column, value in zip(_CLAIMED_COLUMNS, claimed, strict=True):
+        set_committed_value(call, column.key, value)
     _commit_with_job_done(session, keep_objects=True)
     return ToolClaim.CLAIMED, candidate
+
+
+#: What a tool call's claim sets on its row, read back into the call object.
+_CLAIMED_COLUMNS = (ToolCall.lease_token, ToolCall.lease_holder, ToolCall.leased_until,
+                    ToolCall.updated_at)
 
 
 def checkpoint_tool_call(session: SessionLike, *, loop_id: int, token: uuid.UUID,

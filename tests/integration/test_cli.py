@@ -127,6 +127,9 @@ def test_status_says_who_holds_each_tool_call(app, runner, llm, session):
                                            loop_row.execution_token, sequential=False,
                                            lease_seconds=30)
     assert outcome is store.ToolClaim.CLAIMED and isinstance(lease, uuid.UUID)
+    # The call object holds the claim as written (no reload), on SQLAlchemy 2.0
+    # too, which does not refresh it from the UPDATE's RETURNING by itself.
+    assert (first.lease_token, first.lease_holder) == (lease, worker_identity())
     status = runner.invoke(args=["solidloop", "status", str(loop.id)])
     assert status.exit_code == 0, status.output
     assert f"[running on {worker_identity()}, lease until " in status.output
