@@ -1101,18 +1101,7 @@ def checkpoint_and_answer_tool_call(
         raise LostLeaseError(f"tool call {tool_call_id} was already executed")
     canonical, notes = _canonical_result(call, result)
     answered = loop_status == "running" and call.response_message_id is None
-    stored = canonical.to_mcp()
-    params: dict[str, Any] = {
-        "id": tool_call_id, "loop_id": loop_id, "message_id": call.message_id,
-        "result": Jsonb(stored), "is_success": not canonical.is_error,
-        "error_kind": canonical.error_kind, "duration_ms": duration_ms,
-        "meta": Jsonb(notes) if notes else None,
-        "error": canonical.text()[:MAX_EVENT_ERROR] if canonical.is_error else None,
-        "payload": Jsonb(_event_payload({
-            "name": call.name, "server": call.server_name, "tool": call.tool_name,
-            "arguments": call.arguments if call.arguments is not None else call.arguments_raw,
-            "idempotency_key": call.idempotency_key, "result": stored,
-        }, body_limit))}
+    params = _outcome_params(call, loop_id, canonical, notes, duration_ms, body_limit)
     remaining: list[int] = []
     adopted = None
     if answered:
@@ -1254,6 +1243,25 @@ class KnownCall:
         return f"solidloop:tool_call:{self.id}"
 
 
+def _outcome_params(call: KnownCall, loop_id: int, canonical: ToolResult,
+                    notes: dict[str, Any], duration_ms: float,
+                    body_limit: int) -> dict[str, Any]:
+    """The parameters every statement that records a call's outcome takes: its
+    canonical result on the call row, and its ``tool_call`` event."""
+    stored = canonical.to_mcp()
+    return {
+        "id": call.id, "loop_id": loop_id, "message_id": call.message_id,
+        "result": Jsonb(stored), "is_success": not canonical.is_error,
+        "error_kind": canonical.error_kind, "duration_ms": duration_ms,
+        "meta": Jsonb(notes) if notes else None,
+        "error": canonical.text()[:MAX_EVENT_ERROR] if canonical.is_error else None,
+        "payload": Jsonb(_event_payload({
+            "name": call.name, "server": call.server_name, "tool": call.tool_name,
+            "arguments": call.arguments if call.arguments is not None else call.arguments_raw,
+            "idempotency_key": call.idempotency_key, "result": stored,
+        }, body_limit))}
+
+
 def _answer_alone_statement(open_shell: bool, read_history: bool) -> str:
     """The outcome of a call that is its message's only one, adopted by this
     thread, as one statement: the loop's and the call's row locks (loop first),
@@ -1332,23 +1340,13 @@ def _answer_alone(state: SolidLoopState, session: SessionLike, known: KnownCall,
     session holds nothing. None when the call has siblings after all (nothing
     was written): the caller takes the two-step path."""
     canonical, notes = _canonical_result(known, result)
-    stored = canonical.to_mcp()
     content, message_meta = _storable_content(
         answer_text(canonical), {"is_error": canonical.is_error, "tool_name": known.name})
     next_token = uuid.uuid4()
-    params: dict[str, Any] = {
-        "id": known.id, "loop_id": loop_id, "lease": lease_token,
-        "result": Jsonb(stored), "is_success": not canonical.is_error,
-        "error_kind": canonical.error_kind, "duration_ms": duration_ms,
-        "meta": Jsonb(notes) if notes else None,
-        "error": canonical.text()[:MAX_EVENT_ERROR] if canonical.is_error else None,
-        "payload": Jsonb(_event_payload({
-            "name": known.name, "server": known.server_name, "tool": known.tool_name,
-            "arguments": known.arguments if known.arguments is not None else known.arguments_raw,
-            "idempotency_key": known.idempotency_key, "result": stored,
-        }, body_limit)),
-        "content": content, "message_meta": Jsonb(message_meta),
-        **_prefixed("claim_", _claim_params(loop_id, next_token, state.config.liveness_ttl))}
+    params = _outcome_params(known, loop_id, canonical, notes, duration_ms, body_limit)
+    params.update(lease=lease_token, content=content, message_meta=Jsonb(message_meta),
+                  **_prefixed("claim_", _claim_params(loop_id, next_token,
+                                                      state.config.liveness_ttl)))
     row, committed = _execute_one(
         session, _ANSWER_ALONE[(open_next_shell, read_next_history)], params, sole=True)
     assert row is not None  # one row, always
@@ -1388,25 +1386,13 @@ def _answer_alone(state: SolidLoopState, session: SessionLike, known: KnownCall,
 
 
 @dataclass(frozen=True)
-class _CallRow:
-    """The columns of a locked tool call the checkpoint reads."""
+class _CallRow(KnownCall):
+    """A locked tool call as the two-step checkpoint reads it: what the step
+    knew, and the columns that say whether it may still be checkpointed."""
 
-    id: int
-    loop_id: int
-    message_id: int
-    name: str
-    server_name: str | None
-    tool_name: str | None
-    arguments: dict[str, Any] | None
-    arguments_raw: str | None
-    meta: dict[str, Any] | None
     lease_token: uuid.UUID | None
     executed: bool
     response_message_id: int | None
-
-    @property
-    def idempotency_key(self) -> str:
-        return f"solidloop:tool_call:{self.id}"
 
 
 def _requeue_loop_for_llm(state: SolidLoopState, session: SessionLike, loop_id: int) -> None:
@@ -1428,7 +1414,7 @@ def _lock_for_checkpoint(session: SessionLike, loop_id: int, token: uuid.UUID,
     return loop, call
 
 
-def _canonical_result(call: ToolCall | _CallRow | KnownCall, result: ToolResult
+def _canonical_result(call: ToolCall | KnownCall, result: ToolResult
                       ) -> tuple[ToolResult, dict[str, Any]]:
     """The result as it will be stored, and the call's notes about what changed."""
     from ..mcp.toolset import ToolResult

@@ -27,6 +27,7 @@ from flask_solidloop.queue.broker import libpq_url
 from flask_solidloop.queue.dispatch import Adopted
 
 from ..support_app import Assistant
+from .row_locks import loop_row_locked
 
 
 def tool_phase(session, *, calls: int = 1) -> tuple[int, uuid.UUID, list[int], uuid.UUID]:
@@ -272,17 +273,7 @@ def test_the_statement_locks_the_loop_row_before_the_call(app, state, session, d
         waiter = threading.Thread(target=run)
         waiter.start()
         try:
-            deadline = time.monotonic() + 10
-            loop_locked = False
-            while time.monotonic() < deadline and not loop_locked:
-                try:
-                    probe.execute("SELECT 1 FROM solidloop_loops WHERE id = %s "
-                                  "FOR UPDATE NOWAIT", (loop_id,))
-                except psycopg.errors.LockNotAvailable:
-                    loop_locked = True
-                else:
-                    time.sleep(0.02)
-            assert loop_locked, "the statement did not take the loop row first"
+            assert loop_row_locked(probe, loop_id), "the statement did not take the loop row first"
             assert "value" not in outcome  # and it waits for the call's
         finally:
             holder.rollback()

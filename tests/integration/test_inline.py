@@ -27,6 +27,7 @@ from flask_solidloop.queue.dispatch import INLINE_RESERVATION_MS
 from flask_solidloop.state import get_state
 
 from ..support_app import SIDE_EFFECTS, Assistant, create_app
+from .row_locks import loop_row_locked
 
 TURN_ACTORS = ("solidloop.llm_turn", "solidloop.tool_call")
 
@@ -657,17 +658,7 @@ def test_the_checkpoint_locks_the_loop_row_before_the_calls(app, session, databa
         waiter = threading.Thread(target=run)
         waiter.start()
         try:
-            deadline = time.monotonic() + 10
-            loop_locked = False
-            while time.monotonic() < deadline and not loop_locked:
-                try:
-                    probe.execute("SELECT 1 FROM solidloop_loops WHERE id = %s "
-                                  "FOR UPDATE NOWAIT", (loop_id,))
-                except psycopg.errors.LockNotAvailable:
-                    loop_locked = True
-                else:
-                    time.sleep(0.02)
-            assert loop_locked, "the checkpoint did not take the loop row first"
+            assert loop_row_locked(probe, loop_id), "the checkpoint did not take the loop row first"
             assert not done.is_set()  # and it waits for the call's
         finally:
             holder.rollback()
