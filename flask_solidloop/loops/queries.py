@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from psycopg.rows import dict_row
 from sqlalchemy import Text, bindparam, func, literal_column, select, text
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.orm import Session, make_transient_to_detached, scoped_session
@@ -24,23 +23,26 @@ from .._typing import SessionLike
 from ..llm.types import ChatMessage, ToolCallRequest
 from ..models import Loop, McpSession, Message, ToolCall
 from ..queue.broker import driver_connection
+from .sole import fetch_one
 
 #: Keys of a message's metadata that its dialect gets back next turn.
 PROVIDER_META_KEYS = ("anthropic_blocks", "gemini_parts")
 
 
-def get_loop(session: SessionLike, loop_id: int) -> Loop | None:
+def get_loop(session: SessionLike, loop_id: int, *, alone: bool = False) -> Loop | None:
     """The loop, as ``session.get`` gives it. A loop the session does not hold
     (the usual case: a job's first read) is read with a plain ``SELECT *`` and
     loaded as :func:`row_object` loads a row, without the ORM's query
     machinery; anything the session holds, or has pending, goes through
-    ``session.get`` itself."""
+    ``session.get`` itself. ``alone``: the caller needs no transaction around
+    the read (its next write is a statement of its own), so a session holding
+    nothing reads in autocommit, with no ``BEGIN`` to end later (loops/sole.py)."""
     real = real_session(session)
     if identity_key(Loop, loop_id) in real.identity_map or real.new or real.dirty \
             or real.deleted:
         return session.get(Loop, loop_id)
-    row = driver_connection(session).cursor(row_factory=dict_row).execute(
-        "SELECT * FROM solidloop_loops WHERE id = %s", (loop_id,)).fetchone()
+    row, _ = fetch_one(session, "SELECT * FROM solidloop_loops WHERE id = %s", (loop_id,),
+                       sole=alone)
     return row_object(session, Loop, row) if row is not None else None
 
 

@@ -32,11 +32,9 @@ from decimal import Decimal
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-import psycopg
-from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
-from sqlalchemy import Engine, func, or_, select, text, update
+from sqlalchemy import func, or_, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm.attributes import set_committed_value
 from sqlalchemy.orm.util import identity_key
@@ -46,10 +44,16 @@ from .._typing import SessionLike
 from ..errors import LostLeaseError
 from ..leases import worker_identity
 from ..models import Event, Loop, McpSession, Message, ToolCall
+from ..queue import sql as jobs_sql
 from ..queue.broker import driver_connection, execute_on
-from ..queue.current_job import mark_current_job_done, note_current_job_done
+from ..queue.current_job import (
+    current_job_done_params,
+    mark_current_job_done,
+    note_current_job_done,
+)
 from . import queries, storable
 from .fence import lock_loop, owns, transition
+from .sole import fetch_one
 
 if TYPE_CHECKING:
     from ..llm.client import WireRecord
@@ -130,7 +134,6 @@ def _commit_with_job_done(session: SessionLike, *, keep_objects: bool = False) -
 
 
 _real = queries.real_session
-_IDLE = TransactionStatus.IDLE
 
 
 def end_transaction(session: SessionLike) -> None:
@@ -142,43 +145,10 @@ def end_transaction(session: SessionLike) -> None:
         session.commit()
 
 
-def _execute_one(session: SessionLike, query: str, params: dict[str, Any], *,
-                 sole: bool) -> tuple[dict[str, Any] | None, bool]:
-    """Run ``query`` and return its first row, and whether it committed by itself.
-
-    ``sole``: the caller writes nothing else before its commit. When the
-    session holds nothing (no transaction, nothing pending) and is bound to an
-    engine, the statement then runs in autocommit on a connection of the
-    engine's pool, outside the session: one statement is one transaction in
-    PostgreSQL, atomic as before, without the ``BEGIN`` and ``COMMIT`` round
-    trips (on this machine a ``BEGIN; UPDATE; COMMIT`` costs the server 244 µs
-    of CPU, the ``UPDATE`` alone 128) and without the session's transaction
-    bookkeeping (about 90 µs of the worker's CPU; a pool checkout is 10). It
-    returns True: the caller has nothing to commit. Otherwise the statement
-    joins the session's transaction, for the caller to commit."""
-    real = _real(session)
-    if sole and not real.in_transaction() and not (real.new or real.dirty or real.deleted):
-        bind = real.get_bind()
-        if isinstance(bind, Engine):
-            pooled = bind.raw_connection()
-            try:
-                driver = pooled.driver_connection
-                if isinstance(driver, psycopg.Connection) and \
-                        driver.info.transaction_status == _IDLE:
-                    driver.autocommit = True
-                    try:
-                        return driver.cursor(row_factory=dict_row).execute(
-                            query, params).fetchone(), True
-                    finally:
-                        driver.autocommit = False
-            finally:
-                pooled.close()
-    return driver_connection(session).cursor(row_factory=dict_row).execute(
-        query, params).fetchone(), False
 
 
 def _commit_unless(committed: bool, session: SessionLike) -> None:
-    """Commit the session, or, when :func:`_execute_one`'s statement committed by
+    """Commit the session, or, when :func:`~.sole.fetch_one`'s statement committed by
     itself, expire what it holds as that commit would have: the statement wrote
     rows the session's objects may hold, and they load again on next use."""
     if committed:
@@ -555,6 +525,98 @@ def start_llm_turn(session: SessionLike, loop_id: int, *, lease_seconds: float,
                     transaction=_real(session).get_transaction())
 
 
+def _claim_delivered_statement(open_shell: bool, read_history: bool) -> str:
+    """A queued loop's LLM turn claimed in one statement (``claim_`` parameters):
+    the claim, the running job marked done (``job_`` parameters, see
+    :func:`~..queue.current_job.current_job_done_params`), the turn's shell
+    when ``open_shell``, its history when ``read_history``. No row when the
+    claim matched nothing.
+
+    The history is read from the statement's snapshot, taken before the claim
+    waits for the loop row (if it waits), so the claim holds only while the
+    row is the version that snapshot saw (``xmin``: a version's writing
+    transaction): the rechecked row of a loop that someone stopped and resumed
+    with a message meanwhile is queued again, but a newer version, and the
+    claim lets it be (the caller then claims the classic way, whose history
+    read starts after the lock is held). What the check relies on: every
+    write to a loop's history takes the loop row first, and none leaves a
+    queued loop's row as it was (the writers that add messages to a loop also
+    move it: create it, resume it, answer its tool phase, requeue it)."""
+    claim = _ADOPTING_CLAIM.format(
+        condition="AND status = 'queued' AND xmin = (SELECT xmin FROM seen) ")
+    parts = ["WITH seen AS (SELECT xmin FROM solidloop_loops WHERE id = %(claim_id)s)",
+             f"claim AS ({claim})",
+             "job AS ({} RETURNING id)".format(
+                 jobs_sql.MARK_DONE_WHEN.format(condition="AND EXISTS (SELECT 1 FROM claim)"))]
+    selected = ["claim.*"]
+    joined = "claim"
+    if open_shell:
+        parts.append(_shell_part())
+        selected.append(_SHELL_SELECTED)
+        joined += ", shell"
+    if read_history:
+        selected.append(
+            "(SELECT json_agg(json_build_array(h.is_call, h.id, h.role, h.text, h.reasoning, "
+            "h.metadata, h.ref, h.name, h.arguments_raw, h.sort_key) "
+            f"ORDER BY {queries.HISTORY_ORDER}) "
+            f"FROM ({queries.HISTORY_ROWS}) AS h) AS solidloop_history")
+    # The job's update runs whatever the SELECT reads; reading it orders nothing.
+    return f"{', '.join(parts)} SELECT {', '.join(selected)} FROM {joined}"
+
+
+#: By (open_shell, read_history).
+_CLAIM_DELIVERED = {(shell, history): _claim_delivered_statement(shell, history)
+                    for shell in (False, True) for history in (False, True)}
+
+
+@dataclass
+class DeliveredClaim:
+    """What :func:`claim_delivered_llm_turn` hands the turn: its claim, and the
+    shell it wrote with it (None: the turn opens its own)."""
+
+    claim: LlmClaim
+    shell_id: int | None
+
+
+def claim_delivered_llm_turn(session: SessionLike, loop_id: int, *, lease_seconds: float,
+                             open_shell: bool, read_history: bool) -> DeliveredClaim | None:
+    """A queued loop's LLM turn claimed as an adopted one starts (see
+    :func:`_claim_delivered_statement`): one statement, in autocommit when the
+    session holds nothing, with the job marked done, the shell written and
+    the history read as the stack's shape allows (pipeline.stacks
+    .adopted_turn_shape). The claim comes back committed but open, as
+    :func:`adopted_llm_claim` leaves it: what the initialization adds commits
+    on its own. None when nothing was claimed: a stale job, or a loop that
+    changed since the statement's snapshot; the caller then asks
+    :func:`start_llm_turn`, which decides with a fresh read."""
+    token = uuid.uuid4()
+    job_params, marks_job = current_job_done_params()
+    params = {"loop_id": loop_id, **job_params,
+              **_prefixed("claim_", _claim_params(loop_id, token, lease_seconds))}
+    row, committed = fetch_one(session, _CLAIM_DELIVERED[(open_shell, read_history)],
+                               params, sole=True)
+    if row is None:
+        return None
+    history_rows = row.pop("solidloop_history", None)
+    shell = ({column: row.pop(f"shell_{column}") for column in _SHELL_COLUMNS}
+             if open_shell else None)
+    _commit_unless(committed, session)
+    if marks_job:
+        note_current_job_done()
+    # The rows as committed, loaded (and held: the identity map holds them weakly).
+    real = _real(session)
+    real.info["solidloop_claimed_loop"] = queries.row_object(session, Loop, row)
+    if shell is not None:
+        real.info["solidloop_open_shell"] = queries.row_object(session, Message, shell)
+    if not real.in_transaction():
+        real.begin()
+    claim = LlmClaim(token=token, run_elapsed_seconds=float(row["run_elapsed"]),
+                     job_marked=False, transaction=real.get_transaction(),
+                     history=(queries.history_from_rows(history_rows or [])
+                              if read_history else None))
+    return DeliveredClaim(claim, shell["id"] if shell is not None else None)
+
+
 def commit_claim(session: SessionLike, claim: LlmClaim) -> None:
     """Commit the claim's transaction (the claim, the job done, whatever joined
     it). Objects stay loaded: they hold what this transaction wrote."""
@@ -802,7 +864,7 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     # Nothing else joins this transaction when no other call is enqueued with it:
     # the statement then runs as its own transaction (no BEGIN, no COMMIT).
     sole = not calls or (lease is not None and (sequential or len(calls) == 1))
-    fenced, committed = _execute_one(
+    fenced, committed = fetch_one(
         session, _finish_statement(sets, with_event=event is not None, calls_values=calls_values),
         params, sole=sole)
     if fenced is None:
@@ -1347,7 +1409,7 @@ def _answer_alone(state: SolidLoopState, session: SessionLike, known: KnownCall,
     params.update(lease=lease_token, content=content, message_meta=Jsonb(message_meta),
                   **_prefixed("claim_", _claim_params(loop_id, next_token,
                                                       state.config.liveness_ttl)))
-    row, committed = _execute_one(
+    row, committed = fetch_one(
         session, _ANSWER_ALONE[(open_next_shell, read_next_history)], params, sole=True)
     assert row is not None  # one row, always
     status = row.pop("solidloop_status")

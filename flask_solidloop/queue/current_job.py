@@ -75,3 +75,16 @@ def mark_current_job_done(connection: Any) -> bool:
     if not job.marked_in_claim:
         execute_on(connection, jobs_sql.MARK_DONE, (job.job_id, job.lease_token))
     return True
+
+
+def current_job_done_params() -> tuple[dict[str, Any], bool]:
+    """The parameters of :data:`~.sql.MARK_DONE_WHEN` for the running job, and
+    whether the statement's commit leaves it done (what
+    :func:`mark_current_job_done` returns). The parameters are NULL, matching
+    no row, when there is no job or its claim marked it already."""
+    job = current_job()
+    if job is None:
+        return {"job_id": None, "job_lease": None}, False
+    if job.marked_in_claim:
+        return {"job_id": None, "job_lease": None}, True
+    return {"job_id": job.job_id, "job_lease": job.lease_token}, True

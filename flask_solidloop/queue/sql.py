@@ -97,6 +97,12 @@ MARK_DONE = (
     "UPDATE solidloop_jobs SET state = 'done', finished_at = now(), lease_until = NULL "
     "WHERE id = %s AND lease_token = %s AND state = 'running'"
 )
+#: :data:`MARK_DONE` as a part of a larger statement: named parameters, and the
+#: statement's own condition in place of ``{condition}``.
+MARK_DONE_WHEN = (
+    "UPDATE solidloop_jobs SET state = 'done', finished_at = now(), lease_until = NULL "
+    "WHERE id = %(job_id)s AND lease_token = %(job_lease)s AND state = 'running' {condition}"
+)
 NACK = (
     "UPDATE solidloop_jobs SET state = 'dead', finished_at = now(), lease_until = NULL, "
     "last_error = %s WHERE id = %s AND lease_token = %s AND state = 'running'"

@@ -46,7 +46,9 @@ def _ids(state: SolidLoopState, kind: str, *, loop_id: int | None = None,
             if keep is not None:
                 keep += [call, loop]
         elif ids["solidloop_loop_id"] is not None:
-            loop = queries.get_loop(session, ids["solidloop_loop_id"])
+            # In autocommit when the session holds nothing: the turn's claim is a
+            # statement of its own (store.claim_delivered_llm_turn).
+            loop = queries.get_loop(session, ids["solidloop_loop_id"], alone=True)
             ids["solidloop_agent"] = loop.agent_name if loop else None
             if keep is not None:
                 keep.append(loop)
@@ -54,9 +56,9 @@ def _ids(state: SolidLoopState, kind: str, *, loop_id: int | None = None,
         logger.debug("job log: could not look up the ids of %s", kind, exc_info=True)
         with contextlib.suppress(Exception):
             session.rollback()
-    # On success the read's transaction stays open: the turn's first reads are
-    # these same rows (the session's identity map has them), and its claim, a
-    # conditional UPDATE, joins the transaction without a second round trip.
+    # The turn's first reads are these same rows (the session's identity map
+    # has them). A tool call's read leaves its transaction open: the call's
+    # claim, a conditional UPDATE, joins it without a second round trip.
     return ids
 
 

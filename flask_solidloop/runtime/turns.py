@@ -25,7 +25,7 @@ from ..leases import RenewerHandle
 from ..loops import queries, store
 from ..loops.fence import owns
 from ..pipeline.context import LlmContext, ToolContext
-from ..pipeline.stacks import llm_stack, tool_stack
+from ..pipeline.stacks import adopted_turn_shape, llm_stack, tool_stack
 from ..pipeline.xml_tools import parses_tool_text
 from ..queue.dispatch import Adopted
 from ..state import SolidLoopState
@@ -97,8 +97,20 @@ def run_llm_turn(state: SolidLoopState, loop_id: int, *,
     # tools, history) and the turn's shell join it, so the turn commits once
     # before its request (AgentInitialization commits it; see LlmContext.claim).
     claim: store.LlmClaim | None
+    # The turn's shell, when the statement that claimed it wrote it too.
+    shell_id = adopted.shell_id if adopted is not None else None
     if adopted is None:
-        claim = store.start_llm_turn(session, loop_id, lease_seconds=lease)
+        # A delivered turn claims as an adopted one starts: claim, job done,
+        # shell and history in one statement where the stack allows it; the
+        # classic claim decides whatever that statement leaves undecided.
+        shape = adopted_turn_shape(state, agent)
+        delivered = store.claim_delivered_llm_turn(
+            session, loop_id, lease_seconds=lease, open_shell=shape.open_shell,
+            read_history=shape.read_history)
+        if delivered is not None:
+            claim, shell_id = delivered.claim, delivered.shell_id
+        else:
+            claim = store.start_llm_turn(session, loop_id, lease_seconds=lease)
     else:
         claim = store.adopted_llm_claim(session, adopted)
     if claim is None:
@@ -108,9 +120,7 @@ def run_llm_turn(state: SolidLoopState, loop_id: int, *,
     # From here the lease is renewed by this process's renewer until the turn ends.
     lease_handle = RenewerHandle(None, None)
     ctx = LlmContext(state=state, session=session, loop_id=loop_id, execution_token=token,
-                     agent=agent, lease=lease_handle, claim=claim,
-                     # An adopted turn's shell, written by the commit that claimed it.
-                     shell_id=adopted.shell_id if adopted is not None else None)
+                     agent=agent, lease=lease_handle, claim=claim, shell_id=shell_id)
 
     def register_lease() -> None:
         renewer = state.renewer()

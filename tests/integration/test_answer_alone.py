@@ -11,7 +11,6 @@ meanwhile is what each test checks the statement still sees.
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from datetime import timedelta
 
@@ -27,7 +26,7 @@ from flask_solidloop.queue.broker import libpq_url
 from flask_solidloop.queue.dispatch import Adopted
 
 from ..support_app import Assistant
-from .row_locks import loop_row_locked
+from .row_locks import hold_loop_while, loop_row_locked
 
 
 def tool_phase(session, *, calls: int = 1) -> tuple[int, uuid.UUID, list[int], uuid.UUID]:
@@ -181,38 +180,6 @@ def test_a_call_with_siblings_takes_the_two_step_path(state, session, monkeypatc
     session.rollback()
 
 
-def hold_loop_while(database_url, loop_id, change, run):
-    """Lock the loop row on a second connection, start ``run`` (it blocks on
-    that lock after taking its snapshot), apply ``change`` on the holder and
-    commit it; return what ``run`` returned or raised."""
-    outcome: dict[str, object] = {}
-    with psycopg.connect(libpq_url(database_url)) as holder, \
-            psycopg.connect(libpq_url(database_url), autocommit=True) as probe:
-        holder.execute("SELECT 1 FROM solidloop_loops WHERE id = %s FOR UPDATE", (loop_id,))
-
-        def target() -> None:
-            try:
-                outcome["value"] = run()
-            except BaseException as exc:  # reported to the test
-                outcome["error"] = exc
-
-        waiter = threading.Thread(target=target)
-        waiter.start()
-        deadline = time.monotonic() + 10
-        # Wait until the statement is blocked on the holder's lock.
-        while time.monotonic() < deadline and not probe.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                "AND query LIKE 'WITH locked AS%%'").fetchone()[0]:
-            time.sleep(0.01)
-        blocked = time.monotonic() < deadline
-        change(holder)
-        holder.commit()
-        waiter.join(10)
-    assert blocked, "the statement never waited for the loop row"
-    assert not waiter.is_alive()
-    return outcome
-
-
 def test_a_pause_committed_while_the_statement_waits_records_the_result_only(
         app, state, session, database_url):
     """The loop is paused while the answer waits for its row: the statement sees
@@ -224,8 +191,9 @@ def test_a_pause_committed_while_the_statement_waits_records_the_result_only(
         with app.app_context():
             return answer(state, state.db.session, loop_id, token, call_id, lease)
 
-    outcome = hold_loop_while(database_url, loop_id, lambda holder: holder.execute(
-        "UPDATE solidloop_loops SET status = 'paused' WHERE id = %s", (loop_id,)), run)
+    outcome = hold_loop_while(
+        database_url, loop_id, "WITH locked AS", lambda holder: holder.execute(
+            "UPDATE solidloop_loops SET status = 'paused' WHERE id = %s", (loop_id,)), run)
     assert "error" not in outcome, outcome
     answered, adopted = outcome["value"]
     assert not answered and adopted is None
@@ -248,9 +216,10 @@ def test_a_reclaim_committed_while_the_statement_waits_writes_nothing(
         with app.app_context():
             return answer(state, state.db.session, loop_id, token, call_id, lease)
 
-    outcome = hold_loop_while(database_url, loop_id, lambda holder: holder.execute(
-        "UPDATE solidloop_tool_calls SET lease_token = gen_random_uuid() WHERE id = %s",
-        (call_id,)), run)
+    outcome = hold_loop_while(
+        database_url, loop_id, "WITH locked AS", lambda holder: holder.execute(
+            "UPDATE solidloop_tool_calls SET lease_token = gen_random_uuid() WHERE id = %s",
+            (call_id,)), run)
     assert isinstance(outcome.get("error"), LostLeaseError), outcome
     assert_untouched(session, loop_id, call_id, token)
 
