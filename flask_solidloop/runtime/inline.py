@@ -130,6 +130,9 @@ def run_chain(state: SolidLoopState, body: Callable[[], None]) -> None:
     dispatch.capture(adopt=config.inline_max_hops > 0)
     try:
         body()
+        # As the body left it: whether its own commit marked the job done (the
+        # consumer's acknowledgement then has nothing to do).
+        delivered = save_current_job()
         hops = 0
         while True:
             successor = dispatch.take_captured()

@@ -141,6 +141,30 @@ def test_a_loop_runs_on_its_thread_from_turn_to_turn(app, session, llm, job_line
     assert all(r.getMessage().endswith(" inline") for r in job_lines.starts[1:])
 
 
+def test_a_delivered_job_its_own_claim_marked_done_is_not_acknowledged_again(
+        app, session, llm, monkeypatch):
+    """The delivered first turn marks its job done in its claim's statement and
+    the thread goes on inline; when the chain ends, the consumer's
+    acknowledgement (which would match no row) is skipped. Every statement
+    of every thread is watched: the job is written done exactly once."""
+    script_chain(llm, tools=2)
+    sent: list[str] = []
+    execute = psycopg.Cursor.execute
+
+    def observed(cursor, query, *args, **kwargs):
+        sent.append(query if isinstance(query, str) else str(query))
+        return execute(cursor, query, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.Cursor, "execute", observed)
+    loop = Assistant.start(message="chain")
+    run_worker_until(app, session, [loop.id])
+    monkeypatch.undo()
+    assert_completed_once(session, loop.id, calls=2)
+    done_writes = [q for q in sent if "UPDATE solidloop_jobs SET state = 'done'" in q]
+    assert len(done_writes) == 1 and done_writes[0].startswith("WITH seen AS"), done_writes
+    assert [(j.actor_name, j.state) for j in turn_jobs(session)] == [("solidloop.llm_turn", "done")]
+
+
 def test_with_inline_continuation_off_every_job_goes_through_a_consumer(
         database_url, llm, job_lines):
     llm.reset()  # the suite's emulator is reset by the app fixture, unused here
