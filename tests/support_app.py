@@ -6,6 +6,7 @@ the database URL and the LLM emulator URL reach them through the environment.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -332,6 +333,10 @@ def create_app(**config) -> Flask:
     # Worker subprocesses get the test's settings (e.g. short leases) this way.
     app.config.update(json.loads(os.environ.get("SOLIDLOOP_TEST_APP_CONFIG", "{}")))
     app.config.update(config)
+    # A test that reads a worker's log for inline steps' start lines (logged at
+    # DEBUG, runtime/job_log.py) asks for them with this key.
+    if app.config.get("TEST_JOBS_LOG_LEVEL"):
+        logging.getLogger("flask_solidloop.jobs").setLevel(app.config["TEST_JOBS_LOG_LEVEL"])
     db.init_app(app)
     solidloop.init_app(app, db=db)
     return app

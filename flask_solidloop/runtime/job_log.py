@@ -1,4 +1,6 @@
-"""One log line when a solidloop job starts and one when it ends, readable at INFO.
+"""One log line when a solidloop job ends, readable at INFO, and one when it
+starts: at INFO for a job a consumer took off the queue, at DEBUG for a step
+the thread continued inline.
 
 ``job start llm_turn loop=12 agent=support job=345 attempt=1`` and
 ``job done llm_turn loop=12 agent=support job=345 in 1.24s`` (or ``job failed
@@ -9,7 +11,14 @@ format (dramatiq's worker format has one). The ids are also passed as
 ``solidloop_duration_ms``, ``solidloop_outcome``, ``solidloop_inline``), so a
 JSON formatter picks them up without parsing the message (docs/guides/workers.md
 has a recipe). A job a thread ran inline after the loop's previous one (see
-runtime/inline.py) says ``inline`` at the end of its start line.
+runtime/inline.py) says ``inline`` at the end of its lines.
+
+Why the inline steps' start lines are DEBUG: they are most of a loop's steps
+(every step after the first, on a loop that runs on its thread), a line
+costs the worker about 0.1 ms of CPU under dramatiq's log pipe (its master
+process copies every line), and four lines a turn were a tenth of a fast
+turn's CPU in bench/turns.py. A queue's job is still seen when it starts;
+a loop's progress is seen as its steps end.
 """
 
 from __future__ import annotations
@@ -76,24 +85,26 @@ def logged_job(state: SolidLoopState, kind: str, *, loop_id: int | None = None,
                tool_call_id: int | None = None, inline: bool = False) -> Iterator[None]:
     """Log the start and the end (with its duration) of the job run inside.
     ``inline``: the thread that ran the loop's previous job claimed this one
-    itself (runtime/inline.py); the line says ``inline``."""
+    itself (runtime/inline.py); its lines say ``inline``, and its start line
+    is DEBUG."""
     rows: list[Any] = []  # alive until the job ends (see _ids)
     ids = _ids(state, kind, loop_id=loop_id, tool_call_id=tool_call_id, keep=rows)
     ids["solidloop_inline"] = inline
     what = _describe(ids)
     attempt = ids.get("solidloop_attempt")
-    logger.info("job start %s%s%s", what, f" attempt={attempt}" if attempt else "",
-                " inline" if inline else "", extra=ids)
+    how = " inline" if inline else ""
+    logger.log(logging.DEBUG if inline else logging.INFO, "job start %s%s%s", what,
+               f" attempt={attempt}" if attempt else "", how, extra=ids)
     started = time.perf_counter()
     try:
         yield
     except BaseException as exc:
         took = time.perf_counter() - started
-        logger.info("job failed %s in %.2fs: %s", what, took, type(exc).__name__,
+        logger.info("job failed %s in %.2fs%s: %s", what, took, how, type(exc).__name__,
                     extra={**ids, "solidloop_duration_ms": round(took * 1000, 1),
                            "solidloop_outcome": "failed"})
         raise
     took = time.perf_counter() - started
-    logger.info("job done %s in %.2fs", what, took,
+    logger.info("job done %s in %.2fs%s", what, took, how,
                 extra={**ids, "solidloop_duration_ms": round(took * 1000, 1),
                        "solidloop_outcome": "done"})

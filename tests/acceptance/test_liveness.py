@@ -33,8 +33,9 @@ pytestmark = pytest.mark.e2e
 TTL = 4.0
 #: For tests where no takeover may happen: far above any renewer stall.
 CALM_TTL = 10.0
+#: DEBUG job lines: the tests that kill an inline step find its start line.
 WORKER_CONFIG = {"SOLIDLOOP_LIVENESS_TTL": TTL, "SOLIDLOOP_REAPER_INTERVAL": 0.5,
-                 "SOLIDLOOP_LEASE_MARGIN": 1}
+                 "SOLIDLOOP_LEASE_MARGIN": 1, "TEST_JOBS_LOG_LEVEL": "DEBUG"}
 WORKER_CMD = [sys.executable, "-m", "dramatiq", "flask_solidloop.worker", "--processes", "1",
               "--threads", "2"]
 

@@ -43,27 +43,39 @@ def script_chain(llm, tools: int) -> None:
 
 
 class JobLines(logging.Handler):
-    """The ``job start`` records of flask_solidloop.jobs."""
+    """The ``job start`` and ``job done`` records of flask_solidloop.jobs."""
 
     def __init__(self) -> None:
         super().__init__()
         self.starts: list[logging.LogRecord] = []
+        self.ends: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.getMessage().startswith("job start"):
             self.starts.append(record)
+        elif record.getMessage().startswith("job done"):
+            self.ends.append(record)
 
 
-@pytest.fixture
-def job_lines():
+@contextlib.contextmanager
+def lines_at(level: int):
     handler = JobLines()
     logger = logging.getLogger("flask_solidloop.jobs")
     logger.addHandler(handler)
     previous = logger.level
-    logger.setLevel(logging.INFO)
-    yield handler
-    logger.removeHandler(handler)
-    logger.setLevel(previous)
+    logger.setLevel(level)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
+
+
+@pytest.fixture
+def job_lines():
+    """Every job line, inline steps' DEBUG start lines too."""
+    with lines_at(logging.DEBUG) as handler:
+        yield handler
 
 
 def run_worker_until(app, session, loop_ids, *, threads: int = 1, timeout: float = 60.0):
@@ -163,6 +175,23 @@ def test_a_delivered_job_its_own_claim_marked_done_is_not_acknowledged_again(
     done_writes = [q for q in sent if "UPDATE solidloop_jobs SET state = 'done'" in q]
     assert len(done_writes) == 1 and done_writes[0].startswith("WITH seen AS"), done_writes
     assert [(j.actor_name, j.state) for j in turn_jobs(session)] == [("solidloop.llm_turn", "done")]
+
+
+def test_at_info_an_inline_step_logs_its_end_and_a_delivered_job_both(app, session, llm):
+    """The default level: the delivered first turn logs its start and its end;
+    each step the thread continued inline logs only its end, marked inline
+    (its start line is DEBUG)."""
+    script_chain(llm, tools=2)
+    with lines_at(logging.INFO) as lines:
+        loop = Assistant.start(message="chain")
+        run_worker_until(app, session, [loop.id])
+    assert_completed_once(session, loop.id, calls=2)
+    assert [(r.solidloop_job, r.solidloop_inline) for r in lines.starts] == [("llm_turn", False)]
+    assert [(r.solidloop_job, r.solidloop_inline) for r in lines.ends] == [
+        ("llm_turn", False), ("tool_call", True), ("llm_turn", True), ("tool_call", True),
+        ("llm_turn", True)]
+    assert all(r.getMessage().endswith("s inline") for r in lines.ends[1:])
+    assert all(r.solidloop_loop_id == loop.id for r in lines.starts + lines.ends)
 
 
 def test_with_inline_continuation_off_every_job_goes_through_a_consumer(
