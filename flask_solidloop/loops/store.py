@@ -539,9 +539,10 @@ def _claim_delivered_statement(open_shell: bool, read_history: bool) -> str:
     with a message meanwhile is queued again, but a newer version, and the
     claim lets it be (the caller then claims the classic way, whose history
     read starts after the lock is held). What the check relies on: every
-    write to a loop's history takes the loop row first, and none leaves a
-    queued loop's row as it was (the writers that add messages to a loop also
-    move it: create it, resume it, answer its tool phase, requeue it)."""
+    write to a loop's history takes the loop row first, and a write that
+    makes a loop queued, or adds to its history while it is queued, rewrites
+    the row (creating it, resuming it, answering its tool phase's last call,
+    requeueing it)."""
     claim = _ADOPTING_CLAIM.format(
         condition="AND status = 'queued' AND xmin = (SELECT xmin FROM seen) ")
     parts = ["WITH seen AS (SELECT xmin FROM solidloop_loops WHERE id = %(claim_id)s)",
