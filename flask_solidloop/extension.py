@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from dramatiq.middleware import Retries
 from flask import Blueprint, Flask
 from flask_sqlalchemy import SQLAlchemy
+from sqlalchemy.engine import make_url
 
 from .agent import Agent
 from .config import Config
@@ -264,7 +265,7 @@ def _check_urls(config: Config, session_url: Any) -> str:
             "flask-solidloop needs a PostgreSQL URL (postgresql+psycopg://...)",
         )
     session_url = str(session_url)
-    if session_url.split("://", 1)[0] not in ("postgresql+psycopg", "postgres+psycopg"):
+    if not _names_psycopg3(session_url):
         raise ConfigurationError(
             "SQLALCHEMY_DATABASE_URI", _safe(session_url),
             "flask-solidloop needs PostgreSQL through psycopg 3: use a "
@@ -279,6 +280,21 @@ def _check_urls(config: Config, session_url: Any) -> str:
             "must be a PostgreSQL URL naming the same database as SQLALCHEMY_DATABASE_URI",
         )
     return broker_url
+
+
+def _names_psycopg3(url: str) -> bool:
+    """Whether SQLAlchemy reaches ``url`` through psycopg 3: ``+psycopg`` said
+    outright, or a bare ``postgresql://`` where SQLAlchemy's default driver for
+    it is psycopg 3 (2.1 and later; 2.0's is psycopg2)."""
+    scheme = url.split("://", 1)[0]
+    if scheme in ("postgresql+psycopg", "postgres+psycopg"):
+        return True
+    if scheme != "postgresql":
+        return False
+    try:
+        return make_url(url).get_dialect().driver == "psycopg"
+    except Exception:  # an unparsable URL: refused with the message below
+        return False
 
 
 def _safe(url: str) -> str:

@@ -76,15 +76,32 @@ def test_the_job_lease_follows_the_liveness_ttl_unless_set():
         Config.from_mapping({"SOLIDLOOP_LIVENESS_TTL": 0})
 
 
-def test_init_app_needs_the_psycopg3_driver():
+@pytest.mark.parametrize("url", ["postgresql+psycopg2://u:hunter2@127.0.0.1/x",
+                                 "postgresql+asyncpg://u:hunter2@127.0.0.1/x"])
+def test_init_app_needs_the_psycopg3_driver(url):
     app = Flask("bad_driver")
-    app.config["SQLALCHEMY_DATABASE_URI"] = "postgresql://u:hunter2@127.0.0.1/x"
-    # Not bound to the app: the URL is refused before any engine is made (with
-    # SQLAlchemy 2.0, an engine for a bare postgresql:// URL imports psycopg2).
+    app.config["SQLALCHEMY_DATABASE_URI"] = url
+    # Not bound to the app: the URL is refused before any engine is made (an
+    # engine would import the driver, which is not installed here).
     db = SQLAlchemy()
     with pytest.raises(ConfigurationError, match=r"postgresql\+psycopg://") as info:
         SolidLoop(app, db)
     assert "hunter2" not in str(info.value)
+
+
+def test_a_bare_postgresql_url_is_taken_where_sqlalchemy_reads_it_as_psycopg3():
+    """SQLAlchemy 2.1 made psycopg 3 the driver of a bare ``postgresql://`` URL;
+    2.0 reads it as psycopg2, and the URL is refused there."""
+    import sqlalchemy
+
+    app = Flask("bare_url")
+    app.config["SQLALCHEMY_DATABASE_URI"] = "postgresql://u:hunter2@127.0.0.1/x"
+    version = tuple(int(p) for p in sqlalchemy.__version__.split(".")[:2])
+    if version >= (2, 1):
+        SolidLoop(app, SQLAlchemy())
+    else:
+        with pytest.raises(ConfigurationError, match=r"postgresql\+psycopg://"):
+            SolidLoop(app, SQLAlchemy())
 
 
 def test_every_setting_is_documented():
