@@ -50,6 +50,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -80,6 +81,8 @@ class Run:
     xacts: int = 0
     commits: int | None = None
     wal: int = 0
+    #: The WAL the measured run wrote: its start and end LSNs, and its database.
+    wal_range: tuple[str, str, str] | None = None
     gaps: list[float] = field(default_factory=list)
     completion: list[float] = field(default_factory=list)
 
@@ -146,6 +149,40 @@ def wal_commits(start: str, end: str) -> int | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return sum(1 for line in out.splitlines() if "COMMIT" in line) if out else None
+
+
+_WAL_SIZE = re.compile(r"len \(rec/tot\):\s*\d+/\s*(\d+),")
+_WAL_RELATION = re.compile(r"rel \d+/(\d+)/(\d+)")
+
+
+def wal_by_table(start: str, end: str, database: str) -> collections.Counter[str]:
+    """The WAL bytes between two LSNs per table of ``database`` (a table's
+    indexes and TOAST counted with it); records of no relation of it (commits,
+    other databases) under ``(other)``. Read with pg_waldump: run it before
+    the server recycles those segments."""
+    binary = shutil.which("pg_waldump") or "/usr/lib/postgresql/15/bin/pg_waldump"
+    (data_dir,), = sql("SHOW data_directory")
+    (db_oid,), = sql(f"SELECT oid FROM pg_database WHERE datname = '{database}'")
+    owners = {str(node): table for node, table in sql(
+        "SELECT c.relfilenode, coalesce(t.relname, o.relname, ot.relname, c.relname) "
+        "FROM pg_class c LEFT JOIN pg_index i ON i.indexrelid = c.oid "
+        "LEFT JOIN pg_class t ON t.oid = i.indrelid "
+        "LEFT JOIN pg_class o ON o.reltoastrelid = c.oid "
+        "LEFT JOIN pg_class ot ON ot.reltoastrelid = t.oid "
+        "WHERE c.relfilenode <> 0", database)}
+    out = subprocess.run([binary, "--start", start, "--end", end, "-p", f"{data_dir}/pg_wal"],
+                         capture_output=True, text=True, timeout=300).stdout
+    totals: collections.Counter[str] = collections.Counter()
+    for line in out.splitlines():
+        size = _WAL_SIZE.search(line)
+        if size is None:
+            continue
+        relation = _WAL_RELATION.search(line)
+        table = "(other)"
+        if relation is not None and relation.group(1) == str(db_oid):
+            table = owners.get(relation.group(2), "(other)")
+        totals[table] += int(size.group(1))
+    return totals
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -258,6 +295,7 @@ def run_ours(emulator, script: Script, loops: int, prefix: str) -> Run:
             xacts1, lsn1 = server_counters(OURS_DB)
             run.xacts, run.wal = xacts1 - xacts0, wal_bytes(lsn0, lsn1)
             run.commits = wal_commits(lsn0, lsn1)
+            run.wal_range = (lsn0, lsn1, OURS_DB)
             rows = session.execute(select(Loop.step_count, Loop.status, Loop.created_at,
                                           Loop.finished_at).where(Loop.id.in_(ids))).all()
             failed = [r for r in rows if r.status != "completed"]
@@ -321,6 +359,7 @@ def run_dbos(emulator, script: Script, loops: int, prefix: str) -> Run:
     xacts1, lsn1 = server_counters(DBOS_DB)
     run.xacts, run.wal = xacts1 - xacts0, wal_bytes(lsn0, lsn1)
     run.commits = wal_commits(lsn0, lsn1)
+    run.wal_range = (lsn0, lsn1, DBOS_DB)
     run.turns = script.requests(prefix + " ")
     run.gaps = script.gaps(prefix + " ")
     return run
@@ -363,6 +402,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--alone-turns", type=int, default=20,
                         help="LLM turns of the one-loop-alone run (default 20)")
+    parser.add_argument("--wal-by-table", action="store_true",
+                        help="also print each system's WAL per turn by table (last rep)")
     args = parser.parse_args()
 
     from flask_solidloop.testing import LLMEmulator
@@ -373,6 +414,7 @@ def main() -> None:
     os.environ["SOLIDLOOP_BENCH_LLM_URL"] = emulator.base_url
     os.environ["SOLIDLOOP_BENCH_API_KEY"] = "sk-bench"
     results: dict[str, list[dict]] = {"ours": [], "dbos": []}
+    wal_tables: dict[str, tuple[collections.Counter[str], int]] = {}
     alone: dict[str, list[float]] = {"ours": [], "dbos": []}
     try:
         for rep in range(args.reps):
@@ -394,6 +436,8 @@ def main() -> None:
                         _last_backends.clear()
                     one = run_dbos(emulator, script, 1, f"alone{rep}")
                 results[system].append(figures(many))
+                if args.wal_by_table and many.wal_range is not None:
+                    wal_tables[system] = (wal_by_table(*many.wal_range), max(many.turns, 1))
                 alone[system].extend(one.gaps)
                 print(f"rep {rep + 1} {system}: {many.turns} turns in {many.wall:.1f} s",
                       flush=True)
@@ -448,6 +492,12 @@ def main() -> None:
     print()
     for label, ok in checks:
         print(f"  {label:40} {verdict(ok)}")
+    for system, (tables, turns) in sorted(wal_tables.items()):
+        print(f"\nWAL bytes / turn by table, {system} (last rep, "
+              f"{sum(tables.values()) / turns:.0f} in all):")
+        for table, size in tables.most_common():
+            if size / turns >= 1:
+                print(f"  {size / turns:8.0f}  {table}")
 
 
 if __name__ == "__main__":
