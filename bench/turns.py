@@ -415,6 +415,10 @@ def main() -> None:
     os.environ["SOLIDLOOP_BENCH_API_KEY"] = "sk-bench"
     results: dict[str, list[dict]] = {"ours": [], "dbos": []}
     wal_tables: dict[str, tuple[collections.Counter[str], int]] = {}
+
+    def tally(system: str, run: Run) -> None:
+        if args.wal_by_table and run.wal_range is not None:
+            wal_tables[system] = (wal_by_table(*run.wal_range), max(run.turns, 1))
     alone: dict[str, list[float]] = {"ours": [], "dbos": []}
     try:
         for rep in range(args.reps):
@@ -422,6 +426,7 @@ def main() -> None:
             for system in order:
                 if system == "ours":
                     many = run_ours(emulator, script, args.loops, f"r{rep}")
+                    tally(system, many)  # before the next run drops its database
                     one = run_ours(emulator, script, 1, f"alone{rep}")
                 else:
                     stop = threading.Event()
@@ -434,10 +439,9 @@ def main() -> None:
                         stop.set()
                         watcher.join()
                         _last_backends.clear()
+                    tally(system, many)
                     one = run_dbos(emulator, script, 1, f"alone{rep}")
                 results[system].append(figures(many))
-                if args.wal_by_table and many.wal_range is not None:
-                    wal_tables[system] = (wal_by_table(*many.wal_range), max(many.turns, 1))
                 alone[system].extend(one.gaps)
                 print(f"rep {rep + 1} {system}: {many.turns} turns in {many.wall:.1f} s",
                       flush=True)
