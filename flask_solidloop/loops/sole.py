@@ -24,18 +24,6 @@ from ..queue.broker import driver_connection
 _IDLE = TransactionStatus.IDLE
 
 
-def _prepare(driver: psycopg.Connection[Any]) -> bool | None:
-    """Prepare the statement on its first run, unless the connection never
-    prepares. The statements that come here run on every turn, and psycopg
-    prepares a query only after ``prepare_threshold`` (5) runs on each
-    connection: until then each run is parsed and planned again, and the
-    fused statements are the costliest to plan (on this machine preparing at
-    once took a tenth off PostgreSQL's CPU per turn in bench/turns.py). A host
-    that turned preparing off (``prepare_threshold=None``, as behind a
-    transaction-pooling PgBouncer) keeps it off."""
-    return None if driver.prepare_threshold is None else True
-
-
 def _on_the_wire(real: Session) -> bool:
     """Whether the session's transaction has begun on a connection. Adding a
     loaded object to a session begins its transaction without one (a row
@@ -60,8 +48,16 @@ def fetch_one(session: SessionLike, query: str, params: Any, *,
     alone 128) and without the session's transaction bookkeeping (about 90 µs
     of the worker's CPU; a pool checkout is 10). It returns True: the caller
     has nothing to commit. Otherwise the statement joins the session's
-    transaction, for the caller to commit. Either way the statement is
-    prepared on its first run (see :func:`_prepare`)."""
+    transaction, for the caller to commit.
+
+    Either way the statement is prepared on its first run. These statements
+    run on every turn, and psycopg prepares a query only after
+    ``prepare_threshold`` (5) runs on each connection: until then each run is
+    parsed and planned again, and the fused statements are the costliest to
+    plan (on this machine preparing at once took a tenth off PostgreSQL's CPU
+    per turn in bench/turns.py). A host that turned preparing off
+    (``prepare_threshold=None``, as behind a transaction-pooling PgBouncer)
+    keeps it off: psycopg ignores ``prepare=True`` then."""
     real = session() if isinstance(session, scoped_session) else session
     assert isinstance(real, Session)
     if sole and not _on_the_wire(real) and not (real.new or real.dirty or real.deleted):
@@ -75,11 +71,16 @@ def fetch_one(session: SessionLike, query: str, params: Any, *,
                     driver.autocommit = True
                     try:
                         return driver.cursor(row_factory=dict_row).execute(
-                            query, params, prepare=_prepare(driver)).fetchone(), True
+                            query, params, prepare=True).fetchone(), True
                     finally:
-                        driver.autocommit = False
+                        if driver.info.transaction_status == _IDLE:
+                            driver.autocommit = False
+                        else:
+                            # Cut off mid-statement (a dead socket, an interrupt):
+                            # the pool must not hand this connection out again,
+                            # and the statement's own error is the one to raise.
+                            pooled.invalidate()
             finally:
                 pooled.close()
-    driver = driver_connection(session)
-    return driver.cursor(row_factory=dict_row).execute(
-        query, params, prepare=_prepare(driver)).fetchone(), False
+    return driver_connection(session).cursor(row_factory=dict_row).execute(
+        query, params, prepare=True).fetchone(), False

@@ -482,8 +482,10 @@ def fail_unclaimed(session: SessionLike, loop_id: int, error_message: str) -> No
 
 @dataclass
 class LlmClaim:
-    """An LLM turn claimed in a transaction that is still open (see
-    :func:`start_llm_turn`): the row lock is held until :func:`commit_claim`."""
+    """An LLM turn's claim as the turn's stack sees it. From :func:`start_llm_turn`
+    its transaction is still open and holds the row lock until
+    :func:`commit_claim`; an adopted or a delivered claim (``precommitted``)
+    committed already, and what joins it commits on its own."""
 
     token: uuid.UUID
     #: Seconds since this run's first claim, by the database clock.
@@ -502,6 +504,9 @@ class LlmClaim:
     #: The turn's history, when the commit that claimed it read it (an adopted
     #: turn: see _adopt_llm_turn); else None and the turn reads it.
     history: list[Any] | None = None
+    #: The claim committed before the turn began (an adopted or a delivered
+    #: claim): a rollback does not undo it.
+    precommitted: bool = False
 
     def is_open(self, session: SessionLike) -> bool:
         return not self.committed and _real(session).get_transaction() is self.transaction
@@ -614,7 +619,7 @@ def claim_delivered_llm_turn(session: SessionLike, loop_id: int, *, lease_second
     claim = LlmClaim(token=token, run_elapsed_seconds=float(row["run_elapsed"]),
                      job_marked=False, transaction=real.get_transaction(),
                      history=(queries.history_from_rows(history_rows or [])
-                              if read_history else None))
+                              if read_history else None), precommitted=True)
     return DeliveredClaim(claim, shell["id"] if shell is not None else None)
 
 
@@ -647,21 +652,23 @@ def adopted_llm_claim(session: SessionLike, adopted: Adopted) -> LlmClaim:
         real.begin()
     return LlmClaim(token=adopted.execution_token,
                     run_elapsed_seconds=adopted.run_elapsed_seconds, job_marked=False,
-                    transaction=real.get_transaction(), history=adopted.history)
+                    transaction=real.get_transaction(), history=adopted.history,
+                    precommitted=True)
 
 
 def hand_back_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int,
-                       token: uuid.UUID) -> bool:
-    """An adopted LLM turn this thread will not run after all (the worker is
-    stopping, or the chain broke): back to queued with a job, if the
-    generation is still the adopted one. False when it has moved on."""
+                       token: uuid.UUID, *, delay_ms: int | None = None) -> bool:
+    """An LLM turn claimed for this thread that it will not run after all (the
+    worker is stopping, the chain broke, the database failed before the
+    request): back to queued with a job (due in ``delay_ms``), if the
+    generation is still the claimed one. False when it has moved on."""
     session.rollback()
     loop = transition(session, loop_id, from_="running", to="queued", expected_token=token)
     if loop is None:
         session.rollback()
         return False
     _hide_shells(session, loop_id)
-    state.dispatch.llm_turn(session, loop_id)
+    state.dispatch.llm_turn(session, loop_id, delay_ms=delay_ms)
     session.commit()
     return True
 

@@ -70,6 +70,9 @@ class LlmContext(TurnContext):
     #: The renewer registration; ``lease.check()`` raises LostLeaseError once lost.
     lease: RenewerHandle | None = None
     shell_id: int | None = None
+    #: Set by NetworkCalling as it sends the request: from then on the turn's
+    #: end may have committed even when its statement raised.
+    requested: bool = False
     response: AssistantTurn | None = None
     wire: WireRecord | None = None
     #: ttft_ms, thinking_ms, output_tokens (+ output_tokens_estimated) when streaming;

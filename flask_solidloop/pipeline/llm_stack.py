@@ -95,8 +95,10 @@ class AgentInitialization:
                 ctx.shell_id = store.open_shell(ctx.session, ctx.loop_id, ctx.execution_token,
                                                 claim)
         except (SQLAlchemyError, psycopg.Error):
-            # The database failed: the claim rolls back with the transaction and
-            # its job stays claimed, so the broker retries it.
+            # The database failed. A claim still open rolls back with the
+            # transaction and its job stays claimed, so the broker retries it;
+            # one committed before the stack ran (adopted, delivered) is handed
+            # back to the queue by the runtime (turns.run_llm_turn).
             raise
         except Exception:
             # A limit, a broken tool definition: the claim commits first, so the
@@ -215,6 +217,7 @@ class NetworkCalling:
         # No transaction may stay open across the network call: it would pin a
         # connection, hold locks and trip idle_in_transaction_session_timeout.
         store.end_transaction(ctx.session)
+        ctx.requested = True
         started = time.monotonic()
         try:
             if streaming:

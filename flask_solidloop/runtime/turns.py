@@ -35,6 +35,8 @@ logger = logging.getLogger("flask_solidloop.turns")
 
 #: Kept importable from here (the first release documented it here).
 error_text = store.error_text
+#: How long a turn handed back after a database error waits in the queue.
+DATABASE_RETRY_DELAY_MS = 2000
 
 
 def llm_turn_job(state: SolidLoopState, loop_id: int, *, inline: bool = False,
@@ -139,9 +141,33 @@ def run_llm_turn(state: SolidLoopState, loop_id: int, *,
         ctx.extras["tool_text"] = parses_tool_text(agent, builder.middlewares)
         builder.build()(ctx)
 
+    def database_failed(exc: BaseException) -> bool:
+        # A claim that committed before the stack ran is not undone by the
+        # rollback: until the request is sent nothing of the turn is written,
+        # so the turn goes back to the queue, a little later, rather than fail
+        # the loop on what may be a blip. After the request the turn's end may
+        # have committed, and the usual outcome applies.
+        if not claim.precommitted or ctx.requested:
+            return False
+        try:
+            handed = store.hand_back_llm_turn(state, session, loop_id, token,
+                                              delay_ms=DATABASE_RETRY_DELAY_MS)
+        except (SQLAlchemyError, psycopg.Error):
+            session.rollback()
+            logger.warning("llm_turn: loop %s: the database failed before the request "
+                           "(%s), and so did handing the turn back; its lease lapses and "
+                           "the reaper queues it again", loop_id, store.error_text(exc))
+            return True
+        logger.warning("llm_turn: loop %s: the database failed before the request (%s); %s",
+                       loop_id, store.error_text(exc),
+                       f"queued again in {DATABASE_RETRY_DELAY_MS / 1000:g}s" if handed
+                       else "the loop moved on meanwhile")
+        return True
+
     try:
         _guarded(ctx, run, f"llm_turn: loop {loop_id}",
-                 fail=lambda error: store.fail_turn(session, loop_id, token, error))
+                 fail=lambda error: store.fail_turn(session, loop_id, token, error),
+                 database_failed=database_failed)
     finally:
         # A stack that never reached AgentInitialization (a host middleware
         # before it returned early) still commits the claim it inherited.
@@ -151,13 +177,16 @@ def run_llm_turn(state: SolidLoopState, loop_id: int, *,
 
 
 def _guarded(ctx: LlmContext | ToolContext, run: Callable[[], None], label: str, *,
-             fail: Callable[[str], bool]) -> None:
+             fail: Callable[[str], bool],
+             database_failed: Callable[[BaseException], bool] | None = None) -> None:
     """Run a turn; turn what escapes it into the outcome the fence allows.
 
     A lost lease yields silently. An error after the turn's canonical commit is
-    reported and leaves the loop alone (its successor job is queued). Any other
-    error fails the loop through ``fail`` if this generation still owns it, and
-    is re-raised otherwise (dramatiq's retry policy then sees it).
+    reported and leaves the loop alone (its successor job is queued). A
+    database error that ``database_failed`` handles (True) ends the turn
+    there. Any other error fails the loop through ``fail`` if this
+    generation still owns it, and is re-raised otherwise (dramatiq's retry
+    policy then sees it).
     """
     session = ctx.session
     try:
@@ -169,6 +198,9 @@ def _guarded(ctx: LlmContext | ToolContext, run: Callable[[], None], label: str,
         session.rollback()
         if ctx.committed:
             logger.exception("%s: error after the turn committed", label)
+            return
+        if database_failed is not None and isinstance(exc, SQLAlchemyError | psycopg.Error) \
+                and database_failed(exc):
             return
         logger.exception("%s failed with an unhandled error", label, exc_info=exc)
         if not fail(store.error_text(exc)):

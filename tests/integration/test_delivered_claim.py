@@ -17,6 +17,7 @@ import psycopg
 import pytest
 from sqlalchemy import func, select, update
 
+from flask_solidloop import Agent
 from flask_solidloop.loops import queries, store
 from flask_solidloop.models import Job, Loop, Message
 from flask_solidloop.queue.current_job import (
@@ -25,7 +26,7 @@ from flask_solidloop.queue.current_job import (
     set_current_job,
 )
 
-from ..support_app import Assistant
+from ..support_app import Assistant, calc, llm_settings, solidloop
 from .row_locks import hold_loop_while
 from .test_turn_claim import RenewWhileClaimingAgent
 
@@ -215,3 +216,90 @@ def test_a_middleware_before_the_initialization_gets_the_history_read_after_the_
     assert session.get(Loop, loop.id).status == "completed"
     (request,) = [r for r in llm.requests if r.method == "POST"]
     assert request.json["messages"][-1]["content"] == "hello"
+
+
+class DatabaseBlipOnce:
+    """A host middleware before AgentInitialization whose first run meets a
+    database error (as its own query would), after the turn's claim committed."""
+
+    failed = False
+
+    def __init__(self, next_step):
+        self.next_step = next_step
+
+    def __call__(self, ctx):
+        if not DatabaseBlipOnce.failed:
+            DatabaseBlipOnce.failed = True
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return self.next_step(ctx)
+
+
+@solidloop.agent("database_blip")
+class DatabaseBlipAgent(Agent):
+    system_prompt = "You answer."
+    mcps = [{"name": "calc", "toolset": calc}]
+
+    def llm(self) -> dict:
+        return llm_settings()
+
+    def configure_llm_middlewares(self, builder) -> None:
+        from flask_solidloop.pipeline.llm_stack import AgentInitialization
+
+        builder.insert_before(AgentInitialization, DatabaseBlipOnce)
+
+
+def test_a_database_error_before_the_request_hands_the_claimed_turn_back(
+        app, session, llm, drain, caplog):
+    """The delivered claim committed before the stack ran, so a rollback does not
+    undo it: the turn goes back to the queue (due a little later) instead of
+    failing the loop, and its next delivery completes it."""
+    DatabaseBlipOnce.failed = False
+    llm.script("hello", {"content": "hi"})
+    loop = DatabaseBlipAgent.start(message="hello")
+    with caplog.at_level("WARNING", logger="flask_solidloop.turns"):
+        drain()
+    assert DatabaseBlipOnce.failed and not llm.requests
+    assert any("queued again in 2s" in r.getMessage() for r in caplog.records)
+    session.expire_all()
+    held = session.get(Loop, loop.id)
+    assert held.status == "queued" and held.error_message is None, held.error_message
+    queued = session.scalars(select(Job).where(Job.loop_id == loop.id,
+                                               Job.state == "queued")).all()
+    assert len(queued) == 1
+    assert session.scalar(select(func.count()).select_from(Message).where(
+        Message.loop_id == loop.id, Message.status == "processing")) == 0
+    # Due now (the test does not wait out the delay): the next delivery runs it.
+    session.execute(update(Job).where(Job.id == queued[0].id).values(eta=func.now()))
+    session.commit()
+    drain()
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "completed"
+    assert len([r for r in llm.requests if r.method == "POST"]) == 1
+
+
+def test_a_turn_whose_claim_met_a_rewritten_loop_sends_what_was_added(
+        app, state, session, llm, drain, database_url):
+    """End to end through the drain: the loop is rewritten, with a message added,
+    while the turn's claim waits for its row; the turn claims the classic way
+    and its request carries that message."""
+    llm.script(lambda body: True, {"content": "hi"})
+    loop_id = Assistant.start(message="hello").id
+
+    def change(holder):
+        holder.execute("INSERT INTO solidloop_messages (loop_id, role, content, status) "
+                       "VALUES (%s, 'user', 'sent while you waited', 'completed')", (loop_id,))
+        holder.execute("UPDATE solidloop_loops SET updated_at = now() WHERE id = %s",
+                       (loop_id,))
+
+    def run():
+        with app.app_context():
+            return drain()
+
+    outcome = hold_loop_while(database_url, loop_id, "WITH seen AS", change, run)
+    assert "error" not in outcome, outcome
+    session.expire_all()
+    assert session.get(Loop, loop_id).status == "completed"
+    (request,) = [r for r in llm.requests if r.method == "POST"]
+    assert request.json["messages"][-1]["content"] == "sent while you waited"
+    assert {j.state for j in session.scalars(select(Job).where(Job.loop_id == loop_id))} \
+        == {"done"}

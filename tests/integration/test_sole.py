@@ -75,3 +75,35 @@ def test_connections_that_never_prepare_are_left_so(engine_with):
         fetch_one(session, f"SELECT '{marker}' AS m", {}, sole=False)
         assert driver_connection(session).prepare_threshold is None
         assert prepared(session, marker) == 0
+
+
+def test_a_failed_autocommit_statement_leaves_the_connection_transactional(engine_with):
+    """The statement's error is the one raised, and the pooled connection goes
+    back to the pool out of autocommit: the session's next transaction rolls
+    back for real."""
+    import psycopg
+
+    with Session(engine_with()) as session:
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            fetch_one(session, "SELECT 1 / 0 AS boom", {}, sole=True)
+        assert not driver_connection(session).autocommit
+        session.execute(text("CREATE TEMP TABLE sole_after (id int)"))
+        session.rollback()
+        assert session.execute(text(
+            "SELECT to_regclass('pg_temp.sole_after') IS NULL")).scalar_one()
+
+
+def test_a_transaction_begun_without_a_connection_holds_nothing(engine_with):
+    """Adding a loaded object begins a session transaction with no connection
+    (queries.row_object does): the statement still runs alone."""
+    from flask_solidloop.loops.sole import _on_the_wire
+
+    with Session(engine_with()) as session:
+        session.begin()
+        assert session.in_transaction() and not _on_the_wire(session)
+        _, alone = fetch_one(session, "SELECT 1 AS one", {}, sole=True)
+        assert alone
+        session.execute(text("SELECT 1"))
+        assert _on_the_wire(session)
+        _, alone = fetch_one(session, "SELECT 1 AS one", {}, sole=True)
+        assert not alone
