@@ -25,7 +25,12 @@ CLIENTS = 20
 
 async def _one_client(url: str, mode: str, who: str) -> dict:
     headers = {"Authorization": f"Bearer token-{who}"}
-    async with httpx2.AsyncClient(headers=headers, timeout=30) as http, \
+    # A connection per request: gunicorn's workers take each one as it comes,
+    # so one session's requests land on different processes (what a session
+    # kept in PostgreSQL is for), not all on the process that accepted a
+    # kept-alive connection.
+    fresh = httpx2.Limits(max_keepalive_connections=0)
+    async with httpx2.AsyncClient(headers=headers, timeout=30, limits=fresh) as http, \
             Client(streamable_http_client(url, http_client=http), mode=mode) as client:
         listed = await client.list_tools()
         echoed = await client.call_tool("echo", {"text": f"hello {who}"})
