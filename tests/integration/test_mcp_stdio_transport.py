@@ -32,7 +32,12 @@ ROOT = Path(__file__).resolve().parents[2]
 NPM_BIN = ROOT / ".mcp-peers" / "node_modules" / ".bin"
 FILESYSTEM = NPM_BIN / "mcp-server-filesystem"
 EVERYTHING = NPM_BIN / "mcp-server-everything"
-TIME_SERVER = Path(sys.executable).parent / "mcp-server-time"
+#: The interpreter's own, or the one scripts/mcp_peers.sh put in the project's
+#: .venv (a tox environment runs the suite with another interpreter).
+TIME_SERVER = next(
+    (path for path in (Path(sys.executable).parent / "mcp-server-time",
+                       ROOT / ".venv" / "bin" / "mcp-server-time") if path.exists()),
+    Path(sys.executable).parent / "mcp-server-time")
 
 #: The SDK's shutdown after a failed call: stdin close, 2 s, SIGTERM, 2 s, SIGKILL.
 SHUTDOWN_BOUND = 4.0
