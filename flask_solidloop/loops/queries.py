@@ -15,11 +15,11 @@ from typing import Any
 
 from sqlalchemy import Text, bindparam, func, literal_column, select, text
 from sqlalchemy import inspect as sa_inspect
-from sqlalchemy.orm import Session, make_transient_to_detached, scoped_session
+from sqlalchemy.orm import make_transient_to_detached
 from sqlalchemy.orm.attributes import set_committed_value
 from sqlalchemy.orm.util import identity_key
 
-from .._typing import SessionLike
+from .._typing import SessionLike, real_session
 from ..llm.types import ChatMessage, ToolCallRequest
 from ..models import Loop, McpSession, Message, ToolCall
 from ..queue.broker import driver_connection
@@ -48,11 +48,6 @@ def get_loop(session: SessionLike, loop_id: int, *, alone: bool = False) -> Loop
 
 def get_tool_call(session: SessionLike, tool_call_id: int) -> ToolCall | None:
     return session.get(ToolCall, tool_call_id)
-
-
-def real_session(session: SessionLike) -> Session:
-    """The Session behind a scoped session (Flask-SQLAlchemy's ``db.session``)."""
-    return session() if isinstance(session, scoped_session) else session
 
 
 _RowLayout = tuple[tuple[tuple[str, str], ...], tuple[str, ...]]
@@ -188,6 +183,16 @@ HISTORY_ROWS = (
 #: The order :func:`history_from_rows` reads the rows in.
 HISTORY_ORDER = "is_call DESC, sort_key"
 _HISTORY = f"{HISTORY_ROWS} ORDER BY {HISTORY_ORDER}"
+
+
+def history_json(rows: str = HISTORY_ROWS, *, where: str = "true") -> str:
+    """A scalar subquery that returns ``rows`` (:data:`HISTORY_ROWS`, or those
+    and the rows a statement adds to them) as one JSON array in
+    :data:`HISTORY_ORDER`, what :func:`history_from_rows` reads: for a
+    statement that reads the history along with its own writes."""
+    return ("(SELECT json_agg(json_build_array(h.is_call, h.id, h.role, h.text, h.reasoning, "
+            "h.metadata, h.ref, h.name, h.arguments_raw, h.sort_key) "
+            f"ORDER BY {HISTORY_ORDER}) FROM ({rows}) AS h WHERE {where})")
 
 
 def history(session: SessionLike, loop_id: int) -> list[ChatMessage]:

@@ -16,9 +16,9 @@ import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 from sqlalchemy import Engine
-from sqlalchemy.orm import Session, scoped_session
+from sqlalchemy.orm import Session
 
-from .._typing import SessionLike
+from .._typing import SessionLike, real_session
 from ..queue.broker import driver_connection
 
 _IDLE = TransactionStatus.IDLE
@@ -58,8 +58,7 @@ def fetch_one(session: SessionLike, query: str, params: Any, *,
     per turn in bench/turns.py). A host that turned preparing off
     (``prepare_threshold=None``, as behind a transaction-pooling PgBouncer)
     keeps it off: psycopg ignores ``prepare=True`` then."""
-    real = session() if isinstance(session, scoped_session) else session
-    assert isinstance(real, Session)
+    real = real_session(session)
     if sole and not _on_the_wire(real) and not (real.new or real.dirty or real.deleted):
         bind = real.get_bind()
         if isinstance(bind, Engine):

@@ -561,11 +561,7 @@ def _claim_delivered_statement(open_shell: bool, read_history: bool) -> str:
         selected.append(_SHELL_SELECTED)
         joined += ", shell"
     if read_history:
-        selected.append(
-            "(SELECT json_agg(json_build_array(h.is_call, h.id, h.role, h.text, h.reasoning, "
-            "h.metadata, h.ref, h.name, h.arguments_raw, h.sort_key) "
-            f"ORDER BY {queries.HISTORY_ORDER}) "
-            f"FROM ({queries.HISTORY_ROWS}) AS h) AS solidloop_history")
+        selected.append(f"{queries.history_json()} AS solidloop_history")
     # The job's update runs whatever the SELECT reads; reading it orders nothing.
     return f"{', '.join(parts)} SELECT {', '.join(selected)} FROM {joined}"
 
@@ -1385,13 +1381,10 @@ def _answer_alone_statement(open_shell: bool, read_history: bool) -> str:
         joined += " LEFT JOIN shell ON true"
     if read_history:
         # The history as the statement began, and the answer it adds.
-        selected.append(
-            "(SELECT json_agg(json_build_array(h.is_call, h.id, h.role, h.text, h.reasoning, "
-            "h.metadata, h.ref, h.name, h.arguments_raw, h.sort_key) "
-            f"ORDER BY {queries.HISTORY_ORDER}) "
-            f"FROM ({queries.HISTORY_ROWS} UNION ALL SELECT false, a.id, 'tool', a.content, "
-            "NULL, a.metadata, a.tool_call_id, NULL, NULL, a.id FROM answer a) AS h "
-            f"WHERE {answered}) AS solidloop_history")
+        selected.append(queries.history_json(
+            f"{queries.HISTORY_ROWS} UNION ALL SELECT false, a.id, 'tool', a.content, "
+            "NULL, a.metadata, a.tool_call_id, NULL, NULL, a.id FROM answer a",
+            where=answered) + " AS solidloop_history")
     return f"{', '.join(parts)} SELECT {', '.join(selected)} FROM (SELECT 1) AS one {joined}"
 
 

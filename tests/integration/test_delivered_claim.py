@@ -67,6 +67,31 @@ def claim(session, loop_id, *, shell=True, history=True):
                                           open_shell=shell, read_history=history)
 
 
+def claim_in_another_session(app, state, session, loop_id, job_id):
+    """The claim as a worker thread makes it: its own app context and session,
+    running the job (``running_job``'s)."""
+    lease = session.get(Job, job_id).lease_token
+
+    def run():
+        with app.app_context():
+            set_current_job(CurrentJob(job_id, lease, 1))
+            return claim(state.db.session, loop_id)
+
+    return run
+
+
+def add_a_message_and_rewrite(loop_id):
+    """What a holder of the loop row commits: a message added, the row rewritten,
+    the loop still queued (as a stop and a resume with a message leave it)."""
+    def change(holder):
+        holder.execute("INSERT INTO solidloop_messages (loop_id, role, content, status) "
+                       "VALUES (%s, 'user', 'sent while you waited', 'completed')", (loop_id,))
+        holder.execute("UPDATE solidloop_loops SET updated_at = now() WHERE id = %s",
+                       (loop_id,))
+
+    return change
+
+
 def test_the_claim_the_job_the_shell_and_the_history_are_one_autocommit_statement(
         session, running_job, monkeypatch):
     loop_id, job_id = running_job
@@ -127,18 +152,10 @@ def test_a_loop_rewritten_while_the_claim_waits_is_left_to_the_classic_claim(
     whose history read starts after the lock is held, then sends it."""
     loop_id, job_id = running_job
 
-    def change(holder):
-        holder.execute("INSERT INTO solidloop_messages (loop_id, role, content, status) "
-                       "VALUES (%s, 'user', 'sent while you waited', 'completed')", (loop_id,))
-        holder.execute("UPDATE solidloop_loops SET updated_at = now() WHERE id = %s",
-                       (loop_id,))
+    run = claim_in_another_session(app, state, session, loop_id, job_id)
 
-    def run():
-        with app.app_context():
-            set_current_job(CurrentJob(job_id, session.get(Job, job_id).lease_token, 1))
-            return claim(state.db.session, loop_id)
-
-    outcome = hold_loop_while(database_url, loop_id, "WITH seen AS", change, run)
+    outcome = hold_loop_while(database_url, loop_id, "WITH seen AS",
+                              add_a_message_and_rewrite(loop_id), run)
     assert outcome == {"value": None}, outcome
     assert_unclaimed(session, loop_id, job_id)
     # What the turn does next: the classic claim, and the history read after it.
@@ -152,10 +169,7 @@ def test_a_pause_committed_while_the_claim_waits_claims_nothing(
         app, state, session, running_job, database_url):
     loop_id, job_id = running_job
 
-    def run():
-        with app.app_context():
-            set_current_job(CurrentJob(job_id, session.get(Job, job_id).lease_token, 1))
-            return claim(state.db.session, loop_id)
+    run = claim_in_another_session(app, state, session, loop_id, job_id)
 
     outcome = hold_loop_while(database_url, loop_id, "WITH seen AS", lambda holder: holder.execute(
         "UPDATE solidloop_loops SET status = 'paused' WHERE id = %s", (loop_id,)), run)
@@ -170,11 +184,11 @@ def test_a_lock_held_without_a_change_lets_the_claim_through(
     the snapshot saw: the claim goes through once the lock is free."""
     loop_id, job_id = running_job
 
+    claimed = claim_in_another_session(app, state, session, loop_id, job_id)
+
     def run():
-        with app.app_context():
-            set_current_job(CurrentJob(job_id, session.get(Job, job_id).lease_token, 1))
-            delivered = claim(state.db.session, loop_id)
-            return delivered.claim.token if delivered else None
+        delivered = claimed()
+        return delivered.claim.token if delivered else None
 
     outcome = hold_loop_while(database_url, loop_id, "WITH seen AS", lambda holder: None, run)
     assert isinstance(outcome.get("value"), uuid.UUID), outcome
@@ -285,17 +299,12 @@ def test_a_turn_whose_claim_met_a_rewritten_loop_sends_what_was_added(
     llm.script(lambda body: True, {"content": "hi"})
     loop_id = Assistant.start(message="hello").id
 
-    def change(holder):
-        holder.execute("INSERT INTO solidloop_messages (loop_id, role, content, status) "
-                       "VALUES (%s, 'user', 'sent while you waited', 'completed')", (loop_id,))
-        holder.execute("UPDATE solidloop_loops SET updated_at = now() WHERE id = %s",
-                       (loop_id,))
-
     def run():
         with app.app_context():
             return drain()
 
-    outcome = hold_loop_while(database_url, loop_id, "WITH seen AS", change, run)
+    outcome = hold_loop_while(database_url, loop_id, "WITH seen AS",
+                              add_a_message_and_rewrite(loop_id), run)
     assert "error" not in outcome, outcome
     session.expire_all()
     assert session.get(Loop, loop_id).status == "completed"
