@@ -216,8 +216,9 @@ def create_blueprint(*, authorize: security.Authorize | None,
         row = queries.get_loop(session, loop_id)
         if row is None:
             abort(404)
-        cursor = live.start_cursor(session, loop_id)
-        return render_template("solidloop/admin/loop.html", lp=row, cursor=str(cursor),
+        begin = live.start(session, loop_id)
+        return render_template("solidloop/admin/loop.html", lp=row, cursor=str(begin.cursor),
+                               live_message=begin.cursor.message_id, live_text=begin.text,
                                back=_back(), did=request.args.get("did"),
                                ok=request.args.get("ok"), results=RESULTS,
                                **_loop_regions(session, loop_id))
@@ -239,7 +240,7 @@ def create_blueprint(*, authorize: security.Authorize | None,
                   or live.Cursor.parse(request.args.get("cursor")))
         session = state().db.session
         if cursor is None:
-            cursor = live.start_cursor(session, loop_id)
+            cursor = live.start(session, loop_id).cursor
         session.remove() if hasattr(session, "remove") else session.close()
         body = live.stream(state(), loop_id, cursor, seconds=config.admin_stream_seconds,
                            heartbeat=config.admin_heartbeat)

@@ -179,13 +179,26 @@ class Cursor:
         return cursor if cursor.message_id >= 0 and cursor.offset >= 0 else None
 
 
-def start_cursor(session: Any, loop_id: int) -> Cursor:
-    """Where a freshly rendered page's stream starts: after the text it shows."""
-    rows = [m for m in queries.live_messages(session, loop_id) if m.role == "assistant"]
-    if rows:
-        return Cursor(rows[-1].id, len(rows[-1].content))
-    last = queries.live_messages(session, loop_id)
-    return Cursor(last[-1].id if last else 0, 0)
+@dataclass(frozen=True)
+class Start:
+    """Where a freshly rendered page's stream starts, and the text the page shows
+    before it: read together, so the page and its stream meet exactly."""
+
+    cursor: Cursor
+    text: str
+
+
+def start(session: Any, loop_id: int) -> Start:
+    """The latest assistant message's text so far and the cursor just after it.
+
+    One read serves both: a page that rendered text from a later read than its
+    cursor would show characters the stream then sends again (a turn streams
+    between the two reads)."""
+    messages = queries.live_messages(session, loop_id)
+    replies = [m for m in messages if m.role == "assistant"]
+    if replies:
+        return Start(Cursor(replies[-1].id, len(replies[-1].content)), replies[-1].content)
+    return Start(Cursor(messages[-1].id if messages else 0, 0), "")
 
 
 def _event(name: str, data: str, event_id: str | None = None) -> str:

@@ -297,6 +297,42 @@ def test_stream_resumes_from_last_event_id_without_gap_or_duplicate(app, session
     assert "event: token" not in quiet and ": heartbeat" in quiet
 
 
+def test_a_page_shows_exactly_the_text_before_its_streams_cursor(app, session, client):
+    # A turn keeps streaming while the page renders. Its text and its stream's
+    # cursor must come from one read: here the text grows right after the page's
+    # first read of the messages, and the page must still show what its cursor
+    # says it has shown (else the stream sends part of it again: seen in CI).
+    loop = Assistant.start(message="stream")
+    token = store.claim_llm_turn(session, loop.id, lease_seconds=30)
+    shell = store.open_shell(session, loop.id, token)
+    store.record_partial(session, shell, "w000 w001 ", None)
+    session.commit()
+    engine = app.extensions["solidloop"].db.engine
+    grown = []
+
+    def grow(conn, cursor, statement, *args):
+        if not grown and "solidloop_messages" in statement and "content" in statement:
+            grown.append(statement)
+            with engine.connect() as other:
+                other.execute(text("UPDATE solidloop_messages SET content = content || 'w002 w'"
+                                   " WHERE id = :id"), {"id": shell})
+                other.commit()
+
+    from sqlalchemy import event
+    event.listen(engine, "after_cursor_execute", grow)
+    try:
+        html = client.get(f"/admin/loops/{loop.id}").get_data(as_text=True)
+    finally:
+        event.remove(engine, "after_cursor_execute", grow)
+    assert grown, "the page never read the messages' content"
+    cursor = re.search(r"cursor=(\d+)(?::|%3A)(\d+)", html)
+    shown = re.search(r'<pre id="live-tokens"[^>]*><span class="tok" data-m="(\d+)" '
+                      r'data-o="0">([^<]*)</span>', html)
+    assert cursor and shown, html
+    assert int(cursor.group(1)) == int(shown.group(1)) == shell
+    assert int(cursor.group(2)) == len(shown.group(2))
+
+
 def test_waiting_streams_hold_no_connection_and_share_one_listen(app, session):
     import threading
     import time
