@@ -134,11 +134,24 @@ def effect(n: int, ctx: CallContext) -> str:
     from flask_solidloop.queue.broker import libpq_url
 
     url = libpq_url(os.environ.get(DATABASE_URL_ENV, DEFAULT_DATABASE_URL))
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(
-            "INSERT INTO chaos_effects (idempotency_key, loop_id, n, pid) VALUES (%s, %s, %s, %s)",
-            (ctx.idempotency_key, ctx.loop.id if ctx.loop else None, n, os.getpid()),
-        )
+    # This "external system" lives in the PostgreSQL that the restart test takes
+    # down, which no real one would; so, like a client of a real one, it retries
+    # through an outage (for up to a minute) instead of failing the call. A retry
+    # after an INSERT that committed counts as a duplicate effect, as a rerun does.
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with psycopg.connect(url, autocommit=True, connect_timeout=5) as conn:
+                conn.execute(
+                    "INSERT INTO chaos_effects (idempotency_key, loop_id, n, pid)"
+                    " VALUES (%s, %s, %s, %s)",
+                    (ctx.idempotency_key, ctx.loop.id if ctx.loop else None, n, os.getpid()),
+                )
+            break
+        except psycopg.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
     time.sleep(random.uniform(0.0, 0.3))
     return f"effect {n} done"
 
