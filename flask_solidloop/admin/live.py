@@ -228,9 +228,13 @@ def stream(state: SolidLoopState, loop_id: int, cursor: Cursor, *,
         version: Any = None
         while True:
             with Session(engine) as session:
+                # The status first: a turn's last text commits no later than the
+                # status that ends the stream, so text read after a final status
+                # is whole. (Read the other way round, a turn finishing between
+                # the two reads ended the stream short of its last characters.)
+                fingerprint = queries.loop_version(session, loop_id)
                 messages = [m for m in queries.live_messages(
                     session, loop_id, after_id=cursor.message_id) if m.role == "assistant"]
-                fingerprint = queries.loop_version(session, loop_id)
             # The session is closed here: the wait below holds no connection.
             if fingerprint is None:
                 yield _event("end", "the loop no longer exists")

@@ -333,6 +333,47 @@ def test_a_page_shows_exactly_the_text_before_its_streams_cursor(app, session, c
     assert int(cursor.group(2)) == len(shown.group(2))
 
 
+def test_a_stream_sends_the_last_text_of_a_turn_that_ends_while_it_reads(app, session):
+    # The turn's final text and the status that ends the stream commit together
+    # right after the stream's first read of the messages: the stream must still
+    # send every character before it ends (seen in CI: it ended one short).
+    from sqlalchemy import event
+
+    from flask_solidloop.config import Config
+
+    app.extensions["solidloop"].config = Config.from_mapping(
+        {"SOLIDLOOP_ADMIN_STREAM_SECONDS": 2, "SOLIDLOOP_ADMIN_HEARTBEAT": 0.1})
+    c = mount(app)
+    loop = Assistant.start(message="stream")
+    token = store.claim_llm_turn(session, loop.id, lease_seconds=30)
+    shell = store.open_shell(session, loop.id, token)
+    store.record_partial(session, shell, "w000 w0", None)
+    session.commit()
+    engine = app.extensions["solidloop"].db.engine
+    finished = []
+
+    def finish(conn, cursor, statement, *args):
+        if not finished and "solidloop_messages" in statement and "content" in statement:
+            finished.append(statement)
+            with engine.connect() as other:
+                other.execute(text("UPDATE solidloop_messages SET content = 'w000 w001',"
+                                   " status = 'completed' WHERE id = :id"), {"id": shell})
+                other.execute(text("UPDATE solidloop_loops SET status = 'completed'"
+                                   " WHERE id = :id"), {"id": loop.id})
+                other.commit()
+
+    event.listen(engine, "after_cursor_execute", finish)
+    try:
+        body = c.get(f"/admin/loops/{loop.id}/stream?cursor={shell}:0").get_data(as_text=True)
+    finally:
+        event.remove(engine, "after_cursor_execute", finish)
+    assert finished, "the stream never read the messages' content"
+    events = _events(body)
+    sent = "".join(re.sub(r"<[^>]+>", "", data) for name, _, data in events if name == "token")
+    assert sent == "w000 w001", events
+    assert events[-1][0] == "end" and "completed" in events[-1][2]
+
+
 def test_waiting_streams_hold_no_connection_and_share_one_listen(app, session):
     import threading
     import time
