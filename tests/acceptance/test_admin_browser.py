@@ -206,8 +206,10 @@ def test_pages_render_real_runs_and_stream_tokens_across_reconnects(
     assert page.dialogs == []
 
     # The live stream: observed, so partials flush every 0.2 s; the server ends
-    # each stream after 1 s, so the browser reconnects with Last-Event-ID.
-    llm.fault_next("slow_stream", seconds=0.06)
+    # each stream after 1 s, so the browser reconnects with Last-Event-ID. The
+    # reply trickles for about 8 s (57 pieces, 0.15 s apart): long enough for
+    # several reconnects on each side of the reload even on a loaded machine.
+    llm.fault_next("slow_stream", seconds=0.15)
     llm.script(lambda req: "speak" in str(req["messages"][-1].get("content")),
                {"content": WORDS})
     live = LiveAgent.create(message="speak")

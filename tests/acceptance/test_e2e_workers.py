@@ -78,7 +78,7 @@ def assert_completed_once(session, loop_ids) -> None:
         assert sorted(m.tool_call_id for m in tool_messages) == sorted(c.id for c in calls)
         assistants = list(session.scalars(
             select(Message).where(Message.loop_id == loop_id, Message.role == "assistant",
-                                  Message.is_hidden.is_(False))))
+                                  Message.is_hidden.is_(False)).order_by(Message.id)))
         assert [m.content for m in assistants] == ["adding", "42, done"]
 
 

@@ -210,9 +210,13 @@ def test_a_worker_killed_in_an_inline_tool_job_is_taken_over(
     call = poll(session, lambda: running_calls(session, loop.id), what="the tool to start")[0]
     log = tmp_path / "first.log"
     poll(session, lambda: effects(call.idempotency_key), what="the tool body to start")
-    started = [line for line in log.read_text().splitlines()
-               if "job start tool_call" in line and f"tool_call={call.id} " in line]
-    assert started and started[0].endswith(" inline"), started  # ran on the turn's thread
+    # The log line travels through dramatiq's master process: it may land after
+    # the tool's own effect does.
+    started = poll(session, lambda: [
+        line for line in log.read_text().splitlines()
+        if "job start tool_call" in line and f"tool_call={call.id} " in line],
+        timeout=15, what="the tool's start line in the worker log")
+    assert started[0].endswith(" inline"), started  # ran on the turn's thread
     os.killpg(holder_group(call.lease_holder), signal.SIGKILL)
     first.wait(10)
     fleets("second")
@@ -245,11 +249,17 @@ def test_a_worker_killed_in_an_adopted_llm_turn_is_taken_over(
     held = session.get(Loop, loop.id)
     assert held.status == "running" and held.lease_expires_at is not None, held.status
     assert session.get(ToolCall, call.id).response_message_id is not None
-    log = tmp_path / "first.log"
-    started = [line for line in log.read_text().splitlines()
-               if "job start llm_turn" in line and f"loop={loop.id} " in line]
-    assert len(started) == 2 and started[1].endswith(" inline"), started
     session.rollback()
+    log = tmp_path / "first.log"
+
+    def llm_starts():
+        lines = [line for line in log.read_text().splitlines()
+                 if "job start llm_turn" in line and f"loop={loop.id} " in line]
+        return lines if len(lines) >= 2 else None
+
+    started = poll(session, llm_starts, timeout=15,
+                   what="both LLM turns' start lines in the worker log")
+    assert len(started) == 2 and started[1].endswith(" inline"), started
     os.killpg(holder_group(held.lease_holder), signal.SIGKILL)
     first.wait(10)
     fleets("second")

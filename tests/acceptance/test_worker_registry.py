@@ -19,8 +19,11 @@ from .test_liveness import WORKER_CMD, holder_group, poll, running_calls, slow_c
 
 pytestmark = pytest.mark.e2e
 
-HEARTBEAT = 0.3
-CONFIG = {"SOLIDLOOP_LIVENESS_TTL": 2.0, "SOLIDLOOP_REAPER_INTERVAL": 0.5,
+# A worker is "lost" after three silent beats, so a beat of 1 s lets a loaded
+# machine stall a worker for up to 3 s before "live" turns into "lost"; the
+# tool's 6 s lease likewise outlasts a late renewal (no takeover is tested here).
+HEARTBEAT = 1.0
+CONFIG = {"SOLIDLOOP_LIVENESS_TTL": 6.0, "SOLIDLOOP_REAPER_INTERVAL": 0.5,
           "SOLIDLOOP_LEASE_MARGIN": 1, "SOLIDLOOP_WORKER_HEARTBEAT": HEARTBEAT}
 
 

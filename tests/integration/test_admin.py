@@ -272,8 +272,10 @@ def _events(body: str) -> list[tuple[str, str | None, str]]:
 def test_stream_resumes_from_last_event_id_without_gap_or_duplicate(app, session):
     from flask_solidloop.config import Config
 
+    # Streams of 1 s with a heartbeat every 0.1 s: the quiet one sends a heartbeat
+    # even when its first read is slow.
     app.extensions["solidloop"].config = Config.from_mapping(
-        {"SOLIDLOOP_ADMIN_STREAM_SECONDS": 0.3, "SOLIDLOOP_ADMIN_HEARTBEAT": 0.1})
+        {"SOLIDLOOP_ADMIN_STREAM_SECONDS": 1.0, "SOLIDLOOP_ADMIN_HEARTBEAT": 0.1})
     c = mount(app)
     loop = Assistant.start(message="stream")
     token = store.claim_llm_turn(session, loop.id, lease_seconds=30)
@@ -385,8 +387,8 @@ def test_waiting_streams_hold_no_connection_and_share_one_listen(app, session):
     from flask_solidloop.urls import libpq_url
 
     state = app.extensions["solidloop"]
-    state.config = Config.from_mapping({"SOLIDLOOP_ADMIN_STREAM_SECONDS": 3,
-                                        "SOLIDLOOP_ADMIN_HEARTBEAT": 3})
+    state.config = Config.from_mapping({"SOLIDLOOP_ADMIN_STREAM_SECONDS": 5,
+                                        "SOLIDLOOP_ADMIN_HEARTBEAT": 5})
     c = mount(app)
     loop_id = Assistant.start(message="watched").id
     session.remove()
@@ -407,18 +409,35 @@ def test_waiting_streams_hold_no_connection_and_share_one_listen(app, session):
     # Hubs of earlier tests' apps in this process may still be retiring: count what
     # this test's five streams add.
     before = listening()
+    # Count the streams inside the hub's wait (the one place a stream idles), so
+    # the checks below run while all five wait, however slowly they got there.
+    hub = hub_for(state)
+    waiting = [0]
+    counting = threading.Lock()
+    real_wait = hub.wait
+
+    def counted_wait(*args, **kwargs):
+        with counting:
+            waiting[0] += 1
+        try:
+            return real_wait(*args, **kwargs)
+        finally:
+            with counting:
+                waiting[0] -= 1
+
+    hub.wait = counted_wait
     streams = [threading.Thread(target=watch) for _ in range(5)]
     for t in streams:
         t.start()
-    hub = hub_for(state)
-    deadline = time.monotonic() + 5
-    while hub.streams < 5 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    if hub.streams != 5:
+    deadline = time.monotonic() + 10
+    while waiting[0] < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if waiting[0] != 5:
         for t in streams:
             t.join(10)
         raise AssertionError(bodies)
-    time.sleep(0.3)  # all five are waiting on the hub now
+    assert hub.streams == 5
+    assert hub.connected.wait(10)
     assert state.db.engine.pool.checkedout() == 0
     now = listening()
     assert now >= 1 and now - before <= 1  # five streams, one LISTEN connection of theirs

@@ -318,19 +318,20 @@ def test_worker_thread_killed_mid_call(server):
     outcome: dict[str, Any] = {}
 
     def worker() -> None:
-        started = time.monotonic()
         try:
             transport.call_tool("slow", {"seconds": 5})
         except Killed:
-            outcome["killed_after"] = time.monotonic() - started
+            outcome["killed_at"] = time.monotonic()
 
     thread = threading.Thread(target=worker)
     thread.start()
     time.sleep(0.3)
+    interrupted_at = time.monotonic()
     interrupt(thread, Killed)
     thread.join(3)
     assert not thread.is_alive()
-    assert outcome["killed_after"] < 1.0  # delivered within a poll slice, not after 5 s
+    # delivered within a poll slice, not when the 5 s call ends
+    assert outcome["killed_at"] - interrupted_at < 2.5
     # The session survives: the abandoned request was cancelled, not left dangling.
     assert transport.call_tool("echo", {"text": "alive"}).text() == "alive"
     if server.era == "legacy":
