@@ -19,7 +19,8 @@ liveness TTL: with ``app.config.from_prefixed_env()`` in your factory, the
 ``FLASK_SOLIDLOOP_*`` variables set here shorten it to ``liveness_ttl``.
 
 Our own chaos suite (tests/chaos.py) is built on the same :class:`Fleet`,
-:func:`progress_marker` and :class:`ProgressWatch`.
+:func:`progress_marker`, :class:`ProgressWatch` and :func:`verify_contract`,
+which it extends with what its harness knows (tool side effects, turn counts).
 """
 
 from __future__ import annotations
