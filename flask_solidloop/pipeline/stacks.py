@@ -46,13 +46,16 @@ class AdoptedTurnShape:
     read_history: bool
 
 
-def adopted_turn_shape(state: SolidLoopState, agent: AgentLike) -> AdoptedTurnShape:
+def adopted_turn_shape(state: SolidLoopState, agent: AgentLike, *,
+                       builder: Builder | None = None) -> AdoptedTurnShape:
+    """The shape of the agent's LLM stack; pass ``builder`` when the caller has
+    built that stack already (a delivered turn then runs the same one)."""
     from .llm_stack import AgentInitialization, ErrorHandling, NetworkCalling
 
     def _is(middleware: object, cls: type) -> bool:
         return isinstance(middleware, type) and issubclass(middleware, cls)
 
-    middlewares = list(llm_stack(state, agent).middlewares)
+    middlewares = list((builder or llm_stack(state, agent)).middlewares)
     initialization = next((i for i, m in enumerate(middlewares)
                            if _is(m, AgentInitialization)), None)
     return AdoptedTurnShape(

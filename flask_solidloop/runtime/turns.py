@@ -80,6 +80,10 @@ def run_llm_turn(state: SolidLoopState, loop_id: int, *,
     try:
         agent = state.agent_for(loop.agent_name, loop)
         agent.validate()
+        # The agent's LLM stack, built once: its shape decides what a delivered
+        # claim may do, and the turn runs it. A hook that raises here is a broken
+        # definition like any other.
+        builder = llm_stack(state, agent)
         lease = state.config.liveness_ttl
         max_duration = agent.effective_max_duration(state.config.default_max_duration)
     except (SQLAlchemyError, psycopg.Error):
@@ -105,7 +109,7 @@ def run_llm_turn(state: SolidLoopState, loop_id: int, *,
         # A delivered turn claims as an adopted one starts: claim, job done,
         # shell and history in one statement where the stack allows it; the
         # classic claim decides whatever that statement leaves undecided.
-        shape = adopted_turn_shape(state, agent)
+        shape = adopted_turn_shape(state, agent, builder=builder)
         delivered = store.claim_delivered_llm_turn(
             session, loop_id, lease_seconds=lease, open_shell=shape.open_shell,
             read_history=shape.read_history)
@@ -136,7 +140,6 @@ def run_llm_turn(state: SolidLoopState, loop_id: int, *,
     claim.after_commit.append(register_lease)
 
     def run() -> None:
-        builder = llm_stack(state, agent)
         # Answers carrying tool calls as text: partials hide their markup.
         ctx.extras["tool_text"] = parses_tool_text(agent, builder.middlewares)
         builder.build()(ctx)

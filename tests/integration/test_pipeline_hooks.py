@@ -45,3 +45,30 @@ def test_global_and_agent_hooks_apply_in_order(app, session, llm, drain):
     finally:
         solidloop.llm_middleware_hooks.remove(hook)
     assert seen == [("agent", "LlmContext"), ("audit", "LlmContext")]
+
+
+def test_a_hook_that_raises_fails_the_loop_before_any_claim(app, session, llm, drain):
+    # A broken stack definition does not heal by retrying: the loop fails at
+    # once, saying why, and no turn was claimed or requested.
+    from flask_solidloop import Agent
+    from flask_solidloop.models import Loop, Message
+
+    from ..support_app import solidloop
+
+    emulator_url = llm.base_url
+
+    class Broken(Agent):
+        llm = {"base_url": emulator_url, "model": "m"}
+
+        def configure_llm_middlewares(self, builder):
+            raise RuntimeError("no such middleware: Audit")
+
+    solidloop.agent("broken_stack")(Broken)
+    loop = Broken.start(message="hi")
+    drain()
+    session.expire_all()
+    row = session.get(Loop, loop.id)
+    assert row.status == "failed", row.status
+    assert "no such middleware: Audit" in row.error_message
+    assert row.step_count == 0 and llm.requests == []
+    assert session.query(Message).filter_by(loop_id=loop.id, role="assistant").count() == 0
