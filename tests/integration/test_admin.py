@@ -4,11 +4,12 @@ keyset pages, actions, bulk actions and the SSE stream's resume."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 
 import pytest
-from sqlalchemy import select, text
+from sqlalchemy import event, select, text
 
 from flask_solidloop.loops import store
 from flask_solidloop.models import Loop, Message
@@ -299,33 +300,49 @@ def test_stream_resumes_from_last_event_id_without_gap_or_duplicate(app, session
     assert "event: token" not in quiet and ": heartbeat" in quiet
 
 
+@contextlib.contextmanager
+def after_first_content_read(app, *updates: tuple[str, dict]):
+    """Commit ``updates`` (SQL, params) from another connection right after the
+    first statement that reads the messages' content; yields a list that holds
+    that statement once it ran."""
+    engine = app.extensions["solidloop"].db.engine
+    seen: list[str] = []
+
+    def change(conn, cursor, statement, *args):
+        if not seen and "solidloop_messages" in statement and "content" in statement:
+            seen.append(statement)
+            with engine.connect() as other:
+                for sql, params in updates:
+                    other.execute(text(sql), params)
+                other.commit()
+
+    event.listen(engine, "after_cursor_execute", change)
+    try:
+        yield seen
+    finally:
+        event.remove(engine, "after_cursor_execute", change)
+
+
+def streaming_shell(session, text_so_far: str) -> tuple[int, int]:
+    """A loop whose turn streams: (loop id, shell id) with ``text_so_far`` on it."""
+    loop = Assistant.start(message="stream")
+    token = store.claim_llm_turn(session, loop.id, lease_seconds=30)
+    shell = store.open_shell(session, loop.id, token)
+    store.record_partial(session, shell, text_so_far, None)
+    session.commit()
+    return loop.id, shell
+
+
 def test_a_page_shows_exactly_the_text_before_its_streams_cursor(app, session, client):
     # A turn keeps streaming while the page renders. Its text and its stream's
     # cursor must come from one read: here the text grows right after the page's
     # first read of the messages, and the page must still show what its cursor
     # says it has shown (else the stream sends part of it again: seen in CI).
-    loop = Assistant.start(message="stream")
-    token = store.claim_llm_turn(session, loop.id, lease_seconds=30)
-    shell = store.open_shell(session, loop.id, token)
-    store.record_partial(session, shell, "w000 w001 ", None)
-    session.commit()
-    engine = app.extensions["solidloop"].db.engine
-    grown = []
-
-    def grow(conn, cursor, statement, *args):
-        if not grown and "solidloop_messages" in statement and "content" in statement:
-            grown.append(statement)
-            with engine.connect() as other:
-                other.execute(text("UPDATE solidloop_messages SET content = content || 'w002 w'"
-                                   " WHERE id = :id"), {"id": shell})
-                other.commit()
-
-    from sqlalchemy import event
-    event.listen(engine, "after_cursor_execute", grow)
-    try:
-        html = client.get(f"/admin/loops/{loop.id}").get_data(as_text=True)
-    finally:
-        event.remove(engine, "after_cursor_execute", grow)
+    loop_id, shell = streaming_shell(session, "w000 w001 ")
+    with after_first_content_read(app, (
+            "UPDATE solidloop_messages SET content = content || 'w002 w' WHERE id = :id",
+            {"id": shell})) as grown:
+        html = client.get(f"/admin/loops/{loop_id}").get_data(as_text=True)
     assert grown, "the page never read the messages' content"
     cursor = re.search(r"cursor=(\d+)(?::|%3A)(\d+)", html)
     shown = re.search(r'<pre id="live-tokens"[^>]*><span class="tok" data-m="(\d+)" '
@@ -339,36 +356,19 @@ def test_a_stream_sends_the_last_text_of_a_turn_that_ends_while_it_reads(app, se
     # The turn's final text and the status that ends the stream commit together
     # right after the stream's first read of the messages: the stream must still
     # send every character before it ends (seen in CI: it ended one short).
-    from sqlalchemy import event
-
     from flask_solidloop.config import Config
 
     app.extensions["solidloop"].config = Config.from_mapping(
         {"SOLIDLOOP_ADMIN_STREAM_SECONDS": 2, "SOLIDLOOP_ADMIN_HEARTBEAT": 0.1})
     c = mount(app)
-    loop = Assistant.start(message="stream")
-    token = store.claim_llm_turn(session, loop.id, lease_seconds=30)
-    shell = store.open_shell(session, loop.id, token)
-    store.record_partial(session, shell, "w000 w0", None)
-    session.commit()
-    engine = app.extensions["solidloop"].db.engine
-    finished = []
-
-    def finish(conn, cursor, statement, *args):
-        if not finished and "solidloop_messages" in statement and "content" in statement:
-            finished.append(statement)
-            with engine.connect() as other:
-                other.execute(text("UPDATE solidloop_messages SET content = 'w000 w001',"
-                                   " status = 'completed' WHERE id = :id"), {"id": shell})
-                other.execute(text("UPDATE solidloop_loops SET status = 'completed'"
-                                   " WHERE id = :id"), {"id": loop.id})
-                other.commit()
-
-    event.listen(engine, "after_cursor_execute", finish)
-    try:
-        body = c.get(f"/admin/loops/{loop.id}/stream?cursor={shell}:0").get_data(as_text=True)
-    finally:
-        event.remove(engine, "after_cursor_execute", finish)
+    loop_id, shell = streaming_shell(session, "w000 w0")
+    with after_first_content_read(
+            app,
+            ("UPDATE solidloop_messages SET content = 'w000 w001', status = 'completed'"
+             " WHERE id = :id", {"id": shell}),
+            ("UPDATE solidloop_loops SET status = 'completed' WHERE id = :id",
+             {"id": loop_id})) as finished:
+        body = c.get(f"/admin/loops/{loop_id}/stream?cursor={shell}:0").get_data(as_text=True)
     assert finished, "the stream never read the messages' content"
     events = _events(body)
     sent = "".join(re.sub(r"<[^>]+>", "", data) for name, _, data in events if name == "token")
