@@ -5,7 +5,9 @@ so a host can catch the whole family in one clause::
 
     SolidLoopError
     ├── ConfigurationError        a SOLIDLOOP_* value broke its rule
-    ├── NotInitializedError       the extension was used before init_app
+    ├── SetupError                the app, the extension or a worker is set up so it cannot work
+    │   └── NotInitializedError   the extension was used before init_app
+    ├── InvalidArgumentError      a call got an argument it cannot use
     ├── DatabaseUnavailableError  PostgreSQL did not answer at the URL tried
     ├── AgentError
     │   ├── AgentDefinitionError  an agent class declared something invalid
@@ -53,8 +55,20 @@ class ConfigurationError(SolidLoopError, ValueError):
         super().__init__(f"{key}={value!r} is invalid: {rule}")
 
 
-class NotInitializedError(SolidLoopError, RuntimeError):
+class SetupError(SolidLoopError, RuntimeError):
+    """The app, the extension or a worker is set up in a way that cannot work:
+    ``init_app`` twice, no Flask-SQLAlchemy, a worker without ``FLASK_APP``, a
+    test server that did not start."""
+
+
+class NotInitializedError(SetupError):
     """The extension was used on an app it was never initialised for."""
+
+
+class InvalidArgumentError(SolidLoopError, ValueError, TypeError):
+    """A call got an argument it cannot use: a subject without an id, a status
+    that can never be resumed, an emulator option it does not know. It is a
+    ``ValueError`` and a ``TypeError`` both, whichever a caller catches."""
 
 
 class DatabaseUnavailableError(SolidLoopError):
