@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from .._typing import SessionLike
+from ..errors import InvalidArgumentError
 from ..models import RESUMABLE_STATUSES, Loop
 from ..state import SolidLoopState
 from . import store
@@ -60,11 +61,12 @@ def observe(state: SolidLoopState, loop_id: int, observed: bool = True, *,
 
 
 def check_resumable(from_: str | Iterable[str]) -> tuple[str, ...]:
-    """The statuses of ``from_``; ValueError for a status that can never be resumed."""
+    """The statuses of ``from_``; InvalidArgumentError (a ValueError) for a
+    status that can never be resumed."""
     allowed = (from_,) if isinstance(from_, str) else tuple(from_)
     bad = [s for s in allowed if s not in RESUMABLE_STATUSES]
     if bad:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"status(es) {', '.join(map(repr, bad))} can never be resumed; "
             f"resumable statuses: {', '.join(RESUMABLE_STATUSES)}"
         )

@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import func, select
 
 from .._typing import SessionLike
+from ..errors import InvalidArgumentError
 from ..models import Loop
 from ..models.loop import ALL_STATUSES, TERMINAL_STATUSES
 
@@ -59,7 +60,8 @@ def transition(
     allowed = (from_,) if isinstance(from_, str) else tuple(from_)
     for status in (*allowed, to):
         if status not in ALL_STATUSES:
-            raise ValueError(f"unknown loop status {status!r}; statuses: {', '.join(ALL_STATUSES)}")
+            raise InvalidArgumentError(
+                f"unknown loop status {status!r}; statuses: {', '.join(ALL_STATUSES)}")
     loop = lock_loop(session, loop_id)
     if loop is None or loop.status not in allowed:
         return None
@@ -78,7 +80,7 @@ def transition(
         changes.setdefault("error_message", None)
     for key, value in changes.items():
         if not hasattr(Loop, key):
-            raise AttributeError(f"Loop has no column {key!r}")
+            raise InvalidArgumentError(f"Loop has no column {key!r}")
         setattr(loop, key, value)
     session.flush()
     return loop

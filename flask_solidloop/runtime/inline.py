@@ -55,6 +55,7 @@ from typing import Any
 
 from dramatiq import worker as dramatiq_worker
 
+from ..errors import InvalidArgumentError
 from ..loops import queries, store
 from ..queue import sql as jobs_sql
 from ..queue.broker import CHANNEL_PREFIX, execute_on
@@ -229,7 +230,7 @@ def _run_body(state: SolidLoopState, actor_name: str, args: tuple[Any, ...],
                       str(args[2]) if len(args) > 2 and args[2] else None, inline=True,
                       adopted=adopted)
     else:  # pragma: no cover - the dispatcher captures only these two
-        raise ValueError(f"inline continuation cannot run {actor_name!r}")
+        raise InvalidArgumentError(f"inline continuation cannot run {actor_name!r}")
 
 
 def _hand_back(state: SolidLoopState, successor: Successor | Adopted) -> None:
