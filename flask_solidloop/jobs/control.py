@@ -16,9 +16,10 @@ from typing import Any
 
 from dramatiq.message import Message
 
+from ..dbapi import execute_on
 from ..errors import InvalidJobError, NoSuchJobError
 from ..queue import sql as jobs_sql
-from ..queue.broker import PostgresBroker, decode_message, execute_on
+from ..queue.broker import PostgresBroker, decode_message
 
 #: Option names a delivery collects while failing; a requeued copy starts clean.
 _FAILURE_OPTIONS = ("retries", "traceback", "requeue_timestamp")

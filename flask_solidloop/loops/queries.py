@@ -20,9 +20,9 @@ from sqlalchemy.orm.attributes import set_committed_value
 from sqlalchemy.orm.util import identity_key
 
 from .._typing import SessionLike, real_session
+from ..dbapi import driver_connection
 from ..llm.types import ChatMessage, ToolCallRequest
 from ..models import Loop, McpSession, Message, ToolCall
-from ..queue.broker import driver_connection
 from .sole import fetch_one
 
 #: Keys of a message's metadata that its dialect gets back next turn.

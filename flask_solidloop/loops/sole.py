@@ -19,7 +19,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from .._typing import SessionLike, real_session
-from ..queue.broker import driver_connection
+from ..dbapi import driver_connection
 
 _IDLE = TransactionStatus.IDLE
 

@@ -41,11 +41,11 @@ from sqlalchemy.orm.util import identity_key
 
 from .. import signals
 from .._typing import SessionLike
+from ..dbapi import driver_connection, execute_on
 from ..errors import LostLeaseError
 from ..leases import worker_identity
 from ..models import Event, Loop, McpSession, Message, ToolCall
 from ..queue import sql as jobs_sql
-from ..queue.broker import driver_connection, execute_on
 from ..queue.current_job import (
     current_job_done_params,
     mark_current_job_done,

@@ -46,22 +46,21 @@ from dramatiq.errors import BrokerConnectionError, QueueNotFound
 from dramatiq.message import Message
 from psycopg_pool import ConnectionPool
 
-from ..errors import BrokerError, InvalidJobError, JobEncodeError
+from ..dbapi import execute_on
+from ..errors import InvalidJobError, JobEncodeError
 from ..urls import libpq_url, redact_url
 from . import sql as jobs_sql
 from .listener import Listener
 
 logger = logging.getLogger("flask_solidloop.broker")
 
-# Kept importable from here for callers of the first release.
-CHANNEL_PREFIX = jobs_sql.CHANNEL_PREFIX
 #: application_name of each consumer's claim connection.
 CONSUMER_APPLICATION_NAME = "solidloop-consumer"
 
 #: dramatiq's own rule for queue names (dramatiq.actor enforces it too).
 QUEUE_NAME_RE = re.compile(r"[a-zA-Z_][a-zA-Z0-9._-]*")
 #: PostgreSQL identifiers (our NOTIFY channels) are at most 63 bytes.
-MAX_QUEUE_NAME_BYTES = 63 - len(CHANNEL_PREFIX)
+MAX_QUEUE_NAME_BYTES = 63 - len(jobs_sql.CHANNEL_PREFIX)
 
 
 def check_queue_name(queue_name: Any) -> str:
@@ -312,7 +311,7 @@ class PostgresBroker(dramatiq.Broker):
             "eta": eta,
             "loop_id": options.get("solidloop_loop_id"),
             "tier": 0 if options.get("solidloop_continuation") else 1,
-            "channel": CHANNEL_PREFIX + message.queue_name,
+            "channel": jobs_sql.CHANNEL_PREFIX + message.queue_name,
         }
         later = delay or (eta is not None and eta.timestamp() > time.time())
         query = jobs_sql.INSERT if later else jobs_sql.INSERT_AND_NOTIFY
@@ -348,7 +347,7 @@ class PostgresBroker(dramatiq.Broker):
             "message": encode_message(message),
             "delay": (delay or 0) / 1000.0,
             "eta": eta,
-            "channel": CHANNEL_PREFIX + message.queue_name,
+            "channel": jobs_sql.CHANNEL_PREFIX + message.queue_name,
         }
         later = delay or (eta is not None and eta.timestamp() > time.time())
         query = jobs_sql.HOST_JOB_ENQUEUE if later else jobs_sql.HOST_JOB_ENQUEUE_AND_NOTIFY
@@ -418,7 +417,7 @@ class PostgresBroker(dramatiq.Broker):
             else:
                 logger.warning("job %s on %s redelivered: its lease expired", job_id, queue_name)
         for queue_name in {row[1] for row in rows if row[2] == "queued"}:
-            notify = (jobs_sql.NOTIFY, (CHANNEL_PREFIX + queue_name,))
+            notify = (jobs_sql.NOTIFY, (jobs_sql.CHANNEL_PREFIX + queue_name,))
             if connection is None:
                 self._run(*notify)
             else:  # wake consumers when the caller's transaction commits, not before
@@ -442,34 +441,6 @@ class PostgresBroker(dramatiq.Broker):
             raise
         except Exception:
             logger.exception("recovering expired job leases failed")
-
-
-def execute_on(target: Any, query: str, params: Any, *, fetch: bool = False) -> list[Any]:
-    """Run ``query`` on a caller-owned SQLAlchemy session/connection or psycopg connection."""
-    cur = driver_connection(target).execute(query, params)
-    return cur.fetchall() if fetch and cur.description else []
-
-
-def driver_connection(target: Any) -> psycopg.Connection[Any]:
-    """The psycopg connection under a SQLAlchemy session or connection (in the
-    transaction the session has begun), or ``target`` itself."""
-    if isinstance(target, psycopg.Connection):
-        return target
-    # SQLAlchemy Session or Connection: go through the DBAPI connection so that
-    # psycopg's own %(name)s parameters work and we stay inside the same transaction.
-    get_connection = getattr(target, "connection", None)
-    if get_connection is None:
-        raise BrokerError(
-            f"cannot enqueue on {type(target).__name__}: pass a SQLAlchemy Session or "
-            "Connection, or a psycopg Connection"
-        )
-    sa_connection = get_connection() if callable(get_connection) else get_connection
-    driver = sa_connection.connection.driver_connection
-    if not isinstance(driver, psycopg.Connection):
-        raise BrokerError(
-            "the session is not using the psycopg 3 driver; use a postgresql+psycopg:// URL"
-        )
-    return driver
 
 
 class PostgresConsumer(Consumer):

@@ -13,8 +13,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from ..dbapi import execute_on
 from . import sql as jobs_sql
-from .broker import execute_on
 
 _local = threading.local()
 

@@ -55,10 +55,10 @@ from typing import Any
 
 from dramatiq import worker as dramatiq_worker
 
+from ..dbapi import execute_on
 from ..errors import InvalidArgumentError
 from ..loops import queries, store
 from ..queue import sql as jobs_sql
-from ..queue.broker import CHANNEL_PREFIX, execute_on
 from ..queue.current_job import (
     CurrentJob,
     job_done_committed,
@@ -67,6 +67,7 @@ from ..queue.current_job import (
     set_current_job,
 )
 from ..queue.dispatch import INLINE_RESERVATION_MS, Adopted, Successor
+from ..queue.sql import CHANNEL_PREFIX
 from ..state import SolidLoopState
 
 logger = logging.getLogger("flask_solidloop.inline")

@@ -11,8 +11,8 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
+from flask_solidloop.dbapi import driver_connection
 from flask_solidloop.loops.sole import fetch_one
-from flask_solidloop.queue.broker import driver_connection
 
 
 @pytest.fixture
