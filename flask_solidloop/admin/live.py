@@ -33,7 +33,7 @@ from markupsafe import escape
 from sqlalchemy.orm import Session
 
 from ..loops import queries
-from ..loops.store import LIVE_CHANNEL
+from ..loops.sql import LIVE_CHANNEL
 from ..state import SolidLoopState
 from ..urls import libpq_url
 

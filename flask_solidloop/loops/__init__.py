@@ -1,7 +1,4 @@
-"""Loop state: the fence (the primitive), the store (every write of loop,
-message and tool-call rows and their successor jobs), the queries (every
-read) and control (the host commands)."""
-
-from .fence import lock_loop, owns, transition
-
-__all__ = ["lock_loop", "owns", "transition"]
+"""Loop state: its statements (sql.py, each named once), the store (store/: every
+write of loop, message, tool-call, MCP-session and event rows and their
+successor jobs), the queries (every read), the host commands' facade
+(control.py) and what makes text storable (storable.py)."""

@@ -1,6 +1,6 @@
 """Host commands on a loop: pause, stop, force stop, freeze, unfreeze, observe and
-resume. The Agent facade, the CLI and (later) the admin and the MCP server all
-call these; each is one locked transaction in loops/store.py.
+resume. The Agent facade, the CLI, the admin and the MCP server all call
+these; each is one locked transaction in loops/store/commands.py.
 
 Every function takes the app's state and an optional session (the app's
 ``db.session`` by default) and returns True when it changed the loop, False
@@ -13,9 +13,9 @@ from collections.abc import Iterable
 
 from .._typing import SessionLike
 from ..errors import InvalidArgumentError
-from ..models import RESUMABLE_STATUSES, Loop
+from ..models import RESUMABLE_STATUSES
 from ..state import SolidLoopState
-from . import store
+from . import queries, store
 
 
 def _session(state: SolidLoopState, session: SessionLike | None) -> SessionLike:
@@ -79,7 +79,9 @@ def resume(state: SolidLoopState, loop_id: int, *,
     """Re-enter the loop when its status is in ``from_`` (see store.resume)."""
     allowed = check_resumable(from_)
 
-    def sequential(loop: Loop) -> bool:
+    def sequential(loop_id: int) -> bool:
+        loop = queries.get_loop(_session(state, session), loop_id)
+        assert loop is not None  # locked by the resume that asks
         return bool(state.agent_for(loop.agent_name, loop).option("sequential_tool_calls"))
 
     return store.resume(state, _session(state, session), loop_id, allowed, message=message,

@@ -23,10 +23,23 @@ from .._typing import SessionLike, real_session
 from ..dbapi import driver_connection
 from ..llm.types import ChatMessage, ToolCallRequest
 from ..models import Loop, McpSession, Message, ToolCall
-from .sole import fetch_one
+from ..models.loop import LoopStatus
+from . import sql
+from .store.transaction import run_alone
 
 #: Keys of a message's metadata that its dialect gets back next turn.
 PROVIDER_META_KEYS = ("anthropic_blocks", "gemini_parts")
+
+
+#: A loop by id, the row whole (a job's first read).
+GET_LOOP = "SELECT * FROM solidloop_loops WHERE id = %(loop_id)s"
+
+
+def owns(loop: Loop | None, execution_token: uuid.UUID | None) -> bool:
+    """Whether ``execution_token``'s generation still owns the running loop, as
+    ``loop`` was read (the write that follows re-checks it under the lock)."""
+    return (loop is not None and loop.status == LoopStatus.RUNNING
+            and execution_token is not None and loop.execution_token == execution_token)
 
 
 def get_loop(session: SessionLike, loop_id: int, *, alone: bool = False) -> Loop | None:
@@ -41,8 +54,7 @@ def get_loop(session: SessionLike, loop_id: int, *, alone: bool = False) -> Loop
     if identity_key(Loop, loop_id) in real.identity_map or real.new or real.dirty \
             or real.deleted:
         return session.get(Loop, loop_id)
-    row, _ = fetch_one(session, "SELECT * FROM solidloop_loops WHERE id = %s", (loop_id,),
-                       sole=alone)
+    row, _ = run_alone(session, GET_LOOP, {"loop_id": loop_id}, sole=alone)
     return row_object(session, Loop, row) if row is not None else None
 
 
@@ -167,34 +179,6 @@ def tool_calls(session: SessionLike, loop_id: int) -> list[ToolCall]:
         select(ToolCall).where(ToolCall.loop_id == loop_id).order_by(ToolCall.id)))
 
 
-#: The rows of a loop's history: its tool calls first (they name the messages
-#: that asked for them), then its visible, completed messages, each as
-#: (is_call, id, role, text, reasoning, metadata, ref, name, arguments_raw,
-#: sort_key). Unordered: :data:`_HISTORY` orders it, and the store adds rows of
-#: its own to it (loops/store.py, an answer and the history in one statement).
-HISTORY_ROWS = (
-    "SELECT true AS is_call, id, NULL AS role, call_id AS text, NULL AS reasoning, "
-    "NULL::jsonb AS metadata, message_id AS ref, name, arguments_raw, position AS sort_key "
-    "FROM solidloop_tool_calls WHERE loop_id = %(loop_id)s "
-    "UNION ALL "
-    "SELECT false, id, role, content, reasoning, metadata, tool_call_id, NULL, NULL, id "
-    "FROM solidloop_messages "
-    "WHERE loop_id = %(loop_id)s AND NOT is_hidden AND status = 'completed'")
-#: The order :func:`history_from_rows` reads the rows in.
-HISTORY_ORDER = "is_call DESC, sort_key"
-_HISTORY = f"{HISTORY_ROWS} ORDER BY {HISTORY_ORDER}"
-
-
-def history_json(rows: str = HISTORY_ROWS, *, where: str = "true") -> str:
-    """A scalar subquery that returns ``rows`` (:data:`HISTORY_ROWS`, or those
-    and the rows a statement adds to them) as one JSON array in
-    :data:`HISTORY_ORDER`, what :func:`history_from_rows` reads: for a
-    statement that reads the history along with its own writes."""
-    return ("(SELECT json_agg(json_build_array(h.is_call, h.id, h.role, h.text, h.reasoning, "
-            "h.metadata, h.ref, h.name, h.arguments_raw, h.sort_key) "
-            f"ORDER BY {HISTORY_ORDER}) FROM ({rows}) AS h WHERE {where})")
-
-
 def history(session: SessionLike, loop_id: int) -> list[ChatMessage]:
     """The visible, completed history in the provider-neutral shape a dialect renders.
 
@@ -202,11 +186,11 @@ def history(session: SessionLike, loop_id: int) -> list[ChatMessage]:
     conversation, and ORM entities cost several times more per row), inside
     the session's transaction, after flushing what the session holds."""
     session.flush()
-    return history_from_rows(driver_connection(session).execute(_HISTORY, {"loop_id": loop_id}))
+    return history_from_rows(driver_connection(session).execute(sql.HISTORY, {"loop_id": loop_id}))
 
 
 def history_from_rows(rows: Iterable[Sequence[Any]]) -> list[ChatMessage]:
-    """The history from its rows (:data:`HISTORY_ROWS`, in :data:`HISTORY_ORDER`)."""
+    """The history from its rows (loops/sql.HISTORY_ROWS, in HISTORY_ORDER)."""
     calls_by_message: dict[int, list[tuple[str, str, str]]] = {}
     answered: dict[int, tuple[str, str]] = {}
     result = []

@@ -166,3 +166,33 @@ def without_tools(body: dict[str, Any], digest: str) -> dict[str, Any]:
     kept = {key: value for key, value in body.items() if key != "tools"}
     kept[TOOLS_OMITTED] = {"field": "tools", "count": len(body["tools"]), "sha256": digest}
     return kept
+
+
+#: Longest error text stored on a loop or an event (a database error can carry
+#: a whole SQL statement and its parameters).
+MAX_ERROR_TEXT = 2000
+
+
+def error_text(exc: BaseException) -> str:
+    """``Class: message`` as a loop's ``error_message`` keeps it: cut to a
+    readable length, and storable."""
+    message = f"{type(exc).__name__}: {exc}"
+    if len(message) > MAX_ERROR_TEXT:
+        message = message[:MAX_ERROR_TEXT] + " [truncated]"
+    return text(message)[0] or ""
+
+
+def message_content(content: str, meta: dict[str, Any] | None
+                    ) -> tuple[str | None, dict[str, Any]]:
+    """A new message's content made storable, and its metadata, which says so
+    (``sanitized``) when it had to change."""
+    cleaned, altered = text(content)
+    meta = dict(meta or {})
+    if altered:
+        meta["sanitized"] = ["content"]
+    return cleaned, meta
+
+
+def sanitized(fields: dict[str, bool]) -> list[str]:
+    """The names of the fields whose text had to be made storable."""
+    return [name for name, altered in fields.items() if altered]

@@ -45,9 +45,9 @@ from mcp_types.jsonrpc import (
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, MODERN_PROTOCOL_VERSIONS
 from pydantic import ValidationError
 
-from ..loops import store
 from ..state import get_state
 from . import security, wirelog
+from . import store as inbound
 from .protocol import McpError, Served, ServerSpec, dispatch, negotiate
 
 __all__ = ["McpEndpoint"]
@@ -206,7 +206,7 @@ class McpEndpoint:
             params = req.params or {}
             session_id = secrets.token_urlsafe(32)
             client_info = params.get("clientInfo")
-            store.create_inbound_session(
+            inbound.create_session(
                 session, session_id=session_id, server_name=self.spec.name,
                 principal_label=ex.principal_label or "", client_info=(
                     client_info if isinstance(client_info, dict) else {}),
@@ -231,7 +231,7 @@ class McpEndpoint:
             return _jsonrpc_error(decoded.get("id") if is_request else None, McpError(
                 INVALID_REQUEST, f"Bad Request: unsupported protocol version {version!r}",
                 {"supported": list(HANDSHAKE_PROTOCOL_VERSIONS), "requested": version}), 400)
-        stored = store.touch_inbound_session(
+        stored = inbound.touch_session(
             session, session_id=ex.session_id, server_name=self.spec.name,
             principal_label=ex.principal_label or "")
         if stored is None:
@@ -254,7 +254,7 @@ class McpEndpoint:
             ex.error = "DELETE without Mcp-Session-Id"
             return _plain("Bad Request: Mcp-Session-Id header is required", 400)
         ex.session_id = session_id[:64]
-        ended = store.terminate_inbound_session(
+        ended = inbound.terminate_session(
             get_state().db.session, session_id=ex.session_id, server_name=self.spec.name,
             principal_label=ex.principal_label or "")
         if not ended:

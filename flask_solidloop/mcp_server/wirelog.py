@@ -2,7 +2,7 @@
 
 A request hands its event to a per-process queue and returns; one daemon
 thread per process (and per app) writes what has queued up in one transaction
-through loops/store.py (``record_inbound_events``), so a request never waits
+through mcp_server/store.py (``record_events``), so a request never waits
 for the log. Rows land within milliseconds; :func:`flush` waits for them (the
 tests use it, and an exiting process runs it). The writer is fork-aware: a
 child process (a gunicorn worker forked after the first request) starts its
@@ -21,8 +21,8 @@ from typing import Any
 
 from flask import Flask
 
-from ..loops import store
 from ..state import get_state
+from . import store as inbound
 
 __all__ = ["enqueue", "flush"]
 
@@ -58,7 +58,7 @@ class _Writer:
             with self.app.app_context():
                 state = get_state(self.app)
                 try:
-                    store.record_inbound_events(state.db.session, batch,
+                    inbound.record_events(state.db.session, batch,
                                                 body_limit=state.config.event_body_limit)
                 finally:
                     state.db.session.remove()

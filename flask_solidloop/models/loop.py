@@ -25,6 +25,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
+from ..errors import InvalidArgumentError
 from .base import Base, Timestamps
 
 if TYPE_CHECKING:
@@ -42,6 +43,14 @@ class LoopStatus(enum.StrEnum):
 
     def __str__(self) -> str:
         return self.value
+
+    @classmethod
+    def check(cls, status: str) -> str:
+        """``status`` if it is a loop status; InvalidArgumentError otherwise."""
+        if status not in cls._value2member_map_:
+            raise InvalidArgumentError(
+                f"unknown loop status {status!r}; statuses: {', '.join(cls)}")
+        return status
 
 
 ALL_STATUSES = tuple(s.value for s in LoopStatus)

@@ -1,4 +1,9 @@
-"""What a middleware sees: the state of one LLM turn or one tool turn."""
+"""What a middleware sees: the state of one LLM turn or one tool turn.
+
+The fields are typed and documented (docs/guides/middlewares.md lists them);
+``extras`` is the host's own, for passing data between its layers: the
+built-in steps keep nothing there.
+"""
 
 from __future__ import annotations
 
@@ -14,11 +19,13 @@ if TYPE_CHECKING:
     from ..leases import RenewerHandle
     from ..llm.client import WireRecord
     from ..llm.types import AssistantTurn, ChatMessage
-    from ..loops.store import LlmClaim
+    from ..loops.store import Adopted, CallFacts, LlmClaim
     from ..mcp.registry import ToolRegistry
     from ..mcp.toolset import ToolResult
     from ..models import Loop, Message, ToolCall
     from ..state import AgentLike, SolidLoopState
+    from .llm_stack import PartialWriter
+    from .plan import StackPlan
 
 
 @dataclass
@@ -32,6 +39,13 @@ class TurnContext:
     #: Set once the turn's canonical write has committed; errors after it are
     #: reported but no longer fail the loop.
     committed: bool = False
+    #: The agent's stacks and what their shape lets the durable writes fuse.
+    plan: StackPlan | None = None
+    #: Whether the turn's canonical commit may claim the loop's next step for
+    #: this thread (the runtime continues inline: runtime/inline.py).
+    adopt_next: bool = False
+    #: The next step the turn's canonical commit claimed for this thread, if any.
+    adopted: Adopted | None = None
 
     @property
     def loop(self) -> Loop:
@@ -56,16 +70,15 @@ class LlmContext(TurnContext):
     """One LLM turn. Filled in as the stack runs:
 
     * AgentInitialization: ``tools`` (the registry), ``history``
-    * NetworkCalling: ``shell`` (the hidden assistant message), ``response``, ``wire``
+    * NetworkCalling: ``shell_id`` (unless the claim wrote it), ``response``,
+      ``wire``, ``metrics``, ``reasoning_carried``
     * ResponseParsing: ``message`` (the finalized assistant message)
     """
 
     tools: ToolRegistry | None = None
     history: list[ChatMessage] = field(default_factory=list)
-    #: The turn's claim while its transaction is open (the runtime claims
-    #: without committing; AgentInitialization commits the claim together with
-    #: the initialization reads and the shell). None when the claim was
-    #: committed before the stack ran.
+    #: The turn's claim, committed before the stack ran: its generation, the
+    #: run's elapsed seconds, and the shell and history it wrote and read.
     claim: LlmClaim | None = None
     #: The renewer registration; ``lease.check()`` raises LostLeaseError once lost.
     lease: RenewerHandle | None = None
@@ -80,7 +93,23 @@ class LlmContext(TurnContext):
     metrics: dict[str, Any] = field(default_factory=dict)
     #: What this request spent on earlier reasoning (see llm/reasoning.py).
     reasoning_carried: dict[str, int] = field(default_factory=dict)
+    #: How past reasoning was sent back (stored on the message).
+    reasoning_strategies: list[str] | None = None
+    #: The API key and secret-looking header values of this request: scrubbed
+    #: from anything stored or logged.
+    secrets: list[str] = field(default_factory=list)
+    #: The streaming turn's partial-text writer (NetworkCalling).
+    partial: PartialWriter | None = None
     message: Message | None = None
+
+
+@dataclass
+class UnrecordedResult:
+    """A tool's result that ToolExecution leaves for ResponseCreation to record
+    with the call's answer, in one statement (the plan's ``fuse_outcome``)."""
+
+    result: ToolResult
+    duration_ms: float
 
 
 @dataclass
@@ -91,9 +120,13 @@ class ToolContext(TurnContext):
     tool_call_id: int = 0
     lease_token: uuid.UUID | None = None
     #: The call is its message's only one and this thread adopted it with the
-    #: turn that asked for it (the built-in stack may then record its outcome
-    #: in one statement).
+    #: turn that asked for it (its outcome may be one statement, alone).
     sole_call: bool = False
     tool_call: ToolCall | None = None
+    #: The call's columns as read before the tool ran (the outcome's event and
+    #: notes are made from them).
+    facts: CallFacts | None = None
     tools: ToolRegistry | None = None
     result: ToolResult | None = None
+    #: Set by ToolExecution when ResponseCreation records the result with the answer.
+    unrecorded: UnrecordedResult | None = None

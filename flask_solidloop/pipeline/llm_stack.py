@@ -6,13 +6,17 @@ ErrorHandling → AgentInitialization → (host middlewares) → NetworkCalling 
   under the generation fence: a limit pauses the loop, a provider error fails
   it with the status and a body excerpt.
 * AgentInitialization checks limits, resolves the tools and loads the history
-  the model will see. Anything inserted before it runs on an empty context.
-* NetworkCalling creates the hidden ``processing`` assistant shell, renders
-  the request, sends it (with retries) and keeps the wire record.
+  the model will see (unless the turn's claim read it). It only reads: the
+  claim committed before the stack ran. Anything inserted before it runs on
+  an empty context.
+* NetworkCalling creates the hidden ``processing`` assistant shell (unless the
+  turn's claim wrote it), renders the request, sends it (with retries) and
+  keeps the wire record.
 * ResponseParsing is the canonical write: under the row lock and fence it
   finalizes the message, records tool calls, usage and the wire event, and
   either completes the loop or enters the tool phase with the tool jobs
-  enqueued in the same commit.
+  enqueued in the same commit (the first call leased to this thread instead,
+  when it continues inline: ``ctx.adopt_next``, returned in ``ctx.adopted``).
 
 A middleware that *replaces* ResponseParsing must keep its fence, or it loses
 the durability guarantees.
@@ -24,9 +28,6 @@ import json
 import logging
 import time
 from typing import Any
-
-import psycopg
-from sqlalchemy.exc import SQLAlchemyError
 
 from ..errors import AbortedError, LimitExceededError, LostLeaseError, ProviderError
 from ..llm import pricing, reasoning, tool_text
@@ -63,7 +64,7 @@ class ErrorHandling:
             ctx.session.rollback()
             # Exception text can quote a request (and so a key): scrub it first.
             message = redact_urls_in(redact_secrets(f"{type(exc).__name__}: {exc}",
-                                                    ctx.extras.get("secrets", [])))
+                                                    ctx.secrets))
             logger.warning("loop %s: provider error: %s", ctx.loop_id, message)
             _end_turn(ctx, to="failed", error_message=message)
         return None
@@ -72,10 +73,10 @@ class ErrorHandling:
 def _end_turn(ctx: LlmContext, *, to: str, error_message: str) -> None:
     if ctx.lease is not None and ctx.lease.lost():
         return  # not ours any more: the reaper or the new generation decides
-    store.end_llm_turn(ctx.session, ctx.loop_id, ctx.execution_token, to=to,
-                       error_message=error_message, shell_id=ctx.shell_id, wire=ctx.wire,
-                       body_limit=ctx.state.config.event_body_limit,
-                       repeat_history=ctx.state.config.event_repeat_history)
+    store.end_turn(ctx.session, ctx.loop_id, ctx.execution_token, to=to,
+                   error_message=error_message, shell_id=ctx.shell_id, wire=ctx.wire,
+                   body_limit=ctx.state.config.event_body_limit,
+                   repeat_history=ctx.state.config.event_repeat_history)
 
 
 class AgentInitialization:
@@ -83,31 +84,8 @@ class AgentInitialization:
         self.next_step = next_step
 
     def __call__(self, ctx: LlmContext) -> Any:
-        claim = ctx.claim
-        try:
-            self._initialize(ctx)
-            if (claim is not None and ctx.shell_id is None
-                    and isinstance(self.next_step, NetworkCalling)):
-                # The shell joins the claim's transaction: one commit before the
-                # request holds the claim, the job done and the shell. With host
-                # middlewares in between (they may end the turn without a request)
-                # NetworkCalling opens it after them, in a commit of its own.
-                ctx.shell_id = store.open_shell(ctx.session, ctx.loop_id, ctx.execution_token,
-                                                claim)
-        except (SQLAlchemyError, psycopg.Error):
-            # The database failed. A claim still open rolls back with the
-            # transaction and its job stays claimed, so the broker retries it;
-            # one committed before the stack ran (adopted, delivered) is handed
-            # back to the queue by the runtime (turns.run_llm_turn).
-            raise
-        except Exception:
-            # A limit, a broken tool definition: the claim commits first, so the
-            # outcome (paused, failed) is recorded on this turn's generation.
-            if claim is not None:
-                store.commit_claim(ctx.session, claim)
-            raise
-        if claim is not None:
-            store.commit_claim(ctx.session, claim)
+        # Reads only: the turn's claim committed before the stack ran.
+        self._initialize(ctx)
         store.end_transaction(ctx.session)  # no transaction across the network call
         return self.next_step(ctx)
 
@@ -143,9 +121,9 @@ def _tools_with_snapshots(ctx: LlmContext) -> ToolRegistry:
     # Only remote servers have snapshots: an in-process-only agent reads none.
     remote = [str(entry["name"]) for entry in entries if entry.get("toolset") is None]
     snapshots = queries.tool_snapshots(ctx.session, ctx.loop_id) if remote else {}
-    if ctx.claim is not None and any(name not in snapshots for name in remote):
-        # Listing a server is a network call: never with the loop row locked.
-        store.commit_claim(ctx.session, ctx.claim)
+    if any(name not in snapshots for name in remote):
+        # Listing a server is a network call: never inside a transaction.
+        store.end_transaction(ctx.session)
     registry = ToolRegistry.build(entries, agent=str(ctx.agent.agent_name), snapshots=snapshots)
     if registry.new_snapshots:
         store.record_tool_snapshots(ctx.session, ctx.loop_id, registry.new_snapshots)
@@ -159,7 +137,7 @@ class NetworkCalling:
     def __call__(self, ctx: LlmContext) -> Any:
         settings = ctx.agent.provider()
         _check_lease(ctx)
-        if ctx.shell_id is None:  # AgentInitialization opens it inside the claim
+        if ctx.shell_id is None:  # the claim wrote it, unless a step runs in between
             ctx.shell_id = store.open_shell(ctx.session, ctx.loop_id, ctx.execution_token)
 
         dialect = get_dialect(settings.dialect)
@@ -168,7 +146,7 @@ class NetworkCalling:
         # message, so what was sent back is visible.
         strategies = reasoning.resolve_strategies(ctx.agent.option("reasoning_strategies"),
                                                   settings.dialect, settings.base_url)
-        ctx.extras["reasoning_strategies"] = strategies
+        ctx.reasoning_strategies = strategies
         streaming = bool(ctx.agent.option("streaming"))
         # Tools as text for servers without tool calling (see llm/tool_text.py):
         # in the system prompt instead of ``tools``, past calls and results as text.
@@ -212,7 +190,7 @@ class NetworkCalling:
             should_abort=lambda: _no_longer_ours(ctx),
             retry_after_from_body=dialect.retry_after_from_body,
         )
-        ctx.extras["secrets"] = common["secrets"]
+        ctx.secrets = common["secrets"]
         url = settings.base_url + rendered.path
         # No transaction may stay open across the network call: it would pin a
         # connection, hold locks and trip idle_in_transaction_session_timeout.
@@ -221,9 +199,7 @@ class NetworkCalling:
         started = time.monotonic()
         try:
             if streaming:
-                if "tool_text" not in ctx.extras:  # the runtime sets it when it builds the stack
-                    ctx.extras["tool_text"] = _parses_tool_text(ctx)
-                partial = ctx.extras["partial"] = PartialWriter(ctx)
+                partial = ctx.partial = PartialWriter(ctx)
                 ctx.response, ctx.wire, ctx.metrics = post_stream(
                     url, rendered.payload, make_aggregator=dialect.aggregator,
                     on_delta=partial, **common)
@@ -266,7 +242,7 @@ def _follow_continuations(ctx: LlmContext, dialect: Any, url: str, payload: dict
             return
         if streaming:
             turn, wire, _ = post_stream(url, next_payload, make_aggregator=dialect.aggregator,
-                                        on_delta=ctx.extras.get("partial") or PartialWriter(ctx),
+                                        on_delta=ctx.partial or PartialWriter(ctx),
                                         **common)
         else:
             body, wire = post_json(url, next_payload, **common)
@@ -292,7 +268,7 @@ class PartialWriter:
         self.last_write = time.monotonic()
         #: Tool calls written as text are the parser's, not the reader's: an observer
         #: never sees their markup, not even half a tag.
-        self.text_filter = tool_text.visible_text if ctx.extras.get("tool_text") else None
+        self.text_filter = tool_text.visible_text if _hides_tool_markup(ctx) else None
 
     def _interval(self) -> float:
         # An observed loop (someone watches it in the admin) flushes at
@@ -323,11 +299,11 @@ class PartialWriter:
         self.interval = self._interval()  # observing may start or stop mid-turn
 
 
-def _parses_tool_text(ctx: LlmContext) -> bool:
-    from .stacks import llm_stack  # stacks imports this module
-    from .xml_tools import parses_tool_text
-
-    return parses_tool_text(ctx.agent, llm_stack(ctx.state, ctx.agent).middlewares)
+def _hides_tool_markup(ctx: LlmContext) -> bool:
+    """Whether the turn's answers carry tool calls as text (the parser is in the
+    agent's stack, or its tools are prompted as text): partials then hide them."""
+    return bool(ctx.plan is not None and ctx.plan.parses_tool_text) \
+        or ctx.agent.option("tool_prompting") is not None
 
 
 def _check_lease(ctx: LlmContext) -> None:
@@ -357,8 +333,8 @@ class ResponseParsing:
                                 "metrics": ctx.metrics,
                                 "reasoning_carried": ctx.reasoning_carried}
         meta.pop("gemini_continuation_token", None)  # spent: never sent back
-        if "reasoning_strategies" in ctx.extras:
-            meta["reasoning_strategies"] = ctx.extras["reasoning_strategies"]
+        if ctx.reasoning_strategies is not None:
+            meta["reasoning_strategies"] = ctx.reasoning_strategies
         if response.refusal:
             # The model declined: its words are the turn's outcome (finish_reason
             # "refusal"), kept apart from the (usually empty) content.
@@ -384,12 +360,13 @@ class ResponseParsing:
                 server_name=route.server_name if route else None,
                 tool_name=route.tool_name if route else None,
             ))
-        ctx.message = store.finish_llm_turn(
+        finished = store.finish_llm_turn(
             ctx.state, ctx.session, loop_id=ctx.loop_id, token=ctx.execution_token,
             shell_id=ctx.shell_id, response=response, meta=meta, turn_cost=turn_cost,
             calls=calls, wire=ctx.wire,
-            sequential=bool(ctx.agent.option("sequential_tool_calls")),
+            sequential=bool(ctx.agent.option("sequential_tool_calls")), adopt=ctx.adopt_next,
         )
+        ctx.message, ctx.adopted = finished.message, finished.adopted
         ctx.committed = True
         return self.next_step(ctx)
 

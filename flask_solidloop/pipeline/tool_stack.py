@@ -8,11 +8,11 @@
   when the turn's last call resolves, queues the next LLM turn in the same
   commit (in sequential mode it queues the next call instead).
 
-With nothing between the two (the default stack), ToolExecution hands the raw
-result on and ResponseCreation records the checkpoint and the answer in one
-commit (``store.checkpoint_and_answer_tool_call``): the same rows, one
-transaction fewer. A middleware in between sees the checkpointed result, as
-before, and the answer commits on its own.
+With nothing between the two (the default stack: the plan's ``fuse_outcome``),
+ToolExecution hands the raw result on and ResponseCreation records the result
+and the answer in one statement (``store.checkpoint_and_answer_tool_call``).
+A middleware in between sees the recorded result, and the answer commits on
+its own. Either way the writes are one statement family (loops/sql.TOOL_OUTCOME).
 
 Host middlewares usually go between the two (audit, redaction) or before
 ToolExecution (authorization). One that *replaces* either must keep its fences.
@@ -30,7 +30,7 @@ from ..mcp.registry import ToolRegistry, call_on_server
 from ..mcp.toolset import CallContext, ToolResult
 from ..models import ToolCall
 from .builder import Handler
-from .context import ToolContext
+from .context import ToolContext, UnrecordedResult
 
 logger = logging.getLogger("flask_solidloop.tools")
 
@@ -47,18 +47,19 @@ class ToolExecution:
             return self.next_step(ctx)
 
         # Read now: the tool's run ends the session's transaction (expiring it).
-        known = store.KnownCall.of(call) if ctx.sole_call else None
+        ctx.facts = store.CallFacts.of(call)
         result, duration_ms = self._run(ctx, call)
-        if isinstance(self.next_step, ResponseCreation):
+        if ctx.plan is not None and ctx.plan.fuse_outcome:
             # Nothing between the two steps: ResponseCreation records the result
-            # and its answer in one commit (see ResponseCreation.__call__).
-            ctx.extras["unrecorded_result"] = (result, duration_ms, known)
+            # and its answer in one statement (see ResponseCreation.__call__).
+            ctx.unrecorded = UnrecordedResult(result, duration_ms)
             return self.next_step(ctx)
         # From here on the stored (storable) result is the canonical one.
-        ctx.tool_call, ctx.result = store.checkpoint_tool_call(
-            ctx.session, loop_id=ctx.loop_id, token=ctx.execution_token,
-            tool_call_id=ctx.tool_call_id, lease_token=ctx.lease_token, result=result,
-            duration_ms=duration_ms, body_limit=ctx.state.config.event_body_limit)
+        outcome = store.checkpoint_tool_call(
+            ctx.state, ctx.session, ctx.facts, token=ctx.execution_token,
+            lease=ctx.lease_token, result=result, duration_ms=duration_ms,
+            body_limit=ctx.state.config.event_body_limit)
+        ctx.tool_call, ctx.result = outcome.call, outcome.result
         return self.next_step(ctx)
 
     def _run(self, ctx: ToolContext, call: ToolCall) -> tuple[ToolResult, float]:
@@ -115,33 +116,35 @@ class ResponseCreation:
         self.next_step = next_step
 
     def __call__(self, ctx: ToolContext) -> Any:
-        from .stacks import adopted_turn_shape  # stacks builds this module's stack
-
         limit = ctx.state.config.tool_output_limit
         sequential = bool(ctx.agent.option("sequential_tool_calls"))
-        unrecorded = ctx.extras.pop("unrecorded_result", None)
+        next_turn = ctx.plan.next_turn if ctx.plan is not None else store.NextTurn()
+        if ctx.facts is None:
+            assert ctx.tool_call is not None
+            ctx.facts = store.CallFacts.of(ctx.tool_call)
+        unrecorded, ctx.unrecorded = ctx.unrecorded, None
         if unrecorded is not None:
-            next_turn = adopted_turn_shape(ctx.state, ctx.agent)
-            # ToolExecution ran the tool and left its result to us: the checkpoint
-            # and the answer share one commit (the answer renders the stored result).
-            result, duration_ms, known = unrecorded
-            ctx.tool_call, ctx.result, _ = store.checkpoint_and_answer_tool_call(
-                ctx.state, ctx.session, loop_id=ctx.loop_id, token=ctx.execution_token,
-                tool_call_id=ctx.tool_call_id, lease_token=ctx.lease_token, result=result,
-                duration_ms=duration_ms, body_limit=ctx.state.config.event_body_limit,
+            # ToolExecution ran the tool and left its result to us: the result
+            # and the answer are one statement (the answer renders the stored result).
+            assert ctx.lease_token is not None
+            outcome = store.checkpoint_and_answer_tool_call(
+                ctx.state, ctx.session, ctx.facts, token=ctx.execution_token,
+                lease=ctx.lease_token, result=unrecorded.result,
+                duration_ms=unrecorded.duration_ms,
+                body_limit=ctx.state.config.event_body_limit,
                 answer_text=lambda stored: answer_text(stored, limit), sequential=sequential,
-                open_next_shell=next_turn.open_shell, read_next_history=next_turn.read_history,
-                known=known)
+                adopt=ctx.adopt_next, next_turn=next_turn, sole_call=ctx.sole_call)
+            ctx.tool_call, ctx.result = outcome.call, outcome.result
         else:
             result = ctx.result
             assert result is not None
-            # False for a duplicate delivery (already answered): nothing to do either way.
-            store.answer_tool_call(
-                ctx.state, ctx.session, loop_id=ctx.loop_id, token=ctx.execution_token,
-                tool_call_id=ctx.tool_call_id, lease_token=ctx.lease_token,
-                content=answer_text(result, limit), is_error=result.is_error,
-                sequential=sequential,
-            )
+            # Not answered for a duplicate delivery (already answered): nothing to do.
+            outcome = store.answer_tool_call(
+                ctx.state, ctx.session, ctx.facts, token=ctx.execution_token,
+                lease=ctx.lease_token, content=answer_text(result, limit),
+                is_error=result.is_error, sequential=sequential, adopt=ctx.adopt_next,
+                next_turn=next_turn)
+        ctx.adopted = outcome.adopted
         ctx.committed = True
         return self.next_step(ctx)
 

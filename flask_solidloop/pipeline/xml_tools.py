@@ -16,8 +16,8 @@ call is recorded too, so the tool phase answers it with the usual correctable
 error. This middleware writes nothing itself.
 
 While streaming, NetworkCalling's PartialWriter hides call markup from
-observers when this middleware is in the agent's stack (or tool prompting is
-on): see :func:`parses_tool_text`.
+observers when this middleware is in the agent's stack (the plan's
+``parses_tool_text``, pipeline/plan.py) or tool prompting is on.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ class ToolCallXmlParser:
             names = set(ctx.tools.routes) if ctx.tools is not None else None
             parsed = tool_text.parse_tool_calls(response.content, names)
             if parsed.calls:
-                # The seed names the message the calls were written in: a redelivered
-                # turn writes a new shell, a re-read of the same answer the same ids.
+                # The ids are drawn from the message the calls were written in: a
+                # redelivered turn writes a new shell, a re-read of the same answer
+                # the same ids.
                 seed = f"{ctx.loop_id}:{ctx.shell_id}"
                 offset = len(response.tool_calls)
                 requests = tool_text.to_requests(parsed, seed)
@@ -55,9 +56,3 @@ class ToolCallXmlParser:
                     "errors": [call.error for call in parsed.calls if call.error],
                 }}
         return self.next_step(ctx)
-
-
-def parses_tool_text(agent: Any, middlewares: list[Any]) -> bool:
-    """Whether this agent's answers carry tool calls as text: the parser is in
-    its stack, or its tools are prompted as text."""
-    return ToolCallXmlParser in middlewares or agent.option("tool_prompting") is not None

@@ -24,10 +24,6 @@ class CurrentJob:
     job_id: int
     lease_token: Any
     attempts: int
-    #: The job's claim already set it done inside the open transaction (an
-    #: inline claim, runtime/inline.py): marking it again would write the row
-    #: twice, so :func:`mark_current_job_done` only reports it.
-    marked_in_claim: bool = False
 
 
 def current_job() -> CurrentJob | None:
@@ -72,8 +68,7 @@ def mark_current_job_done(connection: Any) -> bool:
     job = current_job()
     if job is None:
         return False
-    if not job.marked_in_claim:
-        execute_on(connection, jobs_sql.MARK_DONE, (job.job_id, job.lease_token))
+    execute_on(connection, jobs_sql.MARK_DONE, (job.job_id, job.lease_token))
     return True
 
 
@@ -81,10 +76,8 @@ def current_job_done_params() -> tuple[dict[str, Any], bool]:
     """The parameters of :data:`~.sql.MARK_DONE_WHEN` for the running job, and
     whether the statement's commit leaves it done (what
     :func:`mark_current_job_done` returns). The parameters are NULL, matching
-    no row, when there is no job or its claim marked it already."""
+    no row, when there is no job."""
     job = current_job()
     if job is None:
         return {"job_id": None, "job_lease": None}, False
-    if job.marked_in_claim:
-        return {"job_id": None, "job_lease": None}, True
     return {"job_id": job.job_id, "job_lease": job.lease_token}, True

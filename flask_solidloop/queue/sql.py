@@ -46,41 +46,11 @@ UPDATE solidloop_jobs AS j
  WHERE j.id = due.id
 RETURNING j.id, j.lease_token, j.message, j.attempts
 """
-#: Inline continuation (runtime/inline.py): the thread that committed a loop's
-#: turn wrote the turn's successor due a little later (reserved for it: no
-#: consumer claims it before then), and claims it by its message id, due or not,
-#: inside the transaction of the successor's own claim. The claim sets it done
-#: at once: it commits only together with the turn's claim (which is what a
-#: consumer-delivered job's done mark joins too); a rollback leaves it queued.
-#: SKIP LOCKED: a consumer mid-claim wins.
-CLAIM_INLINE = """
-UPDATE solidloop_jobs AS j
-   SET state = 'done', lease_token = gen_random_uuid(), lease_until = NULL,
-       attempts = j.attempts + 1, started_at = now(), finished_at = now()
- WHERE j.id = (SELECT id FROM solidloop_jobs
-                WHERE loop_id = %(loop_id)s AND message_id = %(message_id)s
-                  AND state = 'queued'
-                LIMIT 1 FOR UPDATE SKIP LOCKED)
-RETURNING j.id, j.lease_token, j.attempts
-"""
 #: A due job no consumer of these queues has claimed (inline continuation asks
 #: before it yields its thread at the end of its hop budget).
 WORK_WAITING = (
     "SELECT EXISTS (SELECT 1 FROM solidloop_jobs WHERE queue_name = ANY(%s) "
     "AND state = 'queued' AND eta <= now())")
-#: A reserved successor the thread will not run after all: due now, and woken for.
-RELEASE_INLINE = (
-    "WITH released AS (UPDATE solidloop_jobs SET eta = now() "
-    "WHERE loop_id = %(loop_id)s AND message_id = %(message_id)s AND state = 'queued' "
-    "RETURNING id) SELECT pg_notify(%(channel)s, '') FROM released"
-)
-#: An inline job whose body returned without committing its claim (a no-op
-#: body: a stale job, a lost claim) is queued again: done now, as a consumer
-#: would ack it. A claim that committed is done already: no row matches.
-FINISH_INLINE = (
-    "UPDATE solidloop_jobs SET state = 'done', finished_at = now() "
-    "WHERE id = %s AND state = 'queued'"
-)
 NEXT_ETA = (
     "SELECT EXTRACT(EPOCH FROM (min(eta) - now())) FROM solidloop_jobs "
     "WHERE queue_name = %s AND state = 'queued'"

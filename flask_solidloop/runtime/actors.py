@@ -19,7 +19,7 @@ def declare_actors(state: SolidLoopState) -> dict[str, dramatiq.Actor]:
     from ..maintenance import run_maintenance
     from .inline import run_chain
     from .job_log import logged_job
-    from .turns import llm_turn_job, tool_call_job
+    from .turns import llm_turn_job, run_adopted, tool_call_job
 
     config = state.config
     common: dict[str, Any] = {"max_retries": config.job_max_retries, "min_backoff": 1000,
@@ -29,17 +29,21 @@ def declare_actors(state: SolidLoopState) -> dict[str, dramatiq.Actor]:
         # Turn length is bounded by our own leases and max_duration instead.
         common["time_limit"] = NO_TIME_LIMIT_MS
 
+    def adopted_step(adopted: Any, adopt: bool) -> Any:
+        return run_adopted(state, adopted, adopt)
+
     def llm_turn(loop_id: int) -> None:
-        # Then the loop's next jobs, inline (runtime/inline.py).
-        run_chain(state, lambda: llm_turn_job(state, loop_id))
+        # Then the loop's next steps, inline (runtime/inline.py).
+        run_chain(state, lambda adopt: llm_turn_job(state, loop_id, adopt=adopt), adopted_step)
 
     def tool_call(tool_call_id: int, execution_token: str,
                   reaper_lease_token: str | None = None) -> None:
-        run_chain(state, lambda: tool_call_job(state, tool_call_id, execution_token,
-                                               reaper_lease_token))
+        run_chain(state, lambda adopt: tool_call_job(
+            state, tool_call_id, execution_token, reaper_lease_token, adopt=adopt),
+            adopted_step)
 
     def maintenance(task: str) -> None:
-        with logged_job(state, f"maintenance {task}"):
+        with logged_job(f"maintenance {task}"):
             run_maintenance(state, task)
 
     broker = state.broker

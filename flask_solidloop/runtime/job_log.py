@@ -29,46 +29,20 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from ..loops import queries
 from ..queue.current_job import current_job
-from ..state import SolidLoopState
 
 logger = logging.getLogger("flask_solidloop.jobs")
 
 
-def _ids(state: SolidLoopState, kind: str, *, loop_id: int | None = None,
-         tool_call_id: int | None = None, keep: list[Any] | None = None) -> dict[str, Any]:
-    """The ids of a job's line; a failed lookup never fails the job. The rows read
-    are appended to ``keep``: the session's identity map holds objects weakly, and
-    the turn reads the same rows again right away."""
-    ids: dict[str, Any] = {"solidloop_job": kind, "solidloop_loop_id": loop_id,
-                           "solidloop_agent": None, "solidloop_tool_call_id": tool_call_id}
+def _ids(kind: str, *, loop_id: int | None, agent: str | None,
+         tool_call_id: int | None) -> dict[str, Any]:
+    """The ids of a job's lines (the turn read its rows already: logging reads
+    nothing)."""
     job = current_job()
-    ids["solidloop_job_id"] = job.job_id if job else None
-    ids["solidloop_attempt"] = job.attempts if job else None
-    session = state.db.session
-    try:
-        if tool_call_id is not None:
-            call, loop = queries.get_tool_call_and_loop(session, tool_call_id)
-            ids["solidloop_loop_id"] = call.loop_id if call else None
-            ids["solidloop_agent"] = loop.agent_name if loop else None
-            if keep is not None:
-                keep += [call, loop]
-        elif ids["solidloop_loop_id"] is not None:
-            # In autocommit when the session holds nothing: the turn's claim is a
-            # statement of its own (store.claim_delivered_llm_turn).
-            loop = queries.get_loop(session, ids["solidloop_loop_id"], alone=True)
-            ids["solidloop_agent"] = loop.agent_name if loop else None
-            if keep is not None:
-                keep.append(loop)
-    except Exception:
-        logger.debug("job log: could not look up the ids of %s", kind, exc_info=True)
-        with contextlib.suppress(Exception):
-            session.rollback()
-    # The turn's first reads are these same rows (the session's identity map
-    # has them). A tool call's read leaves its transaction open: the call's
-    # claim, a conditional UPDATE, joins it without a second round trip.
-    return ids
+    return {"solidloop_job": kind, "solidloop_loop_id": loop_id, "solidloop_agent": agent,
+            "solidloop_tool_call_id": tool_call_id,
+            "solidloop_job_id": job.job_id if job else None,
+            "solidloop_attempt": job.attempts if job else None}
 
 
 def _describe(ids: dict[str, Any]) -> str:
@@ -81,14 +55,13 @@ def _describe(ids: dict[str, Any]) -> str:
 
 
 @contextlib.contextmanager
-def logged_job(state: SolidLoopState, kind: str, *, loop_id: int | None = None,
+def logged_job(kind: str, *, loop_id: int | None = None, agent: str | None = None,
                tool_call_id: int | None = None, inline: bool = False) -> Iterator[None]:
     """Log the start and the end (with its duration) of the job run inside.
-    ``inline``: the thread that ran the loop's previous job claimed this one
-    itself (runtime/inline.py); its lines say ``inline``, and its start line
+    ``inline``: the thread that ran the loop's previous step continued with
+    this one (runtime/inline.py); its lines say ``inline``, and its start line
     is DEBUG."""
-    rows: list[Any] = []  # alive until the job ends (see _ids)
-    ids = _ids(state, kind, loop_id=loop_id, tool_call_id=tool_call_id, keep=rows)
+    ids = _ids(kind, loop_id=loop_id, agent=agent, tool_call_id=tool_call_id)
     ids["solidloop_inline"] = inline
     what = _describe(ids)
     attempt = ids.get("solidloop_attempt")

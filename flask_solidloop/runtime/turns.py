@@ -2,13 +2,17 @@
 
 Both take ids only and are idempotent: a duplicate or stale delivery finds the
 loop in a state it does not own and returns having written nothing. Each marks
-its own job done inside the transaction of its claim (loops/store.py), so from
+its own job done inside the transaction of its claim (loops/store), so from
 then on recovery belongs to the loop and tool leases (and the reaper), never
 to a blind job redelivery.
 
-The path of a turn goes down the layers once: read (loops.queries), claim
-(loops.store), run the pipeline (which writes through loops.store), and on an
-unhandled error fail the loop (loops.store) if this generation still owns it.
+The path of a turn goes down the layers once: the turn's first read (the loop,
+or the tool call and its loop: loops.queries), the claim (loops.store), the
+agent's stack (pipeline, which writes through loops.store), and on an
+unhandled error the loop failed (loops.store) if this generation still owns
+it. Each body takes the intent to adopt (``adopt``: this thread continues
+inline) and returns the next step its commit claimed for this thread
+(runtime/inline.py runs it).
 """
 
 from __future__ import annotations
@@ -22,68 +26,94 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from ..errors import LostLeaseError
 from ..leases import RenewerHandle
-from ..loops import queries, store
-from ..loops.fence import owns
+from ..loops import queries, storable, store
+from ..loops.store import Adopted, AdoptedLlmTurn, AdoptedToolCall
+from ..models import Loop, ToolCall
+from ..models.loop import LoopStatus
 from ..pipeline.context import LlmContext, ToolContext
-from ..pipeline.stacks import adopted_turn_shape, llm_stack, tool_stack
-from ..pipeline.xml_tools import parses_tool_text
-from ..queue.dispatch import Adopted
+from ..pipeline.plan import stack_plan
 from ..state import SolidLoopState
 from .job_log import logged_job
 
 logger = logging.getLogger("flask_solidloop.turns")
 
-#: Kept importable from here (the first release documented it here).
-error_text = store.error_text
 #: How long a turn handed back after a database error waits in the queue.
 DATABASE_RETRY_DELAY_MS = 2000
 
 
-def llm_turn_job(state: SolidLoopState, loop_id: int, *, inline: bool = False,
-                 adopted: Adopted | None = None) -> None:
-    """The llm_turn job: the turn between its two log lines (``inline``: this
-    thread ran the loop's previous job and claimed this one itself;
-    ``adopted``: that job's commit claimed it, runtime/inline.py)."""
-    with logged_job(state, "llm_turn", loop_id=loop_id, inline=inline):
-        run_llm_turn(state, loop_id, adopted=adopted)
+def llm_turn_job(state: SolidLoopState, loop_id: int, *, adopt: bool = False,
+                 adopted: AdoptedLlmTurn | None = None, inline: bool = False,
+                 ) -> Adopted | None:
+    """The llm_turn job: the turn's first read, then the turn between its two
+    log lines (``inline``: this thread ran the loop's previous step and its
+    commit claimed this one, ``adopted``)."""
+    session = state.db.session
+    try:
+        # In autocommit when the session holds nothing: the turn's claim is a
+        # statement of its own (store.claim_llm_turn).
+        loop = queries.get_loop(session, loop_id, alone=adopted is None)
+    except Exception:
+        session.rollback()
+        raise
+    with logged_job("llm_turn", loop_id=loop_id,
+                    agent=loop.agent_name if loop is not None else None, inline=inline):
+        if loop is None:
+            logger.warning("llm_turn: loop %s does not exist; dropping the job", loop_id)
+            return None
+        return run_llm_turn(state, loop, adopt=adopt, adopted=adopted)
 
 
 def tool_call_job(state: SolidLoopState, tool_call_id: int, execution_token: str,
-                  reaper_lease_token: str | None = None, *, inline: bool = False,
-                  adopted: Adopted | None = None) -> None:
-    """The tool_call job: the tool turn between its two log lines."""
-    with logged_job(state, "tool_call", tool_call_id=tool_call_id, inline=inline):
-        run_tool_call(state, tool_call_id, execution_token, reaper_lease_token,
-                      adopted_lease=adopted.lease_token if adopted else None,
-                      sole_call=adopted.sole_call if adopted else False)
-
-
-def run_llm_turn(state: SolidLoopState, loop_id: int, *,
-                 adopted: Adopted | None = None) -> None:
-    """One LLM turn: claim the queued loop, or go on with the claim the previous
-    turn's commit made for this thread (``adopted``), then run the LLM stack."""
+                  reaper_lease_token: str | None = None, *, adopt: bool = False,
+                  adopted: AdoptedToolCall | None = None, inline: bool = False,
+                  ) -> Adopted | None:
+    """The tool_call job: the call and its loop read, then the tool turn
+    between its two log lines. The read leaves its transaction open: the
+    call's claim, a conditional UPDATE, joins it without a round trip more."""
     session = state.db.session
-    loop = queries.get_loop(session, loop_id)
-    if loop is None:
-        logger.warning("llm_turn: loop %s does not exist; dropping the job", loop_id)
-        return
+    call, loop = queries.get_tool_call_and_loop(session, tool_call_id)
+    with logged_job("tool_call", loop_id=call.loop_id if call is not None else None,
+                    agent=loop.agent_name if loop is not None else None,
+                    tool_call_id=tool_call_id, inline=inline):
+        if call is None or loop is None:
+            logger.warning("tool_call: tool call %s does not exist; dropping the job",
+                           tool_call_id)
+            return None
+        return run_tool_call(state, call, loop, execution_token, reaper_lease_token,
+                             adopt=adopt, adopted=adopted)
+
+
+def run_adopted(state: SolidLoopState, adopted: Adopted, adopt: bool) -> Adopted | None:
+    """Run a step a previous commit claimed for this thread (runtime/inline.py)."""
+    if isinstance(adopted, AdoptedLlmTurn):
+        return llm_turn_job(state, adopted.loop_id, adopt=adopt, adopted=adopted, inline=True)
+    return tool_call_job(state, adopted.tool_call_id, str(adopted.execution_token),
+                         adopt=adopt, adopted=adopted, inline=True)
+
+
+def run_llm_turn(state: SolidLoopState, loop: Loop, *, adopt: bool = False,
+                 adopted: AdoptedLlmTurn | None = None) -> Adopted | None:
+    """One LLM turn: claim the queued loop, or go on with the claim the previous
+    step's commit made for this thread (``adopted``), then run the agent's
+    LLM stack. Returns the step its end adopted, if any."""
+    session = state.db.session
+    loop_id = loop.id
     if adopted is not None:
-        if not owns(loop, adopted.execution_token):
+        if not queries.owns(loop, adopted.claim.token):
             # Paused, stopped or resumed since the claim committed: theirs now.
             logger.debug("llm_turn: loop %s moved on since its adopted claim", loop_id)
             session.rollback()
-            return
-    elif loop.status != "queued":
+            return None
+    elif loop.status != LoopStatus.QUEUED:
         logger.debug("llm_turn: loop %s is %s, not queued; stale job", loop_id, loop.status)
         session.rollback()
-        return
+        return None
     try:
         agent = state.agent_for(loop.agent_name, loop)
         agent.validate()
-        # The agent's LLM stack, built once: its shape decides what a delivered
-        # claim may do, and the turn runs it. A hook that raises here is a broken
-        # definition like any other.
-        builder = llm_stack(state, agent)
+        # The agent's stacks and their plan: what the claim may write and read
+        # for the turn, and the stack the turn runs.
+        plan = stack_plan(state, agent)
         lease = state.config.liveness_ttl
         max_duration = agent.effective_max_duration(state.config.default_max_duration)
     except (SQLAlchemyError, psycopg.Error):
@@ -93,90 +123,62 @@ def run_llm_turn(state: SolidLoopState, loop_id: int, *,
         # definition will not heal by retrying, and the loop must not sit queued.
         logger.error("llm_turn: loop %s cannot run: %s", loop_id, exc)
         if adopted is None:
-            store.fail_unclaimed(session, loop_id, store.error_text(exc))
+            store.fail_unclaimed(session, loop_id, storable.error_text(exc))
         else:
-            assert adopted.execution_token is not None
-            store.fail_turn(session, loop_id, adopted.execution_token, store.error_text(exc))
-        return
+            session.rollback()
+            store.end_turn(session, loop_id, adopted.claim.token, to=LoopStatus.FAILED,
+                           error_message=storable.error_text(exc))
+        return None
 
-    # The claim's transaction stays open: the stack's initialization (limits,
-    # tools, history) and the turn's shell join it, so the turn commits once
-    # before its request (AgentInitialization commits it; see LlmContext.claim).
-    claim: store.LlmClaim | None
-    # The turn's shell, when the statement that claimed it wrote it too.
-    shell_id = adopted.shell_id if adopted is not None else None
-    if adopted is None:
-        # A delivered turn claims as an adopted one starts: claim, job done,
-        # shell and history in one statement where the stack allows it; the
-        # classic claim decides whatever that statement leaves undecided.
-        shape = adopted_turn_shape(state, agent, builder=builder)
-        delivered = store.claim_delivered_llm_turn(
-            session, loop_id, lease_seconds=lease, open_shell=shape.open_shell,
-            read_history=shape.read_history)
-        if delivered is not None:
-            claim, shell_id = delivered.claim, delivered.shell_id
-        else:
-            claim = store.start_llm_turn(session, loop_id, lease_seconds=lease)
-    else:
-        claim = store.adopted_llm_claim(session, adopted)
+    # The claim commits here, and only here, before the stack runs.
+    claim = adopted.claim if adopted is not None else store.claim_llm_turn(
+        session, loop_id, lease_seconds=lease, open_shell=plan.open_shell,
+        read_history=plan.read_history)
     if claim is None:
-        return
+        return None
     token = claim.token
-
     # From here the lease is renewed by this process's renewer until the turn ends.
-    lease_handle = RenewerHandle(None, None)
+    renewer = state.renewer()
+    lease_handle = RenewerHandle(renewer, renewer.register(
+        loop_id, token, lease_seconds=lease,
+        ceiling_seconds=max_duration + state.config.lease_leak_grace))
     ctx = LlmContext(state=state, session=session, loop_id=loop_id, execution_token=token,
-                     agent=agent, lease=lease_handle, claim=claim, shell_id=shell_id)
-
-    def register_lease() -> None:
-        renewer = state.renewer()
-        lease_handle.renewer = renewer
-        lease_handle.registration = renewer.register(
-            loop_id, token, lease_seconds=lease,
-            ceiling_seconds=max_duration + state.config.lease_leak_grace,
-        )
-
-    # The renewer takes the lease once the claim is committed (see LlmClaim).
-    claim.after_commit.append(register_lease)
-
-    def run() -> None:
-        # Answers carrying tool calls as text: partials hide their markup.
-        ctx.extras["tool_text"] = parses_tool_text(agent, builder.middlewares)
-        builder.build()(ctx)
+                     agent=agent, lease=lease_handle, claim=claim, shell_id=claim.shell_id,
+                     plan=plan, adopt_next=adopt)
 
     def database_failed(exc: BaseException) -> bool:
-        # A claim that committed before the stack ran is not undone by the
-        # rollback: until the request is sent nothing of the turn is written,
-        # so the turn goes back to the queue, a little later, rather than fail
-        # the loop on what may be a blip. After the request the turn's end may
-        # have committed, and the usual outcome applies.
-        if not claim.precommitted or ctx.requested:
+        # The claim committed before the stack ran, so a rollback does not undo
+        # it: until the request is sent nothing of the turn is written, so the
+        # turn goes back to the queue, a little later, rather than fail the
+        # loop on what may be a blip. After the request the turn's end may have
+        # committed, and the usual outcome applies.
+        if ctx.requested:
             return False
         try:
-            handed = store.hand_back_llm_turn(state, session, loop_id, token,
-                                              delay_ms=DATABASE_RETRY_DELAY_MS)
+            handed = store.requeue_llm_turn(state, session, loop_id, token,
+                                            delay_ms=DATABASE_RETRY_DELAY_MS)
         except (SQLAlchemyError, psycopg.Error):
             session.rollback()
             logger.warning("llm_turn: loop %s: the database failed before the request "
                            "(%s), and so did handing the turn back; its lease lapses and "
-                           "the reaper queues it again", loop_id, store.error_text(exc))
+                           "the reaper queues it again", loop_id, storable.error_text(exc))
             return True
         logger.warning("llm_turn: loop %s: the database failed before the request (%s); %s",
-                       loop_id, store.error_text(exc),
+                       loop_id, storable.error_text(exc),
                        f"queued again in {DATABASE_RETRY_DELAY_MS / 1000:g}s" if handed
                        else "the loop moved on meanwhile")
         return True
 
+    def fail(error: str) -> bool:
+        return store.end_turn(session, loop_id, token, to=LoopStatus.FAILED,
+                              error_message=error)
+
     try:
-        _guarded(ctx, run, f"llm_turn: loop {loop_id}",
-                 fail=lambda error: store.fail_turn(session, loop_id, token, error),
-                 database_failed=database_failed)
+        _guarded(ctx, lambda: plan.llm_handler()(ctx), f"llm_turn: loop {loop_id}",
+                 fail=fail, database_failed=database_failed)
     finally:
-        # A stack that never reached AgentInitialization (a host middleware
-        # before it returned early) still commits the claim it inherited.
-        if claim.is_open(session):
-            store.commit_claim(session, claim)
         lease_handle.release()
+    return ctx.adopted
 
 
 def _guarded(ctx: LlmContext | ToolContext, run: Callable[[], None], label: str, *,
@@ -185,11 +187,11 @@ def _guarded(ctx: LlmContext | ToolContext, run: Callable[[], None], label: str,
     """Run a turn; turn what escapes it into the outcome the fence allows.
 
     A lost lease yields silently. An error after the turn's canonical commit is
-    reported and leaves the loop alone (its successor job is queued). A
-    database error that ``database_failed`` handles (True) ends the turn
-    there. Any other error fails the loop through ``fail`` if this
-    generation still owns it, and is re-raised otherwise (dramatiq's retry
-    policy then sees it).
+    reported and leaves the loop alone (its successor is queued, or adopted).
+    A database error that ``database_failed`` handles (True) ends the turn
+    there. Any other error fails the loop through ``fail`` if this generation
+    still owns it, and is re-raised otherwise (dramatiq's retry policy then
+    sees it).
     """
     session = ctx.session
     try:
@@ -206,48 +208,37 @@ def _guarded(ctx: LlmContext | ToolContext, run: Callable[[], None], label: str,
                 and database_failed(exc):
             return
         logger.exception("%s failed with an unhandled error", label, exc_info=exc)
-        if not fail(store.error_text(exc)):
+        if not fail(storable.error_text(exc)):
             raise
 
 
-def run_tool_call(
-    state: SolidLoopState,
-    tool_call_id: int,
-    execution_token: str,
-    reaper_lease_token: str | None = None,
-    *,
-    adopted_lease: uuid.UUID | None = None,
-    sole_call: bool = False,
-) -> None:
+def run_tool_call(state: SolidLoopState, call: ToolCall, loop: Loop, execution_token: str,
+                  reaper_lease_token: str | None = None, *, adopt: bool = False,
+                  adopted: AdoptedToolCall | None = None) -> Adopted | None:
     """One tool turn: claim the call's lease, or run under the lease the previous
-    turn's commit took for this thread (``adopted_lease``; ``sole_call``: it is
-    its message's only call), then the tool stack.
-    A held lease is the call's fence: like a claimed call, an adopted one runs
-    and is checkpointed even if the loop was paused meanwhile."""
+    step's commit took for this thread (``adopted``), then the agent's tool
+    stack. A held lease is the call's fence: like a claimed call, an adopted
+    one runs and is recorded even if the loop was paused meanwhile. Returns
+    the step its answer adopted, if any."""
     session = state.db.session
     token = uuid.UUID(execution_token)
-    call = queries.get_tool_call(session, tool_call_id)
-    if call is None:
-        logger.warning("tool_call: tool call %s does not exist; dropping the job", tool_call_id)
-        return
-    loop = queries.get_loop(session, call.loop_id)
-    if loop is None or (adopted_lease is None and not owns(loop, token)):
+    tool_call_id, loop_id = call.id, loop.id
+    if adopted is None and not queries.owns(loop, token):
         session.rollback()
-        return
-    loop_id = loop.id
+        return None
     ctx = ToolContext(state=state, session=session, loop_id=loop_id, execution_token=token,
                       agent=None, tool_call_id=tool_call_id,  # type: ignore[arg-type]
-                      sole_call=sole_call and adopted_lease is not None)
+                      sole_call=adopted is not None and adopted.sole_call, adopt_next=adopt)
     tool_lease = RenewerHandle(None, None)
 
     def run() -> None:
         nonlocal tool_lease
-        agent = state.agent_for(loop.agent_name, loop)
-        ctx.agent = agent
+        agent = ctx.agent = state.agent_for(loop.agent_name, loop)
+        plan = ctx.plan = stack_plan(state, agent)
         lease_seconds = state.config.liveness_ttl
         lease_token: uuid.UUID | None
-        if adopted_lease is not None:
-            outcome, lease_token = store.ToolClaim.CLAIMED, adopted_lease
+        if adopted is not None:
+            outcome, lease_token = store.ToolClaim.CLAIMED, adopted.lease_token
         else:
             outcome, lease_token = store.claim_tool_call(
                 state, session, call, token,
@@ -273,11 +264,15 @@ def run_tool_call(
             ))
         ctx.lease_token = lease_token
         ctx.tool_call = queries.get_tool_call(session, tool_call_id)
-        tool_stack(state, agent).build()(ctx)
+        plan.tool_handler()(ctx)
+
+    def fail(error: str) -> bool:
+        return store.end_turn(session, loop_id, token, to=LoopStatus.FAILED,
+                              error_message=f"tool call {tool_call_id}: {error}",
+                              call_id=tool_call_id, lease=ctx.lease_token)
 
     try:
-        _guarded(ctx, run, f"tool_call {tool_call_id}", fail=lambda error: store.fail_tool_call(
-            session, loop_id=loop_id, tool_call_id=tool_call_id, token=token,
-            lease_token=ctx.lease_token, error_message=error))
+        _guarded(ctx, run, f"tool_call {tool_call_id}", fail=fail)
     finally:
         tool_lease.release()
+    return ctx.adopted

@@ -154,5 +154,5 @@ def test_the_checks_can_fail():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert RANK["loops"] > RANK["queue"] and RANK["pipeline"] > RANK["loops"]
     # Relative imports resolve to the right unit (this checker would miss edges otherwise).
-    store = PACKAGE / "loops" / "store.py"
-    assert "flask_solidloop.queue.current_job" in {target for _, target in imports_of(store)}
+    llm_turn = PACKAGE / "loops" / "store" / "llm_turn.py"
+    assert "flask_solidloop.queue.current_job" in {target for _, target in imports_of(llm_turn)}

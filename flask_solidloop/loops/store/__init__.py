@@ -1,0 +1,107 @@
+"""The only writer of loop, message, tool-call, MCP-session and event rows, and
+of the jobs that follow their changes.
+
+Every function is one named transition, with its statement in loops/sql.py,
+and declares the kind of transaction it runs in (transaction.py: ``commits``,
+``joins`` or ``alone``). State and the successor job land together or not at
+all (invariant: transactional dispatch). A turn whose fence closed gets
+``LostLeaseError`` (or False) from the turn's functions and writes nothing;
+host commands and heals return False or an empty list instead.
+
+One module per concern: ``llm_turn``, ``tool_turn``, ``commands`` (creation and
+the host's commands), ``heals`` (the reaper's repairs), ``wirelog`` (what the
+events keep), ``adopted`` (what a commit claimed for its thread) and
+``transaction``. Lease *renewal* is the one write elsewhere: leases.py, on the
+renewer's own connection.
+"""
+
+from .adopted import Adopted, AdoptedLlmTurn, AdoptedToolCall, LlmClaim
+from .commands import (
+    create_loop,
+    force_stop,
+    freeze,
+    pause,
+    resume,
+    set_observed,
+    stop,
+    unfreeze,
+)
+from .heals import (
+    heal_dropped_tools,
+    heal_expired_llm,
+    heal_orphan_shells,
+    heal_stalled_tools,
+    heal_stuck_queued,
+    heal_stuck_tool_phase,
+)
+from .llm_turn import (
+    FinishedTurn,
+    NewToolCall,
+    calls_to_run,
+    claim_llm_turn,
+    end_turn,
+    fail_unclaimed,
+    fenced_transition,
+    finish_llm_turn,
+    open_shell,
+    record_partial,
+    record_tool_snapshots,
+    requeue_llm_turn,
+)
+from .tool_turn import (
+    CallFacts,
+    NextTurn,
+    ToolClaim,
+    ToolOutcome,
+    answer_tool_call,
+    checkpoint_and_answer_tool_call,
+    checkpoint_tool_call,
+    claim_tool_call,
+    release_tool_call,
+    store_mcp_session_state,
+)
+from .transaction import end_transaction
+
+__all__ = [
+    "Adopted",
+    "AdoptedLlmTurn",
+    "AdoptedToolCall",
+    "CallFacts",
+    "FinishedTurn",
+    "LlmClaim",
+    "NewToolCall",
+    "NextTurn",
+    "ToolClaim",
+    "ToolOutcome",
+    "answer_tool_call",
+    "calls_to_run",
+    "checkpoint_and_answer_tool_call",
+    "checkpoint_tool_call",
+    "claim_llm_turn",
+    "claim_tool_call",
+    "create_loop",
+    "end_transaction",
+    "end_turn",
+    "fail_unclaimed",
+    "fenced_transition",
+    "finish_llm_turn",
+    "force_stop",
+    "freeze",
+    "heal_dropped_tools",
+    "heal_expired_llm",
+    "heal_orphan_shells",
+    "heal_stalled_tools",
+    "heal_stuck_queued",
+    "heal_stuck_tool_phase",
+    "open_shell",
+    "pause",
+    "record_partial",
+    "record_tool_snapshots",
+    "release_tool_call",
+    "requeue_llm_turn",
+    "resume",
+    "set_observed",
+    "stop",
+    "store_mcp_session_state",
+    "unfreeze",
+]

@@ -1,0 +1,223 @@
+"""Creating a loop, and the host's commands on one: pause, stop, force stop,
+freeze, unfreeze, observe and resume (loops/control.py is their facade).
+
+Host commands carry no fence: the host outranks any generation. Each takes
+the loop row's lock in its first statement, and a turn of the old generation
+finds its fence closed and writes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from psycopg.types.json import Jsonb
+
+from ... import signals
+from ..._typing import SessionLike
+from ...mcp.toolset import ToolResult
+from ...models import Loop, Message, ToolCall
+from ...models.loop import LoopStatus
+from .. import queries, sql, storable
+from .llm_turn import calls_to_run
+from .transaction import alone, commits, execute, fetch_row, fetch_rows, joins, run_alone
+
+if TYPE_CHECKING:
+    from ...state import SolidLoopState
+
+logger = logging.getLogger("flask_solidloop.store")
+
+_STOPPABLE = (LoopStatus.INIT, LoopStatus.QUEUED, LoopStatus.RUNNING, LoopStatus.PAUSED)
+_LIVE = (LoopStatus.QUEUED, LoopStatus.RUNNING)
+
+
+def new_message(loop_id: int, role: str, content: str, **fields: Any) -> Message:
+    """A new message row with storable content (flagged when it had to change)."""
+    cleaned, meta = storable.message_content(content, fields.pop("meta", None))
+    return Message(loop_id=loop_id, role=role, content=cleaned, meta=meta, **fields)
+
+
+@joins
+def create_loop(state: SolidLoopState, session: SessionLike, *, agent_name: str,
+                subject_type: str | None, subject_id: str | None, system_prompt: str,
+                message: str, loop_state: dict[str, Any], enqueue: bool) -> Loop:
+    """Insert a loop (queued, or init), its system and user messages and, when
+    ``enqueue``, its first llm_turn job. The caller commits, and may add its
+    own writes to the same transaction."""
+    loop = Loop(agent_name=agent_name, subject_type=subject_type, subject_id=subject_id,
+                status=LoopStatus.QUEUED if enqueue else LoopStatus.INIT,
+                state=dict(loop_state))
+    session.add(loop)
+    session.flush()
+    if system_prompt:
+        session.add(new_message(loop.id, "system", system_prompt))
+    session.add(new_message(loop.id, "user", message))
+    session.flush()
+    if enqueue:
+        state.dispatch.llm_turn(session, loop.id, first=True)
+    signals.send_after_commit(session, signals.loop_started, loop_id=loop.id, agent=agent_name)
+    return loop
+
+
+def _leave(session: SessionLike, loop_id: int, *, from_: Iterable[str], to: LoopStatus,
+           error_message: str | None = None, freeze: bool = False,
+           revoke_leases: bool = False) -> bool:
+    """A host-driven exit (loops/sql.LEAVE) in the session's transaction."""
+    return fetch_row(session, sql.LEAVE, {
+        "loop_id": loop_id, "from": [str(status) for status in from_], "to": to.value,
+        "error_message": storable.text(error_message)[0], "freeze": freeze,
+        "revoke_leases": revoke_leases}) is not None
+
+
+def _done(session: SessionLike, changed: bool) -> bool:
+    """Commit when the command changed the loop; roll back otherwise."""
+    if changed:
+        session.commit()
+    else:
+        session.rollback()
+    return changed
+
+
+@commits
+def pause(session: SessionLike, loop_id: int) -> bool:
+    """queued or running → paused; jobs of the old generation find nothing to do."""
+    if not _done(session, _leave(session, loop_id, from_=_LIVE, to=LoopStatus.PAUSED)):
+        return False
+    signals.send(signals.loop_paused, loop_id=loop_id, reason="paused")
+    return True
+
+
+@commits
+def stop(session: SessionLike, loop_id: int, *, reason: str) -> bool:
+    """Fail a live, paused or init loop with ``reason``."""
+    if not _done(session, _leave(session, loop_id, from_=_STOPPABLE, to=LoopStatus.FAILED,
+                                 error_message=reason)):
+        return False
+    signals.send(signals.loop_failed, loop_id=loop_id, error=storable.text(reason)[0])
+    return True
+
+
+@commits
+def force_stop(state: SolidLoopState, session: SessionLike, loop_id: int, *,
+               reason: str) -> bool:
+    """Fail the loop, revoke its tool leases and cancel its queued jobs, at once."""
+    error = f"force stopped: {reason}"
+    if not _leave(session, loop_id, from_=_STOPPABLE, to=LoopStatus.FAILED,
+                  error_message=error, revoke_leases=True):
+        session.rollback()
+        return False
+    state.broker.cancel_loop_jobs(session, loop_id, reason="cancelled by force stop")
+    session.commit()
+    signals.send(signals.loop_failed, loop_id=loop_id, error=storable.text(error)[0])
+    return True
+
+
+@commits
+def freeze(session: SessionLike, loop_id: int) -> bool:
+    """Pause a live loop and lock it against resume until unfrozen; a paused or
+    init loop is only locked. False for a finished or already frozen loop."""
+    locked = fetch_row(session, sql.LOCK_LOOP, {"loop_id": loop_id})
+    if locked is None or locked["frozen"] or locked["status"] in (
+            LoopStatus.COMPLETED, LoopStatus.FAILED):
+        session.rollback()
+        return False
+    paused = locked["status"] in _LIVE
+    if paused:
+        _leave(session, loop_id, from_=_LIVE, to=LoopStatus.PAUSED, error_message="frozen",
+               freeze=True)
+    else:
+        execute(session, sql.SET_FROZEN, {"loop_id": loop_id, "frozen": True})
+    session.commit()
+    if paused:
+        signals.send(signals.loop_paused, loop_id=loop_id, reason="frozen")
+    return True
+
+
+@alone
+def unfreeze(session: SessionLike, loop_id: int) -> bool:
+    """Lift a freeze; the loop stays where it is (usually paused) until resumed."""
+    row, committed = run_alone(session, sql.SET_FROZEN, {"loop_id": loop_id, "frozen": False},
+                               sole=True)
+    if not committed:
+        session.commit()
+    return row is not None
+
+
+@alone
+def set_observed(session: SessionLike, loop_id: int, observed: bool) -> bool:
+    """Mark a loop as watched live, or no longer; False when it already was so."""
+    row, committed = run_alone(session, sql.SET_OBSERVED,
+                               {"loop_id": loop_id, "observed": observed}, sole=True)
+    if not committed:
+        session.commit()
+    return row is not None
+
+
+def _answer_cancelled(session: SessionLike, loop_id: int, calls: list[ToolCall], *,
+                      reason: str) -> None:
+    """Answer pending calls (loops/sql.ANSWER_CANCELLED): a call that already ran
+    gets its recorded result (its effect happened; the model must not be told
+    otherwise), the others an error saying why they were not run."""
+    contents, metas = [], []
+    for call in calls:
+        if call.executed_at is not None and call.result is not None:
+            content = ToolResult.from_mcp(call.result).text()
+            meta: dict[str, Any] = {"is_error": not call.is_success, "tool_name": call.name}
+        else:
+            content = f"tool call {call.name!r} was not run: {reason}"
+            meta = {"is_error": True, "tool_name": call.name, "cancelled": True}
+        cleaned, meta = storable.message_content(content, meta)
+        contents.append(cleaned)
+        metas.append(Jsonb(meta))
+    execute(session, sql.ANSWER_CANCELLED, {
+        "loop_id": loop_id, "call_ids": [call.id for call in calls], "contents": contents,
+        "metas": metas})
+
+
+@commits
+def resume(state: SolidLoopState, session: SessionLike, loop_id: int, allowed: Iterable[str],
+           *, message: str | None, sequential: Callable[[int], bool]) -> bool:
+    """Re-enter a loop whose status is in ``allowed``, in one locked transaction.
+
+    If the newest assistant turn still has unanswered tool calls, the loop
+    re-enters its tool phase under a fresh generation: a call a live worker
+    still runs keeps its lease (it answers under the new generation itself),
+    every other call's lease is revoked and its job enqueued (only the head of
+    the line in sequential mode, ``sequential(loop_id)``, and only if none
+    runs). Otherwise the loop is queued for a new LLM turn. ``message`` appends
+    a user message first, answering the pending calls (nothing may sit
+    between a tool-call turn and its results)."""
+    locked = fetch_row(session, sql.LOCK_LOOP, {"loop_id": loop_id})
+    if locked is None or locked["status"] not in tuple(allowed):
+        session.rollback()
+        return False
+    if locked["frozen"]:
+        logger.warning("loop %s is frozen; unfreeze it before resuming", loop_id)
+        session.rollback()
+        return False
+    execute(session, sql.HIDE_SHELLS, {"loop_id": loop_id})
+    pending = queries.unresolved_tool_calls(session, loop_id)
+    if message:
+        if pending:
+            _answer_cancelled(session, loop_id, pending,
+                              reason="the loop was resumed with a new message")
+        pending = []
+        session.add(new_message(loop_id, "user", message))
+    if pending:
+        token = uuid.uuid4()
+        execute(session, sql.RESUME_TO_CALLS, {"loop_id": loop_id, "new_token": token})
+        calls = fetch_rows(session, sql.REVOKE_IDLE_LEASES,
+                           {"call_ids": [call.id for call in pending]})
+        running = any(live for _, live in calls)
+        idle = [call_id for call_id, live in calls if not live]
+        one_at_a_time = sequential(loop_id)
+        if not (one_at_a_time and running):
+            for call_id in calls_to_run(idle, sequential=one_at_a_time):
+                state.dispatch.tool_call(session, call_id, token, loop_id=loop_id)
+    else:
+        execute(session, sql.RESUME_TO_TURN, {"loop_id": loop_id})
+        state.dispatch.llm_turn(session, loop_id)
+    session.commit()
+    return True

@@ -1,0 +1,362 @@
+"""The LLM turn's writes: its claim, its shell and partial text, its end, and its
+exits (a limit, an error, a hand-back, a middleware's own transition).
+
+A turn's claim commits before its stack runs (:func:`claim_llm_turn`, or the
+tool answer that adopted it); everything the turn writes after is fenced on
+the generation that claim minted: a turn whose loop changed hands gets
+``LostLeaseError`` (or False) and writes nothing.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any
+
+from psycopg.types.json import Jsonb
+from sqlalchemy import update
+from sqlalchemy.orm.util import identity_key
+
+from ... import signals
+from ..._typing import SessionLike, real_session
+from ...errors import InvalidArgumentError, LostLeaseError
+from ...leases import worker_identity
+from ...models import Loop, Message, ToolCall
+from ...models.loop import LoopStatus
+from ...queue.current_job import current_job_done_params, note_current_job_done
+from .. import queries, sql, storable
+from .adopted import AdoptedToolCall, LlmClaim
+from .transaction import (
+    alone,
+    commit_unless,
+    commit_with_job_done,
+    commits,
+    execute,
+    fetch_row,
+    joins,
+    run_alone,
+)
+from .wirelog import llm_event, logged_tools
+
+if TYPE_CHECKING:
+    from ...llm.client import WireRecord
+    from ...llm.types import AssistantTurn
+    from ...state import SolidLoopState
+
+
+def calls_to_run(call_ids: Sequence[int], *, sequential: bool) -> list[int]:
+    """The tool calls of a phase to run now: the head of the line in sequential
+    mode (each answer dispatches the next), all of them otherwise."""
+    return list(call_ids[:1]) if sequential else list(call_ids)
+
+
+def claim_params(loop_id: int, token: uuid.UUID, lease_seconds: float) -> dict[str, Any]:
+    """The parameters of a claim (loops/sql.py's ``_CLAIM_SET``)."""
+    return {"loop_id": loop_id, "new_token": token, "holder": worker_identity(),
+            "ttl": timedelta(seconds=lease_seconds)}
+
+
+def claim_from_row(row: dict[str, Any], token: uuid.UUID, *,
+                   read_history: bool) -> tuple[LlmClaim, dict[str, Any] | None]:
+    """The claim a claiming statement's row describes, and the shell it wrote
+    (its columns taken out of ``row``, which is left the loop's)."""
+    history_rows = row.pop("solidloop_history", None)
+    columns = {column: row.pop(f"shell_{column}") for column in sql.SHELL_COLUMNS}
+    shell = columns if columns["id"] is not None else None
+    history = queries.history_from_rows(history_rows or []) if read_history else None
+    return LlmClaim(token=token, run_elapsed_seconds=float(row["run_elapsed"]),
+                    shell_id=shell["id"] if shell is not None else None,
+                    history=history), shell
+
+
+def _hold(session: SessionLike, model: type, row: dict[str, Any], key: str) -> Any:
+    """``row`` loaded into the session as committed, and held there (the
+    identity map holds objects weakly): the turn reads it with no SELECT."""
+    obj = queries.row_object(session, model, row)
+    real_session(session).info[key] = obj
+    return obj
+
+
+@alone
+def claim_llm_turn(session: SessionLike, loop_id: int, *, lease_seconds: float,
+                   open_shell: bool, read_history: bool) -> LlmClaim | None:
+    """queued → running under a fresh generation and LLM lease, with the running
+    job marked done, the turn's shell written (``open_shell``) and its history
+    read (``read_history``) as the agent's stack allows: one statement
+    (loops/sql.CLAIM_TURN), committed before the turn's stack runs. When the
+    loop changed since the statement's snapshot, the statement runs again
+    after the loop row is locked. None, with nothing written, when the loop
+    is not queued (a stale job)."""
+    token = uuid.uuid4()
+    job_params, marks_job = current_job_done_params()
+    params = {**claim_params(loop_id, token, lease_seconds), **job_params,
+              "open_shell": open_shell, "read_history": read_history}
+    row, committed = run_alone(session, sql.CLAIM_TURN, params, sole=True)
+    if row is None:
+        if not committed:
+            session.rollback()
+        locked = fetch_row(session, sql.LOCK_LOOP, {"loop_id": loop_id})
+        row = fetch_row(session, sql.CLAIM_TURN, params) if locked is not None and \
+            locked["status"] == LoopStatus.QUEUED else None
+        if row is None:
+            session.rollback()
+            return None
+        committed = False
+    claim, shell = claim_from_row(row, token, read_history=read_history)
+    commit_unless(committed, session)
+    if marks_job:
+        note_current_job_done()
+    _hold(session, Loop, row, "solidloop_claimed_loop")
+    if shell is not None:
+        _hold(session, Message, shell, "solidloop_open_shell")
+    return claim
+
+
+@joins
+def record_tool_snapshots(session: SessionLike, loop_id: int,
+                          snapshots: dict[str, tuple[Any, Any]]) -> None:
+    """Keep the tools a remote server listed for the first time as the loop's
+    snapshot (the first writer wins)."""
+    for server_name, (tools, session_state) in snapshots.items():
+        execute(session, sql.RECORD_SNAPSHOT, {
+            "loop_id": loop_id, "server": server_name,
+            "tools": Jsonb(storable.json_value(tools)[0]),
+            "session_state": Jsonb(storable.json_value(session_state)[0])})
+
+
+@alone
+def open_shell(session: SessionLike, loop_id: int, token: uuid.UUID) -> int:
+    """The hidden ``processing`` assistant message a turn streams into, written
+    on its own, fenced on the turn's generation (for a stack whose claim did
+    not write it)."""
+    row, committed = run_alone(session, sql.OPEN_SHELL, {"loop_id": loop_id, "token": token},
+                               sole=True)
+    if row is None:
+        if not committed:
+            session.rollback()
+        raise LostLeaseError(f"loop {loop_id} changed hands before the request")
+    commit_unless(committed, session)
+    return int(_hold(session, Message, row, "solidloop_open_shell").id)
+
+
+@alone
+def record_partial(session: SessionLike, shell_id: int, content: str,
+                   reasoning: str | None) -> None:
+    """A streaming turn's text so far, onto its still-hidden shell, announced to
+    the admin's live stream."""
+    _, committed = run_alone(session, sql.RECORD_PARTIAL, {
+        "shell_id": shell_id, "content": storable.text(content)[0],
+        "reasoning": storable.text(reasoning)[0]}, sole=True)
+    commit_unless(committed, session)
+
+
+@dataclass(frozen=True)
+class NewToolCall:
+    """A tool call the model asked for, routed to its server (if any offers it)."""
+
+    call_id: str | None
+    name: str
+    arguments_raw: str | None
+    arguments: dict[str, Any] | None
+    server_name: str | None = None
+    tool_name: str | None = None
+
+
+def _calls_params(calls: Sequence[NewToolCall]) -> dict[str, list[Any]]:
+    """The new tool calls as :data:`~..sql.FINISH_TURN`'s array parameters, in
+    order, their text made storable (and each call flagged when it had to be)."""
+    columns: dict[str, list[Any]] = {name: [] for name in (
+        "call_ids", "call_names", "call_servers", "call_tools", "call_raws", "call_arguments",
+        "call_metas")}
+    for call in calls:
+        name, name_altered = storable.text(call.name)
+        call_id, id_altered = storable.text(call.call_id or None)
+        raw, raw_altered = storable.text(call.arguments_raw)
+        arguments, arguments_altered, _ = storable.json_value(call.arguments)
+        altered = storable.sanitized({"name": name_altered, "call_id": id_altered,
+                                      "arguments_raw": raw_altered,
+                                      "arguments": arguments_altered})
+        for key, value in (("call_ids", call_id), ("call_names", name or ""),
+                           ("call_servers", call.server_name), ("call_tools", call.tool_name),
+                           ("call_raws", raw),
+                           ("call_arguments", Jsonb(arguments) if arguments is not None else None),
+                           ("call_metas", Jsonb({"sanitized": altered}) if altered else None)):
+            columns[key].append(value)
+    return columns
+
+
+@dataclass(frozen=True)
+class FinishedTurn:
+    """What :func:`finish_llm_turn` wrote: the final assistant message, and the
+    tool call its commit leased to this thread (``adopt``), if any."""
+
+    message: Message
+    adopted: AdoptedToolCall | None = None
+
+
+@alone
+def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int,
+                    token: uuid.UUID, shell_id: int, response: AssistantTurn,
+                    meta: dict[str, Any], turn_cost: Decimal | None,
+                    calls: Sequence[NewToolCall], wire: WireRecord | None,
+                    sequential: bool, adopt: bool) -> FinishedTurn:
+    """The LLM turn's canonical write, one statement under the row lock and the
+    fence (loops/sql.FINISH_TURN): the shell finalized with its usage and cost,
+    the wire event, the tool calls; the loop completed, or in its tool phase
+    with the calls to run now enqueued in the same commit. ``adopt``: the
+    thread that commits continues inline, so the first call is leased to it
+    instead of getting a job (returned as ``adopted``). A turn end with nothing
+    else to commit (a final answer, or an adopted call with no job beside it)
+    runs in autocommit."""
+    usage = response.usage
+    content, content_altered = storable.text(response.content)
+    reasoning, reasoning_altered = storable.text(response.reasoning)
+    meta, meta_altered, _ = storable.json_value(meta)
+    altered = storable.sanitized({"content": content_altered, "reasoning": reasoning_altered,
+                                  "metadata": meta_altered})
+    if altered:
+        meta["sanitized"] = altered
+    lease = uuid.uuid4() if calls and adopt else None
+    # The loop as this process's wire-log memory knows it: its id and its birth,
+    # from the loop object the turn holds (not loaded for this: unknown, the
+    # tools are logged whole).
+    known = real_session(session).identity_map.get(identity_key(Loop, loop_id))
+    born = known.__dict__.get("created_at") if known is not None else None
+    repeat_history = state.config.event_repeat_history
+    # Hashed once: to compare with what the log holds, and to remember after.
+    tools = (storable.tools_digest(wire.request_body)
+             if wire is not None and not repeat_history else None)
+    params: dict[str, Any] = {
+        "loop_id": loop_id, "token": token, "shell_id": shell_id,
+        "live": f"{loop_id}:{shell_id}", "completes": not calls,
+        "input_tokens": usage.input_tokens if usage is not None else None,
+        "output_tokens": usage.output_tokens if usage is not None else None,
+        "cost": turn_cost if usage is not None else None,
+        "content": content, "reasoning": reasoning,
+        "finish_reason": storable.text(response.finish_reason)[0],
+        "message_meta": Jsonb(meta),
+        "usage": Jsonb(usage.to_dict()) if usage is not None else None,
+        "message_cost": turn_cost if usage is not None else None,
+        "lease": lease, "holder": worker_identity(),
+        "ttl": timedelta(seconds=state.config.liveness_ttl),
+        **_calls_params(calls),
+        **llm_event(wire, body_limit=state.config.event_body_limit,
+                    repeat_history=repeat_history, tools=tools,
+                    tools_logged=logged_tools.get((loop_id, born)) if born is not None else None),
+    }
+    # Nothing else joins this commit when no other call is enqueued with it.
+    sole = not calls or (lease is not None and (sequential or len(calls) == 1))
+    fenced, committed = run_alone(session, sql.FINISH_TURN, params, sole=sole)
+    if fenced is None:
+        if not committed:
+            session.rollback()
+        raise LostLeaseError(f"loop {loop_id} changed hands during the request")
+    call_ids: list[int] = fenced.pop("solidloop_call_ids")
+    first_call = {column: fenced.pop(f"call_{column}") for column in sql.CALL_COLUMNS}
+    adopted = None
+    to_run = calls_to_run(call_ids, sequential=sequential)
+    if lease is not None:
+        adopted = AdoptedToolCall(loop_id, call_ids[0], token, lease,
+                                  rows=((Loop, fenced), (ToolCall, first_call)),
+                                  sole_call=len(call_ids) == 1)
+        to_run = to_run[1:]
+    for call_id in to_run:
+        state.dispatch.tool_call(session, call_id, token, loop_id=loop_id)
+    # The shell as the session knows it (no SELECT now; it loads on first use).
+    shell = real_session(session).identity_map.get(identity_key(Message, shell_id))
+    commit_unless(committed, session)
+    if tools is not None:  # the event's tools are now in the log
+        logged_tools.remember((loop_id, fenced["created_at"]), tools)
+    if not calls:
+        signals.send(signals.loop_completed, loop_id=loop_id, agent=fenced["agent_name"])
+    if shell is None:
+        shell = session.get(Message, shell_id)
+    assert shell is not None
+    return FinishedTurn(shell, adopted)
+
+
+@alone
+def end_turn(session: SessionLike, loop_id: int, token: uuid.UUID, *, to: str,
+             error_message: str, wire: WireRecord | None = None, shell_id: int | None = None,
+             body_limit: int = 0, repeat_history: bool = False, call_id: int | None = None,
+             lease: uuid.UUID | None = None) -> bool:
+    """A turn's own exit from ``running`` on its generation (loops/sql.END_TURN):
+    a limit pauses the loop, an error fails it (``to``); its shells are failed
+    and hidden, the turn's wire record kept. A tool turn passes its call and
+    lease: the call must still be that lease's. False, with nothing written,
+    when the loop is no longer the turn's."""
+    error = storable.text(error_message)[0]
+    params = {"loop_id": loop_id, "token": token, "to": to, "error_message": error,
+              "shell_id": shell_id, "call_id": call_id, "lease": lease,
+              **llm_event(wire, body_limit=body_limit, error=error,
+                          repeat_history=repeat_history)}
+    row, committed = run_alone(session, sql.END_TURN, params, sole=True)
+    commit_unless(committed, session)
+    if row is None:
+        return False
+    signals.send_status(to, loop_id=loop_id, error=error)
+    return True
+
+
+@commits
+def fail_unclaimed(session: SessionLike, loop_id: int, error_message: str) -> None:
+    """Fail a queued loop that cannot run at all (an unregistered agent, a broken
+    definition), marking its job done, so it never sits queued forever. Rolls
+    back what the session holds first."""
+    session.rollback()
+    error = storable.text(error_message)[0]
+    left = fetch_row(session, sql.LEAVE, {
+        "loop_id": loop_id, "from": [LoopStatus.QUEUED.value], "to": LoopStatus.FAILED.value,
+        "error_message": error, "freeze": False, "revoke_leases": False})
+    if left is None:
+        session.commit()
+        return
+    commit_with_job_done(session)
+    signals.send(signals.loop_failed, loop_id=loop_id, error=error)
+
+
+@commits
+def requeue_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int,
+                     token: uuid.UUID, *, delay_ms: int | None = None) -> bool:
+    """An LLM turn claimed for this thread that it will not run after all (the
+    worker is stopping, the chain broke, the database failed before the
+    request): back to queued with its job (due in ``delay_ms``), if the
+    generation is still the claimed one. False when it has moved on. Rolls
+    back what the session holds first."""
+    session.rollback()
+    if fetch_row(session, sql.REQUEUE_TURN, {"loop_id": loop_id, "token": token}) is None:
+        session.rollback()
+        return False
+    state.dispatch.llm_turn(session, loop_id, delay_ms=delay_ms)
+    session.commit()
+    return True
+
+
+@commits
+def fenced_transition(session: SessionLike, loop_id: int, token: uuid.UUID, *,
+                      from_: str | tuple[str, ...], to: str, **changes: Any) -> bool:
+    """A middleware's own transition on its turn's generation (``ctx.transition``),
+    committed now: from one of ``from_`` to ``to`` (loops/sql.TRANSITION), then
+    the other ``changes`` (columns of the loop). False, with nothing written,
+    when the loop is no longer that generation's or not in ``from_``."""
+    allowed = (from_,) if isinstance(from_, str) else tuple(from_)
+    for status in (*allowed, to):
+        LoopStatus.check(status)
+    for key in changes:
+        if key not in Loop.__table__.columns:
+            raise InvalidArgumentError(f"Loop has no column {key!r}")
+    if isinstance(changes.get("error_message"), str):
+        changes["error_message"] = storable.text(changes["error_message"])[0]
+    moved = fetch_row(session, sql.TRANSITION, {
+        "loop_id": loop_id, "token": token, "from": list(allowed), "to": to})
+    if moved is None:
+        session.rollback()
+        return False
+    if changes:
+        session.execute(update(Loop).where(Loop.id == loop_id).values(**changes))
+    session.commit()
+    signals.send_status(to, loop_id=loop_id, error=changes.get("error_message"))
+    return True

@@ -1,0 +1,192 @@
+"""How loops/store/ runs its statements, and the three kinds of transaction its
+functions declare.
+
+Every public store function wears exactly one of these decorators, which say
+how it treats the caller's session (tests/unit/test_store_shape.py checks):
+
+* :func:`commits`: commits the session's transaction before it returns (the
+  one it began, or the one that was open: a host command commits the host's
+  pending writes with it). One that a turn calls after a failure starts by
+  rolling back what the session holds; its docstring says so.
+* :func:`joins`: writes in the caller's transaction and never commits or
+  rolls back; the caller commits (creating a loop with the host's own rows).
+* :func:`alone`: one statement. When the session holds nothing it runs in
+  autocommit on a pooled connection of the session's engine, outside the
+  session (:func:`run_alone`): no ``BEGIN``, no ``COMMIT``. Otherwise it joins
+  the session's transaction and commits it.
+
+The statements are loops/sql.py's, run on the session's psycopg connection
+(dbapi.driver_connection), prepared on their first run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg.pq import TransactionStatus
+from psycopg.rows import dict_row
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from ..._typing import SessionLike, real_session
+from ...dbapi import driver_connection
+from ...queue.current_job import mark_current_job_done, note_current_job_done
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: The attribute each decorator sets: "commits", "joins" or "alone".
+KIND = "solidloop_transaction"
+
+
+def commits(function: F) -> F:
+    """The function commits the session's transaction before it returns."""
+    setattr(function, KIND, "commits")
+    return function
+
+
+def joins(function: F) -> F:
+    """The function writes in the caller's transaction; the caller commits."""
+    setattr(function, KIND, "joins")
+    return function
+
+
+def alone(function: F) -> F:
+    """One statement: in autocommit when the session holds nothing, else in the
+    session's transaction, which the function commits."""
+    setattr(function, KIND, "alone")
+    return function
+
+
+_IDLE = TransactionStatus.IDLE
+
+
+def _on_the_wire(real: Session) -> bool:
+    """Whether the session's transaction has begun on a connection. Adding a
+    loaded object to a session begins its transaction without one (a row
+    loaded from a statement's ``RETURNING``): such a transaction holds nothing
+    yet. ``_connections`` is SQLAlchemy's own record of that (2.0 and 2.1);
+    without it, any transaction counts as begun."""
+    transaction = real.get_transaction()
+    return transaction is not None and bool(getattr(transaction, "_connections", True))
+
+
+def holds_nothing(session: SessionLike) -> bool:
+    """No transaction on a connection, and nothing pending."""
+    real = real_session(session)
+    return not _on_the_wire(real) and not (real.new or real.dirty or real.deleted)
+
+
+def run_alone(session: SessionLike, query: str, params: Any, *,
+              sole: bool) -> tuple[dict[str, Any] | None, bool]:
+    """Run ``query`` and return its first row, and whether it ran by itself.
+
+    ``sole``: the caller sends nothing else before its commit (a write), or
+    needs no transaction around the read. When the session holds nothing and
+    is bound to an engine, the statement then runs in autocommit on a
+    connection of the engine's pool, outside the session: one statement is
+    one transaction in PostgreSQL, as atomic, without the ``BEGIN`` and
+    ``COMMIT`` round trips (on this machine a ``BEGIN; UPDATE; COMMIT`` costs
+    the server 244 µs of CPU, the ``UPDATE`` alone 128) and without the
+    session's transaction bookkeeping (about 90 µs of the worker's CPU; a pool
+    checkout is 10). It returns True: the caller has nothing to commit.
+    Otherwise the statement joins the session's transaction (after a flush of
+    what the session holds), for the caller to commit.
+
+    Either way the statement is prepared on its first run: these run on every
+    turn, and psycopg prepares a query only after ``prepare_threshold`` (5)
+    runs on a connection, parsing and planning the costliest statements again
+    until then. A host that turned preparing off (``prepare_threshold=None``,
+    as behind a transaction-pooling PgBouncer) keeps it off: psycopg ignores
+    ``prepare=True`` then."""
+    real = real_session(session)
+    if sole and holds_nothing(real):
+        bind = real.get_bind()
+        if isinstance(bind, Engine):
+            pooled = bind.raw_connection()
+            try:
+                driver = pooled.driver_connection
+                if isinstance(driver, psycopg.Connection) and \
+                        driver.info.transaction_status == _IDLE:
+                    driver.autocommit = True
+                    try:
+                        return driver.cursor(row_factory=dict_row).execute(
+                            query, params, prepare=True).fetchone(), True
+                    finally:
+                        if driver.info.transaction_status == _IDLE:
+                            driver.autocommit = False
+                        else:
+                            # Cut off mid-statement (a dead socket, an interrupt):
+                            # the pool must not hand this connection out again,
+                            # and the statement's own error is the one to raise.
+                            pooled.invalidate()
+            finally:
+                pooled.close()
+    return fetch_row(session, query, params), False
+
+
+def fetch_row(session: SessionLike, query: str, params: Any) -> dict[str, Any] | None:
+    """``query``'s first row as a dict, in the session's transaction (what the
+    session holds flushed first, so the statement sees it)."""
+    session.flush()
+    return driver_connection(session).cursor(row_factory=dict_row).execute(
+        query, params, prepare=True).fetchone()
+
+
+def fetch_rows(session: SessionLike, query: str, params: Any) -> list[tuple[Any, ...]]:
+    """``query``'s rows as tuples, in the session's transaction."""
+    session.flush()
+    return driver_connection(session).execute(query, params, prepare=True).fetchall()
+
+
+def execute(session: SessionLike, query: str, params: Any) -> int:
+    """Run a statement that returns nothing, in the session's transaction; the
+    number of rows it changed."""
+    session.flush()
+    return driver_connection(session).execute(query, params, prepare=True).rowcount
+
+
+def commit_unless(committed: bool, session: SessionLike) -> None:
+    """Commit the session, or, when :func:`run_alone`'s statement committed by
+    itself, expire what it holds as that commit would have: the statement wrote
+    rows the session's objects may hold, and they load again on next use."""
+    if committed:
+        real_session(session).expire_all()
+    else:
+        session.commit()
+
+
+def commit_keeping_objects(session: SessionLike) -> None:
+    """Commit without expiring the session's objects: after a commit of rows this
+    transaction locked and wrote, they hold what the database holds, and
+    reloading them would only cost a SELECT each."""
+    real = real_session(session)
+    before = real.expire_on_commit
+    real.expire_on_commit = False
+    try:
+        real.commit()
+    finally:
+        real.expire_on_commit = before
+
+
+def commit_with_job_done(session: SessionLike, *, keep_objects: bool = False) -> None:
+    """Commit a claim together with its running job marked done; once committed,
+    tell the worker, so its consumer skips the acknowledgement that would match
+    nothing. ``keep_objects``: the step goes on with the rows it just wrote."""
+    marked = mark_current_job_done(session)
+    if keep_objects:
+        commit_keeping_objects(session)
+    else:
+        session.commit()
+    if marked:
+        note_current_job_done()
+
+
+def end_transaction(session: SessionLike) -> None:
+    """Commit the session's open transaction, if it has one (a turn ends its
+    reads before a network call or a tool run). Without one it does nothing:
+    a bare ``commit()`` would begin and commit an empty transaction and expire
+    every object the turn still uses."""
+    if real_session(session).in_transaction():
+        session.commit()

@@ -1,0 +1,107 @@
+"""What the wire log keeps of a turn: the parameters of its ``llm_request`` and
+``tool_call`` events (loops/sql.py writes them with the turn's own rows).
+
+Bodies past ``SOLIDLOOP_EVENT_BODY_LIMIT`` become an excerpt with their size
+and SHA-256 (storable.excerpt); a request keeps its conversation from the
+model's last answer on (storable.conversation_tail); and tool declarations
+already logged whole for a loop are named by count and digest (see
+:class:`LoggedTools`). Secrets are redacted before a record reaches here (the
+send path scrubs them from the wire record).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from psycopg.types.json import Jsonb
+
+from .. import storable
+
+if TYPE_CHECKING:
+    from ...llm.client import WireRecord
+    from ...mcp.toolset import ToolResult
+
+
+def event_payload(payload: dict[str, Any], limit: int) -> dict[str, Any]:
+    """A wire-log payload with each large body cut to an excerpt, made storable."""
+    for part in ("request", "response"):
+        section = payload.get(part)
+        if isinstance(section, dict) and "body" in section:
+            section["body"], _ = storable.excerpt(section["body"], limit)
+    if "result" in payload:
+        payload["result"], _ = storable.excerpt(payload["result"], limit)
+    cleaned, _, _ = storable.json_value(payload)
+    return cleaned  # type: ignore[no-any-return]
+
+
+def llm_event(wire: WireRecord | None, *, body_limit: int, error: str | None = None,
+              repeat_history: bool = False, tools_logged: str | None = None,
+              tools: str | None = None) -> dict[str, Any]:
+    """The ``llm_request`` event's parameters (``status_code``, ``duration_ms``,
+    ``error``, ``payload``; the payload None when there is no record: no event).
+    The request body keeps the conversation from the model's last answer on
+    unless ``repeat_history`` (SOLIDLOOP_EVENT_REPEAT_HISTORY). ``tools_logged``:
+    the digest of the tools an earlier event of the loop holds whole; the same
+    tools are named, not repeated. ``tools``: this request's own digest, when
+    the caller has it already."""
+    if wire is None:
+        return {"status_code": None, "duration_ms": None, "error": storable.text(error)[0],
+                "payload": None}
+    payload = wire.to_payload()
+    if not repeat_history:
+        body = storable.conversation_tail(payload["request"]["body"])
+        if tools_logged is not None and (
+                tools if tools is not None else storable.tools_digest(body)) == tools_logged:
+            body = storable.without_tools(body, tools_logged)
+        payload["request"]["body"] = body
+    return {"status_code": wire.status, "duration_ms": wire.duration_ms,
+            "error": storable.text(error)[0],
+            "payload": Jsonb(event_payload(payload, body_limit))}
+
+
+def tool_event(call: Any, stored_result: dict[str, Any], canonical: ToolResult,
+               duration_ms: float, body_limit: int) -> dict[str, Any]:
+    """The ``tool_call`` event's parameters for ``call`` (a ToolCall or the
+    facts its step read) and its stored result."""
+    return {
+        "duration_ms": duration_ms,
+        "error": canonical.text()[:storable.MAX_ERROR_TEXT] if canonical.is_error else None,
+        "payload": Jsonb(event_payload({
+            "name": call.name, "server": call.server_name, "tool": call.tool_name,
+            "arguments": call.arguments if call.arguments is not None else call.arguments_raw,
+            "idempotency_key": call.idempotency_key, "result": stored_result,
+        }, body_limit))}
+
+
+class LoggedTools:
+    """The digest of the tool declarations this process last committed whole in
+    a loop's wire log, per loop (its id and ``created_at``: ids repeat across
+    databases, and in one after a reset; bounded: forgetting one only logs its
+    tools whole again). Every request sends the agent's tools, often many
+    kilobytes of schema; the wire log keeps them once per loop and process,
+    and again whenever they change."""
+
+    LIMIT = 10_000
+
+    def __init__(self) -> None:
+        self._digests: OrderedDict[tuple[int, Any], str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, loop: tuple[int, Any]) -> str | None:
+        with self._lock:
+            return self._digests.get(loop)
+
+    def remember(self, loop: tuple[int, Any], digest: str | None) -> None:
+        if digest is None:
+            return
+        with self._lock:
+            self._digests[loop] = digest
+            self._digests.move_to_end(loop)
+            while len(self._digests) > self.LIMIT:
+                self._digests.popitem(last=False)
+
+
+#: This process's memory of what each loop's wire log holds whole.
+logged_tools = LoggedTools()
