@@ -1,6 +1,6 @@
 """The chaos suite, longer: 300+ loops while workers are SIGKILLed at random.
 
-Runs tests/chaos.py's harness (real ``dramatiq`` worker processes, the LLM
+Runs tests/support/chaos.py's harness (real ``dramatiq`` worker processes, the LLM
 emulator on 127.0.0.1, a reaper thread with short leases) against a database of
 its own, then verifies the durability contract and prints what happened: loops,
 turns, kills, recoveries by case, duplicate side effects, wall time. As a
@@ -55,8 +55,8 @@ def main() -> int:
     from flask_solidloop.migrations import upgrade
     from flask_solidloop.queue.broker import libpq_url
     from flask_solidloop.testing import LLMEmulator
-    from tests.chaos import ChaosSettings, run_chaos
-    from tests.support_app import LLM_URL_ENV, create_app
+    from tests.support.chaos import ChaosSettings, run_chaos
+    from tests.support.support_app import LLM_URL_ENV, create_app
 
     ensure_database(args.url)
     upgrade(args.url)

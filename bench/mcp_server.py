@@ -6,7 +6,7 @@
 Both servers run in the same run, as separate processes on 127.0.0.1, and serve
 the same ``echo(text)`` tool:
 
-* ours: tests/mcp_server_app.py's ``/mcp/calc`` blueprint under
+* ours: tests/support/mcp_server_app.py's ``/mcp/calc`` blueprint under
   ``gunicorn -w W -k gthread --threads T`` (defaults 4 x 4), with its PostgreSQL
   writes (one wire-log event per request, a session touch per handshake-era
   request);
@@ -45,7 +45,7 @@ from mcp.client.streamable_http import streamable_http_client  # noqa: E402
 
 from flask_solidloop.database import ensure_database  # noqa: E402
 from flask_solidloop.migrations import upgrade  # noqa: E402
-from tests.mcp_gunicorn import free_port, serve  # noqa: E402
+from tests.support.mcp_gunicorn import free_port, serve  # noqa: E402
 
 DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/solidloop_bench_mcp"
 

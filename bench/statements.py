@@ -117,7 +117,7 @@ def run_workload(mode: str, loops: int, turns: int, timeout: float) -> tuple[int
     from sqlalchemy import func, select
 
     from flask_solidloop.models import Loop
-    from tests import support_app
+    from tests.support import support_app
 
     app = support_app.create_app()
     with app.app_context():
@@ -130,7 +130,7 @@ def run_workload(mode: str, loops: int, turns: int, timeout: float) -> tuple[int
 
             drain(app, max_jobs=loops * turns * 3, timeout=timeout)
         else:
-            env = dict(os.environ, FLASK_APP="tests.support_app:create_app()",
+            env = dict(os.environ, FLASK_APP="tests.support.support_app:create_app()",
                        PYTHONPATH=str(ROOT))
             worker = subprocess.Popen(
                 [sys.executable, "-m", "dramatiq", "flask_solidloop.worker",

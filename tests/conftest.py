@@ -22,7 +22,7 @@ from flask_solidloop.models import metadata
 from flask_solidloop.queue.broker import libpq_url
 from flask_solidloop.testing.plugin import prepare_database, truncate_all
 
-from .support_app import DATABASE_URL_ENV, DEFAULT_DATABASE_URL, LLM_URL_ENV, SIDE_EFFECTS
+from .support.support_app import DATABASE_URL_ENV, DEFAULT_DATABASE_URL, LLM_URL_ENV, SIDE_EFFECTS
 
 # The suite runs on flask_solidloop.testing's pytest plugin (loaded through its
 # pytest11 entry point): the database, emulator and drain fixtures below are its
@@ -92,7 +92,7 @@ def clean_database(request):
 
 @pytest.fixture
 def app(database_url, llm):
-    from .support_app import create_app
+    from .support.support_app import create_app
 
     llm.reset()
     app = create_app()

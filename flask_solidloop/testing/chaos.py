@@ -18,7 +18,7 @@ so a loaded machine is slower, never red. Recovery after a kill takes one
 liveness TTL: with ``app.config.from_prefixed_env()`` in your factory, the
 ``FLASK_SOLIDLOOP_*`` variables set here shorten it to ``liveness_ttl``.
 
-Our own chaos suite (tests/chaos.py) is built on the same :class:`Fleet`,
+Our own chaos suite (tests/support/chaos.py) is built on the same :class:`Fleet`,
 :func:`progress_marker`, :class:`ProgressWatch` and :func:`verify_contract`,
 which it extends with what its harness knows (tool side effects, turn counts).
 """

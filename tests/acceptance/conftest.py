@@ -7,7 +7,7 @@ import pytest
 
 from flask_solidloop.urls import libpq_url
 
-from ..support_app import SLOW_EFFECTS_DDL
+from ..support.support_app import SLOW_EFFECTS_DDL
 
 
 @pytest.fixture
@@ -29,9 +29,9 @@ def effects(database_url):
 
 @pytest.fixture(scope="session")
 def mcp_gunicorn(database_url, tmp_path_factory):
-    """tests/mcp_server_app.py under ``gunicorn -w 4 -k gthread`` (shared by the
+    """tests/support/mcp_server_app.py under ``gunicorn -w 4 -k gthread`` (shared by the
     MCP server blueprint tests of a session): its base URL."""
-    from ..mcp_gunicorn import serve
+    from ..support.mcp_gunicorn import serve
 
     log = tmp_path_factory.mktemp("gunicorn") / "gunicorn.log"
     with serve(workers=4, threads=4, log_path=log,

@@ -26,7 +26,7 @@ from sqlalchemy import select
 from flask_solidloop.loops import control, store
 from flask_solidloop.models import Loop, Message
 
-from ..support_app import Assistant
+from ..support.support_app import Assistant
 from .test_e2e_workers import kill_group, spawn_workers
 
 CHROMIUM = "/usr/bin/chromium"
@@ -68,7 +68,7 @@ def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 30) 
 
 @pytest.fixture
 def stack(app, llm, tmp_path, monkeypatch):
-    """gunicorn (1 process, 4 threads) + one worker process, both on tests.admin_app."""
+    """gunicorn (1 process, 4 threads) + one worker process, both on tests.support.admin_app."""
     monkeypatch.setenv("SOLIDLOOP_TEST_APP_CONFIG", json.dumps(APP_CONFIG))
     port = free_port()
     web_log, worker_log = tmp_path / "gunicorn.log", tmp_path / "worker.log"
@@ -77,9 +77,9 @@ def stack(app, llm, tmp_path, monkeypatch):
                          "--threads", "4", "-b", f"127.0.0.1:{port}", "--timeout", "30",
                          "--access-logfile", str(access),
                          "--access-logformat", "%(r)s|%({last-event-id}i)s|%(s)s",
-                         "tests.admin_app:create_app()"], log=web_log)
+                         "tests.support.admin_app:create_app()"], log=web_log)
     worker = spawn_workers([sys.executable, "-m", "flask", "--app",
-                            "tests.admin_app:create_app()", "solidloop", "worker",
+                            "tests.support.admin_app:create_app()", "solidloop", "worker",
                             "--processes", "1", "--threads", "2"], log=worker_log)
     try:
         base = f"http://127.0.0.1:{port}"
@@ -145,8 +145,8 @@ def wait_status(session, loop_id: int, statuses: tuple[str, ...], timeout: float
 def test_pages_render_real_runs_and_stream_tokens_across_reconnects(
         app, session, llm, stack, page, tmp_path):
     stack, access = stack
-    from .. import admin_app  # noqa: F401  (registers the streaming agent here too)
-    from ..admin_app import LiveAgent
+    from ..support import admin_app  # noqa: F401  (registers the streaming agent here too)
+    from ..support.admin_app import LiveAgent
 
     # Real runs first: a tool round trip, a failure, an XSS-laden subject.
     llm.script(lambda req: req["messages"][-1]["role"] == "user"

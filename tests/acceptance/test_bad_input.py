@@ -16,7 +16,7 @@ from sqlalchemy import select
 
 from flask_solidloop.models import Event, Loop, Message, ToolCall
 
-from ..support_app import OddAgent, OddStreamingAgent
+from ..support.support_app import OddAgent, OddStreamingAgent
 from .test_e2e_workers import kill_group, spawn_workers, wait_for
 
 pytestmark = pytest.mark.e2e

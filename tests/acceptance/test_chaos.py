@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from ..chaos import ChaosSettings, run_chaos
+from ..support.chaos import ChaosSettings, run_chaos
 
 pytestmark = pytest.mark.e2e
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.e2e
 # stuck run still ends (progress is bounded: each loop has a fixed number of steps).
 @pytest.mark.timeout(0)
 def test_fifty_loops_survive_random_worker_kills(database_url, llm, tmp_path):
-    from ..support_app import create_app
+    from ..support.support_app import create_app
 
     settings = ChaosSettings(
         loops=int(os.environ.get("SOLIDLOOP_CHAOS_LOOPS", "50")),
@@ -32,7 +32,7 @@ def test_fifty_loops_survive_random_worker_kills(database_url, llm, tmp_path):
 
 
 def _can_restart_postgres(database_url: str) -> bool:
-    from ..chaos import postgres_restart_command
+    from ..support.chaos import postgres_restart_command
 
     # Only the local cluster, and only one we manage (never a shared server).
     return "127.0.0.1" in database_url and postgres_restart_command() is not None
@@ -42,7 +42,7 @@ def _can_restart_postgres(database_url: str) -> bool:
 def test_loops_finish_across_a_postgres_restart(database_url, llm, tmp_path):
     if not _can_restart_postgres(database_url):
         pytest.skip("PostgreSQL cannot be restarted on this machine (no pg_ctlcluster cluster)")
-    from ..support_app import create_app
+    from ..support.support_app import create_app
 
     settings = ChaosSettings(loops=15, kill_workers=False, restart_postgres_after=2.0, seed=11,
                              workers=2, stall_timeout=120)
@@ -60,8 +60,8 @@ def test_the_user_chaos_fixture_runs_an_agent_under_kills(solidloop_chaos, llm, 
     import json
     import random
 
-    from ..chaos import ChaosSettings, chaos_reply, is_chaos, prepare_effects_table
-    from ..support_app import ChaosAgent
+    from ..support.chaos import ChaosSettings, chaos_reply, is_chaos, prepare_effects_table
+    from ..support.support_app import ChaosAgent
 
     # Small on purpose (the 50-loop run above is the thorough one): 4 loops of one
     # tool turn, two kills, is enough to prove the fixture kills and verifies.
@@ -69,7 +69,7 @@ def test_the_user_chaos_fixture_runs_an_agent_under_kills(solidloop_chaos, llm, 
     llm.script(is_chaos, chaos_reply(settings, random.Random(3)))
     prepare_effects_table(app.config["SQLALCHEMY_DATABASE_URI"])
     report = solidloop_chaos(
-        "tests.support_app:create_app()",
+        "tests.support.support_app:create_app()",
         lambda: [ChaosAgent.start(message=f"user chaos {i}").id for i in range(4)],
         workers=2, kill_min=1.5, kill_max=2.5, min_kills=2, seed=5,
         env={"SOLIDLOOP_TEST_APP_CONFIG": json.dumps(settings.app_config()),

@@ -14,7 +14,7 @@ from sqlalchemy import select
 
 from flask_solidloop.models import Loop, Message, ToolCall
 
-from ..support_app import DATABASE_URL_ENV, LLM_URL_ENV, Assistant
+from ..support.support_app import DATABASE_URL_ENV, LLM_URL_ENV, Assistant
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.e2e
 
 def spawn_workers(cmd: list[str], *, log: Path) -> subprocess.Popen:
     env = dict(os.environ)
-    env["FLASK_APP"] = "tests.support_app:create_app()"
+    env["FLASK_APP"] = "tests.support.support_app:create_app()"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     assert env.get(DATABASE_URL_ENV) and env.get(LLM_URL_ENV)
     handle = open(log, "wb")  # noqa: SIM115 - closed when the process is reaped

@@ -1,6 +1,6 @@
 """Host jobs against real ``flask solidloop worker`` subprocesses.
 
-The app (tests/jobs_app.py) is built by a factory and declares its actor and
+The app (tests/support/jobs_app.py) is built by a factory and declares its actor and
 RQ-style functions at import. Shown here: a view's rollback leaves no job and
 no effect while its commit runs each job exactly once; a worker SIGKILLed
 mid-job has the job redelivered and finished; a job with Retry(max=2) runs
@@ -27,13 +27,13 @@ from sqlalchemy import text
 from flask_solidloop import Job, Retry
 from flask_solidloop.state import get_state
 
-from .. import jobs_app
-from ..jobs_app import HOST_TABLES, default
-from ..support_app import DATABASE_URL_ENV
+from ..support import jobs_app
+from ..support.jobs_app import HOST_TABLES, default
+from ..support.support_app import DATABASE_URL_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
-APP = "tests.jobs_app:create_app()"
+APP = "tests.support.jobs_app:create_app()"
 
 
 def start_worker(log: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -95,7 +95,7 @@ def worker(japp, tmp_path):
     with an extra task module."""
     log = tmp_path / "worker.log"
     proc = start_worker(log, "-p", "1", "-t", "2", "-Q", "default", "-Q", "host_jobs",
-                        "-Q", "extra", "--module", "tests.jobs_tasks")
+                        "-Q", "extra", "--module", "tests.support.jobs_tasks")
     yield proc, log
     stop(proc)
 
@@ -107,7 +107,7 @@ def test_rollback_leaves_nothing_and_commit_runs_each_job_once(japp, worker):
     reply = client.post("/orders", data={"note": "kept"})
     assert reply.status_code == 201
     order = reply.json["order"]
-    from ..jobs_tasks import extra_task
+    from ..support.jobs_tasks import extra_task
 
     extra_task.send("from --module")
     job = Job.fetch(reply.json["job"])

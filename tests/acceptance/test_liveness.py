@@ -25,7 +25,7 @@ from sqlalchemy import func, select
 
 from flask_solidloop.models import Job, Loop, Message, ToolCall
 
-from ..support_app import SlowAgent, SlowSequentialAgent
+from ..support.support_app import SlowAgent, SlowSequentialAgent
 from .test_e2e_workers import kill_group, spawn_workers
 
 pytestmark = pytest.mark.e2e

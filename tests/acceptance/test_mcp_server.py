@@ -13,7 +13,7 @@ import pytest
 
 from flask_solidloop.urls import libpq_url
 
-from ..mcp_gunicorn import eventually
+from ..support.mcp_gunicorn import eventually
 
 ACCEPT = "application/json, text/event-stream"
 MODERN = "2026-07-28"

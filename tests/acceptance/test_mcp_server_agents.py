@@ -18,9 +18,9 @@ from sqlalchemy import select
 from flask_solidloop.models import Event, Loop, ToolCall
 from flask_solidloop.urls import libpq_url
 
-from .. import mcp_server_app
-from ..mcp_gunicorn import eventually
-from ..mcp_server_app import REMOTE_URL_ENV, RemoteCalcAgent
+from ..support import mcp_server_app
+from ..support.mcp_gunicorn import eventually
+from ..support.mcp_server_app import REMOTE_URL_ENV, RemoteCalcAgent
 
 
 def test_an_agent_of_ours_uses_the_blueprint_through_its_url_entry(

@@ -18,7 +18,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 from flask_solidloop.urls import libpq_url
 
-from ..mcp_gunicorn import eventually
+from ..support.mcp_gunicorn import eventually
 
 CLIENTS = 20
 

@@ -19,7 +19,7 @@ from sqlalchemy.engine import make_url
 
 from flask_solidloop.testing.mcp_emulator import MCPEmulator
 
-from ..support_app import CANARY_LLM_URL_ENV, CANARY_MCP_URL_ENV, CanaryAgent
+from ..support.support_app import CANARY_LLM_URL_ENV, CANARY_MCP_URL_ENV, CanaryAgent
 from .test_e2e_workers import kill_group, spawn_workers, wait_for
 
 pytestmark = pytest.mark.e2e

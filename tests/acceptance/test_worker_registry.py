@@ -13,7 +13,7 @@ import signal
 import pytest
 from sqlalchemy import text
 
-from ..support_app import SlowAgent
+from ..support.support_app import SlowAgent
 from .test_e2e_workers import kill_group, spawn_workers
 from .test_liveness import WORKER_CMD, holder_group, poll, running_calls, slow_calls
 

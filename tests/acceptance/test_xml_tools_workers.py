@@ -12,7 +12,7 @@ from sqlalchemy import select
 from flask_solidloop.models import Loop, Message, ToolCall
 
 from ..integration.test_xml_tools import CORRECTED, MALFORMED, TWO_CALLS, answered
-from ..support_app import (
+from ..support.support_app import (
     XmlPromptedAgent,
     XmlPromptedStreamingAgent,
     XmlToolsAgent,

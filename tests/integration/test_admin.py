@@ -14,7 +14,7 @@ from sqlalchemy import event, select, text
 from flask_solidloop.loops import store
 from flask_solidloop.models import Loop, Message
 
-from ..support_app import Assistant, solidloop
+from ..support.support_app import Assistant, solidloop
 
 SAME = {"Sec-Fetch-Site": "same-origin"}
 XSS = "<script>alert('pwned')</script>"

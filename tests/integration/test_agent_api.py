@@ -8,7 +8,7 @@ from sqlalchemy import select
 from flask_solidloop import RESUMABLE_STATUSES, Agent, AgentDefinitionError, Toolset
 from flask_solidloop.models import Job, Loop, Message, ToolCall
 
-from ..support_app import Assistant, solidloop
+from ..support.support_app import Assistant, solidloop
 
 
 def test_unknown_llm_setting_and_v1_base_url_are_rejected(app):

@@ -25,7 +25,7 @@ from flask_solidloop.models import Event, Job, Loop, Message, ToolCall
 from flask_solidloop.queue.broker import libpq_url
 from flask_solidloop.queue.dispatch import Adopted
 
-from ..support_app import Assistant
+from ..support.support_app import Assistant
 from .row_locks import hold_loop_while, loop_row_locked
 
 

@@ -28,7 +28,7 @@ from flask_solidloop.queue.sql import CLAIM as _CLAIM
 from flask_solidloop.runtime.turns import run_tool_call
 from flask_solidloop.urls import libpq_url
 
-from ..support_app import SIDE_EFFECTS, Assistant
+from ..support.support_app import SIDE_EFFECTS, Assistant
 
 LLM_CHANNEL = CHANNEL_PREFIX + QUEUE_LLM  # "solidloop_q_solidloop_llm"
 MAINTENANCE_CHANNEL = CHANNEL_PREFIX + QUEUE_MAINTENANCE

@@ -11,7 +11,7 @@ from sqlalchemy.exc import IntegrityError
 from flask_solidloop.loops import store
 from flask_solidloop.testing.chaos import verify_contract
 
-from ..support_app import Assistant
+from ..support.support_app import Assistant
 
 
 def _finished_with_a_tool_call(llm, drain) -> int:

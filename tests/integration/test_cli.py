@@ -9,7 +9,7 @@ from flask_sqlalchemy import SQLAlchemy
 from flask_solidloop import SolidLoop
 from flask_solidloop.models import Loop
 
-from ..support_app import Assistant
+from ..support.support_app import Assistant
 
 
 @pytest.fixture

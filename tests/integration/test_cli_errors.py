@@ -178,7 +178,7 @@ def test_worker_prints_a_command_that_can_be_copied(database_url, tmp_path):
     """The printed line runs as it is in a shell: here with --help, so it exits at once."""
     flask = os.path.join(os.path.dirname(sys.executable), "flask")
     env = {**os.environ, "SOLIDLOOP_TEST_DATABASE_URL": database_url, "PYTHONPATH": REPO}
-    done = subprocess.run([flask, "--app", "tests.support_app:create_app", "solidloop",
+    done = subprocess.run([flask, "--app", "tests.support.support_app:create_app", "solidloop",
                            "worker", "-p", "1", "-t", "1", "--", "--help"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     line = next(x for x in done.stderr.splitlines() if x.startswith("starting: "))
@@ -191,7 +191,7 @@ def test_worker_prints_a_command_that_can_be_copied(database_url, tmp_path):
 
 
 def test_plain_dramatiq_worker_refuses_a_never_migrated_database(empty_database):
-    env = {**os.environ, "FLASK_APP": "tests.support_app:create_app",
+    env = {**os.environ, "FLASK_APP": "tests.support.support_app:create_app",
            "SOLIDLOOP_TEST_DATABASE_URL": empty_database, "PYTHONPATH": REPO}
     done = subprocess.run([sys.executable, "-m", "dramatiq", "flask_solidloop.worker",
                            "-p", "1", "-t", "1"], cwd=REPO, env=env,

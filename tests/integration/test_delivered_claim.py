@@ -26,7 +26,7 @@ from flask_solidloop.queue.current_job import (
     set_current_job,
 )
 
-from ..support_app import Assistant, calc, llm_settings, solidloop
+from ..support.support_app import Assistant, calc, llm_settings, solidloop
 from .row_locks import hold_loop_while
 from .test_turn_claim import RenewWhileClaimingAgent
 

@@ -9,7 +9,7 @@ from sqlalchemy import select
 from flask_solidloop import Agent
 from flask_solidloop.models import Event, Loop, Message, ToolCall
 
-from ..support_app import calc, solidloop
+from ..support.support_app import calc, solidloop
 
 CASES = [(d, s) for d in ("openai", "anthropic", "gemini") for s in (False, True)]
 

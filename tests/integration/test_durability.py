@@ -18,7 +18,7 @@ from flask_solidloop.models import Event, Job, Loop, Message, ToolCall
 from flask_solidloop.queue.broker import libpq_url
 from flask_solidloop.testing import drain as run
 
-from ..support_app import SIDE_EFFECTS, Assistant
+from ..support.support_app import SIDE_EFFECTS, Assistant
 
 
 def running_loop(session, *, lease_seconds: float = 60) -> tuple[int, uuid.UUID]:
@@ -353,7 +353,7 @@ def test_concurrent_reapers_repair_each_loop_once(app, state, session, pg):
     reports, errors = [], []
 
     def one_reaper():
-        from ..support_app import create_app
+        from ..support.support_app import create_app
 
         other = create_app()
         try:
@@ -398,7 +398,7 @@ def test_janitor_is_off_by_default(state, session, llm):
 
 
 def test_janitor_prunes_in_batches(app, session, pg):
-    from ..support_app import create_app
+    from ..support.support_app import create_app
 
     other = create_app(SOLIDLOOP_EVENT_RETENTION=3600, SOLIDLOOP_FINISHED_JOB_RETENTION=60,
                        SOLIDLOOP_JANITOR_BATCH_SIZE=7)
@@ -485,7 +485,7 @@ def test_a_slow_healthy_tool_keeps_its_lease_and_runs_once(app, state, session, 
     """Longer than its lease, but its worker is alive: the renewer keeps it."""
     from flask_solidloop import Agent, Toolset
 
-    from ..support_app import llm_settings, solidloop
+    from ..support.support_app import llm_settings, solidloop
 
     slow = Toolset("slow")
     runs = []

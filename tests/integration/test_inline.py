@@ -26,7 +26,7 @@ from flask_solidloop.queue.broker import libpq_url
 from flask_solidloop.queue.dispatch import INLINE_RESERVATION_MS
 from flask_solidloop.state import get_state
 
-from ..support_app import SIDE_EFFECTS, Assistant, create_app
+from ..support.support_app import SIDE_EFFECTS, Assistant, create_app
 from .row_locks import loop_row_locked
 
 TURN_ACTORS = ("solidloop.llm_turn", "solidloop.tool_call")

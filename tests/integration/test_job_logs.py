@@ -8,7 +8,7 @@ import logging
 
 from flask_solidloop.runtime.worker import quiet_noisy_loggers
 
-from ..support_app import Assistant
+from ..support.support_app import Assistant
 
 
 def test_each_job_logs_one_start_and_one_end_line_with_ids(llm, drain, session, caplog):

@@ -32,8 +32,8 @@ from flask_solidloop.queue.broker import libpq_url
 from flask_solidloop.state import get_state
 from flask_solidloop.testing import drain as run_drain
 
-from .. import jobs_app
-from ..jobs_app import HOST_TABLES, default, reports
+from ..support import jobs_app
+from ..support.jobs_app import HOST_TABLES, default, reports
 
 QUEUES = ("default", "reports", "host_jobs")
 
@@ -259,12 +259,13 @@ def test_rq_calls_and_statuses(japp):
     call = reports.enqueue_call(func=jobs_app.record, args=("b",), kwargs={"key": 2},
                                 job_id="report-2", description="the second report")
     later = default.enqueue_in(timedelta(hours=1), jobs_app.record, "c", 3)
-    at = default.enqueue_at(datetime.now(UTC) + timedelta(hours=2), "tests.jobs_app.record",
+    at = default.enqueue_at(datetime.now(UTC) + timedelta(hours=2), "tests.support.jobs_app.record",
                             "d", 4)
     assert job.get_status() == "queued" and later.get_status() == "scheduled"
-    assert at.get_status() == "scheduled" and at.func_name == "tests.jobs_app:record"
+    assert at.get_status() == "scheduled" and at.func_name == "tests.support.jobs_app:record"
     assert Job.fetch("report-2").description == "the second report"
-    assert job.meta == {"who": "test"} and job.description == "tests.jobs_app.record('a', 1)"
+    assert job.meta == {"who": "test"}
+    assert job.description == "tests.support.jobs_app.record('a', 1)"
     assert default.count == 3 and len(reports) == 1
     assert drain(japp) == 2  # the two due ones
     assert job.return_value() == {"kind": "a", "key": 1}

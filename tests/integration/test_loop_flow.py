@@ -8,7 +8,7 @@ from sqlalchemy import select
 
 from flask_solidloop.models import Event, Job, Loop, Message, ToolCall
 
-from ..support_app import SIDE_EFFECTS, Assistant, BatchAgent, SequentialAssistant
+from ..support.support_app import SIDE_EFFECTS, Assistant, BatchAgent, SequentialAssistant
 
 
 def visible(session, loop_id):
@@ -182,7 +182,7 @@ def test_host_driven_completion_recipe_skips_the_final_request(app, session, llm
 
 
 def test_max_steps_pauses_the_loop(app, session, llm, drain):
-    from ..support_app import solidloop
+    from ..support.support_app import solidloop
 
     class Limited(Assistant):
         max_steps = 1
@@ -208,7 +208,7 @@ def test_no_transaction_stays_open_during_the_llm_call_or_a_tool_run(app, sessio
     from flask_solidloop import Agent, Toolset
     from flask_solidloop.queue.broker import libpq_url
 
-    from ..support_app import solidloop
+    from ..support.support_app import solidloop
 
     seen = {}
     probe = Toolset("probe")
@@ -251,7 +251,7 @@ def test_a_tool_that_breaks_the_session_gets_a_tool_error_not_a_failed_loop(
 
     from flask_solidloop import Agent, Toolset
 
-    from ..support_app import db, solidloop
+    from ..support.support_app import db, solidloop
 
     bad = Toolset("bad_sql")
 
@@ -290,7 +290,7 @@ def test_a_tool_that_breaks_the_session_gets_a_tool_error_not_a_failed_loop(
 def test_secret_looking_custom_headers_never_reach_the_database(app, session, llm, drain):
     from flask_solidloop import Agent
 
-    from ..support_app import llm_settings, solidloop
+    from ..support.support_app import llm_settings, solidloop
 
     class Gateway(Agent):
         def llm(self):
@@ -313,7 +313,7 @@ def test_an_error_after_the_canonical_commit_does_not_fail_the_loop(app, session
     from flask_solidloop import Agent
     from flask_solidloop.pipeline.llm_stack import ErrorHandling
 
-    from ..support_app import llm_settings, solidloop
+    from ..support.support_app import llm_settings, solidloop
 
     class Explodes:
         def __init__(self, next_step):
@@ -341,7 +341,7 @@ def test_an_error_after_the_canonical_commit_does_not_fail_the_loop(app, session
 def test_an_agent_that_cannot_even_build_its_settings_fails_visibly(app, session, drain):
     from flask_solidloop import Agent
 
-    from ..support_app import llm_settings, solidloop
+    from ..support.support_app import llm_settings, solidloop
 
     class Flaky(Agent):
         _broken = False

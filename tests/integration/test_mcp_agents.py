@@ -13,7 +13,7 @@ from flask_solidloop.models import Loop, Message, ToolCall
 from flask_solidloop.testing import drain as run
 from flask_solidloop.testing.mcp_emulator import MCPEmulator
 
-from ..support_app import llm_settings, solidloop
+from ..support.support_app import llm_settings, solidloop
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS = ROOT / ".mcp-peers" / "node_modules" / ".bin"

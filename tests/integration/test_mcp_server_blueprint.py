@@ -12,7 +12,7 @@ from flask_solidloop.maintenance.janitor import prune
 from flask_solidloop.models import Event, McpInboundSession
 from flask_solidloop.state import get_state
 
-from ..support_app import calc, solidloop
+from ..support.support_app import calc, solidloop
 
 
 def test_auth_is_required_at_creation_time():

@@ -9,7 +9,7 @@ def test_global_and_agent_hooks_apply_in_order(app, session, llm, drain):
     emulator_url = llm.base_url
     from flask_solidloop import Agent
 
-    from ..support_app import solidloop
+    from ..support.support_app import solidloop
 
     seen = []
 
@@ -53,7 +53,7 @@ def test_a_hook_that_raises_fails_the_loop_before_any_claim(app, session, llm, d
     from flask_solidloop import Agent
     from flask_solidloop.models import Loop, Message
 
-    from ..support_app import solidloop
+    from ..support.support_app import solidloop
 
     emulator_url = llm.base_url
 

@@ -19,8 +19,8 @@ from flask_solidloop import Agent, Toolset
 from flask_solidloop.models import Event, Loop, Message, ToolCall
 from flask_solidloop.render import format_loop, format_message
 
-from ..sdk_contract import check_anthropic, check_gemini, check_openai
-from ..support_app import calc, solidloop
+from ..support.sdk_contract import check_anthropic, check_gemini, check_openai
+from ..support.support_app import calc, solidloop
 
 CASES = [(d, s) for d in ("openai", "anthropic", "gemini") for s in (False, True)]
 CHECKS = {"openai": check_openai, "anthropic": check_anthropic, "gemini": check_gemini}

@@ -13,7 +13,7 @@ from flask_solidloop import Agent
 from flask_solidloop.models import Event, Loop, Message, ToolCall
 from flask_solidloop.testing import drain as run
 
-from ..support_app import calc, create_app, solidloop
+from ..support.support_app import calc, create_app, solidloop
 
 
 def agent_for(name, emulator, *, dialect="openai", streaming=False, **extra):

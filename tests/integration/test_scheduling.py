@@ -9,7 +9,7 @@ from flask_solidloop.queue import sql as jobs_sql
 from flask_solidloop.state import get_state
 from flask_solidloop.testing import drain as run
 
-from ..support_app import Assistant, create_app
+from ..support.support_app import Assistant, create_app
 
 
 def script_one_tool_loops(llm) -> None:

@@ -8,7 +8,7 @@ from sqlalchemy import text
 
 from flask_solidloop import signals
 
-from ..support_app import Assistant
+from ..support.support_app import Assistant
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from sqlalchemy import select
 from flask_solidloop import Agent
 from flask_solidloop.models import Message
 
-from ..support_app import solidloop
+from ..support.support_app import solidloop
 
 SHAPES = [("openai", {"reasoning_content": "Let me think about it."}),
           ("openai", {"content_prefix": "<think>Let me think about it.</think>"}),

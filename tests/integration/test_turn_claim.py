@@ -9,7 +9,7 @@ from flask_solidloop import Agent
 from flask_solidloop.models import Event, Job, Loop, Message
 from flask_solidloop.state import get_state
 
-from ..support_app import calc, llm_settings, solidloop
+from ..support.support_app import calc, llm_settings, solidloop
 
 
 class RenewWhileClaiming:
@@ -61,7 +61,7 @@ def test_one_commit_holds_the_claim_the_job_and_the_shell(app, session, llm, dat
     from flask_solidloop.loops import store
     from flask_solidloop.queue.broker import libpq_url
 
-    from ..support_app import Assistant
+    from ..support.support_app import Assistant
 
     loop = Assistant.start(message="hello")
     claim = store.start_llm_turn(session, loop.id, lease_seconds=30)

@@ -10,7 +10,7 @@ from flask_solidloop.loops.storable import HISTORY_OMITTED, TOOLS_OMITTED, histo
 from flask_solidloop.models import Event
 from flask_solidloop.testing import drain as run
 
-from ..support_app import Assistant, create_app
+from ..support.support_app import Assistant, create_app
 
 
 def script_three_turns(llm) -> None:

@@ -14,7 +14,7 @@ from sqlalchemy import select
 from flask_solidloop.llm import tool_text
 from flask_solidloop.models import Loop, Message, ToolCall
 
-from ..support_app import (
+from ..support.support_app import (
     XmlPromptedAgent,
     XmlPromptedStreamingAgent,
     XmlToolsAgent,

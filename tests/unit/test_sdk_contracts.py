@@ -34,7 +34,7 @@ from flask_solidloop.llm.dialect import SSEEvent
 from flask_solidloop.llm.gemini import GeminiDialect
 from flask_solidloop.llm.openai import OpenAIDialect
 
-from ..sdk_contract import check_anthropic, check_gemini, check_openai
+from ..support.sdk_contract import check_anthropic, check_gemini, check_openai
 
 
 def dump(model, **kw):

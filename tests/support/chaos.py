@@ -1,6 +1,6 @@
 """The chaos harness: many loops, real worker processes, a killer, a reaper.
 
-Used by tests/test_chaos.py (the acceptance run) and bench/chaos.py (longer,
+Used by tests/acceptance/test_chaos.py (the acceptance run) and bench/chaos.py (longer,
 with knobs). Each loop makes ``turns`` LLM turns, each with ``tools_per_turn``
 parallel calls of a tool whose side effect is written outside our transactions
 (like any external system), then a final answer. While they run, a killer
@@ -33,7 +33,7 @@ from flask_solidloop.queue.broker import libpq_url
 from flask_solidloop.testing.chaos import Fleet as SharedFleet
 from flask_solidloop.testing.chaos import ProgressWatch, progress_marker, verify_contract
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHAOS_PROMPT = "You run chaos tools."
 
 
@@ -180,7 +180,7 @@ def run_chaos(settings: ChaosSettings, *, database_url: str, emulator: Any, log_
     requests_before = len(emulator.requests)
 
     env = dict(os.environ)
-    env["FLASK_APP"] = "tests.support_app:create_app()"
+    env["FLASK_APP"] = "tests.support.support_app:create_app()"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["SOLIDLOOP_TEST_APP_CONFIG"] = json.dumps(settings.app_config())
     env["SOLIDLOOP_CHAOS_READ_TIMEOUT"] = str(settings.read_timeout)

@@ -4,7 +4,7 @@ Everything is declared at import time, before any app exists: a lazy actor, an
 RQ-style queue and its functions, and (when ``JOBS_APP_PERIODIC`` is set) a
 periodic job. ``create_app()`` builds the app; a view writes a row and
 enqueues its jobs in the same transaction. Workers load it with
-``FLASK_APP='tests.jobs_app:create_app()'``.
+``FLASK_APP='tests.support.jobs_app:create_app()'``.
 
 Jobs record what they did in ``jobs_app_effects``: ``effect()`` writes through
 the job's own ``db.session`` (committed with the job's work), ``external()``

@@ -2,8 +2,8 @@
 the support app plus a streaming agent, the admin mounted at /admin with a
 subject resolver, and a second mount at /closed with no ``authorize``.
 
-``FLASK_APP='tests.admin_app:create_app()'`` for workers;
-``gunicorn 'tests.admin_app:create_app()'`` for the web process.
+``FLASK_APP='tests.support.admin_app:create_app()'`` for workers;
+``gunicorn 'tests.support.admin_app:create_app()'`` for the web process.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The Flask app our tests (and their real worker subprocesses) run.
 
-Worker subprocesses load it with ``FLASK_APP='tests.support_app:create_app()'``;
+Worker subprocesses load it with ``FLASK_APP='tests.support.support_app:create_app()'``;
 the database URL and the LLM emulator URL reach them through the environment.
 """
 

@@ -1,5 +1,5 @@
 """A task module the jobs app itself never imports: workers get it with
-``flask solidloop worker --module tests.jobs_tasks``."""
+``flask solidloop worker --module tests.support.jobs_tasks``."""
 
 from __future__ import annotations
 

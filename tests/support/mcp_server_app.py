@@ -1,6 +1,6 @@
 """The app the MCP server blueprint tests run under gunicorn (and bench/mcp_server.py).
 
-``gunicorn 'tests.mcp_server_app:create_app()'`` serves, on the support app's
+``gunicorn 'tests.support.mcp_server_app:create_app()'`` serves, on the support app's
 extension (so its agents and workers are the same):
 
 * ``/mcp/calc``: the support app's ``calc`` toolset and ``probe`` (tools that

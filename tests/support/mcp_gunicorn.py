@@ -1,4 +1,4 @@
-"""A real gunicorn serving tests/mcp_server_app.py, for the MCP server blueprint tests.
+"""A real gunicorn serving tests/support/mcp_server_app.py, for the MCP server blueprint tests.
 
 ``serve(workers=4, threads=4)`` starts ``gunicorn -k gthread`` on a free port of
 127.0.0.1 with the test database in its environment, waits until it answers,
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-APP = "tests.mcp_server_app:create_app()"
+ROOT = Path(__file__).resolve().parents[2]
+APP = "tests.support.mcp_server_app:create_app()"
 
 
 def free_port() -> int:
