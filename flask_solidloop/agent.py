@@ -53,7 +53,6 @@ OPTIONS: dict[str, str] = {
                           "message); None: 'user_xml' with tool_prompting, else 'tool'",
 }
 HOOKS = ("configure_llm_middlewares", "configure_tool_middlewares")
-LIVE_STATUSES = ("queued", "running")
 
 
 def _subject_key(subject: Any) -> tuple[str | None, str | None]:

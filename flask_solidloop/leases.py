@@ -351,7 +351,3 @@ class RenewerSlot:
             renewer, self._renewer = self._renewer, None
         if renewer is not None:
             renewer.stop()
-
-    @property
-    def current(self) -> LeaseRenewer | None:
-        return self._renewer

@@ -11,7 +11,7 @@ the CSRF check; every response gets the CSP.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
@@ -434,6 +434,3 @@ def _loop_regions(session: Any, loop_id: int) -> dict[str, Any]:
         "mcp_sessions": queries.mcp_sessions(session, loop_id),
     }
 
-
-def nav_items() -> Iterable[tuple[str, str]]:
-    return list(NAV)
