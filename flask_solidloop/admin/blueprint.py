@@ -29,7 +29,7 @@ from flask import (
 )
 from werkzeug.datastructures import MultiDict
 
-from ..errors import SolidLoopError
+from ..errors import InvalidArgumentError, SolidLoopError
 from ..jobs import control as jobs_control
 from ..loops import control, queries
 from ..maintenance import runs as maintenance_runs
@@ -280,7 +280,7 @@ def create_blueprint(*, authorize: security.Authorize | None,
             return control.observe(st, loop_id, True)
         if action == "unobserve":
             return control.observe(st, loop_id, False)
-        raise ValueError(f"unknown action {action!r}")
+        raise InvalidArgumentError(f"unknown action {action!r}")
 
     @bp.post("/loops/bulk")
     def bulk() -> Any:
