@@ -282,9 +282,11 @@ class Agent:
     ) -> bool:
         """Fail the loop with ``reason``. False if it was already terminal.
 
-        ``resume(from_=("failed",))`` can restart a stopped loop, as in the seed;
-        ``freeze()`` is the way to forbid that. A running tool call finishes on its
-        worker and its result is kept.
+        A stopped loop ends ``failed``, a resumable status, so
+        ``resume(from_=("failed",))`` can take the stop back. To forbid that,
+        ``freeze()`` the loop before stopping it: a frozen loop stays frozen when
+        stopped, and ``freeze()`` refuses a loop that has already ended. A running
+        tool call finishes on its worker and its result is kept.
         """
         return control.stop(get_state(), self._require_loop(), reason=reason, session=session)
 

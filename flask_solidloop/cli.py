@@ -566,9 +566,10 @@ def resume(loop_id: int, from_: tuple[str, ...], message: str | None, again: boo
 def stop(loop_id: int, reason: str) -> None:
     """Stop a loop: it ends failed, with the reason.
 
-    A stopped loop can be resumed later (`flask solidloop resume ID --from failed`),
-    as in the seed; use `flask solidloop freeze` to forbid that. A tool call that
-    is running finishes on its worker and its result is kept.
+    A stopped loop ends failed, a resumable status, so `flask solidloop resume ID
+    --from failed` can take the stop back; to forbid that, `flask solidloop freeze`
+    the loop before stopping it (a loop that has already ended cannot be frozen).
+    A tool call that is running finishes on its worker and its result is kept.
     """
     _control(loop_id, "stop", reason=reason)
 
