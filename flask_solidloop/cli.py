@@ -186,7 +186,7 @@ def db_current() -> None:
 def worker_env(app_import_path: str | None) -> dict[str, str]:
     try:
         return launch_env(app_import_path)
-    except ValueError as exc:
+    except (ValueError, SolidLoopError) as exc:  # no FLASK_APP: ValueError, or a SetupError
         raise click.ClickException(str(exc)) from exc
 
 
