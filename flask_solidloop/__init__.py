@@ -36,6 +36,8 @@ from .errors import (
     ToolDefinitionError,
     UnknownAgentError,
     UnknownMiddlewareError,
+    UnknownToolError,
+    WaitTimeoutError,
 )
 from .extension import SolidLoop
 from .jobs import FailedJobRegistry, Job, LazyActor, Queue, Retry
@@ -81,5 +83,7 @@ __all__ = [
     "Toolset",
     "UnknownAgentError",
     "UnknownMiddlewareError",
+    "UnknownToolError",
+    "WaitTimeoutError",
     "__version__",
 ]

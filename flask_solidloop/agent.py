@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ._typing import SessionLike
-from .errors import AgentDefinitionError
+from .errors import AgentDefinitionError, InvalidArgumentError
 from .llm.types import ProviderSettings
 from .loops import control, queries, store
 from .mcp.registry import validate_entry
@@ -53,7 +53,6 @@ OPTIONS: dict[str, str] = {
                           "message); None: 'user_xml' with tool_prompting, else 'tool'",
 }
 HOOKS = ("configure_llm_middlewares", "configure_tool_middlewares")
-LIVE_STATUSES = ("queued", "running")
 
 
 def _subject_key(subject: Any) -> tuple[str | None, str | None]:
@@ -63,7 +62,7 @@ def _subject_key(subject: Any) -> tuple[str | None, str | None]:
         return str(subject[0]), str(subject[1])
     ident = getattr(subject, "id", None)
     if ident is None:
-        raise TypeError(
+        raise InvalidArgumentError(
             "subject must be a model instance with an id, a (type, id) tuple, or None; "
             f"got {subject!r}"
         )
@@ -245,7 +244,7 @@ class Agent:
         agent = cls()
         agent.validate()
         if not isinstance(message, str) or not message.strip():
-            raise ValueError("message must be a non-empty string")
+            raise InvalidArgumentError("message must be a non-empty string")
         session = session or ext_state.db.session
         assert session is not None
         subject_type, subject_id = _subject_key(subject)
@@ -268,7 +267,7 @@ class Agent:
 
     def _require_loop(self) -> int:
         if self._loop_id is None:
-            raise ValueError(f"{type(self).__name__}() was created without a loop")
+            raise InvalidArgumentError(f"{type(self).__name__}() was created without a loop")
         return self._loop_id
 
     def pause(self, *, session: SessionLike | None = None) -> bool:
@@ -283,9 +282,11 @@ class Agent:
     ) -> bool:
         """Fail the loop with ``reason``. False if it was already terminal.
 
-        ``resume(from_=("failed",))`` can restart a stopped loop, as in the seed;
-        ``freeze()`` is the way to forbid that. A running tool call finishes on its
-        worker and its result is kept.
+        A stopped loop ends ``failed``, a resumable status, so
+        ``resume(from_=("failed",))`` can take the stop back. To forbid that,
+        ``freeze()`` the loop before stopping it: a frozen loop stays frozen when
+        stopped, and ``freeze()`` refuses a loop that has already ended. A running
+        tool call finishes on its worker and its result is kept.
         """
         return control.stop(get_state(), self._require_loop(), reason=reason, session=session)
 

@@ -186,7 +186,7 @@ def db_current() -> None:
 def worker_env(app_import_path: str | None) -> dict[str, str]:
     try:
         return launch_env(app_import_path)
-    except ValueError as exc:
+    except (ValueError, SolidLoopError) as exc:  # no FLASK_APP: ValueError, or a SetupError
         raise click.ClickException(str(exc)) from exc
 
 
@@ -566,9 +566,11 @@ def resume(loop_id: int, from_: tuple[str, ...], message: str | None, again: boo
 def stop(loop_id: int, reason: str) -> None:
     """Stop a loop: it ends failed, with the reason.
 
-    A stopped loop can be resumed later (`flask solidloop resume ID --from failed`),
-    as in the seed; use `flask solidloop freeze` to forbid that. A tool call that
-    is running finishes on its worker and its result is kept.
+    A stopped loop ends failed, a resumable status, so it can be resumed later
+    (`flask solidloop resume ID --from failed`); to forbid that, `flask solidloop
+    freeze` the loop before stopping it (a loop that has already ended cannot be
+    frozen).
+    A tool call that is running finishes on its worker and its result is kept.
     """
     _control(loop_id, "stop", reason=reason)
 
@@ -613,20 +615,23 @@ def reap_command(every: float | None) -> None:
               help="Repeat every SECONDS instead of running once.")
 @with_appcontext
 def prune_command(every: float | None) -> None:
-    """Delete events and finished jobs past their retention (off unless configured)."""
+    """Delete rows past their retention: expired host job records and results
+    (their result_ttl / failure_ttl) and old worker rows always; events, finished
+    jobs and inbound MCP sessions only once their SOLIDLOOP_*_RETENTION is set."""
     from .maintenance.janitor import prune, runs_in_workers
 
     if not runs_in_workers(_state().config):
-        click.echo("pruning is off: nothing is deleted until SOLIDLOOP_EVENT_RETENTION "
-                   "(seconds to keep wire events), SOLIDLOOP_FINISHED_JOB_RETENTION "
-                   "(seconds to keep finished jobs) or SOLIDLOOP_MCP_INBOUND_SESSION_RETENTION "
-                   "(seconds to keep inbound MCP sessions) is set")
-        return
+        click.echo("events, finished jobs and inbound MCP sessions are kept: set "
+                   "SOLIDLOOP_EVENT_RETENTION (seconds to keep wire events), "
+                   "SOLIDLOOP_FINISHED_JOB_RETENTION (seconds to keep finished jobs) or "
+                   "SOLIDLOOP_MCP_INBOUND_SESSION_RETENTION (seconds to keep inbound MCP "
+                   "sessions) to prune them; workers do not prune until one is set")
 
     def run() -> str:
         report = prune(_state())
-        return (f"events={report.events} jobs={report.jobs} workers={report.workers} "
-                f"({report.duration_ms:.1f} ms)")
+        return (f"events={report.events} jobs={report.jobs} host_jobs={report.host_jobs} "
+                f"results={report.results} inbound_sessions={report.inbound_sessions} "
+                f"workers={report.workers} ({report.duration_ms:.1f} ms)")
 
     _every(every, run, "prune")
 

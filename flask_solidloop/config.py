@@ -9,7 +9,7 @@ documents every entry and a test checks the two agree. Values are read once, at
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
@@ -353,11 +353,6 @@ class Config:
                 "unknown setting: " + ", ".join(hints) + f"; known settings: {', '.join(_BY_KEY)}",
             )
         return cls(**values)
-
-    def replace(self, **changes: Any) -> Config:
-        data = {f.name: getattr(self, f.name) for f in fields(self)}
-        data.update(changes)
-        return Config(**data)
 
     # Lease arithmetic lives here so every lease has one source.
 

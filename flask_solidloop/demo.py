@@ -74,7 +74,7 @@ def run_demo(app: Flask, import_path: str | None, *, agent: str | None, message:
     os.environ.setdefault(OFFLINE_URL_ENV, emulator.base_url)
     try:
         env = worker_env(import_path)
-    except ValueError as exc:
+    except (ValueError, SolidLoopError) as exc:  # no FLASK_APP: ValueError, or a SetupError
         raise click.ClickException(str(exc)) from exc
     cmd = worker_command(processes=processes, threads=threads, queues=())
     log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - outlives this block: workers write it

@@ -19,9 +19,11 @@ so a host can catch the whole family in one clause::
     │   │   └── ProviderAnswerError   ... or an answer a retry would only repeat
     │   └── AbortedError          the loop was paused or stopped during the request
     ├── ToolDefinitionError       a tool was declared with an invalid name or schema
+    ├── UnknownToolError          a toolset was asked for a tool it does not declare
     ├── McpTransportError         an MCP server could not be reached or answered badly
     ├── LimitExceededError        max_steps / max_duration reached (the loop pauses)
     ├── LostLeaseError            this worker no longer owns the turn; write nothing
+    ├── WaitTimeoutError          a bounded wait ran out before the work it waited on finished
     └── BrokerError               the Postgres job queue could not do what was asked
         └── JobError              a host job could not be declared, sent, found or run
             ├── JobEncodeError    the message encoder rejected an argument (at send)
@@ -144,6 +146,11 @@ class ToolDefinitionError(SolidLoopError, ValueError):
     """A tool was declared with an invalid name, schema or signature."""
 
 
+class UnknownToolError(SolidLoopError, KeyError):
+    """A toolset was asked for a tool it does not declare (``Toolset.get``); the
+    message names the tools it has."""
+
+
 class McpTransportError(SolidLoopError):
     """An MCP server could not be reached, timed out, refused us or broke the
     protocol. ``kind`` classifies it for the admin and the loop policy:
@@ -162,6 +169,12 @@ class LimitExceededError(SolidLoopError):
 
 class LostLeaseError(SolidLoopError):
     """This worker's generation no longer owns the loop; it must write nothing."""
+
+
+class WaitTimeoutError(SolidLoopError, TimeoutError):
+    """A bounded wait ran out before the work it waited on finished: a coroutine
+    run through the MCP bridge (``run_sync``) that did not answer in time (the
+    coroutine is cancelled)."""
 
 
 class BrokerError(SolidLoopError):

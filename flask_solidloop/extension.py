@@ -19,7 +19,7 @@ from sqlalchemy.engine import make_url
 
 from .agent import Agent
 from .config import Config
-from .errors import AgentDefinitionError, ConfigurationError
+from .errors import AgentDefinitionError, ConfigurationError, SetupError
 from .jobs import JobRegistry, Queue
 from .leases import RenewerSlot
 from .maintenance.janitor import JANITOR_INTERVAL, prune, runs_in_workers
@@ -193,7 +193,7 @@ class SolidLoop:
 
     def init_app(self, app: Flask, db: SQLAlchemy | None = None) -> None:
         if EXTENSION_KEY in app.extensions:
-            raise RuntimeError(
+            raise SetupError(
                 "flask-solidloop is already initialised on this app; call init_app once"
             )
         db = db or self.db or _find_sqlalchemy(app)
@@ -304,7 +304,7 @@ def _safe(url: str) -> str:
 def _find_sqlalchemy(app: Flask) -> SQLAlchemy:
     db = app.extensions.get("sqlalchemy")
     if db is None:
-        raise RuntimeError(
+        raise SetupError(
             "flask-solidloop needs Flask-SQLAlchemy: pass SolidLoop(app, db=db) or "
             "init_app(app, db=db), or initialise SQLAlchemy on the app first"
         )

@@ -6,13 +6,19 @@ status, token or anything else (loops/store.py owns every state change; the
 layering test checks that these are the only columns written here). It sits
 low in the layer order so the queue's worker middleware can start and stop it.
 
-An LLM turn's lease (``solidloop_loops.lease_expires_at``) is derived from the
-agent's read timeout, but a healthy turn can run far longer than that: the
-read timeout counts silence between reads, not the whole response. So each
-in-flight turn registers here, and one background thread extends every
-registered lease about four times per lease width, on a connection of its own.
-Running tool calls register their per-call lease the same way, so a healthy
-slow tool is never reclaimed and run a second time.
+Every lease is a liveness lease (decision 0012): an LLM turn's
+(``solidloop_loops.lease_expires_at``) and a running tool call's
+(``solidloop_tool_calls.leased_until``) are ``SOLIDLOOP_LIVENESS_TTL`` long
+whatever the work, not derived from a timeout. A live process keeps its work
+however long the work takes, because each in-flight turn and tool call
+registers here and one background thread re-stamps every registered lease
+about every quarter of the smallest one (never more often than once a second),
+on a connection of its own. A dead or frozen process stops renewing, so its
+work is taken over by the reaper one TTL after the last renewal; a healthy
+slow tool is never reclaimed and run a second time. How long the work may take
+is a separate limit (the read timeout, a tool's timeout, ``max_duration``),
+enforced on the work itself and, as the leak ceiling below, on the
+registration.
 
 Why one connection for everything (and not one per turn): at full worker
 occupancy each worker thread holds a pooled connection; per-turn heartbeats
@@ -33,8 +39,10 @@ Ownership rules:
   fails too, every registration is marked lost: a dead renewer must never let
   a dead lease look alive. The turns see the flag before their next canonical
   write and yield; the reaper heals the loops;
-* a registration older than the agent's max_duration + lease_leak_grace is
-  dropped (a leak ceiling that does not depend on the turn's ``finally``).
+* a registration older than its ceiling is dropped (a leak ceiling that does
+  not depend on the turn's ``finally``): the agent's max_duration for an LLM
+  turn, the tool's limit (its timeout, at most max_duration) for a tool call,
+  plus lease_leak_grace either way.
 """
 
 from __future__ import annotations
@@ -250,8 +258,9 @@ class LeaseRenewer:
             live = [r for r in self._registrations.values() if not r.lost()]
         for registration in leaked:
             logger.warning(
-                "lease renewer dropped %s %s: registered for longer than max_duration + "
-                "lease_leak_grace (%.0fs); its lease will lapse and the reaper will recover it",
+                "lease renewer dropped %s %s: registered for longer than its ceiling (%.0fs: "
+                "max_duration for a turn, the tool timeout for a tool call, + lease_leak_grace); "
+                "its lease will lapse and the reaper will recover it",
                 registration.kind, registration.row_id, registration.ceiling_seconds,
             )
         if not live:
@@ -351,7 +360,3 @@ class RenewerSlot:
             renewer, self._renewer = self._renewer, None
         if renewer is not None:
             renewer.stop()
-
-    @property
-    def current(self) -> LeaseRenewer | None:
-        return self._renewer

@@ -1,5 +1,5 @@
 """The admin: a Jinja blueprint to watch every loop live, find any loop, and act
-on one or on a filtered set (issue 15; docs/guides/admin.md).
+on one or on a filtered set (docs/guides/admin.md).
 
 Mount it with ``app.register_blueprint(solidloop.admin_blueprint(authorize=...),
 url_prefix="/admin")``. It reads through ``loops.queries`` and acts through

@@ -11,7 +11,7 @@ the CSRF check; every response gets the CSP.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
@@ -29,7 +29,7 @@ from flask import (
 )
 from werkzeug.datastructures import MultiDict
 
-from ..errors import SolidLoopError
+from ..errors import InvalidArgumentError, SolidLoopError
 from ..jobs import control as jobs_control
 from ..loops import control, queries
 from ..maintenance import runs as maintenance_runs
@@ -280,7 +280,7 @@ def create_blueprint(*, authorize: security.Authorize | None,
             return control.observe(st, loop_id, True)
         if action == "unobserve":
             return control.observe(st, loop_id, False)
-        raise ValueError(f"unknown action {action!r}")
+        raise InvalidArgumentError(f"unknown action {action!r}")
 
     @bp.post("/loops/bulk")
     def bulk() -> Any:
@@ -434,6 +434,3 @@ def _loop_regions(session: Any, loop_id: int) -> dict[str, Any]:
         "mcp_sessions": queries.mcp_sessions(session, loop_id),
     }
 
-
-def nav_items() -> Iterable[tuple[str, str]]:
-    return list(NAV)

@@ -11,6 +11,7 @@ from urllib.parse import urlencode
 
 from werkzeug.datastructures import MultiDict
 
+from ..errors import InvalidArgumentError
 from ..loops.queries import FAILURE_CLASS_NAMES, LoopSearch
 from ..models.loop import ALL_STATUSES
 
@@ -19,7 +20,7 @@ FILTER_KEYS = ("status", "agent", "failure", "subject_type", "subject_id", "from
                "state")
 
 
-class FilterError(ValueError):
+class FilterError(InvalidArgumentError):
     """A filter value that cannot be used; the message names it and the fix."""
 
 

@@ -101,12 +101,3 @@ def safe_url(url: Any) -> str | None:
     if _SCHEME.match(url):
         return url
     return None
-
-
-FILTERS = {
-    "money": money,
-    "duration_ms": duration_ms,
-    "ago": ago,
-    "when": when,
-    "pretty_json": pretty_json,
-}

@@ -34,7 +34,7 @@ import copy
 import json
 from typing import Any
 
-from ..errors import ProviderAnswerError, ProviderResponseError
+from ..errors import InvalidArgumentError, ProviderAnswerError, ProviderResponseError
 from . import reasoning
 from .dialect import RenderedRequest, RenderOptions, SSEEvent, StreamDelta, input_schema
 from .types import AssistantTurn, ChatMessage, ProviderSettings, ToolCallRequest, Usage
@@ -102,7 +102,7 @@ class AnthropicDialect:
                 if blocks:  # Anthropic rejects an assistant turn with no content
                     wire.append({"role": "assistant", "content": blocks})
             else:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"message role {message.role!r} is not one of system, user, assistant, tool"
                 )
 
@@ -111,7 +111,7 @@ class AnthropicDialect:
         if effort is not None:
             budget = THINKING_BUDGETS.get(effort)
             if budget is None:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"reasoning_effort {effort!r} is not supported by the anthropic "
                     f"dialect; accepted: {', '.join(map(repr, THINKING_BUDGETS))} (or None)"
                 )

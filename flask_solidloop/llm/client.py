@@ -42,6 +42,7 @@ from ..errors import (
     ProviderError,
     ProviderHTTPError,
     ProviderResponseError,
+    SolidLoopError,
 )
 from ..urls import redact_url, redact_urls_in
 from ..wire import WireRecord
@@ -187,7 +188,7 @@ class Attempt:
         self.entry.update(fields, duration_ms=self.elapsed_ms())
 
 
-class _Retry(Exception):  # a signal inside the send path, never raised out of it
+class _Retry(SolidLoopError):  # a signal inside the send path, never raised out of it
     """This attempt failed in a way worth repeating after ``delay`` seconds."""
 
     def __init__(self, delay: float) -> None:

@@ -58,7 +58,12 @@ import re
 import uuid
 from typing import Any
 
-from ..errors import ProviderAnswerError, ProviderResponseError
+from ..errors import (
+    InvalidArgumentError,
+    ProviderAnswerError,
+    ProviderResponseError,
+    ToolDefinitionError,
+)
 from . import reasoning as reasoning_mod
 from .dialect import RenderedRequest, RenderOptions, SSEEvent, StreamDelta
 from .types import AssistantTurn, ChatMessage, ProviderSettings, ToolCallRequest, Usage
@@ -141,7 +146,7 @@ def render_request(settings: ProviderSettings, messages: list[ChatMessage],
     effort = options.reasoning_effort
     if effort is not None:
         if effort not in THINKING_BUDGETS:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"gemini dialect: reasoning_effort {effort!r} is not supported; "
                 f"accepted: {', '.join(repr(k) for k in THINKING_BUDGETS)} or None"
             )
@@ -249,7 +254,7 @@ def _function_response(messages: list[ChatMessage], index: int) -> dict[str, Any
             break
     name = name or message.name
     if not name:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"gemini dialect: tool result for call {message.tool_call_id!r} answers no "
             "function call in an earlier assistant message, and has no name; Gemini needs "
             "the function name in functionResponse"
@@ -327,7 +332,7 @@ def _clean(schema: Any, definitions: dict[str, Any], chain: tuple[str, ...]) -> 
     if isinstance(ref, str):
         if ref in chain:
             names = " -> ".join(r.rsplit("/", 1)[-1] for r in (*chain, ref))
-            raise ValueError(
+            raise ToolDefinitionError(
                 f"gemini dialect: the tool schema is recursive ({names}); Gemini's Schema "
                 "cannot refer to itself and a recursive model cannot be inlined. Give the "
                 "tool a non-recursive argument type (e.g. a depth-limited model, or a JSON "
@@ -335,8 +340,9 @@ def _clean(schema: Any, definitions: dict[str, Any], chain: tuple[str, ...]) -> 
             )
         target = definitions.get(ref)
         if target is None:
-            raise ValueError(f"gemini dialect: the tool schema refers to {ref!r}, "
-                             "which it does not define (only local #/$defs refs are inlined)")
+            raise ToolDefinitionError(
+                f"gemini dialect: the tool schema refers to {ref!r}, which it does not "
+                "define (only local #/$defs refs are inlined)")
         siblings = {k: v for k, v in schema.items() if k != "$ref"}
         merged = {**target, **siblings}  # a description beside the $ref wins
         return _clean(merged, definitions, (*chain, ref))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..errors import InvalidArgumentError
 from .dialect import Dialect
 from .types import DIALECTS
 
@@ -19,4 +20,4 @@ def get_dialect(name: str) -> Dialect:
         from .gemini import GeminiDialect
 
         return GeminiDialect()
-    raise ValueError(f"unknown llm dialect {name!r}; known: {', '.join(DIALECTS)}")
+    raise InvalidArgumentError(f"unknown llm dialect {name!r}; known: {', '.join(DIALECTS)}")

@@ -38,14 +38,16 @@ Rules:
 * ``timeout`` bounds the wait. When it passes, or when the waiting thread is
   interrupted (KeyboardInterrupt, dramatiq's TimeLimitExceeded, any exception
   injected into the thread), the coroutine's task is **cancelled** and the
-  exception propagates; a timeout raises :class:`TimeoutError`. The waiting
+  exception propagates; a timeout raises
+  :class:`~flask_solidloop.errors.WaitTimeoutError` (a :class:`TimeoutError`). The waiting
   thread polls in short slices, so an asynchronous exception reaches it
   within ~0.1 s even though it is blocked.
 * The portal is process-local. After ``fork()`` the child gets a fresh portal
   on first use (the parent's loop thread does not exist in the child); state
   bound to the old loop must be rebuilt (see :func:`generation`).
 * Calling :func:`run_sync` from the portal thread itself would deadlock and
-  raises :class:`RuntimeError` instead; async code should ``await`` directly.
+  raises :class:`~flask_solidloop.errors.SetupError` (a :class:`RuntimeError`)
+  instead; async code should ``await`` directly.
 * :func:`shutdown` cancels whatever still runs on the loop, stops it and joins
   the thread. A later :func:`run_sync` starts a new portal. It is registered
   with :mod:`atexit`.
@@ -64,6 +66,8 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
+
+from ..errors import SetupError, WaitTimeoutError
 
 __all__ = [
     "Portal", "generation", "get_portal", "run_isolated", "run_sync", "shutdown", "wait_future",
@@ -122,7 +126,7 @@ class Portal:
             return loop
         with self._lock:
             if self._closed:
-                raise RuntimeError("this MCP portal was shut down; use get_portal() for a new one")
+                raise SetupError("this MCP portal was shut down; use get_portal() for a new one")
             if self._loop is not None and self._thread is not None and self._thread.is_alive():
                 return self._loop
             started = threading.Event()
@@ -175,12 +179,12 @@ class Portal:
     def call(self, coro_factory: Callable[[], Awaitable[T]], timeout: float | None = None) -> T:
         """Run ``coro_factory()`` on the loop and block until it finishes.
 
-        Raises whatever the coroutine raised; :class:`TimeoutError` when
+        Raises whatever the coroutine raised; :class:`WaitTimeoutError` when
         ``timeout`` seconds pass first (the task is cancelled). Any exception
         delivered to the waiting thread also cancels the task, then propagates.
         """
         if self.in_portal_thread():
-            raise RuntimeError(
+            raise SetupError(
                 "run_sync() was called from the MCP portal's own event loop thread, which "
                 "would deadlock; await the coroutine directly instead"
             )
@@ -196,7 +200,7 @@ def wait_future(future: concurrent.futures.Future[T], timeout: float | None) -> 
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 future.cancel()
-                raise TimeoutError(f"no result within {timeout} s")
+                raise WaitTimeoutError(f"no result within {timeout} s")
             slice_ = _POLL_SLICE if remaining is None else min(_POLL_SLICE, remaining)
             try:
                 return future.result(slice_)

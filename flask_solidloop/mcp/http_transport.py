@@ -87,7 +87,7 @@ from mcp_types import (
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, MODERN_PROTOCOL_VERSIONS
 from pydantic import ValidationError
 
-from flask_solidloop.errors import McpTransportError
+from flask_solidloop.errors import InvalidArgumentError, McpTransportError
 from flask_solidloop.mcp import bridge, sdk
 from flask_solidloop.mcp.toolset import ToolResult
 from flask_solidloop.urls import redact_url
@@ -290,12 +290,14 @@ class HttpTransport:
         server_name: str | None = None,
     ) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ValueError(f"an MCP server URL must start with http:// or https://, got {url!r}")
+            raise InvalidArgumentError(
+                f"an MCP server URL must start with http:// or https://, got {url!r}")
         if mode not in ("auto", "legacy") and mode not in MODERN_PROTOCOL_VERSIONS:
             choices = ", ".join(repr(m) for m in ("auto", "legacy", *MODERN_PROTOCOL_VERSIONS))
-            raise ValueError(f"mode must be one of {choices}, got {mode!r}")
+            raise InvalidArgumentError(f"mode must be one of {choices}, got {mode!r}")
         if not timeout or timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+            raise InvalidArgumentError(
+                f"timeout must be a positive number of seconds, got {timeout!r}")
         self.url = url
         self.mode = mode
         self.timeout = float(timeout)
@@ -460,7 +462,8 @@ class HttpTransport:
                 raise error from exc
             finally:
                 _CALL_EVENTS.reset(token)
-        raise AssertionError("unreachable")  # pragma: no cover
+        # Unreachable: a second attempt never continues. Said as an error, not assumed.
+        raise self._error("protocol", f"{what}: no answer after two attempts")  # pragma: no cover
 
     # -- the session ----------------------------------------------------------------
 

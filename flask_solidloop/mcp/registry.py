@@ -9,6 +9,7 @@ checks ``required_tools``. It routes a call by its advertised name.
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,16 +24,16 @@ ENTRY_KEYS = {
 }
 
 
-class ToolServer:
+class ToolServer(ABC):
     """One ``mcps`` entry, callable by tool name. Subclasses own their transport."""
 
     name: str
 
-    def tools(self) -> list[dict[str, Any]]:
-        raise NotImplementedError
+    @abstractmethod
+    def tools(self) -> list[dict[str, Any]]: ...
 
-    def call(self, tool_name: str, arguments: Any, ctx: CallContext) -> ToolResult:
-        raise NotImplementedError
+    @abstractmethod
+    def call(self, tool_name: str, arguments: Any, ctx: CallContext) -> ToolResult: ...
 
 
 class ToolsetServer(ToolServer):

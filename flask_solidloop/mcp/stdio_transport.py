@@ -94,7 +94,7 @@ from mcp.client.session import ClientSession, IncomingMessage
 from mcp.client.stdio import stdio_client
 from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT
 
-from flask_solidloop.errors import McpTransportError
+from flask_solidloop.errors import InvalidArgumentError, McpTransportError
 
 from . import bridge, sdk
 from .toolset import ToolResult
@@ -153,18 +153,21 @@ class StdioTransport:
     ) -> None:
         argv = shlex.split(command) if isinstance(command, str) else command
         if not isinstance(argv, list | tuple) or not argv:
-            raise ValueError("StdioTransport needs a command: a non-empty argv list or string")
+            raise InvalidArgumentError(
+                "StdioTransport needs a command: a non-empty argv list or string")
         if not all(isinstance(arg, str) for arg in argv) or not argv[0]:
-            raise ValueError(f"StdioTransport command must be non-empty strings, got {argv!r}")
+            raise InvalidArgumentError(
+                f"StdioTransport command must be non-empty strings, got {argv!r}")
         if any("\0" in arg for arg in argv):
-            raise ValueError("StdioTransport command must not contain NUL characters")
+            raise InvalidArgumentError("StdioTransport command must not contain NUL characters")
         if env is not None and not (
             isinstance(env, dict)
             and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
         ):
-            raise ValueError("StdioTransport env must be a dict of str to str")
+            raise InvalidArgumentError("StdioTransport env must be a dict of str to str")
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-            raise ValueError(f"StdioTransport timeout must be a positive number, got {timeout!r}")
+            raise InvalidArgumentError(
+                f"StdioTransport timeout must be a positive number, got {timeout!r}")
         self.argv: list[str] = list(argv)
         self.env: dict[str, str] = dict(env or {})
         self.cwd: str | None = os.fspath(cwd) if cwd is not None else None
@@ -189,7 +192,7 @@ class StdioTransport:
     ) -> ToolResult:
         """Call tool ``name``; ``meta`` travels as the request's ``_meta``."""
         if not isinstance(name, str) or not name:
-            raise ValueError(f"tool name must be a non-empty string, got {name!r}")
+            raise InvalidArgumentError(f"tool name must be a non-empty string, got {name!r}")
         try:
             request = types.CallToolRequest(
                 params=types.CallToolRequestParams(
@@ -199,7 +202,8 @@ class StdioTransport:
                 )
             )
         except pydantic.ValidationError as exc:
-            raise ValueError(f"cannot build a tools/call request for {name!r}: {exc}") from exc
+            raise InvalidArgumentError(
+                f"cannot build a tools/call request for {name!r}: {exc}") from exc
 
         async def op(session: ClientSession) -> dict[str, Any]:
             try:

@@ -84,7 +84,12 @@ import pydantic_core
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic.fields import FieldInfo
 
-from flask_solidloop.errors import LostLeaseError, ToolDefinitionError
+from flask_solidloop.errors import (
+    InvalidArgumentError,
+    LostLeaseError,
+    ToolDefinitionError,
+    UnknownToolError,
+)
 
 from . import bridge
 
@@ -172,12 +177,12 @@ class ToolResult:
     def from_mcp(cls, data: dict) -> ToolResult:
         """Build a result from MCP ``CallToolResult`` JSON (the inverse of :meth:`to_mcp`)."""
         if not isinstance(data, dict):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"an MCP CallToolResult must be a JSON object, got {type(data).__name__}"
             )
         content = data.get("content") or []
         if not isinstance(content, list):
-            raise ValueError("an MCP CallToolResult's 'content' must be a list of blocks")
+            raise InvalidArgumentError("an MCP CallToolResult's 'content' must be a list of blocks")
         structured = data.get("structuredContent")
         return cls(
             content=[dict(block) for block in content],
@@ -350,11 +355,12 @@ class Toolset:
         return [definition.to_mcp() for definition in self._tools.values()]
 
     def get(self, name: str) -> ToolDefinition:
-        """The definition of tool ``name``; raises KeyError naming the available tools."""
+        """The definition of tool ``name``; raises :class:`UnknownToolError` (a
+        ``KeyError``) naming the available tools."""
         try:
             return self._tools[name]
         except (KeyError, TypeError):
-            raise KeyError(self._unknown_message(name)) from None
+            raise UnknownToolError(self._unknown_message(name)) from None
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and name in self._tools
@@ -764,7 +770,7 @@ def _indent(line: str) -> int:
 # --------------------------------------------------------------------------- calling
 
 
-class _ArgumentError(Exception):
+class _ArgumentError(InvalidArgumentError):
     """Arguments did not satisfy the tool's schema; the message is LLM-readable."""
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ..errors import InvalidArgumentError
 from ..loops import queries
 from ..mcp.toolset import CallContext, Toolset
 from ..state import get_state
@@ -66,8 +67,8 @@ def _add_agent(toolset: Toolset, agent_cls: Any, label_of: Any) -> None:
         loop = queries.get_loop(session, loop_id)
         if (loop is None or loop.agent_name != agent_name
                 or loop.subject_type != PRINCIPAL_SUBJECT_TYPE or loop.subject_id != label):
-            raise LookupError(f"no {agent_name} loop {loop_id} started by you; pass the "
-                              f"loop_id that start_{suffix} returned")
+            raise InvalidArgumentError(f"no {agent_name} loop {loop_id} started by you; pass the "
+                                       f"loop_id that start_{suffix} returned")
         answer = None
         if loop.status == "completed":
             for message in reversed(queries.messages(session, loop.id)):

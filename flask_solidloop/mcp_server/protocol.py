@@ -37,6 +37,7 @@ from mcp_types.version import (
 from pydantic import ValidationError
 
 from .._version import __version__
+from ..errors import SolidLoopError
 from ..mcp.toolset import CallContext, ToolResult, Toolset
 from ..mcp.transport import IDEMPOTENCY_META_KEY
 
@@ -56,7 +57,7 @@ CACHE_TTL_MS = 60_000
 SUBSCRIPTION_ID_META_KEY = "io.modelcontextprotocol/subscriptionId"
 
 
-class McpError(Exception):
+class McpError(SolidLoopError):
     """A JSON-RPC error answer: ``code``, ``message`` and optional ``data``."""
 
     def __init__(self, code: int, message: str, data: Any = None) -> None:

@@ -28,8 +28,6 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from .base import Base
 
-JOB_STATES = ("queued", "running", "done", "dead")
-
 
 class Job(Base):
     __tablename__ = "solidloop_jobs"

@@ -5,6 +5,7 @@ are pruned (issue 13)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -50,8 +51,8 @@ def _rows(session):
 
 def test_workers_register_list_what_they_hold_and_are_told_apart_when_dead(
         app, session, llm, fleet, effects, tmp_path):
-    app.extensions["solidloop"].config = app.extensions["solidloop"].config.replace(
-        worker_heartbeat=HEARTBEAT)
+    app.extensions["solidloop"].config = dataclasses.replace(
+        app.extensions["solidloop"].config, worker_heartbeat=HEARTBEAT)
     runner = app.test_cli_runner()
     first = fleet("first")
     (row,) = poll(session, lambda: _rows(session), what="the worker to register")
@@ -109,7 +110,7 @@ def test_dead_worker_rows_are_pruned(app, session):
     result = app.test_cli_runner().invoke(args=["solidloop", "workers", "--recent", "10"])
     assert "here:2" in result.output and "gone:1" not in result.output
     state = app.extensions["solidloop"]
-    state.config = state.config.replace(event_retention=3600)
+    state.config = dataclasses.replace(state.config, event_retention=3600)
     pruned = app.test_cli_runner().invoke(args=["solidloop", "prune"])
     assert "workers=1" in pruned.output, pruned.output
     assert [r.identity for r in _rows(session)] == ["here:2"]

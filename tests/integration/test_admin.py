@@ -5,6 +5,7 @@ keyset pages, actions, bulk actions and the SSE stream's resume."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 
@@ -562,7 +563,7 @@ def test_dashboard_shows_the_last_reap_and_prune_from_the_database(app, session,
     assert "workers do not prune: no SOLIDLOOP_*_RETENTION setting is on" in line
 
     reap(state)
-    state.config = state.config.replace(event_retention=3600)
+    state.config = dataclasses.replace(state.config, event_retention=3600)
     prune(state)
     html = client.get("/admin/").get_data(as_text=True)
     warned, line = _maintenance_line(html, "reap")
@@ -584,7 +585,7 @@ def test_dashboard_shows_the_last_reap_and_prune_from_the_database(app, session,
             "SOLIDLOOP_REAPER_INTERVAL=0 turns the in-worker reaper off") in line
 
     # With the in-worker reaper off here, the hint says what to run instead.
-    state.config = state.config.replace(reaper_interval=0)
+    state.config = dataclasses.replace(state.config, reaper_interval=0)
     warned, line = _maintenance_line(client.get("/admin/").get_data(as_text=True), "reap")
     assert not warned and "the in-worker reaper is off here" in line  # 3 min is not stale
     session.execute(text("UPDATE solidloop_maintenance_runs SET last_finished_at = "

@@ -166,12 +166,15 @@ def test_configuration_error_through_flask_cli_entry_point(tmp_path):
     assert "postgresql+psycopg://" in lines[0] and "Traceback" not in done.stderr
 
 
-def test_prune_without_retention_says_it_is_off(app):
+def test_prune_without_retention_keeps_events_and_says_so(app):
+    """Expired host jobs and results and old worker rows go anyway: their TTLs are
+    the retention the host asked for."""
     result = app.test_cli_runner().invoke(args=["solidloop", "prune"])
-    assert result.exit_code == 0
-    assert "pruning is off" in result.output
+    assert result.exit_code == 0, result.output
+    assert "events, finished jobs and inbound MCP sessions are kept" in result.output
     assert "SOLIDLOOP_EVENT_RETENTION" in result.output
     assert "SOLIDLOOP_FINISHED_JOB_RETENTION" in result.output
+    assert "prune: events=0 jobs=0 host_jobs=0 results=0 inbound_sessions=0" in result.output
 
 
 def test_worker_prints_a_command_that_can_be_copied(database_url, tmp_path):

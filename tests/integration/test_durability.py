@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
@@ -508,7 +509,7 @@ def test_a_slow_healthy_tool_keeps_its_lease_and_runs_once(app, state, session, 
     solidloop.agent("slow")(Slow)
     # a 4 s liveness lease, renewed about every second (3 s of slack for a late
     # renewal on a loaded machine), outlived by the 5 s tool
-    object.__setattr__(state, "config", state.config.replace(liveness_ttl=4.0))
+    object.__setattr__(state, "config", dataclasses.replace(state.config, liveness_ttl=4.0))
     llm.script("crawl", {"tool_calls": [{"name": "crawl", "arguments": {}}]})
     llm.script("crawled", {"content": "done"})
     loop = Slow.start(message="crawl")

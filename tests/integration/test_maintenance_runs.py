@@ -5,6 +5,7 @@ its (redacted) error while its exception still propagates."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -59,7 +60,7 @@ def test_a_reap_and_a_prune_pass_each_upsert_their_row(app, state, session, pg):
     pg.execute("INSERT INTO solidloop_events (loop_id, kind, payload, created_at) "
                "SELECT %s, 'llm_request', '{}', now() - interval '2 hours' "
                "FROM generate_series(1, 3)", (loop_id,))
-    state.config = state.config.replace(event_retention=3600)
+    state.config = dataclasses.replace(state.config, event_retention=3600)
     assert prune(state).events == 3
     assert prune(state).events == 0
     after = rows(pg)
@@ -76,7 +77,7 @@ def test_the_first_prune_records_what_it_deleted(app, state, session, pg):
     pg.execute("INSERT INTO solidloop_events (loop_id, kind, payload, created_at) "
                "SELECT %s, 'llm_request', '{}', now() - interval '2 hours' "
                "FROM generate_series(1, 4)", (loop_id,))
-    state.config = state.config.replace(event_retention=3600)
+    state.config = dataclasses.replace(state.config, event_retention=3600)
     report = prune(state)
     row = rows(pg)["prune"]
     assert row["total"] == report.pruned == 4 and row["counts"]["events"] == 4
@@ -153,7 +154,7 @@ def test_every_way_a_pass_runs_records_it(app, state, session, pg, drain):
     from flask_solidloop.extension import _maintenance_in_workers
 
     # The in-worker periodic thread (one pass, as the thread runs it).
-    state.config = state.config.replace(event_retention=3600)
+    state.config = dataclasses.replace(state.config, event_retention=3600)
     periodic = {task.name: task for task in _maintenance_in_workers(state)}
     try:
         assert periodic["reaper"].run_once() is True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from sqlalchemy import func, select, text
 
@@ -58,8 +60,8 @@ def test_janitor_prunes_inbound_sessions_by_creation_age_with_their_events(app, 
     session.commit()
 
     assert prune(state).inbound_sessions == 0  # off by default
-    state.config = state.config.replace(mcp_inbound_session_retention=3600,
-                                        janitor_batch_size=1)
+    state.config = dataclasses.replace(state.config, mcp_inbound_session_retention=3600,
+                                       janitor_batch_size=1)
     report = prune(state)
     assert report.inbound_sessions == 2
     assert session.scalars(select(McpInboundSession.id)).all() == ["young"]
