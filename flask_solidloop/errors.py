@@ -25,6 +25,8 @@ so a host can catch the whole family in one clause::
     ├── LostLeaseError            this worker no longer owns the turn; write nothing
     ├── WaitTimeoutError          a bounded wait ran out before the work it waited on finished
     └── BrokerError               the Postgres job queue could not do what was asked
+        ├── BrokerUnavailableError  PostgreSQL did not answer the broker (dramatiq reconnects)
+        ├── QueueNotDeclaredError   a message or consumer named a queue the broker does not have
         └── JobError              a host job could not be declared, sent, found or run
             ├── JobEncodeError    the message encoder rejected an argument (at send)
             ├── InvalidJobError   an option, function, queue name, session or datetime
@@ -39,6 +41,8 @@ names that would have worked.
 from __future__ import annotations
 
 from typing import Any
+
+from dramatiq.errors import BrokerConnectionError, QueueNotFound
 
 from .wire import WireRecord
 
@@ -179,6 +183,16 @@ class WaitTimeoutError(SolidLoopError, TimeoutError):
 
 class BrokerError(SolidLoopError):
     """The Postgres job queue could not complete an operation."""
+
+
+class BrokerUnavailableError(BrokerError, BrokerConnectionError):
+    """PostgreSQL did not answer the broker. It is dramatiq's
+    ``BrokerConnectionError`` too: dramatiq's workers back off and reconnect."""
+
+
+class QueueNotDeclaredError(BrokerError, QueueNotFound):
+    """A message or a consumer named a queue the broker has not declared (it is
+    dramatiq's ``QueueNotFound`` too, as dramatiq's broker contract expects)."""
 
 
 class JobError(BrokerError):

@@ -42,12 +42,18 @@ import dramatiq
 import psycopg
 from dramatiq.broker import Consumer, MessageProxy
 from dramatiq.encoder import JSONEncoder
-from dramatiq.errors import BrokerConnectionError, QueueNotFound
+from dramatiq.errors import BrokerConnectionError
 from dramatiq.message import Message
 from psycopg_pool import ConnectionPool
 
 from ..dbapi import execute_on
-from ..errors import InvalidJobError, JobEncodeError
+from ..errors import (
+    BrokerUnavailableError,
+    InvalidJobError,
+    JobEncodeError,
+    QueueNotDeclaredError,
+    WaitTimeoutError,
+)
 from ..urls import libpq_url, redact_url
 from . import sql as jobs_sql
 from .listener import Listener
@@ -196,7 +202,7 @@ class PostgresBroker(dramatiq.Broker):
         try:
             return psycopg.connect(self.conninfo, autocommit=True, connect_timeout=10, **extra)
         except psycopg.OperationalError as exc:
-            raise BrokerConnectionError(
+            raise BrokerUnavailableError(
                 f"cannot reach PostgreSQL at {redact_url(self.url)}: {exc}"
             ) from exc
 
@@ -220,7 +226,7 @@ class PostgresBroker(dramatiq.Broker):
                 cur = conn.execute(query, params)
                 return cur.fetchall() if cur.description else []
         except psycopg.OperationalError as exc:
-            raise BrokerConnectionError(str(exc)) from exc
+            raise BrokerUnavailableError(str(exc)) from exc
 
     @property
     def listener(self) -> Listener:
@@ -255,7 +261,7 @@ class PostgresBroker(dramatiq.Broker):
 
     def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 30000) -> Consumer:
         if queue_name not in self.queues:
-            raise QueueNotFound(queue_name)
+            raise QueueNotDeclaredError(queue_name)
         return PostgresConsumer(self, queue_name, prefetch, timeout)
 
     def enqueue(
@@ -281,7 +287,7 @@ class PostgresBroker(dramatiq.Broker):
         alternative to ``delay`` in milliseconds.
         """
         if message.queue_name not in self.queues:
-            raise QueueNotFound(message.queue_name)
+            raise QueueNotDeclaredError(message.queue_name)
         options = dict(message.options)
         options.pop("eta", None)  # delays live in the row's eta, never in worker memory
         if "connection" in options:
@@ -337,7 +343,7 @@ class PostgresBroker(dramatiq.Broker):
         Returns False, writing nothing, when the record's job id is taken.
         """
         if message.queue_name not in self.queues:
-            raise QueueNotFound(message.queue_name)
+            raise QueueNotDeclaredError(message.queue_name)
         self.emit_before("enqueue", message, delay)
         params = {
             **record,
@@ -399,7 +405,7 @@ class PostgresBroker(dramatiq.Broker):
             if rows[0][0] == 0:
                 return
             if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"queue {queue_name!r} still has {rows[0][0]} live jobs")
+                raise WaitTimeoutError(f"queue {queue_name!r} still has {rows[0][0]} live jobs")
             time.sleep(0.05)
 
     # -- maintenance -----------------------------------------------------------
@@ -492,7 +498,7 @@ class PostgresConsumer(Consumer):
                 return self.buffer.popleft()
             return None
         except psycopg.OperationalError as exc:
-            raise BrokerConnectionError(str(exc)) from exc
+            raise BrokerUnavailableError(str(exc)) from exc
 
     def _claim(self) -> bool:
         with self.held_lock:

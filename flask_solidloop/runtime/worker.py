@@ -18,7 +18,7 @@ from flask import Flask
 from flask.cli import ScriptInfo
 
 from ..database import check_schema
-from ..errors import DatabaseUnavailableError
+from ..errors import DatabaseUnavailableError, NotInitializedError, SetupError
 from ..queue.broker import PostgresBroker
 from ..state import EXTENSION_KEY, get_state
 
@@ -50,13 +50,13 @@ def load_worker_app() -> tuple[Flask, PostgresBroker]:
     quiet_noisy_loggers()
     import_path = os.environ.get("FLASK_APP")
     if not import_path:
-        raise RuntimeError(
+        raise SetupError(
             "set FLASK_APP to your app (e.g. FLASK_APP=myapp or FLASK_APP='myapp:create_app()') "
             "before running `dramatiq flask_solidloop.worker`"
         )
     app = ScriptInfo(app_import_path=import_path).load_app()
     if EXTENSION_KEY not in app.extensions:
-        raise RuntimeError(f"the app loaded from FLASK_APP={import_path!r} does not "
+        raise NotInitializedError(f"the app loaded from FLASK_APP={import_path!r} does not "
                            "initialise flask-solidloop (SolidLoop(app, db) or init_app)")
     state = get_state(app)
     try:
@@ -100,7 +100,7 @@ def worker_env(app_import_path: str | None) -> dict[str, str]:
     if app_import_path:
         env["FLASK_APP"] = app_import_path
     if not env.get("FLASK_APP"):
-        raise ValueError(
+        raise SetupError(
             "cannot tell workers which app to load: run with `flask --app yourapp solidloop "
             "worker` or set FLASK_APP"
         )

@@ -15,11 +15,11 @@ import uuid
 
 import dramatiq
 import psycopg
+from flask_solidloop.loops.fence import transition
 from psycopg import sql
 from sqlalchemy import select, text
 
 from flask_solidloop.config import QUEUE_LLM, QUEUE_MAINTENANCE, QUEUE_TOOL
-from flask_solidloop.loops.fence import transition
 from flask_solidloop.models import Loop, Message, ToolCall
 from flask_solidloop.queue.broker import PostgresMessageProxy
 from flask_solidloop.queue.current_job import current_job, mark_current_job_done

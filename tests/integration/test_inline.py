@@ -600,8 +600,9 @@ class PassThrough:
 
 
 def test_a_stack_with_a_step_between_initialization_and_request_opens_its_own_shell(app):
-    from flask_solidloop.pipeline.llm_stack import AgentInitialization
     from flask_solidloop.pipeline.stacks import adopted_turn_shape
+
+    from flask_solidloop.pipeline.llm_stack import AgentInitialization
 
     class WithAStepBetween(Assistant):
         def configure_llm_middlewares(self, builder) -> None:
@@ -659,8 +660,9 @@ def test_an_adopted_turn_sends_the_history_its_claim_read(app, session, llm, mon
 def test_a_host_middleware_before_initialization_reads_its_turns_history_itself(app):
     """A middleware ahead of AgentInitialization may change the conversation
     before it is read: then the adopting answer leaves the read to the turn."""
-    from flask_solidloop.pipeline.llm_stack import AgentInitialization, NetworkCalling
     from flask_solidloop.pipeline.stacks import adopted_turn_shape
+
+    from flask_solidloop.pipeline.llm_stack import AgentInitialization, NetworkCalling
 
     class WithAStepAhead(Assistant):
         def configure_llm_middlewares(self, builder) -> None:
