@@ -5,6 +5,7 @@ Run it from the project root with the project's virtualenv (DBOS is in the
 
     python bench/turns.py                      # 200 loops x 5 LLM turns, 3 reps, ~3 min
     python bench/turns.py --loops 50 --reps 1
+    python bench/turns.py --against HEAD~3 --no-dbos   # A/B: this tree against HEAD~3
 
 The workload: ``--loops`` loops of ``--turns`` LLM turns against the LLM
 emulator (instant answers, in this process), with one no-op tool call in
@@ -12,13 +13,15 @@ each gap between two LLM turns, 8 turns running at once:
 
 * **ours**: `dramatiq flask_solidloop.worker --processes 2 --threads 4` on
   bench/turns_app.py (an in-process toolset), loops started in one commit;
+* **ours@<short hash>** (with ``--against REV``): the same, on REV's code;
 * **DBOS**: bench/turns_dbos.py in a process of its own, the loop as a
   workflow whose LLM calls and tool calls are steps, from a queue with
-  concurrency 8 (queue poll 0.1 s).
+  concurrency 8 (queue poll 0.1 s); ``--no-dbos`` leaves it out.
 
-Each system gets its own database. The systems are interleaved (ours, DBOS,
-then DBOS, ours, ...) for ``--reps`` reps; the table shows the median with
-min-max, and every figure as a ratio to DBOS:
+Each system gets its own database. The systems are interleaved, in an order
+rotated each rep (ours, DBOS, then DBOS, ours; with REV: ours, REV, DBOS, then
+REV, DBOS, ours, ...) for ``--reps`` reps; the table shows the median with
+min-max, and every figure of ours as a ratio to DBOS (and to REV):
 
 * LLM turns/s: turns / wall time from the start of all loops to the last end;
 * worker CPU ms per turn: the worker processes' user+system CPU (ours: the
@@ -39,7 +42,31 @@ min-max, and every figure as a ratio to DBOS:
 Targets (issue 10): turns/s >= 1.5x DBOS; worker CPU/turn <= 0.7x and
 Postgres CPU/turn <= 1x; durable commits/turn <= 4 and WAL/turn <= DBOS;
 one loop alone gap p50 <= 10 ms; completion p50 <= DBOS's. Printed with
-PASS/MISS. Figures are noisy on a shared 2-core machine: compare ratios.
+PASS/MISS (without DBOS, only the two that do not compare with it).
+Figures are noisy on a shared 2-core machine: compare ratios.
+
+The A/B (``--against REV``, any git revision: a hash, ``HEAD~3``, a tag):
+REV is checked out as a detached git worktree in a temporary directory,
+removed at the end (also on Ctrl-C, SIGTERM or an error), and runs as
+``ours@<short hash>`` exactly as ours runs (every figure above, the one loop
+alone and the WAL figures included), in a database of its own
+(``solidloop_bench_turns_against``, fresh each rep). Its workers import
+flask_solidloop and turns_app from the worktree: it is their working
+directory and comes first on their PYTHONPATH (its bench/, then its root),
+ahead of the virtualenv's editable install of this tree. Each worker process
+also imports bench/turns_probe.py (copied to a directory last on that path,
+so it shadows nothing), which reports the file of every flask_solidloop
+module and of turns_app it has loaded; the run stops if one is not in the
+worktree, and prints flask_solidloop's file once. The harness (starting the
+loops, waiting for them, reading their results) runs this tree's code for
+both builds, so REV's workers must take the loops this tree starts (the
+warm-up stops the run if they do not). REV's database is built by this
+tree's migrations when REV's flask_solidloop/migrations/versions/ is the same
+as this tree's; otherwise by REV's own, run from the worktree in a subprocess,
+and the run says so. A/B lines, PASS/MISS: turns/s >= 0.9x REV's, worker
+CPU/turn and Postgres CPU/turn <= 1.1x REV's (no more than 10% worse).
+An A/A (``--against HEAD`` on a clean tree) shows how far apart two equal
+builds land at the sizes used; small sizes are smoke checks only.
 """
 
 from __future__ import annotations
@@ -52,13 +79,17 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent
@@ -66,9 +97,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
 
 OURS_DB = "solidloop_bench_turns"
+AGAINST_DB = "solidloop_bench_turns_against"
 DBOS_DB = "solidloop_bench_turns_dbos"
 PG = "postgresql://postgres@127.0.0.1:5432"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+WORKER_PROCESSES = 2
+#: --against: how much worse than REV's a figure may be and still PASS.
+AB_TOLERANCE = 0.10
 
 
 @dataclass
@@ -85,6 +120,39 @@ class Run:
     wal_range: tuple[str, str, str] | None = None
     gaps: list[float] = field(default_factory=list)
     completion: list[float] = field(default_factory=list)
+    #: The file the workers imported flask_solidloop from (checked builds only).
+    imports: str | None = None
+
+
+@dataclass(frozen=True)
+class Build:
+    """One build of our system as the harness runs it: its label, its database,
+    the tree its workers import flask_solidloop and turns_app from, whether
+    that tree's own migrations build its schema, and the directory holding the
+    import probe (bench/turns_probe.py) and its report, for a checked build."""
+
+    name: str
+    database: str
+    tree: Path = ROOT
+    own_migrations: bool = False
+    probe: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:5432/{self.database}"
+
+    @property
+    def imports_log(self) -> Path | None:
+        return None if self.probe is None else self.probe / "imports.jsonl"
+
+    def python_env(self) -> dict[str, str]:
+        """The environment of a process that imports from ``tree``: its bench/
+        and root first on PYTHONPATH (the probe's directory last)."""
+        paths = [self.tree / "bench", self.tree, *([self.probe] if self.probe else [])]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, paths)))
+        if self.imports_log is not None:
+            env["SOLIDLOOP_BENCH_IMPORTS"] = str(self.imports_log)
+        return env
 
 
 # -- measuring -------------------------------------------------------------------------
@@ -192,7 +260,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-# -- the emulator's script: the same loop shape for both systems ------------------------
+# -- the emulator's script: the same loop shape for every system --------------------------
 
 
 class Script:
@@ -233,7 +301,7 @@ class Script:
             self.arrivals.clear()
 
 
-# -- the two systems -------------------------------------------------------------------------
+# -- the systems -------------------------------------------------------------------------------
 
 
 def fresh_database(name: str) -> None:
@@ -241,29 +309,99 @@ def fresh_database(name: str) -> None:
     sql(f"CREATE DATABASE {name}")
 
 
-def run_ours(emulator, script: Script, loops: int, prefix: str) -> Run:
-    from sqlalchemy import func, select
+def inside(path: str | None, root: Path) -> bool:
+    return path is not None and Path(path).resolve().is_relative_to(root.resolve())
 
-    from flask_solidloop.migrations import upgrade
-    from flask_solidloop.models import Loop
 
-    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{OURS_DB}"
-    fresh_database(OURS_DB)
-    upgrade(url)
-    os.environ["SOLIDLOOP_BENCH_DATABASE_URL"] = url
-    import turns_app
+def migrate(build: Build) -> None:
+    """Build ``build``'s schema: with this tree's migrations, in this process; or,
+    for a build with migrations of its own, with its tree's, in a subprocess
+    that imports from that tree (checked)."""
+    if not build.own_migrations:
+        from flask_solidloop.migrations import upgrade
 
-    app = turns_app.create_app()
-    env = dict(os.environ, FLASK_APP="turns_app:create_app()",
-               PYTHONPATH=os.pathsep.join([str(BENCH), str(ROOT)]))
+        upgrade(build.url)
+        return
+    code = ("import sys, flask_solidloop.migrations as m; m.upgrade(sys.argv[1]); "
+            "print(m.__file__)")
+    done = subprocess.run([sys.executable, "-c", code, build.url], cwd=build.tree,
+                          env=build.python_env(), capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise SystemExit(f"{build.name}: its own migrations failed:\n{done.stderr[-3000:]}")
+    origin = (done.stdout.strip().splitlines() or [None])[-1]
+    if not inside(origin, build.tree):
+        raise SystemExit(f"{build.name}: its migrations ran from {origin}, not {build.tree}")
+
+
+def start_workers(build: Build) -> subprocess.Popen:
+    """``dramatiq flask_solidloop.worker`` on turns_app, importing from ``build.tree``.
+    It is also their working directory: ``-m`` and dramatiq's ``--path .`` put
+    that first on sys.path. A checked build's workers also import the probe."""
+    env = dict(build.python_env(), FLASK_APP="turns_app:create_app()")
+    probe = []
+    if build.imports_log is not None:
+        build.imports_log.write_text("")
+        probe = ["turns_probe"]
     # SOLIDLOOP_BENCH_WORKER_LOG=<file>: keep the workers' log (to look into a slow run).
     log_path = os.environ.get("SOLIDLOOP_BENCH_WORKER_LOG")
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
-    workers = subprocess.Popen(
-        [sys.executable, "-m", "dramatiq", "flask_solidloop.worker", "--processes", "2",
-         "--threads", "4"], cwd=ROOT, env=env, stdout=log, stderr=log,
-        start_new_session=True)
-    run = Run("ours")
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "dramatiq", "flask_solidloop.worker", *probe,
+             "--processes", str(WORKER_PROCESSES), "--threads", "4"],
+            cwd=build.tree, env=env, stdout=log, stderr=log, start_new_session=True)
+    finally:
+        if log_path:
+            log.close()
+
+
+def checked_imports(build: Build, workers: subprocess.Popen) -> str:
+    """Wait for each worker process's probe report, and stop the run if one
+    imported a flask_solidloop module or turns_app from outside ``build.tree``
+    (the old workers would run the new code). Returns flask_solidloop's file."""
+    assert build.imports_log is not None
+    deadline = time.monotonic() + 60
+    while True:
+        text = build.imports_log.read_text()
+        reports = [json.loads(line) for line in text.splitlines(keepends=True)
+                   if line.endswith("\n")]
+        if len(reports) >= WORKER_PROCESSES:
+            break
+        if time.monotonic() > deadline or workers.poll() is not None:
+            raise SystemExit(f"{build.name}: {len(reports)} of {WORKER_PROCESSES} worker "
+                             "processes reported their imports (bench/turns_probe.py; "
+                             "SOLIDLOOP_BENCH_WORKER_LOG=<file> keeps the workers' log)")
+        time.sleep(0.05)
+    for report in reports:
+        modules = report["modules"]
+        for name in ("flask_solidloop", "turns_app"):
+            if name not in modules:
+                raise SystemExit(f"{build.name}: worker {report['pid']} has not imported "
+                                 f"{name}: cannot tell where its code comes from")
+        stray = {name: path for name, path in modules.items() if not inside(path, build.tree)}
+        if stray:
+            name = next((n for n in ("flask_solidloop", "turns_app") if n in stray),
+                        next(iter(stray)))
+            path = stray[name]
+            raise SystemExit(f"{build.name}: worker {report['pid']} imported {name} from "
+                             f"{path}, not from {build.tree} ({len(stray)} of its modules "
+                             "came from elsewhere): the old workers would run the new code")
+    return str(reports[0]["modules"]["flask_solidloop"])
+
+
+def run_ours(build: Build, script: Script, loops: int, prefix: str) -> Run:
+    from sqlalchemy import func, select
+
+    from flask_solidloop.models import Loop
+
+    fresh_database(build.database)
+    migrate(build)
+    os.environ["SOLIDLOOP_BENCH_DATABASE_URL"] = build.url
+    import turns_app
+
+    app = turns_app.create_app()
+    workers = start_workers(build)
+    run = Run(build.name)
     try:
         with app.app_context():
             session = turns_app.db.session
@@ -275,32 +413,39 @@ def run_ours(emulator, script: Script, loops: int, prefix: str) -> Run:
                     Loop.id.in_(warm), Loop.status != "completed")):
                 session.rollback()
                 if time.monotonic() > deadline or workers.poll() is not None:
-                    raise SystemExit("ours: the warm-up loops did not complete")
+                    if build.imports_log is not None and workers.poll() is None:
+                        checked_imports(build, workers)  # workers on the wrong code?
+                    raise SystemExit(f"{build.name}: the warm-up loops did not complete"
+                                     " (SOLIDLOOP_BENCH_WORKER_LOG=<file> keeps the"
+                                     " workers' log)")
                 time.sleep(0.05)
             session.rollback()
+            # After the warm-up, as the run without a probe: the same sequence.
+            if build.imports_log is not None:
+                run.imports = checked_imports(build, workers)
             script.reset()
             cpu0 = sum(proc_cpu(p) for p in tree(workers.pid))
-            pg0 = backends(OURS_DB)
-            xacts0, lsn0 = server_counters(OURS_DB)
+            pg0 = backends(build.database)
+            xacts0, lsn0 = server_counters(build.database)
             started = time.monotonic()
             ids = [turns_app.Turns.start(message=f"{prefix} {n}", commit=False).id
                    for n in range(loops)]
             session.commit()
-            wait_for_loops(ids)
+            wait_for_loops(ids, build.database)
             run.wall = time.monotonic() - started
             run.worker_cpu = sum(proc_cpu(p) for p in tree(workers.pid)) - cpu0
-            pg1 = backends(OURS_DB)
+            pg1 = backends(build.database)
             run.pg_cpu = sum(cpu - pg0.get(pid, 0.0) for pid, cpu in pg1.items())
             time.sleep(1.5)  # let the server flush its statistics
-            xacts1, lsn1 = server_counters(OURS_DB)
+            xacts1, lsn1 = server_counters(build.database)
             run.xacts, run.wal = xacts1 - xacts0, wal_bytes(lsn0, lsn1)
             run.commits = wal_commits(lsn0, lsn1)
-            run.wal_range = (lsn0, lsn1, OURS_DB)
+            run.wal_range = (lsn0, lsn1, build.database)
             rows = session.execute(select(Loop.step_count, Loop.status, Loop.created_at,
                                           Loop.finished_at).where(Loop.id.in_(ids))).all()
             failed = [r for r in rows if r.status != "completed"]
             if failed:
-                raise SystemExit(f"ours: {len(failed)} loops did not complete")
+                raise SystemExit(f"{build.name}: {len(failed)} loops did not complete")
             run.turns = sum(r.step_count for r in rows)
             (epoch,), = session.execute(select(func.min(Loop.created_at)).where(
                 Loop.id.in_(ids))).all()
@@ -316,7 +461,7 @@ def run_ours(emulator, script: Script, loops: int, prefix: str) -> Run:
     return run
 
 
-def wait_for_loops(ids: list[int]) -> None:
+def wait_for_loops(ids: list[int], database: str) -> None:
     """Wait until every loop has finished, as the DBOS side waits for its
     handles: one at a time, in order, each with a primary-key read (on an
     autocommit connection, every 20 ms while it runs). The harness's own
@@ -324,7 +469,7 @@ def wait_for_loops(ids: list[int]) -> None:
     as cheap as DBOS's ``get_result`` polls."""
     import psycopg
 
-    with psycopg.connect(f"{PG}/{OURS_DB}", autocommit=True) as conn:
+    with psycopg.connect(f"{PG}/{database}", autocommit=True) as conn:
         for loop_id in ids:
             while conn.execute(
                     "SELECT status NOT IN ('completed', 'failed', 'paused') "
@@ -377,6 +522,151 @@ def watch_backends(database: str, stop: threading.Event) -> None:
         stop.wait(0.2)
 
 
+
+def run_dbos_watched(emulator, script: Script, loops: int, prefix: str) -> Run:
+    """run_dbos with the CPU of its database's backends watched while it runs."""
+    stop = threading.Event()
+    watcher = threading.Thread(target=watch_backends, args=(DBOS_DB, stop), daemon=True)
+    watcher.start()
+    try:
+        return run_dbos(emulator, script, loops, prefix)
+    finally:
+        stop.set()
+        watcher.join()
+        _last_backends.clear()
+
+
+# -- --against REV: an older commit of ours as a third system -----------------------------------
+
+
+class Commit(NamedTuple):
+    rev: str
+    full: str
+    short: str
+    subject: str
+
+
+def git(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+def resolve(rev: str) -> Commit:
+    """``rev`` as a commit of this repository; exits with one line if it is none."""
+    found = git("rev-parse", "--verify", "--quiet", "--end-of-options", f"{rev}^{{commit}}")
+    if found.returncode != 0:
+        raise SystemExit(f"turns.py: --against {rev}: not a commit of the repository at {ROOT};"
+                         " give a hash, a tag or HEAD~N (see `git log --oneline`)")
+    full = found.stdout.strip()
+    return Commit(rev, full, git("rev-parse", "--short", full).stdout.strip(),
+                  git("log", "-1", "--format=%s", full).stdout.strip())
+
+
+@contextlib.contextmanager
+def checkout(commit: Commit) -> Iterator[Path]:
+    """``commit`` as a detached git worktree (``src/`` of a temporary directory
+    that also holds the import probe), all removed on the way out, on Ctrl-C,
+    SIGTERM or an error too."""
+    scratch = Path(tempfile.mkdtemp(prefix="solidloop-turns-against-"))
+    source = scratch / "src"
+    try:
+        added = git("worktree", "add", "--detach", "--quiet", str(source), commit.full)
+        if added.returncode != 0:
+            raise SystemExit(f"turns.py: --against {commit.rev}: git worktree add failed: "
+                             f"{added.stderr.strip()}")
+        yield source
+    finally:
+        removed = git("worktree", "remove", "--force", str(source)).returncode == 0
+        shutil.rmtree(scratch, ignore_errors=True)
+        if not removed and str(source) in git("worktree", "list", "--porcelain").stdout:
+            git("worktree", "prune")
+
+
+def same_migrations(source: Path) -> bool:
+    """Whether ``source``'s flask_solidloop/migrations/versions/ holds the same
+    scripts, byte for byte, as this tree's."""
+    def scripts(root: Path) -> dict[str, bytes]:
+        versions = root / "flask_solidloop" / "migrations" / "versions"
+        return {path.name: path.read_bytes() for path in versions.glob("*.py")}
+
+    return scripts(source) == scripts(ROOT)
+
+
+def against_build(commit: Commit, source: Path) -> Build:
+    """The build of ``commit``, checked out at ``source``: database AGAINST_DB,
+    the import probe beside the worktree, its own migrations if they differ."""
+    needed = ("bench/turns_app.py", "flask_solidloop/worker.py")
+    missing = [path for path in needed if not (source / path).is_file()]
+    if missing:
+        raise SystemExit(f"turns.py: --against {commit.rev}: {commit.short} has no "
+                         f"{' or '.join(missing)}; pick a later commit "
+                         "(`git log --oneline -- bench/turns_app.py`)")
+    probe = source.parent / "probe"
+    probe.mkdir()
+    shutil.copy2(BENCH / "turns_probe.py", probe / "turns_probe.py")
+    return Build(f"ours@{commit.short}", AGAINST_DB, source,
+                 own_migrations=not same_migrations(source), probe=probe)
+
+
+def describe(commit: Commit, build: Build) -> list[str]:
+    """What ``--against`` runs, in a line or two (printed before the runs and with the table)."""
+    given = "" if commit.full.startswith(commit.rev) else f" ({commit.rev})"
+    lines = [f"{build.name}{given}: {commit.subject}"]
+    if build.own_migrations:
+        lines.append(f"{build.name}: its flask_solidloop/migrations/versions/ differs from this "
+                     "tree's, so its database is built by its own migrations (a subprocess in "
+                     "its worktree); this tree's harness still starts and reads its loops")
+    return lines
+
+
+# -- the runs ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Measured:
+    #: Each system's figures, one dict a rep.
+    figures: dict[str, list[dict[str, float | None]]]
+    #: Each system's one-loop-alone turn gaps, all reps.
+    alone: dict[str, list[float]]
+    #: --wal-by-table: each system's WAL by table (last rep), and its turns.
+    wal_tables: dict[str, tuple[collections.Counter[str], int]] = field(default_factory=dict)
+
+
+def rotated(systems: list[str], rep: int) -> list[str]:
+    """The run order of rep ``rep``: each rep starts one system later, so no
+    system always runs first or last."""
+    shift = rep % len(systems)
+    return systems[shift:] + systems[:shift]
+
+
+def measure(args: argparse.Namespace, systems: list[str], builds: dict[str, Build],
+            emulator, script: Script) -> Measured:
+    """Every system's runs, interleaved: per rep, each system's measured run
+    and its one-loop-alone run, in the rep's order."""
+    measured = Measured({s: [] for s in systems}, {s: [] for s in systems})
+    for rep in range(args.reps):
+        for system in rotated(systems, rep):
+            build = builds.get(system)
+            if build is None:
+                many = run_dbos_watched(emulator, script, args.loops, f"r{rep}")
+            else:
+                many = run_ours(build, script, args.loops, f"r{rep}")
+            if args.wal_by_table and many.wal_range is not None:
+                # Before the one-loop run drops the database.
+                measured.wal_tables[system] = (wal_by_table(*many.wal_range), max(many.turns, 1))
+            if build is None:
+                one = run_dbos(emulator, script, 1, f"alone{rep}")
+            else:
+                one = run_ours(build, script, 1, f"alone{rep}")
+            measured.figures[system].append(figures(many))
+            measured.alone[system].extend(one.gaps)
+            if many.imports and rep == 0:
+                print(f"{system}: its workers import flask_solidloop from {many.imports}",
+                      flush=True)
+            print(f"rep {rep + 1} {system}: {many.turns} turns in {many.wall:.1f} s",
+                  flush=True)
+    return measured
+
+
 # -- report ------------------------------------------------------------------------------------
 
 
@@ -395,7 +685,123 @@ def figures(run: Run) -> dict[str, float | None]:
     }
 
 
-def main() -> None:
+def cell(values: list[float | None]) -> tuple[float | None, str]:
+    """The median of a figure over the reps, and its text with the min-max."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None, "n/a"
+    mid = statistics.median(present)
+    spread = f" ({min(present):.1f}-{max(present):.1f})" if len(present) > 1 else ""
+    return mid, f"{mid:.1f}{spread}"
+
+
+def ratio(ours: float | None, base: float | None) -> str:
+    return f"{ours / base:.2f}x" if ours is not None and base else "n/a"
+
+
+def print_table(args: argparse.Namespace, measured: Measured,
+                against: str | None) -> dict[str, dict[str, float | None]]:
+    """The table: each system's medians (DBOS, REV, ours), then ours' ratios to
+    REV and to DBOS; returns the medians, the one-loop-alone gaps included."""
+    shown = [s for s in ("dbos", against, "ours") if s in measured.figures]
+    headers = {"dbos": "DBOS 3.4", "ours": "ours", **({against: against} if against else {})}
+    ratios = [(f"ours ÷ {against}", against)] if against else []
+    if "dbos" in shown:
+        ratios.append(("ours ÷ DBOS" if against else "ratio", "dbos"))
+    widths = [max(7, len(header)) for header, _ in ratios]
+
+    def line(label: str, cells: list[str], ratio_texts: list[str]) -> str:
+        return (f"{label:38}" + "".join(f" {text:>20}" for text in cells)
+                + "".join(f" {text:>{w}}" for text, w in zip(ratio_texts, widths, strict=True)))
+
+    print(f"\n{args.loops} loops x {args.turns} LLM turns, a no-op tool call in each gap, "
+          f"8 concurrent turns; median (min-max) of {args.reps} reps")
+    print(line("metric", [headers[s] for s in shown], [header for header, _ in ratios]))
+    medians: dict[str, dict[str, float | None]] = {s: {} for s in shown}
+    for metric in measured.figures["ours"][0]:
+        texts = []
+        for system in shown:
+            mid, text = cell([r[metric] for r in measured.figures[system]])
+            medians[system][metric] = mid
+            texts.append(text)
+        print(line(metric, texts, [ratio(medians["ours"][metric], medians[base][metric])
+                                   for _, base in ratios]))
+    for system in shown:
+        medians[system]["alone p50"] = percentile(measured.alone[system], 0.5)
+        medians[system]["alone p99"] = percentile(measured.alone[system], 0.99)
+    for label in ("alone p50", "alone p99"):
+        print(line(f"one loop alone: turn gap {label.split()[1]} ms",
+                   [f"{medians[s][label]:.1f}" for s in shown],
+                   [ratio(medians["ours"][label], medians[base][label]) for _, base in ratios]))
+    return medians
+
+
+def verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("PASS" if ok else "MISS")
+
+
+def targets(o: dict, d: dict | None) -> list[tuple[str, bool | None]]:
+    """Issue 10's targets for ours (``o``) against DBOS (``d``); without DBOS,
+    the two that do not compare with it."""
+    commits = o["durable commits / turn"]
+    commits_ok = None if commits is None else commits <= 4
+    alone_ok = o["alone p50"] <= 10
+    if d is None:
+        return [("durable commits/turn <= 4", commits_ok),
+                ("one loop alone gap p50 <= 10 ms", alone_ok)]
+    return [
+        ("turns/s >= 1.5x DBOS", o["LLM turns/s"] >= 1.5 * d["LLM turns/s"]),
+        ("worker CPU/turn <= 0.7x DBOS",
+         o["worker CPU ms / turn"] <= 0.7 * d["worker CPU ms / turn"]),
+        ("Postgres CPU/turn <= DBOS", o["Postgres CPU ms / turn"] <= d["Postgres CPU ms / turn"]),
+        ("durable commits/turn <= 4", commits_ok),
+        ("WAL/turn <= DBOS", o["WAL bytes / turn"] <= d["WAL bytes / turn"]),
+        ("one loop alone gap p50 <= 10 ms", alone_ok),
+        ("completion p50 <= DBOS", o["loop completion p50 s"] <= d["loop completion p50 s"]),
+    ]
+
+
+def ab_checks(o: dict, old: dict, name: str) -> list[tuple[str, bool | None, str]]:
+    """The A/B of ``--against``: ours' turns/s, worker CPU/turn and Postgres
+    CPU/turn each no more than AB_TOLERANCE worse than REV's (``old``)."""
+    checks = []
+    for label, metric, higher_is_better in (("turns/s", "LLM turns/s", True),
+                                            ("worker CPU/turn", "worker CPU ms / turn", False),
+                                            ("Postgres CPU/turn", "Postgres CPU ms / turn", False)):
+        bound = 1 - AB_TOLERANCE if higher_is_better else 1 + AB_TOLERANCE
+        ours, base = o[metric], old[metric]
+        ok = None
+        if ours is not None and base:
+            ok = ours >= bound * base if higher_is_better else ours <= bound * base
+        sign = ">=" if higher_is_better else "<="
+        checks.append((f"A/B: {label} {sign} {bound:.1f}x {name}", ok, ratio(ours, base)))
+    return checks
+
+
+def print_checks(medians: dict[str, dict[str, float | None]], against: str | None) -> None:
+    rows = [(label, ok, "") for label, ok in targets(medians["ours"], medians.get("dbos"))]
+    if against:
+        rows += [(label, ok, f" ({r})") for label, ok, r in
+                 ab_checks(medians["ours"], medians[against], against)]
+    width = max(40, *(len(label) for label, _, _ in rows))
+    print()
+    for label, ok, note in rows:
+        print(f"  {label:{width}} {verdict(ok)}{note}")
+
+
+def print_wal_tables(wal_tables: dict[str, tuple[collections.Counter[str], int]]) -> None:
+    for system, (tables, turns) in sorted(wal_tables.items()):
+        print(f"\nWAL bytes / turn by table, {system} (last rep, "
+              f"{sum(tables.values()) / turns:.0f} in all):")
+        for table, size in tables.most_common():
+            if size / turns >= 1:
+                print(f"  {size / turns:8.0f}  {table}")
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--loops", type=int, default=200)
     parser.add_argument("--turns", type=int, default=5)
@@ -404,104 +810,50 @@ def main() -> None:
                         help="LLM turns of the one-loop-alone run (default 20)")
     parser.add_argument("--wal-by-table", action="store_true",
                         help="also print each system's WAL per turn by table (last rep)")
+    parser.add_argument("--against", metavar="REV",
+                        help="A/B: also run git revision REV (a hash, HEAD~3, a tag) as "
+                             "ours@<short hash>, from a temporary worktree")
+    parser.add_argument("--no-dbos", action="store_true",
+                        help="leave DBOS out (a quicker A/B; needs --against)")
     args = parser.parse_args()
+    if args.no_dbos and not args.against:
+        parser.error("--no-dbos needs --against: without DBOS ours has nothing to compare with")
+    return args
 
-    from flask_solidloop.testing import LLMEmulator
 
-    script = Script(args.turns, args.alone_turns)
-    emulator = LLMEmulator().start()
-    emulator.script(lambda body: True, script.reply)
-    os.environ["SOLIDLOOP_BENCH_LLM_URL"] = emulator.base_url
-    os.environ["SOLIDLOOP_BENCH_API_KEY"] = "sk-bench"
-    results: dict[str, list[dict]] = {"ours": [], "dbos": []}
-    wal_tables: dict[str, tuple[collections.Counter[str], int]] = {}
+def exit_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM as SystemExit, so the workers and the REV worktree are cleaned up."""
+    raise SystemExit(128 + signum)
 
-    def tally(system: str, run: Run) -> None:
-        if args.wal_by_table and run.wal_range is not None:
-            wal_tables[system] = (wal_by_table(*run.wal_range), max(run.turns, 1))
-    alone: dict[str, list[float]] = {"ours": [], "dbos": []}
-    try:
-        for rep in range(args.reps):
-            order = ("ours", "dbos") if rep % 2 == 0 else ("dbos", "ours")
-            for system in order:
-                if system == "ours":
-                    many = run_ours(emulator, script, args.loops, f"r{rep}")
-                    tally(system, many)  # before the next run drops its database
-                    one = run_ours(emulator, script, 1, f"alone{rep}")
-                else:
-                    stop = threading.Event()
-                    watcher = threading.Thread(target=watch_backends, args=(DBOS_DB, stop),
-                                               daemon=True)
-                    watcher.start()
-                    try:
-                        many = run_dbos(emulator, script, args.loops, f"r{rep}")
-                    finally:
-                        stop.set()
-                        watcher.join()
-                        _last_backends.clear()
-                    tally(system, many)
-                    one = run_dbos(emulator, script, 1, f"alone{rep}")
-                results[system].append(figures(many))
-                alone[system].extend(one.gaps)
-                print(f"rep {rep + 1} {system}: {many.turns} turns in {many.wall:.1f} s",
-                      flush=True)
-    finally:
-        emulator.stop()
 
-    def cell(values: list[float | None]) -> tuple[float | None, str]:
-        present = [v for v in values if v is not None]
-        if not present:
-            return None, "n/a"
-        mid = statistics.median(present)
-        spread = f" ({min(present):.1f}-{max(present):.1f})" if len(present) > 1 else ""
-        return mid, f"{mid:.1f}{spread}"
+def main() -> None:
+    args = parse_args()
+    commit = resolve(args.against) if args.against else None
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
+    with contextlib.ExitStack() as stack:
+        builds = {"ours": Build("ours", OURS_DB)}
+        against = None
+        if commit is not None:
+            against = against_build(commit, stack.enter_context(checkout(commit)))
+            builds[against.name] = against
+            print("\n".join(describe(commit, against)), flush=True)
+        systems = [*builds, *([] if args.no_dbos else ["dbos"])]
 
-    print(f"\n{args.loops} loops x {args.turns} LLM turns, a no-op tool call in each gap, "
-          f"8 concurrent turns; median (min-max) of {args.reps} reps")
-    print(f"{'metric':38} {'DBOS 3.4':>20} {'ours':>20} {'ratio':>7}")
-    medians: dict[str, dict[str, float | None]] = {"ours": {}, "dbos": {}}
-    for metric in results["ours"][0]:
-        row = []
-        for system in ("dbos", "ours"):
-            mid, text = cell([r[metric] for r in results[system]])
-            medians[system][metric] = mid
-            row.append(text)
-        ours, dbos = medians["ours"][metric], medians["dbos"][metric]
-        ratio = f"{ours / dbos:.2f}x" if ours is not None and dbos else "n/a"
-        print(f"{metric:38} {row[0]:>20} {row[1]:>20} {ratio:>7}")
-    for system in ("dbos", "ours"):
-        gaps = alone[system]
-        medians[system]["alone p50"] = percentile(gaps, 0.5)
-        medians[system]["alone p99"] = percentile(gaps, 0.99)
-    for label in ("alone p50", "alone p99"):
-        ours, dbos = medians["ours"][label], medians["dbos"][label]
-        print(f"{'one loop alone: turn gap ' + label.split()[1] + ' ms':38} "
-              f"{dbos:>20.1f} {ours:>20.1f} {ours / dbos:>6.2f}x")
+        from flask_solidloop.testing import LLMEmulator
 
-    def verdict(ok: bool | None) -> str:
-        return "n/a" if ok is None else ("PASS" if ok else "MISS")
+        script = Script(args.turns, args.alone_turns)
+        emulator = LLMEmulator().start()
+        stack.callback(emulator.stop)
+        emulator.script(lambda body: True, script.reply)
+        os.environ["SOLIDLOOP_BENCH_LLM_URL"] = emulator.base_url
+        os.environ["SOLIDLOOP_BENCH_API_KEY"] = "sk-bench"
+        measured = measure(args, systems, builds, emulator, script)
 
-    o, d = medians["ours"], medians["dbos"]
-    commits = o["durable commits / turn"]
-    checks = [
-        ("turns/s >= 1.5x DBOS", o["LLM turns/s"] >= 1.5 * d["LLM turns/s"]),
-        ("worker CPU/turn <= 0.7x DBOS",
-         o["worker CPU ms / turn"] <= 0.7 * d["worker CPU ms / turn"]),
-        ("Postgres CPU/turn <= DBOS", o["Postgres CPU ms / turn"] <= d["Postgres CPU ms / turn"]),
-        ("durable commits/turn <= 4", None if commits is None else commits <= 4),
-        ("WAL/turn <= DBOS", o["WAL bytes / turn"] <= d["WAL bytes / turn"]),
-        ("one loop alone gap p50 <= 10 ms", o["alone p50"] <= 10),
-        ("completion p50 <= DBOS", o["loop completion p50 s"] <= d["loop completion p50 s"]),
-    ]
-    print()
-    for label, ok in checks:
-        print(f"  {label:40} {verdict(ok)}")
-    for system, (tables, turns) in sorted(wal_tables.items()):
-        print(f"\nWAL bytes / turn by table, {system} (last rep, "
-              f"{sum(tables.values()) / turns:.0f} in all):")
-        for table, size in tables.most_common():
-            if size / turns >= 1:
-                print(f"  {size / turns:8.0f}  {table}")
+    medians = print_table(args, measured, against and against.name)
+    print_checks(medians, against and against.name)
+    if commit is not None and against is not None:
+        print("\n" + "\n".join(describe(commit, against)))
+    print_wal_tables(measured.wal_tables)
 
 
 if __name__ == "__main__":
