@@ -238,10 +238,10 @@ def _outcome(state: SolidLoopState, session: SessionLike, call: CallFacts, *,
     if result is not None:
         canonical, notes = canonical_result(call, result)
         stored = canonical.to_mcp()
-        params.update(result=Jsonb(stored), is_success=not canonical.is_error,
-                      error_kind=canonical.error_kind, duration_ms=duration_ms,
-                      meta=Jsonb(notes) if notes else None,
-                      **tool_event(call, stored, canonical, duration_ms, body_limit))
+        params.update(tool_event(call, stored, canonical, duration_ms, body_limit),
+                      result=Jsonb(stored), is_success=not canonical.is_error,
+                      error_kind=canonical.error_kind,
+                      meta=Jsonb(notes) if notes else None)
         if answer_text is not None:
             content, is_error = answer_text(canonical), canonical.is_error
     if answer:
