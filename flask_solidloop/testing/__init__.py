@@ -2,5 +2,6 @@
 
 from .drain import DrainError, drain
 from .llm_emulator import LLMEmulator
+from .mcp_emulator import MCPEmulator
 
-__all__ = ["DrainError", "LLMEmulator", "drain"]
+__all__ = ["DrainError", "LLMEmulator", "MCPEmulator", "drain"]

@@ -71,6 +71,8 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, MODERN_PROTOCOL_VERSIONS
 
+from ..errors import InvalidArgumentError, SetupError
+
 __all__ = ["McpSdkServer", "RecordedRequest"]
 
 _SESSION_HEADER = "mcp-session-id"
@@ -165,7 +167,7 @@ class McpSdkServer:
         name: str = "solidloop-test",
     ) -> None:
         if era not in ("both", "legacy", "modern"):
-            raise ValueError(f"era must be 'both', 'legacy' or 'modern', got {era!r}")
+            raise InvalidArgumentError(f"era must be 'both', 'legacy' or 'modern', got {era!r}")
         self.token = token
         self.era = era
         self.json_response = json_response
@@ -228,7 +230,7 @@ class McpSdkServer:
         deadline = time.monotonic() + timeout
         while not server.started:
             if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the MCP test server on {self.url} did not start")
+                raise SetupError(f"the MCP test server on {self.url} did not start")
             time.sleep(0.005)
         self._uvicorn = server
         self._thread = thread
@@ -285,7 +287,7 @@ class McpSdkServer:
         to one JSON-RPC method (e.g. ``"tools/call"``).
         """
         if kind not in ("status", "malformed"):
-            raise ValueError(f"unknown fault kind {kind!r}")
+            raise InvalidArgumentError(f"unknown fault kind {kind!r}")
         with self._lock:
             self._faults.append(_Fault(kind, method, status, times))
 

@@ -118,8 +118,8 @@ def solidloop_clean_db(solidloop_database_url: str) -> str:
 def solidloop_llm_server() -> Iterator[Any]:
     from .llm_emulator import LLMEmulator
 
-    # Strict: it refuses the request shapes real servers refuse (issue 11), so a
-    # test cannot pass on a request only the emulator would take.
+    # Strict: it refuses the request shapes real servers refuse, so a test cannot
+    # pass on a request only the emulator would take.
     emulator = LLMEmulator(strict=True).start()
     yield emulator
     emulator.stop()

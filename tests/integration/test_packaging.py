@@ -40,8 +40,11 @@ def test_the_wheel_holds_what_users_need(wheel):
                               for m in migrations)
     assert {"flask_solidloop/migrations/env.py",
             "flask_solidloop/migrations/script.py.mako"} <= names
-    for module in ("__init__", "plugin", "chaos", "drain", "llm_emulator", "mcp_emulator"):
-        assert f"flask_solidloop/testing/{module}.py" in names
+    # The test helpers users import, the emulators' subpackages included.
+    testing = {str(p.relative_to(PACKAGE.parent)) for p in (PACKAGE / "testing").rglob("*.py")}
+    assert {"flask_solidloop/testing/plugin.py", "flask_solidloop/testing/drain.py",
+            "flask_solidloop/testing/llm_emulator/server.py",
+            "flask_solidloop/testing/mcp_emulator/server.py"} <= testing <= names
     # Whatever templates and static files the package has (the admin's) ship too.
     for folder in ("templates", "static"):
         for path in (PACKAGE).rglob(f"{folder}/**/*"):

@@ -1,0 +1,96 @@
+"""A scriptable fake LLM provider served over real HTTP on 127.0.0.1, in three dialects.
+
+This package owns :class:`LLMEmulator` and the deterministic built-in "offline model" policy
+the demo uses when no API key is configured. Nothing is monkeypatched: clients talk to it
+through a socket exactly as they would talk to a real provider, so the whole HTTP client
+stack (timeouts, retries, SSE parsing) is exercised. It serves:
+
+* OpenAI chat completions: ``POST /v1/chat/completions`` (``"stream": true`` gives
+  ``data:`` chunks ending in ``data: [DONE]``; ``stream_options.include_usage`` adds the
+  usage chunk). Auth: ``Authorization: Bearer <api_key>``.
+* Anthropic Messages: ``POST /v1/messages``. Auth: ``x-api-key``; ``anthropic-version`` and
+  ``max_tokens`` are required, as by the real API. Streams use ``event:`` lines
+  (message_start, content_block_start/_delta/_stop, ping, message_delta, message_stop).
+* Gemini: ``POST /v1beta/models/{model}:generateContent`` and
+  ``:streamGenerateContent?alt=sse`` (``data:`` chunks, no terminator; without ``alt=sse``
+  the chunks come as one JSON array). Auth: ``x-goog-api-key`` (or ``?key=``).
+
+Every request is recorded (:attr:`LLMEmulator.requests`). A chat request is resolved in
+this order: auth (when ``api_key`` is set), validation, the next queued fault, scripts
+(newest first), then the offline model (``offline_model=True``) or a 500 naming the
+unmatched last message. Errors are shaped like each provider's.
+
+Scripts match the text of the LAST message: OpenAI ``content`` (string or text parts);
+Anthropic text blocks, or a ``tool_result``'s content text; Gemini text parts, or a
+``functionResponse``'s ``response`` dumped as JSON. One reply dict drives all dialects::
+
+    with LLMEmulator() as llm:
+        llm.script("weather", {"tool_calls": [{"name": "get_weather",
+                                               "arguments": {"city": "Paris"}}]})
+        llm.script(lambda req: req["messages"][-1]["role"] == "tool", {"content": "Sunny."})
+        client = httpx.Client(base_url=llm.base_url + "/v1")
+        ...
+
+Reply keys: ``content`` (a text block / text part), ``tool_calls`` (tool_use blocks /
+functionCall parts), ``reasoning_content`` (``reasoning_content`` / a thinking block placed
+first, signed ``"sig-" + sha256(thinking)`` / a ``"thought": true`` part), ``finish_reason``
+(mapped: ``"length"`` is Anthropic ``max_tokens`` and Gemini ``MAX_TOKENS``; native values
+pass through), ``usage`` (native keys used verbatim, ``prompt_tokens``/``completion_tokens``
+mapped), and, for byte-exact tests, ``anthropic_blocks`` / ``gemini_parts``: a content
+list sent verbatim by that dialect (and ignored by the others). Gemini answers carry a
+deterministic base64 ``thoughtSignature`` on the first ``functionCall`` part, else on the
+first text part; when streaming a text answer it arrives on a later empty-text part
+(``{"text": "", "thoughtSignature": ...}``) in the last chunk, as real Gemini sends it.
+
+Faults (:meth:`LLMEmulator.fault_next`, or :meth:`LLMEmulator.fail_next` for a plain
+status) are consumed one per chat request, in the order queued, whatever the dialect::
+
+    llm.fault_next("status", status=429, retry_after=2)       # Retry-After: 2
+    llm.fault_next("status", status=503, retry_after=datetime_obj, retry_after_ms=1500)
+    llm.fault_next("retry_info", retry_delay="2s")            # Gemini RetryInfo 429 body
+    llm.fault_next("slow_prefill", seconds=0.5)               # silence before the first byte
+    llm.fault_next("slow_stream", seconds=0.2)                # silence between chunks
+    llm.fault_next("disconnect_mid_stream", after=3)          # 3 events, then a closed socket
+    llm.fault_next("error_mid_stream", after=3)               # the dialect's in-stream error
+    llm.fault_next("malformed_chunk", after=1)                # a data line that is not JSON
+    llm.fault_next("no_usage", times=2)                       # no usage anywhere
+    llm.fault_next("context_overflow")                        # llama.cpp: 200 + empty stream
+
+Strict mode (``LLMEmulator(strict=True)``, on in this project's own tests) refuses what
+the real servers refuse, before faults and scripts: OpenAI chat requests outside the keys
+of the official SDK's request types, or with a ``content`` that is not a string (``null``
+beside ``tool_calls`` is llama-cpp-python's HTTP 500 "Input should be a valid string");
+Anthropic Messages outside Anthropic's request schema (unknown keys, block types, a
+``tool_use`` input that is not an object, a thinking block without its signature); Gemini
+requests outside the REST ``GenerateContentRequest``, with no unknown key in any
+``Schema`` (``$defs``, ``$ref``). Each refusal is shaped like the server's own error.
+
+Tool support (``LLMEmulator(tool_support=...)``), for servers whose chat format has no
+tools: ``"native"`` (the default); ``"reject"`` answers any request carrying ``tools`` (or
+``tool_choice`` / ``toolConfig``) with HTTP 400 "... does not support tools", as Ollama does
+for such a model; ``"drop"`` discards those fields before scripts and the offline model see
+the request, as llama-cpp-python's chat formats without tool support do (the recorded
+request keeps them).
+
+Reply keys for the edge cases: ``refusal`` (OpenAI ``message.refusal`` / ``delta.refusal``;
+Anthropic a text block and ``stop_reason: "refusal"``), ``continuation_token`` (Gemini:
+the candidate's ``continuationToken``, with ``finish_reason: "CONTINUATION"``).
+
+Stream faults on a non-streaming request: ``disconnect_mid_stream`` sends half the body
+(``Content-Length`` promises all of it); ``slow_stream`` trickles the body in pieces;
+``malformed_chunk`` sends a truncated JSON body; ``error_mid_stream`` answers the dialect's
+overload error status (OpenAI 500, Anthropic 529, Gemini 503); ``no_usage`` drops usage.
+
+Modules, mirroring ``flask_solidloop/llm/``: ``server`` (the emulator and each request's
+path through it), ``types`` (recorded requests, scripts, faults, the reply format),
+``dialect`` (what the dialects share), ``openai`` / ``anthropic`` / ``gemini`` (each
+dialect's auth, validation, text and rendering), ``registry`` (dialects by name),
+``offline`` (the offline model), ``faults`` (fault injection and delivery) and
+``strict`` (strict mode). The HTTP plumbing is ``flask_solidloop/testing/_local_server.py``,
+shared with the MCP emulator.
+"""
+
+from .server import LLMEmulator
+from .types import RecordedRequest
+
+__all__ = ["LLMEmulator", "RecordedRequest"]

@@ -1,0 +1,318 @@
+"""The HTTP server: :class:`LLMEmulator`, its configuration (scripts, faults) and the
+path of each request through it: record, route, auth, validation, strict mode, tool
+support, the next fault, scripts, then the offline model."""
+
+# Latency, measured on the development machine (200 sequential non-streaming POSTs through
+# one httpx.Client, after warm-up): ~1.8 ms per request on average (streaming: ~1.9 ms);
+# raw http.client with a fresh connection per request: ~1.0 ms. werkzeug answers every request
+# with "Connection: close", so each POST opens a new connection; Linux ACKs the first segments
+# of a fresh connection immediately, so the ~44 ms Nagle + delayed-ACK stall seen with
+# keep-alive BaseHTTPRequestHandler servers does not occur (measured: same ~1.8 ms with
+# TCP_NODELAY off). We still set TCP_NODELAY on accepted sockets (`NoDelayRequestHandler`)
+# and produce every response body, including a whole SSE stream, as one bytes object written
+# in a single write, so the stall cannot come back if the transport changes. Only responses
+# shaped by a timing fault (slow_stream, disconnect_mid_stream) are written piece by piece
+# (chunked transfer encoding for streams), which is their point.
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+from urllib.parse import parse_qs
+
+from ...errors import InvalidArgumentError
+from .._local_server import LocalServer, Response, parse_json, read_request
+from . import anthropic, gemini, openai, registry
+from .dialect import json_response
+from .faults import (
+    FAULT_OPTIONS,
+    STATUS_KINDS,
+    context_overflow,
+    deliver,
+    make_fault,
+    status_fault_response,
+    stream_error_data,
+)
+from .offline import offline_reply, openai_view
+from .strict import strict_check
+from .types import (
+    ANTHROPIC,
+    ANTHROPIC_PATH,
+    CHAT_PATH,
+    GEMINI,
+    OPENAI,
+    Fault,
+    Match,
+    RecordedRequest,
+    Reply,
+    Script,
+    normalise_reply,
+)
+
+_NO_MATCH_SNIPPET = 200
+_STATUS_TEXT = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    402: "Payment Required",
+    403: "Forbidden",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    409: "Conflict",
+    413: "Payload Too Large",
+    422: "Unprocessable Entity",
+    429: "Too Many Requests",
+    500: "Internal Server Error",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+    504: "Gateway Timeout",
+    529: "Overloaded",
+}
+_TOOL_SUPPORT = ("native", "reject", "drop")
+#: The request fields that carry tool definitions or tool choice, in all three dialects.
+_TOOL_FIELDS = ("tools", "tool_choice", "toolConfig", "parallel_tool_calls")
+
+
+class LLMEmulator(LocalServer[RecordedRequest]):
+    """A scriptable fake of the OpenAI, Anthropic and Gemini chat APIs on a real socket.
+
+    Resolution order for each chat request: auth (if ``api_key``), validation, queued
+    faults (:meth:`fault_next`, :meth:`fail_next`), scripts (:meth:`script`, newest first),
+    then the offline model (if ``offline_model=True``) or a 500 error naming the unmatched
+    last message. See the package docstring for the served paths and the reply mapping.
+    """
+
+    FAULT_KINDS = tuple(FAULT_OPTIONS)
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        offline_model: bool = False,
+        strict: bool = False,
+        tool_support: str = "native",
+    ) -> None:
+        super().__init__(host, port)
+        self.api_key = api_key
+        self.offline_model = offline_model
+        #: Refuse what real servers refuse (see :mod:`.strict`).
+        self.strict = strict
+        if tool_support not in _TOOL_SUPPORT:
+            raise InvalidArgumentError(f"tool_support must be one of "
+                                       f"{', '.join(_TOOL_SUPPORT)}, got {tool_support!r}")
+        #: "native"; "reject": a request with tools gets a 400, like Ollama for a model
+        #: without tool support; "drop": the tool fields are silently discarded before
+        #: scripts see the request, like llama-cpp-python's chat formats without tools.
+        self.tool_support = tool_support
+        self._scripts: list[Script] = []
+        self._faults: list[Fault] = []
+
+    # ---- configuration ---------------------------------------------------------------
+
+    def script(self, match: Match, reply: Reply, *, times: int | None = None) -> None:
+        """Answer requests matching ``match`` with ``reply`` (at most ``times`` times).
+
+        ``match``: a str (case-insensitive substring of the last message's text), a compiled
+        regex (``search`` on that text) or ``callable(request_json) -> bool`` (the request
+        body as sent, in its dialect). ``reply``: ``{"content", "tool_calls",
+        "finish_reason", "usage", "reasoning_content", "anthropic_blocks",
+        "gemini_parts"}`` (all optional; a bare str means ``{"content": str}``) or
+        ``callable(request_json) -> reply``. Scripts are tried newest first.
+        """
+        if not (isinstance(match, str | re.Pattern) or callable(match)):
+            raise InvalidArgumentError(
+                f"match must be str, re.Pattern or callable, not {type(match)!r}")
+        if not callable(reply):
+            normalise_reply(reply)  # validate eagerly so typos fail in the test, not the server
+        if times is not None and times < 1:
+            raise InvalidArgumentError("times must be >= 1 or None")
+        with self._lock:
+            self._scripts.append(Script(match, reply, times))
+
+    def fail_next(
+        self,
+        status: int,
+        *,
+        body: dict[str, Any] | str | None = None,
+        headers: dict[str, str] | None = None,
+        times: int = 1,
+    ) -> None:
+        """Answer the next ``times`` chat requests with ``status``/``body``/``headers``.
+
+        Faults are consumed in the order they were queued, before scripts are consulted.
+        ``body=None`` sends an error shaped like the request's dialect (OpenAI: as before).
+        Same as ``fault_next("status", status=..., body=..., headers=..., times=...)``.
+        """
+        self.fault_next("status", times=times, status=status, body=body, headers=headers)
+
+    def fault_next(self, kind: str, *, times: int = 1, **options: Any) -> None:
+        """Inject fault ``kind`` into the next ``times`` chat requests (any dialect).
+
+        Faults are consumed one per request, in the order queued, after auth and
+        validation and before scripts. Kinds and options (defaults in brackets):
+
+        * ``"status"``: ``status`` (required), ``body`` [dialect-shaped error],
+          ``headers``, ``retry_after`` (seconds as int/float/str -> ``Retry-After: 2``; a
+          ``datetime`` -> an HTTP-date), ``retry_after_ms`` (-> ``retry-after-ms``).
+        * ``"retry_info"``: a Google-style error with a ``google.rpc.RetryInfo`` detail;
+          ``status`` [429], ``retry_delay`` ["2s"; a number means seconds], ``message``,
+          ``headers``.
+        * ``"slow_prefill"``: ``seconds`` [1.0] of silence before the first byte.
+        * ``"slow_stream"``: ``seconds`` [0.2] of silence between chunks.
+        * ``"disconnect_mid_stream"``: send ``after`` events [half] then close the socket
+          (no terminator, no end of the chunked body); ``torn`` [False] also sends half of
+          the next event.
+        * ``"error_mid_stream"``: after ``after`` events [half], the dialect's in-stream
+          error (OpenAI ``data: {"error":...}``, Anthropic ``event: error`` with
+          ``overloaded_error``, Gemini a ``{"error":...}`` chunk), then the stream ends;
+          ``message``, or ``body`` for the error event's data verbatim.
+        * ``"malformed_chunk"``: after ``after`` events [1], a data line that is not JSON
+          (``data`` [a truncated object]); the stream then continues normally.
+        * ``"no_usage"``: no usage anywhere in the answer (stream or not).
+        """
+        fault = make_fault(kind, times, options)
+        with self._lock:
+            self._faults.append(fault)
+
+    def reset(self) -> None:
+        """Forget all scripts, queued faults and recorded requests."""
+        with self._lock:
+            self._scripts.clear()
+            self._faults.clear()
+            self._requests.clear()
+
+    # ---- request handling ------------------------------------------------------------
+
+    def _reason(self, status: int) -> str:
+        return _STATUS_TEXT.get(status, "Status")
+
+    def _internal_error(self, environ: dict[str, Any], exc: Exception) -> Response:
+        route = registry.route(environ.get("PATH_INFO", "") or "/")
+        return registry.dialect_error(
+            route[0] if route else OPENAI, 500,
+            f"LLMEmulator internal error: {exc!r}", type_="server_error",
+        )
+
+    def _handle(self, environ: dict[str, Any]) -> Response:
+        incoming = read_request(environ)
+        method, path, query, headers, body = (
+            incoming.method, incoming.path, incoming.query, incoming.headers, incoming.body)
+        parsed, json_error = parse_json(body)
+        with self._lock:
+            self._requests.append(RecordedRequest(method, path, headers, parsed, body, query))
+
+        route = registry.route(path)
+        if route is None:
+            return json_response(
+                404,
+                openai.error_body(
+                    f"Unknown path {path!r}; the emulator serves POST {CHAT_PATH}, POST "
+                    f"{ANTHROPIC_PATH} and POST /v1beta/models/{{model}}:generateContent "
+                    "(or :streamGenerateContent).",
+                    "invalid_request_error", "unknown_url",
+                ),
+            )
+        dialect, model, gemini_method = route
+        if method != "POST":
+            return registry.dialect_error(
+                dialect, 405, f"Method {method} not allowed on {path}; use POST.",
+                code="method_not_allowed", headers={"Allow": "POST"},
+            )
+        params = parse_qs(query)
+        if self.api_key is not None:
+            denied = registry.check_auth(dialect, self.api_key, headers, params)
+            if denied is not None:
+                return denied
+        invalid = registry.validate(dialect, headers, parsed, body, json_error)
+        if invalid is not None:
+            return invalid
+        assert isinstance(parsed, dict)
+        if self.strict:
+            refused = strict_check(dialect, parsed)
+            if refused is not None:
+                return refused
+        sent_tools = [key for key in _TOOL_FIELDS if parsed.get(key)]
+        if sent_tools and self.tool_support == "reject":
+            name = model or parsed.get("model") or "model"
+            return registry.dialect_error(
+                dialect, 400, f"registry.ollama.ai/library/{name} does not support tools",
+                code="tools_not_supported", param=sent_tools[0])
+        if sent_tools and self.tool_support == "drop":
+            # The recorded request keeps what was sent; the "model" never sees the tools.
+            parsed = {key: value for key, value in parsed.items() if key not in _TOOL_FIELDS}
+        if dialect == GEMINI:
+            stream = gemini_method == "streamGenerateContent"
+            sse = "sse" in params.get("alt", [])
+        else:
+            stream, sse = bool(parsed.get("stream")), True
+
+        fault = self._take_fault()
+        kind = fault.kind if fault is not None else None
+        if fault is not None and fault.kind in STATUS_KINDS:
+            return status_fault_response(fault, dialect)
+        if fault is not None and fault.kind == "slow_prefill":
+            time.sleep(float(fault.options["seconds"]))
+        if fault is not None and fault.kind == "context_overflow":
+            return context_overflow(dialect, stream, parsed)
+        if fault is not None and fault.kind == "error_mid_stream" and not stream:
+            status = {ANTHROPIC: 529, GEMINI: 503}.get(dialect, 500)
+            return json_response(status, stream_error_data(dialect, fault.options))
+
+        text = registry.last_message_text(parsed, dialect)
+        script = self._take_script(parsed, text)
+        if script is not None:
+            reply = script.reply(parsed) if callable(script.reply) else script.reply
+        elif self.offline_model:
+            reply = offline_reply(openai_view(parsed, dialect))
+        else:
+            snippet = text[:_NO_MATCH_SNIPPET] + ("…" if len(text) > _NO_MATCH_SNIPPET else "")
+            return registry.dialect_error(
+                dialect, 500,
+                f'LLMEmulator: no script matched the request; last message: "{snippet}"',
+                type_="server_error", code="no_script_matched",
+            )
+        normalised = normalise_reply(reply)
+        with_usage = kind != "no_usage"
+        if dialect == ANTHROPIC:
+            rendered = anthropic.render(parsed, normalised, stream=stream, with_usage=with_usage)
+        elif dialect == GEMINI:
+            rendered = gemini.render(
+                parsed, normalised, model=model or "gemini", stream=stream, sse=sse,
+                with_usage=with_usage,
+            )
+        else:
+            rendered = openai.render(parsed, normalised, stream=stream, with_usage=with_usage)
+        return deliver(rendered, fault, dialect)
+
+    def _take_fault(self) -> Fault | None:
+        with self._lock:
+            if not self._faults:
+                return None
+            fault = self._faults[0]
+            fault.remaining -= 1
+            if fault.remaining <= 0:
+                self._faults.pop(0)
+            return fault
+
+    def _take_script(self, request_json: dict[str, Any], text: str) -> Script | None:
+        with self._lock:
+            for script in reversed(self._scripts):
+                if script.remaining is not None and script.remaining <= 0:
+                    continue
+                if _matches(script.match, text, request_json):
+                    if script.remaining is not None:
+                        script.remaining -= 1
+                    return script
+        return None
+
+
+def _matches(match: Match, text: str, request_json: dict[str, Any]) -> bool:
+    if isinstance(match, str):
+        return match.lower() in text.lower()
+    if isinstance(match, re.Pattern):
+        return match.search(text) is not None
+    return bool(match(request_json))
