@@ -35,7 +35,7 @@ class NoRequestError(SolidLoopError, IndexError):
     (an ``IndexError``, as ``[][-1]`` raises)."""
 
 
-class InjectedDisconnect(ConnectionAbortedError):
+class InjectedDisconnect(SolidLoopError, ConnectionAbortedError):
     """Ends a response an injected fault cuts short. werkzeug takes any
     ``ConnectionError`` for a client that went away and stays quiet about it."""
 

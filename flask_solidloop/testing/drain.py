@@ -17,12 +17,13 @@ from dramatiq.message import Message
 from flask import Flask
 
 from ..config import QUEUES
+from ..errors import SolidLoopError
 from ..queue import sql as jobs_sql
 from ..queue.broker import PostgresMessageProxy
 from ..state import get_state
 
 
-class DrainError(AssertionError):
+class DrainError(SolidLoopError, AssertionError):
     """A drained job raised; the original exception is chained."""
 
 

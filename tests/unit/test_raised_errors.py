@@ -9,8 +9,11 @@ such as the send path's retry). A call of a function or method (``raise
 self._error(...)``) counts as raising the class its return annotation names.
 
 Allowed besides: click's exceptions in cli.py and demo.py (the body of ``flask
-solidloop demo``), which is how a command fails, and
-``dramatiq.Retry`` (how a dramatiq actor asks to be retried). Re-raising is
+solidloop demo``), which is how a command fails; ``dramatiq.Retry`` (how a
+dramatiq actor asks to be retried); and where the package plays another
+framework's part, the exception that framework reads: pytest's ``UsageError``
+in the pytest plugin, the MCP SDK's ``MCPError`` in the MCP emulator's handlers
+(a JSON-RPC error) and its ``ToolError`` in a tool of the SDK test server. Re-raising is
 fine: a bare ``raise``, or ``raise exc`` of a name the module does not define
 (a caught or stored exception). A called name the module does not define
 cannot be checked, and fails too.
@@ -35,7 +38,10 @@ BASE = f"{NAME}.errors.SolidLoopError"
 ALLOWED = {"dramatiq.Retry", "dramatiq.errors.Retry"}
 #: Raised in one module: the prefixes of the classes it may raise. demo.py is the
 #: body of the ``flask solidloop demo`` command.
-ALLOWED_IN = {f"{NAME}.cli": ("click.",), f"{NAME}.demo": ("click.",)}
+ALLOWED_IN = {f"{NAME}.cli": ("click.",), f"{NAME}.demo": ("click.",),
+              f"{NAME}.testing.plugin": ("pytest.",),
+              f"{NAME}.testing.mcp_emulator.server": ("mcp.shared.exceptions.",),
+              f"{NAME}.testing.mcp_sdk_server": ("mcp.server.mcpserver.exceptions.",)}
 
 
 @dataclass

@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from ...errors import SolidLoopError
 from .._local_server import Response
 from . import gemini, registry
 from .dialect import json_response
@@ -90,7 +91,7 @@ _GEMINI_GENERATION_KEYS = frozenset({
 })
 
 
-class _Refused(Exception):
+class _Refused(SolidLoopError):
     """A request a real server refuses: its status and message."""
 
     def __init__(self, status: int, message: str, code: str | None = None) -> None:
