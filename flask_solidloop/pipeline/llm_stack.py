@@ -84,9 +84,11 @@ class AgentInitialization:
         self.next_step = next_step
 
     def __call__(self, ctx: LlmContext) -> Any:
-        # Reads only: the turn's claim committed before the stack ran.
+        # Reads only (and the tool snapshots a first listing writes): the turn's
+        # claim committed before the stack ran. No transaction stays open across
+        # the network call; the rows read stay loaded for the turn's end.
         self._initialize(ctx)
-        store.end_transaction(ctx.session)  # no transaction across the network call
+        store.end_transaction(ctx.session, keep_objects=True)
         return self.next_step(ctx)
 
     def _initialize(self, ctx: LlmContext) -> None:

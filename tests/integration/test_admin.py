@@ -13,6 +13,7 @@ import pytest
 from sqlalchemy import event, select, text
 
 from flask_solidloop.loops import store
+from flask_solidloop.mcp_server import store as inbound
 from flask_solidloop.models import Loop, Message
 
 from ..support.support_app import Assistant, solidloop
@@ -280,9 +281,10 @@ def test_stream_resumes_from_last_event_id_without_gap_or_duplicate(app, session
         {"SOLIDLOOP_ADMIN_STREAM_SECONDS": 1.0, "SOLIDLOOP_ADMIN_HEARTBEAT": 0.1})
     c = mount(app)
     loop = Assistant.start(message="stream")
-    token = store.claim_llm_turn(session, loop.id, lease_seconds=30)
-    assert token is not None
-    shell = store.open_shell(session, loop.id, token)
+    claim = store.claim_llm_turn(session, loop.id, lease_seconds=30, open_shell=True,
+                                 read_history=False)
+    assert claim is not None
+    shell = claim.shell_id
     store.record_partial(session, shell, "Hello, wor", None)
 
     first = _events(c.get(f"/admin/loops/{loop.id}/stream?cursor={shell}:0").get_data(
@@ -327,8 +329,9 @@ def after_first_content_read(app, *updates: tuple[str, dict]):
 def streaming_shell(session, text_so_far: str) -> tuple[int, int]:
     """A loop whose turn streams: (loop id, shell id) with ``text_so_far`` on it."""
     loop = Assistant.start(message="stream")
-    token = store.claim_llm_turn(session, loop.id, lease_seconds=30)
-    shell = store.open_shell(session, loop.id, token)
+    claim = store.claim_llm_turn(session, loop.id, lease_seconds=30, open_shell=True,
+                                 read_history=False)
+    shell = claim.shell_id
     store.record_partial(session, shell, text_so_far, None)
     session.commit()
     return loop.id, shell
@@ -497,10 +500,10 @@ def test_workers_page_without_workers_says_how_to_start_one(client):
 def test_inbound_mcp_page_lists_sessions_and_their_requests_newest_first(app, session):
     app.config["SOLIDLOOP_ADMIN_TRUSTED_ORIGINS"] = ()
     c = mount(app, page_size=2)
-    store.create_inbound_session(session, session_id="sess-a" + "x" * 20, server_name="orders",
+    inbound.create_session(session, session_id="sess-a" + "x" * 20, server_name="orders",
                                  principal_label=XSS, protocol_version="2025-06-18",
                                  client_info={"name": "probe", "version": "1.0"})
-    store.record_inbound_events(session, [
+    inbound.record_events(session, [
         {"payload": {"server": "orders", "method": f"tools/call-{i}", "principal": XSS,
                      "session_id": "sess-a" + "x" * 20,
                      "headers": {"authorization": "[redacted]"}},

@@ -15,17 +15,19 @@ import uuid
 
 import dramatiq
 import psycopg
-from flask_solidloop.loops.fence import transition
 from psycopg import sql
 from sqlalchemy import select, text
 
 from flask_solidloop.config import QUEUE_LLM, QUEUE_MAINTENANCE, QUEUE_TOOL
+from flask_solidloop.loops import sql as loop_sql
+from flask_solidloop.loops import store
+from flask_solidloop.loops.store.transaction import execute
 from flask_solidloop.models import Loop, Message, ToolCall
 from flask_solidloop.queue.broker import PostgresMessageProxy
 from flask_solidloop.queue.current_job import current_job, mark_current_job_done
 from flask_solidloop.queue.sql import CHANNEL_PREFIX
 from flask_solidloop.queue.sql import CLAIM as _CLAIM
-from flask_solidloop.runtime.turns import run_tool_call
+from flask_solidloop.runtime.turns import tool_call_job
 from flask_solidloop.urls import libpq_url
 
 from ..support.support_app import SIDE_EFFECTS, Assistant
@@ -135,14 +137,15 @@ def test_rolled_back_start_leaves_no_loop_no_job_and_no_notify(app, session, pg,
     ).fetchall() == [("solidloop.llm_turn", "queued", loop_id)]
 
 
-def test_fenced_transition_and_dispatch_roll_back_together(app, session, state, pg,
-                                                           database_url):
+def test_a_state_change_and_its_job_roll_back_together(app, session, state, pg,
+                                                        database_url):
     loop = Assistant.start(message="pause me")
     loop_id = loop.id
     assert Assistant(loop_id).pause()
     jobs_before = count(pg, "solidloop_jobs")
     with listening(database_url, LLM_CHANNEL) as listener:
-        assert transition(session, loop_id, from_="paused", to="queued") is not None
+        # The loop queued again (a resume's statement) with its job, in one transaction.
+        execute(session, loop_sql.RESUME_TO_TURN, {"loop_id": loop_id})
         state.dispatch.llm_turn(session, loop_id)
         session.rollback()
         assert pg.execute("SELECT status FROM solidloop_loops WHERE id = %s",
@@ -150,7 +153,7 @@ def test_fenced_transition_and_dispatch_roll_back_together(app, session, state, 
         assert count(pg, "solidloop_jobs") == jobs_before
         assert notifications(listener, 0.5) == []
 
-        assert transition(session, loop_id, from_="paused", to="queued") is not None
+        execute(session, loop_sql.RESUME_TO_TURN, {"loop_id": loop_id})
         state.dispatch.llm_turn(session, loop_id)
         session.commit()
         assert first_wakeup(listener) == [LLM_CHANNEL]
@@ -178,9 +181,8 @@ def test_stale_token_cannot_transition_or_run_a_tool_call(app, session, state, l
     session.expire_all()
 
     # the old generation's canonical transition is refused and writes nothing
-    assert transition(session, loop_id, from_="running", to="completed",
-                      expected_token=old_token) is None
-    session.commit()
+    assert not store.fenced_transition(session, loop_id, old_token, from_="running",
+                                       to="completed")
     assert pg.execute(
         "SELECT status, execution_token, finished_at FROM solidloop_loops WHERE id = %s",
         (loop_id,),
@@ -189,7 +191,7 @@ def test_stale_token_cannot_transition_or_run_a_tool_call(app, session, state, l
     # the old generation's tool job runs nothing and writes nothing
     calls = list(session.scalars(select(ToolCall).order_by(ToolCall.position)))
     assert len(calls) == 2
-    run_tool_call(state, calls[0].id, str(old_token))
+    tool_call_job(state, calls[0].id, str(old_token))
     session.rollback()
     assert SIDE_EFFECTS == []
     assert count(pg, "solidloop_messages", "role = 'tool'") == 0
@@ -199,13 +201,12 @@ def test_stale_token_cannot_transition_or_run_a_tool_call(app, session, state, l
     ).fetchone() == (None, None, None)
 
     # control: the current generation does get through both fences
-    run_tool_call(state, calls[0].id, str(new_token))
+    tool_call_job(state, calls[0].id, str(new_token))
     session.rollback()
     assert [("add", f"solidloop:tool_call:{calls[0].id}")] == SIDE_EFFECTS
     assert count(pg, "solidloop_messages", "role = 'tool'") == 1
-    assert transition(session, loop_id, from_="running", to="completed",
-                      expected_token=new_token) is not None
-    session.rollback()
+    assert store.fenced_transition(session, loop_id, new_token, from_="running",
+                                   to="completed")
 
 
 def test_old_tool_jobs_no_op_after_pause_and_resume(app, session, llm, drain, pg):

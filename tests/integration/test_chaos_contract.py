@@ -31,9 +31,10 @@ def test_a_cleanly_finished_loop_passes(app, session, llm, drain, database_url):
 def test_a_loop_left_running_with_a_shell_and_a_live_job_is_named(app, session,
                                                                    database_url):
     loop = Assistant.start(message="left behind")  # queued, with its job queued
-    token = store.claim_llm_turn(session, loop.id, lease_seconds=30)
-    store.open_shell(session, loop.id, token)
-    session.commit()
+    claim = store.claim_llm_turn(session, loop.id, lease_seconds=30, open_shell=False,
+                                 read_history=False)
+    assert claim is not None
+    store.open_shell(session, loop.id, claim.token)
     problems = verify_contract(database_url, [loop.id])
     assert any(p.startswith("not every loop completed") for p in problems), problems
     assert any(p.startswith("processing shells left") for p in problems), problems

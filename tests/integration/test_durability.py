@@ -471,13 +471,12 @@ def test_observe_toggles_the_flag(app, session):
 
 
 def test_stale_generation_cannot_complete_after_force_stop(app, state, session):
-    from flask_solidloop.loops.fence import transition
+    from flask_solidloop.loops import store
 
     loop_id, token = running_loop(session)
     Assistant(loop_id).force_stop()
-    assert transition(session, loop_id, from_="running", to="completed",
-                      expected_token=token) is None
-    session.rollback()
+    assert not store.fenced_transition(session, loop_id, token, from_="running",
+                                       to="completed")
     assert session.execute(text("SELECT status FROM solidloop_loops WHERE id = :i"),
                            {"i": loop_id}).scalar() == "failed"
 
@@ -561,7 +560,7 @@ def test_a_turn_end_after_the_loop_changed_hands_writes_nothing(state, session, 
                                    finish_reason="stop" if alone else "tool_calls",
                                    usage=Usage(input_tokens=3, output_tokens=1)),
             meta={}, turn_cost=None, calls=[] if alone else [call], wire=wire,
-            sequential=False)
+            sequential=False, adopt=False)
     assert session.get(Loop, loop_id).status == "running"  # not completed either
     session.expire_all()
     shell = session.get(Message, shell_id)

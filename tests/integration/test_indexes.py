@@ -18,6 +18,7 @@ from psycopg import sql
 from sqlalchemy import event
 
 from flask_solidloop.loops import queries
+from flask_solidloop.loops import sql as loop_sql
 from flask_solidloop.maintenance import janitor
 from flask_solidloop.queue.broker import libpq_url
 
@@ -216,7 +217,7 @@ def test_a_turns_history_reads_its_loops_rows_by_index(pg):
                "SELECT m.loop_id, m.id, 0, 'calc__add' FROM solidloop_messages m")
     pg.execute("VACUUM ANALYZE solidloop_messages")
     pg.execute("VACUUM ANALYZE solidloop_tool_calls")
-    for plan in plans(pg, queries._HISTORY, {"loop_id": loop_ids[7]}):
+    for plan in plans(pg, loop_sql.HISTORY, {"loop_id": loop_ids[7]}):
         assert_uses(plan, "ix_solidloop_messages_loop_id_id", "solidloop_messages")
         assert_uses(plan, "ix_solidloop_tool_calls_", "solidloop_tool_calls")
 
@@ -254,13 +255,18 @@ def hot_updates(pg) -> None:
         pg.commit()
         return after[0] - before[0], after[1] - before[1]
 
-    # finish_llm_turn, entering the tool phase
+    # the turn's end entering the tool phase (loops/sql.FINISH_TURN's loop part):
+    # the status is set to itself, so the update stays HOT
     assert update(
         "UPDATE solidloop_loops SET step_count = step_count + 1, lease_holder = NULL,"
         " lease_expires_at = NULL, input_tokens = input_tokens + 10,"
-        " output_tokens = output_tokens + 5, cost = coalesce(cost, 0) + 0.001,"
+        " output_tokens = output_tokens + 5, cost = cost + 0.001,"
+        " status = CASE WHEN false THEN 'completed' ELSE status END,"
+        " execution_token = CASE WHEN false THEN NULL ELSE execution_token END,"
+        " finished_at = CASE WHEN false THEN now() ELSE finished_at END,"
+        " error_message = CASE WHEN false THEN NULL ELSE error_message END,"
         " updated_at = now() WHERE id = %s") == (1, 1)
-    # the tool answer adopting the next LLM turn (store._adopt_llm_turn)
+    # the tool answer claiming the next LLM turn (loops/sql.TOOL_OUTCOME's claim)
     assert update(
         "UPDATE solidloop_loops SET status = 'running', execution_token = gen_random_uuid(),"
         " lease_expires_at = now() + interval '20 s', lease_holder = 'vm:1',"
@@ -274,7 +280,7 @@ def hot_updates(pg) -> None:
 def test_the_reapers_loop_scans_read_the_status_and_queued_at_indexes(pg):
     """With no index on the lease or updated_at (above), the reaper's scans of
     running and queued loops still find them by index, among many finished loops."""
-    from flask_solidloop.loops import store
+
 
     pg.execute("INSERT INTO solidloop_loops (agent_name, status, lease_expires_at)"
                " SELECT 'a', CASE WHEN i % 500 = 0 THEN 'running' WHEN i % 500 = 1"
@@ -282,9 +288,8 @@ def test_the_reapers_loop_scans_read_the_status_and_queued_at_indexes(pg):
                " CASE WHEN i % 500 = 0 THEN now() - interval '1 s' END"
                " FROM generate_series(1, 30000) AS i")
     pg.execute("VACUUM ANALYZE solidloop_loops")
-    for statement, index in ((store.EXPIRED_LLM, "ix_solidloop_loops_status"),
-                             (store.STUCK_QUEUED.replace(":grace", "%(grace)s"),
-                              "ix_solidloop_loops_queued_at")):
+    for statement, index in ((loop_sql.EXPIRED_LLM, "ix_solidloop_loops_status"),
+                             (loop_sql.STUCK_QUEUED, "ix_solidloop_loops_queued_at")):
         for plan in plans(pg, statement, {"grace": 300}):
             assert_uses(plan, index, "solidloop_loops")
 

@@ -9,8 +9,8 @@ from sqlalchemy import func, select, text
 
 from flask_solidloop import ConfigurationError, Toolset
 from flask_solidloop.errors import AgentDefinitionError
-from flask_solidloop.loops import store
 from flask_solidloop.maintenance.janitor import prune
+from flask_solidloop.mcp_server import store as inbound
 from flask_solidloop.models import Event, McpInboundSession
 from flask_solidloop.state import get_state
 
@@ -45,16 +45,16 @@ def test_only_the_toolsets_passed_are_exposed():
 def test_janitor_prunes_inbound_sessions_by_creation_age_with_their_events(app, session):
     state = get_state()
     for sid in ("old-live", "old-ended", "young"):
-        store.create_inbound_session(session, session_id=sid, server_name="s",
-                                     principal_label="p", protocol_version="2025-11-25",
-                                     client_info={})
-        store.record_inbound_event(session, payload={"session_id": sid, "method": "ping"},
-                                   status_code=200, duration_ms=1.0, error=None,
-                                   body_limit=1000)
-    store.record_inbound_event(session, payload={"session_id": None, "method": "tools/list"},
-                               status_code=200, duration_ms=1.0, error=None, body_limit=1000)
-    store.terminate_inbound_session(session, session_id="old-ended", server_name="s",
-                                    principal_label="p")
+        inbound.create_session(session, session_id=sid, server_name="s",
+                               principal_label="p", protocol_version="2025-11-25",
+                               client_info={})
+    inbound.record_events(session, [
+        {"payload": {"session_id": sid, "method": method}, "status_code": 200,
+         "duration_ms": 1.0, "error": None}
+        for sid, method in (("old-live", "ping"), ("old-ended", "ping"), ("young", "ping"),
+                            (None, "tools/list"))], body_limit=1000)
+    inbound.terminate_session(session, session_id="old-ended", server_name="s",
+                              principal_label="p")
     session.execute(text("UPDATE solidloop_mcp_inbound_sessions SET created_at = now() - "
                          "interval '2 hours', last_seen_at = now() WHERE id LIKE 'old-%'"))
     session.commit()

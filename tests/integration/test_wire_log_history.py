@@ -71,7 +71,7 @@ def test_repeat_history_keeps_every_request_whole(database_url, llm):
 def test_tools_that_change_are_logged_whole_again():
     """A request's tools are left out only when they are the ones the loop's
     log already holds (by digest): other tools, or none known, are kept."""
-    from flask_solidloop.loops import store
+    from flask_solidloop.loops.store import wirelog
     from flask_solidloop.wire import WireRecord
 
     def body(tools):
@@ -84,7 +84,7 @@ def test_tools_that_change_are_logged_whole_again():
 
     def logged(tools, known):
         wire = WireRecord(url="u", request_headers={}, request_body=body(tools))
-        params = store._wire_event_params(1, 2, wire, body_limit=65536, tools_logged=known)
+        params = wirelog.llm_event(wire, body_limit=65536, tools_logged=known)
         return params["payload"].obj["request"]["body"]
 
     same = logged(first, history_digest(first))

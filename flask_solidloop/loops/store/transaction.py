@@ -183,10 +183,15 @@ def commit_with_job_done(session: SessionLike, *, keep_objects: bool = False) ->
         note_current_job_done()
 
 
-def end_transaction(session: SessionLike) -> None:
+def end_transaction(session: SessionLike, *, keep_objects: bool = False) -> None:
     """Commit the session's open transaction, if it has one (a turn ends its
     reads before a network call or a tool run). Without one it does nothing:
     a bare ``commit()`` would begin and commit an empty transaction and expire
-    every object the turn still uses."""
+    every object the turn still uses. ``keep_objects``: the transaction only
+    read, and the turn goes on with the rows it read (and the ones its claim
+    wrote): they are not expired, so using them costs no SELECT."""
     if real_session(session).in_transaction():
-        session.commit()
+        if keep_objects:
+            commit_keeping_objects(session)
+        else:
+            session.commit()

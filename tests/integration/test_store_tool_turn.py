@@ -1,6 +1,10 @@
-"""A sole call's outcome in one statement (loops/store.py ``_answer_alone``): the
-row locks, the lease and executed checks, the checkpoint, the answer, the next
-LLM turn's claim, its shell and its history, as one autocommit statement.
+"""The tool turn's writes (loops/store/tool_turn.py): a call's outcome is one
+statement family (loops/sql.TOOL_OUTCOME) with its checks in SQL. For a call
+alone in its message, adopted by its thread, the row locks, the lease and
+executed checks, the checkpoint, the answer, the next LLM turn's claim, its
+shell and its history are one autocommit statement; a call with siblings
+takes the locks first; a stack with a step between the two writes records
+first and answers after.
 
 These drive the store directly against real PostgreSQL, with a second real
 connection holding the loop row where a race needs it: the statement's
@@ -20,10 +24,10 @@ from sqlalchemy import func, select, update
 
 from flask_solidloop.errors import LostLeaseError
 from flask_solidloop.loops import queries, store
+from flask_solidloop.loops import sql as loop_sql
 from flask_solidloop.mcp.toolset import ToolResult
 from flask_solidloop.models import Event, Job, Loop, Message, ToolCall
 from flask_solidloop.queue.broker import libpq_url
-from flask_solidloop.queue.dispatch import Adopted
 
 from ..support.support_app import Assistant
 from .row_locks import hold_loop_while, loop_row_locked
@@ -52,27 +56,32 @@ def tool_phase(session, *, calls: int = 1) -> tuple[int, uuid.UUID, list[int], u
     return loop.id, token, [r.id for r in rows], lease
 
 
-def answer(state, session, loop_id, token, call_id, lease, *, shell=True, history=True,
-           seen=None):
-    """The built-in tool stack's outcome call, with the call as the step knew it
-    (held, as the step holds it). ``seen``: a :func:`statements_of` list, cut to
-    the statements of the outcome alone."""
+def facts(session, call_id):
+    """The call as the step knew it before its tool ran (the step's transaction
+    then ends), and its object, which the step holds (``ctx.tool_call``): the
+    outcome hands it back without a SELECT."""
     held = session.get(ToolCall, call_id)
-    known = store.KnownCall.of(held)
-    session.commit()  # the tool's run ends the step's transaction
+    known = store.CallFacts.of(held)
+    session.commit()
+    return known, held
+
+
+def answer(state, session, loop_id, token, call_id, lease, *, shell=True, history=True,
+           seen=None, adopt=True, sole=True, sequential=False):
+    """The built-in tool stack's outcome call (the default stack: the result and
+    its answer in one statement). ``seen``: a :func:`statements_of` list, cut to
+    the statements of the outcome alone."""
+    known, held = facts(session, call_id)
     if seen is not None:
         seen.clear()
-    state.dispatch.capture(adopt=True)
-    try:
-        _, _, answered = store.checkpoint_and_answer_tool_call(
-            state, session, loop_id=loop_id, token=token, tool_call_id=call_id,
-            lease_token=lease, result=ToolResult(content=[{"type": "text", "text": "2"}]),
-            duration_ms=1.0,
-            body_limit=10_000, answer_text=lambda stored: stored.text(), sequential=False,
-            open_next_shell=shell, read_next_history=history, known=known)
-        return answered, state.dispatch.take_captured()
-    finally:
-        state.dispatch.take_captured()
+    outcome = store.checkpoint_and_answer_tool_call(
+        state, session, known, token=token, lease=lease,
+        result=ToolResult(content=[{"type": "text", "text": "2"}]), duration_ms=1.0,
+        body_limit=10_000, answer_text=lambda stored: stored.text(), sequential=sequential,
+        adopt=adopt, next_turn=store.NextTurn(open_shell=shell, read_history=history),
+        sole_call=sole)
+    assert outcome.call is held
+    return outcome.answered, outcome.adopted
 
 
 def statements_of(monkeypatch) -> list[tuple[str, bool]]:
@@ -99,22 +108,23 @@ def test_a_sole_calls_answer_and_the_next_claim_are_one_autocommit_statement(
     monkeypatch.undo()
     assert answered
     assert len(seen) == 1 and seen[0][1] is True, seen  # one statement, in autocommit
-    assert isinstance(adopted, Adopted) and adopted.execution_token not in (None, token)
+    assert isinstance(adopted, store.AdoptedLlmTurn)
+    assert adopted.claim.token not in (None, token)
     session.expire_all()
     loop = session.get(Loop, loop_id)
     call = session.get(ToolCall, call_id)
-    assert loop.status == "running" and loop.execution_token == adopted.execution_token
+    assert loop.status == "running" and loop.execution_token == adopted.claim.token
     assert loop.lease_expires_at is not None and loop.lease_holder
     assert call.executed_at is not None and call.lease_token is None
     reply = session.get(Message, call.response_message_id)
     assert (reply.role, reply.content, reply.tool_call_id) == ("tool", "2", call_id)
-    shell = session.get(Message, adopted.shell_id)
+    shell = session.get(Message, adopted.claim.shell_id)
     assert shell.status == "processing" and shell.is_hidden and shell.id > reply.id
     events = session.scalars(select(Event).where(Event.tool_call_id == call_id)).all()
     assert len(events) == 1 and events[0].payload["result"]["content"][0]["text"] == "2"
     # The history it carried is the one a fresh read gives now.
-    assert adopted.history == queries.history(session, loop_id)
-    assert adopted.history[-1].role == "tool" and adopted.history[-1].content == "2"
+    assert adopted.claim.history == queries.history(session, loop_id)
+    assert adopted.claim.history[-1].role == "tool" and adopted.claim.history[-1].content == "2"
     session.rollback()
 
 
@@ -123,7 +133,7 @@ def test_without_the_history_or_the_shell_the_statement_leaves_them_to_the_turn(
     loop_id, token, (call_id,), lease = tool_phase(session)
     answered, adopted = answer(state, session, loop_id, token, call_id, lease,
                                shell=False, history=False)
-    assert answered and adopted.history is None and adopted.shell_id is None
+    assert answered and adopted.claim.history is None and adopted.claim.shell_id is None
     session.expire_all()
     assert session.scalars(select(func.count()).select_from(Message).where(
         Message.loop_id == loop_id, Message.status == "processing")).one() == 0
@@ -172,7 +182,7 @@ def test_a_call_with_siblings_takes_the_two_step_path(state, session, monkeypatc
     answered, adopted = answer(state, session, loop_id, token, call_id, lease, seen=seen)
     monkeypatch.undo()
     assert answered and adopted is None
-    assert any(q.startswith("SELECT l.status") for q, _ in seen)  # the two-step lock
+    assert any(q.startswith("SELECT 1 FROM solidloop_loops l JOIN") for q, _ in seen)  # the lock
     session.expire_all()
     assert session.get(ToolCall, call_id).response_message_id is not None
     assert session.get(ToolCall, sibling).response_message_id is None
@@ -262,6 +272,131 @@ def test_objects_the_session_holds_read_what_the_statement_wrote(state, session)
     assert answered
     assert not session().in_transaction()  # the session was never used for it
     call = session.get(ToolCall, call_id)
-    assert loop.execution_token == adopted.execution_token
+    assert loop.execution_token == adopted.claim.token
     assert call.response_message_id is not None and call.lease_token is None
     session.rollback()
+
+
+# -- the statement family: recorded first and answered after, or answered alone -------
+
+
+def record_only(state, session, loop_id, token, call_id, lease):
+    """ToolExecution's own checkpoint, for a stack with a step before ResponseCreation."""
+    return store.checkpoint_tool_call(
+        state, session, facts(session, call_id)[0], token=token, lease=lease,
+        result=ToolResult(content=[{"type": "text", "text": "2"}]), duration_ms=1.0,
+        body_limit=10_000)
+
+
+def answer_only(state, session, call_id, *, token, lease, adopt=True):
+    """ResponseCreation after a recorded result (the step between, or a job that
+    found the call executed: ``lease`` None, fenced on the generation)."""
+    return store.answer_tool_call(
+        state, session, facts(session, call_id)[0], token=token, lease=lease, content="2",
+        is_error=False, sequential=False, adopt=adopt,
+        next_turn=store.NextTurn(open_shell=True, read_history=True))
+
+
+def test_a_recorded_result_is_answered_by_the_same_family_with_the_answer_after(
+        state, session):
+    loop_id, token, (call_id,), lease = tool_phase(session)
+    recorded = record_only(state, session, loop_id, token, call_id, lease)
+    assert not recorded.answered and recorded.adopted is None
+    assert recorded.result.text() == "2"
+    session.expire_all()
+    call = session.get(ToolCall, call_id)
+    # The result and its event, the lease kept, no answer yet.
+    assert call.executed_at is not None and call.lease_token == lease
+    assert call.response_message_id is None
+    assert len(session.scalars(select(Event).where(Event.tool_call_id == call_id)).all()) == 1
+    session.rollback()
+    # A second record finds it executed and writes nothing.
+    with pytest.raises(LostLeaseError, match="already executed"):
+        record_only(state, session, loop_id, token, call_id, lease)
+    answered = answer_only(state, session, call_id, token=token, lease=lease)
+    assert answered.answered and isinstance(answered.adopted, store.AdoptedLlmTurn)
+    session.expire_all()
+    call = session.get(ToolCall, call_id)
+    assert call.lease_token is None and call.response_message_id is not None
+    assert session.get(Loop, loop_id).execution_token == answered.adopted.claim.token
+    assert len(session.scalars(select(Event).where(Event.tool_call_id == call_id)).all()) == 1
+    session.rollback()
+    # A duplicate answer writes nothing.
+    again = answer_only(state, session, call_id, token=answered.adopted.claim.token, lease=None)
+    assert not again.answered and again.adopted is None
+
+
+def test_a_job_without_a_lease_answers_on_the_generation_fence(state, session):
+    """A resumed phase's job for a call that ran before (no lease): the loop's
+    current generation is its fence; a stale one writes nothing."""
+    loop_id, token, (call_id,), lease = tool_phase(session)
+    record_only(state, session, loop_id, token, call_id, lease)
+    with pytest.raises(LostLeaseError, match="changed generation"):
+        answer_only(state, session, call_id, token=uuid.uuid4(), lease=None)
+    session.expire_all()
+    assert session.get(ToolCall, call_id).response_message_id is None
+    session.rollback()
+    assert answer_only(state, session, call_id, token=token, lease=None).answered
+
+
+def test_without_adoption_the_last_answer_queues_the_next_turn_with_its_job(state, session):
+    loop_id, token, (call_id,), lease = tool_phase(session)
+    answered, adopted = answer(state, session, loop_id, token, call_id, lease, adopt=False,
+                               sole=False)
+    assert answered and adopted is None
+    session.expire_all()
+    loop = session.get(Loop, loop_id)
+    assert loop.status == "queued" and loop.execution_token is None
+    jobs = session.scalars(select(Job).where(Job.loop_id == loop_id, Job.state == "queued"))
+    assert [job.actor_name for job in jobs] == ["solidloop.llm_turn"]
+    session.rollback()
+
+
+@pytest.mark.parametrize("adopt", [True, False], ids=["adopted", "a-job"])
+def test_a_sequential_line_passes_to_its_next_call(state, session, adopt):
+    """In sequential mode an answer that leaves calls unanswered hands the line
+    to the next: leased to this thread in the same commit, or its job."""
+    loop_id, token, (first, second), lease = tool_phase(session, calls=2)
+    answered, adopted = answer(state, session, loop_id, token, first, lease, adopt=adopt,
+                               sole=False, sequential=True)
+    assert answered
+    session.expire_all()
+    nxt = session.get(ToolCall, second)
+    jobs = session.scalars(select(Job).where(Job.loop_id == loop_id, Job.state == "queued",
+                                             Job.actor_name == "solidloop.tool_call")).all()
+    if adopt:
+        assert isinstance(adopted, store.AdoptedToolCall) and adopted.tool_call_id == second
+        assert nxt.lease_token == adopted.lease_token and jobs == []
+    else:
+        assert adopted is None and nxt.lease_token is None
+        assert [job.message["args"][0] for job in jobs] == [second]
+    assert session.get(Loop, loop_id).execution_token == token  # still the phase's
+    session.rollback()
+
+
+def test_the_lock_takes_the_loop_row_before_the_call(app, session, database_url):
+    """LOCK_CALL (the statement a call with siblings takes first) locks both rows,
+    the loop's first (the order every writer takes them in): while the call's
+    row is held elsewhere, it waits holding the loop's."""
+    loop_id, _, (call_id,), _ = tool_phase(session)
+    url = libpq_url(database_url)
+    with psycopg.connect(url) as holder, psycopg.connect(url) as locker, \
+            psycopg.connect(url, autocommit=True) as probe:
+        holder.execute("SELECT 1 FROM solidloop_tool_calls WHERE id = %s FOR UPDATE",
+                       (call_id,))
+        done = threading.Event()
+
+        def run() -> None:
+            locker.execute(loop_sql.LOCK_CALL, {"loop_id": loop_id, "call_id": call_id})
+            done.set()
+
+        waiter = threading.Thread(target=run)
+        waiter.start()
+        try:
+            assert loop_row_locked(probe, loop_id), "the lock did not take the loop row first"
+            assert not done.is_set()  # and it waits for the call's
+        finally:
+            holder.rollback()
+            waiter.join(10)
+        assert done.is_set()
+        locker.rollback()

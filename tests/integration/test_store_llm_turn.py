@@ -1,6 +1,8 @@
-"""A delivered LLM turn's claim in one statement (loops/store.py
-``claim_delivered_llm_turn``): the claim, the job marked done, the shell and
-the history, in autocommit after the job log's autocommit read.
+"""The LLM turn's writes (loops/store/llm_turn.py). Its claim is one statement
+(loops/sql.CLAIM_TURN): the claim, the job marked done, the shell and the
+history, in autocommit after the turn's autocommit read, committed before the
+turn's stack runs; when the loop changed since the statement's snapshot, the
+same statement runs again after the loop row is locked.
 
 These drive the store against real PostgreSQL. Where a race matters, a second
 real connection holds the loop row while the claim waits for it: the
@@ -25,18 +27,45 @@ from flask_solidloop.queue.current_job import (
     job_done_committed,
     set_current_job,
 )
+from flask_solidloop.state import get_state
 
 from ..support.support_app import Assistant, calc, llm_settings, solidloop
 from .row_locks import hold_loop_while
-from .test_turn_claim import RenewWhileClaimingAgent
 
 
-def statements_of(monkeypatch) -> list[tuple[str, bool]]:
-    """What this thread sends from here on (but the pool's pings), with its
-    connection's autocommit mode. Other threads (the lease renewer) are left out."""
+class RenewWhileClaiming:
+    """A middleware before AgentInitialization that makes the process's lease
+    renewer run a pass right then (the turn's claim has committed by then)."""
+
+    def __init__(self, next_step):
+        self.next_step = next_step
+
+    def __call__(self, ctx):
+        get_state().renewer().renew_once()
+        return self.next_step(ctx)
+
+
+@solidloop.agent("renew_while_claiming")
+class RenewWhileClaimingAgent(Agent):
+    system_prompt = "You answer."
+    mcps = [{"name": "calc", "toolset": calc}]
+
+    def llm(self) -> dict:
+        return llm_settings()
+
+    def configure_llm_middlewares(self, builder) -> None:
+        from flask_solidloop.pipeline import AgentInitialization
+
+        builder.insert_before(AgentInitialization, RenewWhileClaiming)
+
+
+def statements_of(monkeypatch, *, thread: int | None = None) -> list[tuple[str, bool]]:
+    """What this thread (or the thread named) sends from here on (but the pool's
+    pings), with its connection's autocommit mode. Other threads (the lease
+    renewer) are left out."""
     seen: list[tuple[str, bool]] = []
     execute = psycopg.Cursor.execute
-    me = threading.get_ident()
+    me = thread if thread is not None else threading.get_ident()
 
     def observed(cursor, query, *args, **kwargs):
         text = query if isinstance(query, str) else str(query)
@@ -63,8 +92,8 @@ def running_job(session):
 
 
 def claim(session, loop_id, *, shell=True, history=True):
-    return store.claim_delivered_llm_turn(session, loop_id, lease_seconds=30,
-                                          open_shell=shell, read_history=history)
+    return store.claim_llm_turn(session, loop_id, lease_seconds=30, open_shell=shell,
+                                read_history=history)
 
 
 def claim_in_another_session(app, state, session, loop_id, job_id):
@@ -103,12 +132,12 @@ def test_the_claim_the_job_the_shell_and_the_history_are_one_autocommit_statemen
     assert job_done_committed(job_id)  # the consumer's ack would match nothing
     session.expire_all()
     loop = session.get(Loop, loop_id)
-    assert loop.status == "running" and loop.execution_token == delivered.claim.token
+    assert loop.status == "running" and loop.execution_token == delivered.token
     assert loop.lease_expires_at is not None and loop.lease_holder
     assert session.get(Job, job_id).state == "done"
     shell = session.get(Message, delivered.shell_id)
     assert shell.status == "processing" and shell.is_hidden
-    history = delivered.claim.history
+    history = delivered.history
     assert history == queries.history(session, loop_id)  # what a fresh read gives
     assert [m.role for m in history] == ["system", "user"] and history[-1].content == "hello there"
     session.rollback()
@@ -118,7 +147,7 @@ def test_without_the_shell_or_the_history_the_turn_makes_them(session, running_j
     loop_id, _ = running_job
     delivered = claim(session, loop_id, shell=False, history=False)
     assert delivered is not None
-    assert delivered.shell_id is None and delivered.claim.history is None
+    assert delivered.shell_id is None and delivered.history is None
     session.expire_all()
     assert session.get(Loop, loop_id).status == "running"
     assert session.scalars(select(func.count()).select_from(Message).where(
@@ -143,26 +172,41 @@ def test_a_loop_that_is_not_queued_is_not_claimed(session, running_job):
     assert_unclaimed(session, loop_id, job_id, status="paused")
 
 
-def test_a_loop_rewritten_while_the_claim_waits_is_left_to_the_classic_claim(
-        app, state, session, running_job, database_url):
+def test_a_loop_rewritten_while_the_claim_waits_is_claimed_again_under_the_lock(
+        app, state, session, running_job, database_url, monkeypatch):
     """Someone holding the loop row adds a message and rewrites the row, and the
     loop is still queued when they commit (a stop and a resume with a message
     look like this to a claim that waited through both). The statement's
-    snapshot misses that message, so it must not claim; the classic claim,
-    whose history read starts after the lock is held, then sends it."""
+    snapshot misses that message, so it must not claim; run again after the
+    loop row is locked, its snapshot has the message, and so has the history
+    it reads."""
     loop_id, job_id = running_job
+    claimed = claim_in_another_session(app, state, session, loop_id, job_id)
+    seen: list[tuple[str, bool]] = []
 
-    run = claim_in_another_session(app, state, session, loop_id, job_id)
+    def run():
+        # What the claim's own thread sends.
+        observed = statements_of(monkeypatch, thread=threading.get_ident())
+        try:
+            return claimed()
+        finally:
+            seen.extend(observed)
 
     outcome = hold_loop_while(database_url, loop_id, "WITH seen AS",
                               add_a_message_and_rewrite(loop_id), run)
-    assert outcome == {"value": None}, outcome
-    assert_unclaimed(session, loop_id, job_id)
-    # What the turn does next: the classic claim, and the history read after it.
-    classic = store.start_llm_turn(session, loop_id, lease_seconds=30)
-    assert classic is not None
-    assert queries.history(session, loop_id)[-1].content == "sent while you waited"
-    store.commit_claim(session, classic)
+    monkeypatch.undo()
+    assert "error" not in outcome, outcome
+    delivered = outcome["value"]
+    assert delivered is not None and delivered.shell_id is not None
+    assert delivered.history[-1].content == "sent while you waited"
+    # Alone first (nothing written), then the lock and the same statement in a
+    # transaction.
+    kinds = [(text.split(" ")[0] + " " + text.split(" ")[1], auto) for text, auto in seen
+             if text.startswith(("WITH seen", "SELECT status, frozen"))]
+    assert kinds == [("WITH seen", True), ("SELECT status,", False), ("WITH seen", False)], kinds
+    session.expire_all()
+    assert session.get(Loop, loop_id).execution_token == delivered.token
+    assert session.get(Job, job_id).state == "done"
 
 
 def test_a_pause_committed_while_the_claim_waits_claims_nothing(
@@ -175,7 +219,6 @@ def test_a_pause_committed_while_the_claim_waits_claims_nothing(
         "UPDATE solidloop_loops SET status = 'paused' WHERE id = %s", (loop_id,)), run)
     assert outcome == {"value": None}, outcome
     assert_unclaimed(session, loop_id, job_id, status="paused")
-    assert store.start_llm_turn(session, loop_id, lease_seconds=30) is None
 
 
 def test_a_lock_held_without_a_change_lets_the_claim_through(
@@ -188,7 +231,7 @@ def test_a_lock_held_without_a_change_lets_the_claim_through(
 
     def run():
         delivered = claimed()
-        return delivered.claim.token if delivered else None
+        return delivered.token if delivered else None
 
     outcome = hold_loop_while(database_url, loop_id, "WITH seen AS", lambda holder: None, run)
     assert isinstance(outcome.get("value"), uuid.UUID), outcome
@@ -211,7 +254,7 @@ def test_a_delivered_turn_reads_once_and_claims_once_before_its_request(
                  if sql.startswith("SELECT * FROM solidloop_loops"))
     end = next(i for i, (sql, _) in enumerate(seen) if sql.startswith("WITH fenced"))
     assert [(sql.split(" AS")[0], auto) for sql, auto in seen[first:end + 1]] == [
-        ("SELECT * FROM solidloop_loops WHERE id = %s", True), ("WITH seen", True),
+        ("SELECT * FROM solidloop_loops WHERE id = %(loop_id)s", True), ("WITH seen", True),
         ("WITH fenced", True)], seen[first:end + 1]
     session.expire_all()
     assert session.get(Loop, loop.id).status == "completed"
@@ -257,7 +300,7 @@ class DatabaseBlipAgent(Agent):
         return llm_settings()
 
     def configure_llm_middlewares(self, builder) -> None:
-        from flask_solidloop.pipeline.llm_stack import AgentInitialization
+        from flask_solidloop.pipeline import AgentInitialization
 
         builder.insert_before(AgentInitialization, DatabaseBlipOnce)
 
@@ -294,7 +337,7 @@ def test_a_database_error_before_the_request_hands_the_claimed_turn_back(
 def test_a_turn_whose_claim_met_a_rewritten_loop_sends_what_was_added(
         app, state, session, llm, drain, database_url):
     """End to end through the drain: the loop is rewritten, with a message added,
-    while the turn's claim waits for its row; the turn claims the classic way
+    while the turn's claim waits for its row; the turn claims under the lock
     and its request carries that message."""
     llm.script(lambda body: True, {"content": "hi"})
     loop_id = Assistant.start(message="hello").id
@@ -312,3 +355,78 @@ def test_a_turn_whose_claim_met_a_rewritten_loop_sends_what_was_added(
     assert request.json["messages"][-1]["content"] == "sent while you waited"
     assert {j.state for j in session.scalars(select(Job).where(Job.loop_id == loop_id))} \
         == {"done"}
+
+
+def test_a_renewal_right_after_the_claim_does_not_lose_the_turn(app, session, llm, drain):
+    """A renewal reads committed rows; the claim commits before the stack runs and
+    its lease is registered then, so a renewal during the stack renews it."""
+    llm.script("hello", {"content": "hi"})
+    loop = RenewWhileClaimingAgent.start(message="hello")
+    drain()
+    session.expire_all()
+    done = session.get(Loop, loop.id)
+    assert done.status == "completed", (done.status, done.error_message)
+    assert len(llm.requests) == 1
+
+
+def test_a_shell_opened_on_its_own_is_fenced(session, running_job):
+    """A stack with a step between its initialization and its request opens the
+    turn's shell itself: on the claimed generation only."""
+    from flask_solidloop.errors import LostLeaseError
+
+    loop_id, _ = running_job
+    delivered = claim(session, loop_id, shell=False, history=False)
+    shell_id = store.open_shell(session, loop_id, delivered.token)
+    session.expire_all()
+    shell = session.get(Message, shell_id)
+    assert (shell.status, shell.is_hidden, shell.role) == ("processing", True, "assistant")
+    session.rollback()
+    with pytest.raises(LostLeaseError):
+        store.open_shell(session, loop_id, uuid.uuid4())
+
+
+def test_a_turns_exit_fails_its_loop_and_hides_its_shell_once(session, running_job):
+    from flask_solidloop.wire import WireRecord
+
+    loop_id, _ = running_job
+    delivered = claim(session, loop_id)
+    wire = WireRecord(url="http://llm/v1", request_headers={}, request_body={"model": "m"},
+                      status=503, response_body={"error": "busy"})
+    assert not store.end_turn(session, loop_id, uuid.uuid4(), to="failed",
+                              error_message="stale")  # another generation: nothing
+    assert store.end_turn(session, loop_id, delivered.token, to="failed",
+                          error_message="ProviderHTTPError: HTTP 503", wire=wire,
+                          shell_id=delivered.shell_id, body_limit=1000)
+    session.expire_all()
+    loop = session.get(Loop, loop_id)
+    assert (loop.status, loop.error_message) == ("failed", "ProviderHTTPError: HTTP 503")
+    assert loop.execution_token is None and loop.finished_at is not None
+    shell = session.get(Message, delivered.shell_id)
+    assert (shell.status, shell.is_hidden) == ("failed", True)
+    from flask_solidloop.models import Event
+
+    (event,) = session.scalars(select(Event).where(Event.loop_id == loop_id)).all()
+    assert (event.kind, event.status_code, event.message_id) == (
+        "llm_request", 503, delivered.shell_id)
+    assert not store.end_turn(session, loop_id, delivered.token, to="failed",
+                              error_message="again")  # once
+    session.rollback()
+
+
+def test_a_middleware_transition_sets_the_columns_it_names(session, running_job):
+    loop_id, _ = running_job
+    delivered = claim(session, loop_id)
+    assert store.fenced_transition(session, loop_id, delivered.token, from_="running",
+                                   to="paused", error_message="waiting for a human")
+    session.expire_all()
+    loop = session.get(Loop, loop_id)
+    assert (loop.status, loop.error_message, loop.execution_token) == (
+        "paused", "waiting for a human", None)
+    session.rollback()
+    from flask_solidloop.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="unknown loop status"):
+        store.fenced_transition(session, loop_id, delivered.token, from_="running", to="done")
+    with pytest.raises(InvalidArgumentError, match="no column"):
+        store.fenced_transition(session, loop_id, delivered.token, from_="paused",
+                                to="failed", colour="red")

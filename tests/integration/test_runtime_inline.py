@@ -1,8 +1,8 @@
-"""Inline continuation (runtime/inline.py): the thread that commits a loop's turn
-runs the loop's next job itself. A continuation it adopts is claimed in the
-turn's own commit and has no job row (its lease is the record); one it does
-not (past the hop budget's last adoption, a job enqueued outside the store's
-fused paths) is a reserved job, claimed the broker's way.
+"""Inline continuation (runtime/inline.py): the thread that commits a loop's step
+runs the loop's next step itself. A step it adopts is claimed in the previous
+step's own commit and has no job row (its lease is the record); one it does
+not (the hop budget's last step, a step a commit could not claim) is a plain
+job, delivered by a consumer.
 
 These run a real ``dramatiq.Worker`` in the test process (its worker threads are
 what continues inline) on the app's PostgreSQL broker, against the LLM emulator.
@@ -13,21 +13,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import uuid
 
 import dramatiq
 import psycopg
 import pytest
 from sqlalchemy import select
 
+from flask_solidloop.loops import store
 from flask_solidloop.models import Job, Loop, Message, ToolCall
-from flask_solidloop.queue import sql as jobs_sql
-from flask_solidloop.queue.broker import libpq_url
-from flask_solidloop.queue.dispatch import INLINE_RESERVATION_MS
 from flask_solidloop.state import get_state
 
 from ..support.support_app import SIDE_EFFECTS, Assistant, create_app
-from .row_locks import loop_row_locked
 
 TURN_ACTORS = ("solidloop.llm_turn", "solidloop.tool_call")
 
@@ -220,8 +216,8 @@ def test_the_hop_budget_hands_the_next_job_back_to_the_queue(database_url, llm, 
         assert_completed_once(session, other.id, calls=3)
         jobs = [j for j in turn_jobs(session) if j.loop_id == loop.id]
         assert {(j.state, j.attempts) for j in jobs} == {("done", 1)}
-        # The two inline hops are adopted; the third continuation is a job of
-        # its own, written reserved, handed back and delivered by the consumer.
+        # The first inline hop is adopted; the second runs with adoption off,
+        # so its continuation is a job of its own, delivered by the consumer.
         assert [j.actor_name for j in jobs] == ["solidloop.llm_turn", "solidloop.tool_call",
                                                 "solidloop.llm_turn"]
     # Two inline jobs after each delivered one; the third is woken and delivered.
@@ -263,98 +259,7 @@ def test_the_first_parallel_call_stays_on_the_turns_thread_the_others_are_woken(
     assert len({r.solidloop_tool_call_id for r in tool_starts}) == 3
 
 
-# -- the claim itself ---------------------------------------------------------------
-
-
-def queued_turn_job(app, session, llm, *, reserved: bool = False) -> Job:
-    """A loop's first LLM turn, queued; ``reserved``: written as a captured
-    successor is (due INLINE_RESERVATION_MS later, no NOTIFY)."""
-    llm.script("hello", {"content": "hi"})
-    state = get_state(app)
-    loop = Assistant.start(message="hello", commit=False)
-    session.flush()
-    message = state.actors["llm_turn"].message_with_options(
-        args=(loop.id,), solidloop_loop_id=loop.id)
-    # The loop's own first job is replaced by one written the way the test needs.
-    session.execute(Job.__table__.delete().where(Job.loop_id == loop.id))
-    state.broker.enqueue(message, connection=session,
-                         delay=INLINE_RESERVATION_MS if reserved else None)
-    session.commit()
-    return session.scalars(select(Job).where(Job.loop_id == loop.id)).one()
-
-
-def claim_inline(conn, job: Job) -> list:
-    return conn.execute(jobs_sql.CLAIM_INLINE, {
-        "loop_id": job.loop_id, "message_id": job.message_id}).fetchall()
-
-
-def test_a_consumer_mid_claim_wins_and_the_inline_claim_finds_nothing(
-        app, session, llm, database_url):
-    job = queued_turn_job(app, session, llm)
-    url = libpq_url(database_url)
-    with psycopg.connect(url) as consumer, psycopg.connect(url) as inline:
-        # The consumer's claim, not committed yet: the row is locked.
-        claimed = consumer.execute(jobs_sql.CLAIM, {
-            "lease": 30, "queue": job.queue_name, "limit": 8}).fetchall()
-        assert [row[0] for row in claimed] == [job.id]
-        assert claim_inline(inline, job) == []  # SKIP LOCKED: no wait, no claim
-        inline.rollback()
-        consumer.commit()
-        assert claim_inline(inline, job) == []  # running now: not claimable
-        inline.rollback()
-
-
-def test_an_inline_claim_mid_transaction_keeps_consumers_off(app, session, llm, database_url):
-    job = queued_turn_job(app, session, llm)
-    url = libpq_url(database_url)
-    with psycopg.connect(url) as consumer, psycopg.connect(url) as inline:
-        (row,) = claim_inline(inline, job)
-        assert row[0] == job.id and row[2] == 1
-        assert consumer.execute(jobs_sql.CLAIM, {
-            "lease": 30, "queue": job.queue_name, "limit": 8}).fetchall() == []
-        consumer.rollback()
-        inline.rollback()  # the thread died before its commit: the job is queued again
-        claimed = consumer.execute(jobs_sql.CLAIM, {
-            "lease": 30, "queue": job.queue_name, "limit": 8}).fetchall()
-        assert [r[0] for r in claimed] == [job.id]
-        consumer.rollback()
-
-
-def test_a_reserved_successor_is_not_claimable_by_consumers_until_it_is_due(
-        app, session, llm, database_url):
-    job = queued_turn_job(app, session, llm, reserved=True)
-    with psycopg.connect(libpq_url(database_url)) as conn:
-        assert conn.execute(jobs_sql.CLAIM, {
-            "lease": 30, "queue": job.queue_name, "limit": 8}).fetchall() == []
-        (row,) = claim_inline(conn, job)  # its thread's claim takes it, due or not
-        assert row[0] == job.id
-        conn.rollback()
-
-
-def test_a_successor_nobody_claims_inline_is_found_by_a_consumers_poll(
-        app, session, llm):
-    """What a thread that died right after its turn's commit leaves behind: a
-    reserved job with no NOTIFY. Once due, a consumer's timed poll runs it."""
-    job = queued_turn_job(app, session, llm, reserved=True)
-    run_worker_until(app, session, [job.loop_id])
-    session.expire_all()
-    assert session.get(Loop, job.loop_id).status == "completed"
-    assert (session.get(Job, job.id).state, session.get(Job, job.id).attempts) == ("done", 1)
-
-
-def test_inline_claims_match_only_queued_jobs_of_their_loop(app, session, llm, database_url):
-    job = queued_turn_job(app, session, llm)
-    with psycopg.connect(libpq_url(database_url)) as conn:
-        assert conn.execute(jobs_sql.CLAIM_INLINE, {
-            "loop_id": job.loop_id + 1000, "message_id": job.message_id,
-        }).fetchall() == []
-        assert conn.execute(jobs_sql.CLAIM_INLINE, {
-            "loop_id": job.loop_id, "message_id": uuid.uuid4(),
-        }).fetchall() == []
-        conn.rollback()
-
-
-# -- adoption: the turn's commit claims its successor (loops/store.py) --------------
+# -- adoption: the step's commit claims its successor (loops/store) -----------------
 
 
 def loop_jobs(session, loop_id: int, actor: str) -> list[Job]:
@@ -365,8 +270,8 @@ def loop_jobs(session, loop_id: int, actor: str) -> list[Job]:
 
 def adopt_first_call(app, session, llm):
     """Run a loop's first LLM turn the way a worker thread does when it continues
-    inline (capturing, adoption allowed): its commit leases the call to us."""
-    from flask_solidloop.runtime.turns import run_llm_turn
+    inline (adoption on): its commit leases the call to us."""
+    from flask_solidloop.runtime.turns import llm_turn_job
 
     llm.script("add please", {"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]})
     llm.script(lambda body: body["messages"][-1]["role"] == "tool", {"content": "3"})
@@ -375,89 +280,81 @@ def adopt_first_call(app, session, llm):
     # Its first job stands for the one a consumer delivered: done.
     session.execute(Job.__table__.update().where(Job.loop_id == loop.id).values(state="done"))
     session.commit()
-    state.dispatch.capture(adopt=True)
-    run_llm_turn(state, loop.id)
-    adopted = state.dispatch.take_captured()
+    adopted = llm_turn_job(state, loop.id, adopt=True)
     return state, loop, adopted
 
 
 def test_an_adopted_tool_call_is_leased_in_the_turns_commit_with_no_job(app, session, llm):
     from flask_solidloop.leases import worker_identity
-    from flask_solidloop.queue.dispatch import Adopted
 
     _state, loop, adopted = adopt_first_call(app, session, llm)
-    assert isinstance(adopted, Adopted) and adopted.lease_token is not None
+    assert isinstance(adopted, store.AdoptedToolCall) and adopted.sole_call
     session.expire_all()
     (call,) = session.scalars(select(ToolCall).where(ToolCall.loop_id == loop.id))
     assert (call.lease_token, call.lease_holder) == (adopted.lease_token, worker_identity())
     assert call.leased_until is not None and call.executed_at is None
-    assert adopted.args == (call.id, str(session.get(Loop, loop.id).execution_token))
+    assert (adopted.tool_call_id, adopted.execution_token) == (
+        call.id, session.get(Loop, loop.id).execution_token)
     assert loop_jobs(session, loop.id, "solidloop.tool_call") == []
 
 
-def test_an_adoption_whose_commit_never_happened_is_dropped(app, session):
+def test_without_adoption_the_turn_end_writes_a_job(app, session, llm):
+    """The same turn run with adoption off (a drain, the hop budget's last step):
+    the call gets a job, due now, and nothing is leased."""
+    from flask_solidloop.runtime.turns import llm_turn_job
+
+    llm.script("add please", {"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]})
     state = get_state(app)
-    state.dispatch.capture(adopt=True)
-    assert state.dispatch.can_adopt()
-    adopted = state.dispatch.adopt_llm_turn(1, execution_token=uuid.uuid4(),
-                                            run_elapsed_seconds=0.0)
-    assert not state.dispatch.can_adopt()  # one continuation per turn
-    assert state.dispatch.take_captured() is None  # never confirmed: not ours to run
-    state.dispatch.capture(adopt=True)
-    state.dispatch.confirm(adopted)  # a stale adoption cannot be confirmed later
-    assert state.dispatch.take_captured() is None
-    state.dispatch.capture(adopt=False)
-    assert not state.dispatch.can_adopt()
-    state.dispatch.take_captured()
+    loop = Assistant.start(message="add please")
+    session.execute(Job.__table__.update().where(Job.loop_id == loop.id).values(state="done"))
+    session.commit()
+    assert llm_turn_job(state, loop.id, adopt=False) is None
+    session.expire_all()
+    (call,) = session.scalars(select(ToolCall).where(ToolCall.loop_id == loop.id))
+    assert call.lease_token is None
+    (job,) = loop_jobs(session, loop.id, "solidloop.tool_call")
+    assert job.state == "queued" and job.message["args"][0] == call.id
 
 
 def test_a_handed_back_tool_call_is_a_job_again_and_the_loop_finishes(
         app, session, llm, drain):
-    from flask_solidloop.loops import store
-
     state, loop, adopted = adopt_first_call(app, session, llm)
-    call_id, token = int(adopted.args[0]), uuid.UUID(adopted.args[1])
-    handed = dict(loop_id=loop.id, tool_call_id=call_id, token=token,
-                  lease_token=adopted.lease_token)
-    assert store.hand_back_tool_call(state, session, **handed)
+    assert store.release_tool_call(state, session, adopted)
     session.expire_all()
-    call = session.get(ToolCall, call_id)
+    call = session.get(ToolCall, adopted.tool_call_id)
     assert (call.lease_token, call.leased_until, call.lease_holder) == (None, None, None)
     (job,) = loop_jobs(session, loop.id, "solidloop.tool_call")
     assert job.state == "queued"
-    assert not store.hand_back_tool_call(state, session, **handed)  # the lease is gone
+    assert not store.release_tool_call(state, session, adopted)  # the lease is gone
     drain()
     assert_completed_once(session, loop.id, calls=1)
 
 
 def test_an_adopted_llm_turn_runs_under_its_claim_or_is_handed_back(
         app, session, llm, drain):
-    from flask_solidloop.loops import store
-    from flask_solidloop.runtime.turns import run_llm_turn, run_tool_call
+    from flask_solidloop.runtime.inline import hand_back
+    from flask_solidloop.runtime.turns import run_adopted
 
     state, loop, adopted_call = adopt_first_call(app, session, llm)
     # The tool turn, continuing inline: its answer's commit claims the next LLM turn.
-    state.dispatch.capture(adopt=True)
-    run_tool_call(state, int(adopted_call.args[0]), adopted_call.args[1],
-                  adopted_lease=adopted_call.lease_token)
-    adopted = state.dispatch.take_captured()
-    assert adopted is not None and adopted.execution_token is not None
+    adopted = run_adopted(state, adopted_call, True)
+    assert isinstance(adopted, store.AdoptedLlmTurn)
     session.expire_all()
     held = session.get(Loop, loop.id)
-    assert (held.status, held.execution_token) == ("running", adopted.execution_token)
+    assert (held.status, held.execution_token) == ("running", adopted.claim.token)
     assert held.lease_expires_at is not None
     assert loop_jobs(session, loop.id, "solidloop.llm_turn")[0].state == "done"  # the first
     assert len(loop_jobs(session, loop.id, "solidloop.llm_turn")) == 1  # no new job
     session.rollback()
     # Handed back (a stopping worker): queued again with a job, and only once.
-    assert store.hand_back_llm_turn(state, session, loop.id, adopted.execution_token)
-    assert not store.hand_back_llm_turn(state, session, loop.id, adopted.execution_token)
+    hand_back(state, adopted)
+    assert not store.requeue_llm_turn(state, session, loop.id, adopted.claim.token)
     session.expire_all()
     assert session.get(Loop, loop.id).status == "queued"
     assert [j.state for j in loop_jobs(session, loop.id, "solidloop.llm_turn")] == [
         "done", "queued"]
     # The stale adoption finds the loop moved on and does nothing.
-    run_llm_turn(state, loop.id, adopted=adopted)
+    assert run_adopted(state, adopted, True) is None
     assert len(llm.requests) == 1
     drain()
     assert_completed_once(session, loop.id, calls=1)
@@ -509,7 +406,7 @@ def test_a_turn_end_that_is_its_whole_transaction_runs_in_autocommit(
     def observed(cursor, query, *args, **kwargs):
         text = query if isinstance(query, str) else str(query)
         if text.startswith("WITH fenced AS (UPDATE solidloop_loops"):
-            calls = text.count("INSERT INTO solidloop_tool_calls")
+            calls = len(args[0]["call_names"])  # the calls the turn ends with
             ends.append((cursor.connection.autocommit, calls))
         return execute(cursor, query, *args, **kwargs)
 
@@ -533,7 +430,7 @@ def test_a_turn_end_that_is_its_whole_transaction_runs_in_autocommit(
     # Two one-call turns and the answer: each end alone.
     assert chain_ends == [(True, 1), (True, 1), (True, 0)]
     # The parallel pair's end carries the second call's job: a transaction.
-    assert ends == [(False, 1), (True, 0)]
+    assert ends == [(False, 2), (True, 0)]
 
 
 def test_a_row_object_is_loaded_and_unchanged_in_the_session(app, session):
@@ -599,18 +496,26 @@ class PassThrough:
         return self.next_step(ctx)
 
 
-def test_a_stack_with_a_step_between_initialization_and_request_opens_its_own_shell(app):
-    from flask_solidloop.pipeline.stacks import adopted_turn_shape
+def test_a_stack_with_a_step_between_initialization_and_request_opens_its_own_shell(
+        app, session, llm):
+    from flask_solidloop.pipeline import AgentInitialization
+    from flask_solidloop.pipeline.plan import stack_plan
 
-    from flask_solidloop.pipeline.llm_stack import AgentInitialization
+    from ..support.support_app import solidloop
 
     class WithAStepBetween(Assistant):
         def configure_llm_middlewares(self, builder) -> None:
             builder.insert_after(AgentInitialization, PassThrough)
 
     state = get_state(app)
-    assert adopted_turn_shape(state, Assistant(None)).open_shell
-    assert not adopted_turn_shape(state, WithAStepBetween(None)).open_shell
+    assert stack_plan(state, Assistant(None)).open_shell
+    assert not stack_plan(state, WithAStepBetween(None)).open_shell
+    # End to end: the claim leaves the shell to the turn, which opens it itself.
+    solidloop.agent("step_between")(WithAStepBetween)
+    script_chain(llm, tools=1)
+    loop_id = WithAStepBetween.start(message="chain").id
+    run_worker_until(app, session, [loop_id])
+    assert_completed_once(session, loop_id, calls=1)
 
 
 def test_an_adopted_turn_sends_the_history_its_claim_read(app, session, llm, monkeypatch):
@@ -628,7 +533,7 @@ def test_an_adopted_turn_sends_the_history_its_claim_read(app, session, llm, mon
 
     def history_from_rows(rows):
         result = from_rows(rows)
-        adopting = {"_adopted_llm_turn", "_answer_alone"}
+        adopting = {"_outcome"}
         where = ("adoption" if any(f.function in adopting for f in inspect.stack())
                  else "turn")
         reads.append((where, len(result)))
@@ -660,9 +565,8 @@ def test_an_adopted_turn_sends_the_history_its_claim_read(app, session, llm, mon
 def test_a_host_middleware_before_initialization_reads_its_turns_history_itself(app):
     """A middleware ahead of AgentInitialization may change the conversation
     before it is read: then the adopting answer leaves the read to the turn."""
-    from flask_solidloop.pipeline.stacks import adopted_turn_shape
-
-    from flask_solidloop.pipeline.llm_stack import AgentInitialization, NetworkCalling
+    from flask_solidloop.pipeline import AgentInitialization, NetworkCalling
+    from flask_solidloop.pipeline.plan import stack_plan
 
     class WithAStepAhead(Assistant):
         def configure_llm_middlewares(self, builder) -> None:
@@ -673,53 +577,12 @@ def test_a_host_middleware_before_initialization_reads_its_turns_history_itself(
             builder.insert_before(NetworkCalling, PassThrough)
 
     state = get_state(app)
-    default = adopted_turn_shape(state, Assistant(None))
+    default = stack_plan(state, Assistant(None))
     assert default.open_shell and default.read_history
-    ahead = adopted_turn_shape(state, WithAStepAhead(None))
+    ahead = stack_plan(state, WithAStepAhead(None))
     assert ahead.open_shell and not ahead.read_history
-    between = adopted_turn_shape(state, WithAStepBetween(None))
+    between = stack_plan(state, WithAStepBetween(None))
     assert not between.open_shell and between.read_history
-
-
-def test_the_checkpoint_locks_the_loop_row_before_the_calls(app, session, database_url):
-    """One statement locks both rows, the loop's first (the order every writer
-    takes them in): while the call's row is held elsewhere, the checkpoint
-    waits holding the loop's, so a writer that takes the loop first waits on it
-    and none takes the call before the loop."""
-    import threading
-
-    from flask_solidloop.loops import store
-
-    loop = Assistant.start(message="hello")
-    loop_id = loop.id
-    shell = Message(loop_id=loop_id, role="assistant", content="", status="completed")
-    session.add(shell)
-    session.flush()
-    call = ToolCall(loop_id=loop_id, message_id=shell.id, position=0, name="add")
-    session.add(call)
-    session.commit()
-    call_id = call.id
-    url = libpq_url(database_url)
-    with psycopg.connect(url) as holder, psycopg.connect(url) as checkpoint, \
-            psycopg.connect(url, autocommit=True) as probe:
-        holder.execute("SELECT 1 FROM solidloop_tool_calls WHERE id = %s FOR UPDATE",
-                       (call_id,))
-        done = threading.Event()
-
-        def run() -> None:
-            checkpoint.execute(store._LOCK_FOR_CHECKPOINT, (loop_id, call_id)).fetchall()
-            done.set()
-
-        waiter = threading.Thread(target=run)
-        waiter.start()
-        try:
-            assert loop_row_locked(probe, loop_id), "the checkpoint did not take the loop row first"
-            assert not done.is_set()  # and it waits for the call's
-        finally:
-            holder.rollback()
-            waiter.join(10)
-        assert done.is_set()
-        checkpoint.rollback()
 
 
 def test_get_loop_loads_a_loop_as_session_get_would(app, session):

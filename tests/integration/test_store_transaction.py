@@ -1,7 +1,8 @@
-"""loops/sole.py: a statement that is its caller's whole transaction runs in
-autocommit outside a session that holds nothing, joins the session's
-transaction otherwise, and is prepared on its first run unless the host's
-connections never prepare. Real PostgreSQL, real SQLAlchemy sessions."""
+"""loops/store/transaction.py: a statement that is its caller's whole
+transaction runs in autocommit outside a session that holds nothing
+(``run_alone``), joins the session's transaction otherwise, and is prepared on
+its first run unless the host's connections never prepare. Real PostgreSQL,
+real SQLAlchemy sessions."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 from flask_solidloop.dbapi import driver_connection
-from flask_solidloop.loops.sole import fetch_one
+from flask_solidloop.loops.store.transaction import run_alone
 
 
 @pytest.fixture
@@ -40,7 +41,7 @@ def prepared(session: Session, marker: str) -> int:
 def test_a_session_holding_nothing_runs_the_statement_alone_and_prepared(engine_with):
     marker = f"m{uuid.uuid4().hex}"
     with Session(engine_with()) as session:
-        row, alone = fetch_one(session, f"SELECT 1 AS one, '{marker}' AS m", {}, sole=True)
+        row, alone = run_alone(session, f"SELECT 1 AS one, '{marker}' AS m", {}, sole=True)
         assert row == {"one": 1, "m": marker} and alone
         assert not session.in_transaction()
         # The pool's one connection ran it: it holds the statement prepared.
@@ -51,7 +52,7 @@ def test_a_session_in_a_transaction_joins_it(engine_with):
     marker = f"m{uuid.uuid4().hex}"
     with Session(engine_with()) as session:
         session.execute(text("CREATE TEMP TABLE sole_probe (id int) ON COMMIT DROP"))
-        row, alone = fetch_one(session, f"INSERT INTO sole_probe VALUES (1) "
+        row, alone = run_alone(session, f"INSERT INTO sole_probe VALUES (1) "
                                f"RETURNING id, '{marker}' AS m", {}, sole=True)
         assert row == {"id": 1, "m": marker} and not alone
         # Inside the session's transaction: its temp table still has the row.
@@ -62,7 +63,7 @@ def test_a_session_in_a_transaction_joins_it(engine_with):
 
 def test_not_sole_always_joins_the_session(engine_with):
     with Session(engine_with()) as session:
-        row, alone = fetch_one(session, "SELECT 2 AS two", {}, sole=False)
+        row, alone = run_alone(session, "SELECT 2 AS two", {}, sole=False)
         assert row == {"two": 2} and not alone and session.in_transaction()
 
 
@@ -71,8 +72,8 @@ def test_connections_that_never_prepare_are_left_so(engine_with):
     the statement is not prepared, alone or in the session's transaction."""
     marker = f"m{uuid.uuid4().hex}"
     with Session(engine_with(prepare_threshold=None)) as session:
-        fetch_one(session, f"SELECT '{marker}' AS m", {}, sole=True)
-        fetch_one(session, f"SELECT '{marker}' AS m", {}, sole=False)
+        run_alone(session, f"SELECT '{marker}' AS m", {}, sole=True)
+        run_alone(session, f"SELECT '{marker}' AS m", {}, sole=False)
         assert driver_connection(session).prepare_threshold is None
         assert prepared(session, marker) == 0
 
@@ -85,7 +86,7 @@ def test_a_failed_autocommit_statement_leaves_the_connection_transactional(engin
 
     with Session(engine_with()) as session:
         with pytest.raises(psycopg.errors.DivisionByZero):
-            fetch_one(session, "SELECT 1 / 0 AS boom", {}, sole=True)
+            run_alone(session, "SELECT 1 / 0 AS boom", {}, sole=True)
         assert not driver_connection(session).autocommit
         session.execute(text("CREATE TEMP TABLE sole_after (id int)"))
         session.rollback()
@@ -96,14 +97,14 @@ def test_a_failed_autocommit_statement_leaves_the_connection_transactional(engin
 def test_a_transaction_begun_without_a_connection_holds_nothing(engine_with):
     """Adding a loaded object begins a session transaction with no connection
     (queries.row_object does): the statement still runs alone."""
-    from flask_solidloop.loops.sole import _on_the_wire
+    from flask_solidloop.loops.store.transaction import _on_the_wire
 
     with Session(engine_with()) as session:
         session.begin()
         assert session.in_transaction() and not _on_the_wire(session)
-        _, alone = fetch_one(session, "SELECT 1 AS one", {}, sole=True)
+        _, alone = run_alone(session, "SELECT 1 AS one", {}, sole=True)
         assert alone
         session.execute(text("SELECT 1"))
         assert _on_the_wire(session)
-        _, alone = fetch_one(session, "SELECT 1 AS one", {}, sole=True)
+        _, alone = run_alone(session, "SELECT 1 AS one", {}, sole=True)
         assert not alone
