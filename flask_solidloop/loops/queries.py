@@ -121,7 +121,8 @@ def is_owned(session: SessionLike, loop_id: int, token: uuid.UUID) -> bool:
     row = session.execute(
         select(Loop.status, Loop.execution_token).where(Loop.id == loop_id)
     ).one_or_none()
-    return row is not None and row.status == "running" and row.execution_token == token
+    return row is not None and row.status == LoopStatus.RUNNING \
+        and row.execution_token == token
 
 
 def run_elapsed_seconds(session: SessionLike, loop_id: int) -> float | None:
@@ -294,7 +295,7 @@ def list_loops(session: SessionLike, filters: LoopFilter = LoopFilter(), *,
 
 # -- the admin's reads: search, bulk selection, dashboard aggregates -----------------
 #
-# Everything below serves flask_solidloop/admin (issue 15). The listing never
+# Everything below serves flask_solidloop/admin. The listing never
 # counts an unfiltered table: pages are keyset on the primary key, and a count
 # (for a bulk action's confirmation) is capped. Windows "since T" are turned
 # into an id boundary by a binary search on the primary key (ids grow with
@@ -303,12 +304,15 @@ def list_loops(session: SessionLike, filters: LoopFilter = LoopFilter(), *,
 
 #: Failure classes of a failed loop, from its ``error_message``. Checked in
 #: order; the first match wins. Code errors come first so a ``TypeError`` whose
-#: text mentions "timeout" is not mislabelled infra (the gem's rule). Patterns
+#: text mentions "timeout" is not mislabelled infra: a bug in the agent is not
+#: a flaky network, whatever its message says. Patterns
 #: are POSIX regexes PostgreSQL (``~*``) and Python ``re`` (IGNORECASE) read alike.
 FAILURE_CLASSES: tuple[tuple[str, str], ...] = (
     ("agent", r"^(TypeError|KeyError|AttributeError|NameError|ValueError|IndexError|"
               r"AssertionError|RuntimeError|NotImplementedError|ZeroDivisionError|"
-              r"UnknownAgentError|AgentDefinitionError|ToolDefinitionError):"),
+              r"UnknownAgentError|AgentDefinitionError|ToolDefinitionError|"
+              r"InvalidArgumentError|SetupError|NotInitializedError|UnknownToolError|"
+              r"UnknownMiddlewareError):"),
     ("operator", r"^(force stopped|stopped|frozen)|by (an )?operator"),
     ("limit", r"^LimitExceededError"),
     ("infra:http", r"^ProviderHTTPError|HTTP [1-5][0-9][0-9]"),

@@ -1,7 +1,7 @@
 """The middleware stack builder behind every LLM and tool turn.
 
 A middleware is a class constructed with the next callable in the chain and
-called with the turn's context (the Rack shape the seed uses)::
+called with the turn's context (the shape of Rack's middlewares)::
 
     class Audit:
         def __init__(self, next_step):

@@ -37,6 +37,8 @@ def test_safe_url_allows_only_relative_and_http_links(url, safe):
     ("ProviderResponseError: could not parse the body", "infra:parse"),
     ("TypeError: unsupported operand; the timeout was None", "agent"),
     ("KeyError: 'x'", "agent"),
+    ("InvalidArgumentError: the timeout must be a number", "agent"),
+    ("SetupError: set FLASK_APP; the connect timeout is fine", "agent"),
     ("force stopped: stopped by an operator in the admin", "operator"),
     ("LimitExceededError: max_steps 3 reached", "limit"),
     ("something odd", "agent"), (None, "agent"),
