@@ -14,6 +14,9 @@ from sqlalchemy.engine import make_url
 from .errors import DatabaseUnavailableError
 from .urls import libpq_url, redact_url
 
+__all__ = ["UPGRADE_COMMAND", "applied_revision", "check_connection", "check_schema",
+           "ensure_database", "unavailable", "upgrade_database"]
+
 UPGRADE_COMMAND = "flask solidloop db upgrade"
 
 

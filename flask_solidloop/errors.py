@@ -46,6 +46,15 @@ from dramatiq.errors import BrokerConnectionError, QueueNotFound
 
 from .wire import WireRecord
 
+__all__ = ["AbortedError", "AgentDefinitionError", "AgentError", "BrokerError",
+           "BrokerUnavailableError", "ConfigurationError", "DatabaseUnavailableError",
+           "InvalidArgumentError", "InvalidJobError", "JobEncodeError", "JobError",
+           "JobImportError", "LimitExceededError", "LostLeaseError", "McpTransportError",
+           "NoSuchJobError", "NotInitializedError", "ProviderAnswerError", "ProviderError",
+           "ProviderHTTPError", "ProviderResponseError", "QueueNotDeclaredError", "SetupError",
+           "SolidLoopError", "ToolDefinitionError", "UnknownAgentError", "UnknownMiddlewareError",
+           "UnknownToolError", "WaitTimeoutError"]
+
 
 class SolidLoopError(Exception):
     """Base class of every error raised by flask-solidloop."""

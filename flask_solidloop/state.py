@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 EXTENSION_KEY = "solidloop"
 
+__all__ = ["EXTENSION_KEY", "AgentLike", "AgentRegistry", "SolidLoopState", "get_state"]
+
 
 class AgentLike(Protocol):
     """What the lower layers use of an agent (``flask_solidloop.Agent`` implements it)."""

@@ -406,8 +406,11 @@ def _tool_outcome(record: bool, answer: bool) -> str:
     if not answer:
         return (f"{', '.join(parts)} SELECT {', '.join(selected)} "
                 "FROM (SELECT 1) AS one LEFT JOIN locked ON true")
-    last = f"(SELECT answered FROM ok) AND NOT EXISTS (SELECT 1 {_UNANSWERED_BESIDE})"
+    # The siblings still unanswered, read once: the last answer is the one
+    # that leaves none.
+    last = "(SELECT answered FROM ok) AND cardinality((SELECT ids FROM rest)) = 0"
     parts += [
+        f"rest AS (SELECT ARRAY(SELECT s.id {_UNANSWERED_BESIDE} ORDER BY s.position) AS ids)",
         f"claim AS (UPDATE solidloop_loops SET {_CLAIM_SET} WHERE id = %(loop_id)s "
         f"AND %(adopt)s AND {last} {_CLAIM_RETURNING})",
         f"requeued AS (UPDATE solidloop_loops SET {REQUEUE_SET} WHERE id = %(loop_id)s "
@@ -422,7 +425,7 @@ def _tool_outcome(record: bool, answer: bool) -> str:
         f"{HISTORY_ROWS} UNION ALL SELECT false, a.id, 'tool', a.content, NULL, a.metadata, "
         "a.tool_call_id, NULL, NULL, a.id FROM answer a")
     selected += [
-        f"ARRAY(SELECT s.id {_UNANSWERED_BESIDE} ORDER BY s.position) AS solidloop_remaining",
+        "(SELECT ids FROM rest) AS solidloop_remaining",
         "EXISTS (SELECT 1 FROM requeued) AS solidloop_requeued", "claim.*", _SHELL_SELECTED,
         f"CASE WHEN %(read_history)s AND claim.id IS NOT NULL THEN {history} END "
         "AS solidloop_history"]

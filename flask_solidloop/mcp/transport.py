@@ -31,6 +31,8 @@ from .toolset import ToolResult
 
 IDEMPOTENCY_META_KEY = "solidloop/idempotencyKey"
 
+__all__ = ["IDEMPOTENCY_META_KEY", "McpTransport"]
+
 
 @runtime_checkable
 class McpTransport(Protocol):

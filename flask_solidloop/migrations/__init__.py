@@ -24,6 +24,9 @@ VERSIONS = os.path.join(DIRECTORY, "versions")
 VERSION_TABLE = "solidloop_alembic_version"
 BRANCH = "solidloop"
 
+__all__ = ["BRANCH", "VERSION_TABLE", "alembic_config", "configure_flask_migrate",
+           "current_revision", "downgrade", "head_revision", "include_object", "upgrade"]
+
 
 def alembic_config(url: str) -> AlembicConfig:
     cfg = AlembicConfig()

@@ -112,7 +112,7 @@ class BatchAgent(Agent):
         return llm_settings()
 
     def configure_llm_middlewares(self, builder) -> None:
-        from flask_solidloop.pipeline.llm_stack import AgentInitialization
+        from flask_solidloop.pipeline import AgentInitialization
 
         builder.insert_after(AgentInitialization, CompleteOnFullySuccessfulToolTurn)
 
@@ -307,8 +307,7 @@ class XmlToolsAgent(Agent):
         return llm_settings()
 
     def configure_llm_middlewares(self, builder) -> None:
-        from flask_solidloop.pipeline.llm_stack import ResponseParsing
-        from flask_solidloop.pipeline.xml_tools import ToolCallXmlParser
+        from flask_solidloop.pipeline import ResponseParsing, ToolCallXmlParser
 
         builder.insert_before(ResponseParsing, ToolCallXmlParser)
 
