@@ -1,4 +1,6 @@
-"""Lease renewer, reaper, janitor and the loop controls, against the real database."""
+"""The lease renewer, the janitor, and the turn's end under a moved fence, against the
+real database (the reaper's cases: test_store_heals.py; the loop controls:
+test_store_commands.py)."""
 
 from __future__ import annotations
 
@@ -10,29 +12,17 @@ from datetime import timedelta
 
 import psycopg
 import pytest
-from sqlalchemy import func, select, text, update
+from sqlalchemy import func, select, update
 
 from flask_solidloop.leases import APPLICATION_NAME, LeaseRenewer
 from flask_solidloop.maintenance.janitor import prune
 from flask_solidloop.maintenance.reaper import reap
-from flask_solidloop.models import Event, Job, Loop, Message, ToolCall
+from flask_solidloop.models import Event, Loop, Message, ToolCall
 from flask_solidloop.queue.broker import libpq_url
 from flask_solidloop.testing import drain as run
 
-from ..support.support_app import SIDE_EFFECTS, Assistant
-
-
-def running_loop(session, *, lease_seconds: float = 60) -> tuple[int, uuid.UUID]:
-    """A loop claimed by a (pretend) worker: running, with a token and a lease."""
-    loop = Assistant.start(message="hello there")
-    token = uuid.uuid4()
-    session.execute(update(Job).where(Job.loop_id == loop.id).values(state="done"))
-    session.execute(update(Loop).where(Loop.id == loop.id).values(
-        status="running", execution_token=token,
-        lease_expires_at=func.now() + timedelta(seconds=lease_seconds),
-        started_at=func.now(), run_started_at=func.now()))
-    session.commit()
-    return loop.id, token
+from ..support.support_app import Assistant
+from .loop_states import running_loop
 
 
 def lease_of(pg, loop_id):
@@ -227,163 +217,6 @@ def test_a_renewer_blip_mid_request_costs_nothing(app, state, session, llm, pg):
 # -- the reaper -------------------------------------------------------------------------
 
 
-def test_reaper_requeues_an_expired_llm_turn_and_hides_its_shell(state, session, pg):
-    loop_id, _ = running_loop(session)
-    session.add(Message(loop_id=loop_id, role="assistant", status="processing",
-                        is_hidden=True, content="partial"))
-    session.commit()
-    assert reap(state).healed == 0  # lease still live: nothing to do
-    pg.execute("UPDATE solidloop_loops SET lease_expires_at = now() - interval '1 second'")
-    report = reap(state)
-    assert report.expired_llm == [loop_id]
-    session.expire_all()
-    loop = session.get(Loop, loop_id)
-    assert (loop.status, loop.execution_token, loop.lease_expires_at) == ("queued", None, None)
-    shell = session.scalars(select(Message).where(Message.role == "assistant")).one()
-    assert (shell.status, shell.is_hidden) == ("failed", True)
-    live = list(session.scalars(select(Job).where(Job.state == "queued")))
-    assert [(j.actor_name, j.loop_id) for j in live] == [("solidloop.llm_turn", loop_id)]
-    assert reap(state).healed == 0  # idempotent
-
-
-def tool_phase(app, session, llm, *, calls=1):
-    llm.script("tools", {"tool_calls": [
-        {"name": "add", "arguments": {"a": i, "b": 1}} for i in range(calls)]})
-    llm.script(lambda body: body["messages"][-1]["role"] == "tool", {"content": "all done"})
-    loop = Assistant.start(message="tools please")
-    run(app, queues=("solidloop_llm",))
-    return loop.id
-
-
-def test_reaper_reclaims_one_stalled_tool_without_fencing_its_sibling(app, state, session,
-                                                                      llm, pg):
-    loop_id = tool_phase(app, session, llm, calls=2)
-    calls = list(session.scalars(select(ToolCall).order_by(ToolCall.position)))
-    dead_lease = uuid.uuid4()
-    # call 0: claimed by a worker that died long ago; call 1: its job is still queued
-    pg.execute("UPDATE solidloop_tool_calls SET lease_token = %s, "
-               "leased_until = now() - interval '1 second' WHERE id = %s",
-               (dead_lease, calls[0].id))
-    pg.execute("UPDATE solidloop_jobs SET state = 'done' "
-               "WHERE message->'args'->>0 = %s", (str(calls[0].id),))
-    report = reap(state)
-    assert report.stalled_tools == [calls[0].id]
-    session.expire_all()
-    reclaimed = session.get(ToolCall, calls[0].id)
-    assert reclaimed.lease_token not in (None, dead_lease)
-    assert reap(state).stalled_tools == []  # the new lease is live
-    run(app)
-    session.expire_all()
-    assert session.get(Loop, loop_id).status == "completed"
-    assert len(SIDE_EFFECTS) == 2
-    tool_messages = list(session.scalars(select(Message).where(Message.role == "tool")))
-    assert sorted(m.tool_call_id for m in tool_messages) == sorted(c.id for c in calls)
-
-
-def test_reaper_finishes_a_checkpointed_call_whose_continuation_was_dropped(
-        app, state, session, llm, pg):
-    loop_id = tool_phase(app, session, llm)
-    call = session.scalars(select(ToolCall)).one()
-    # the worker executed the tool, checkpointed, and died before answering
-    pg.execute("UPDATE solidloop_tool_calls SET executed_at = now(), is_success = true, "
-               "result = %s, lease_token = gen_random_uuid(), leased_until = now() + "
-               "interval '1 hour', updated_at = now() - interval '1 hour' WHERE id = %s",
-               ('{"content": [{"type": "text", "text": "1"}], "isError": false}', call.id))
-    pg.execute("UPDATE solidloop_jobs SET state = 'done'")
-    report = reap(state)
-    assert report.dropped_tools == [call.id]
-    run(app)
-    session.expire_all()
-    assert session.get(Loop, loop_id).status == "completed"
-    assert SIDE_EFFECTS == []  # the body never ran again: the checkpoint was restored
-    tool_message = session.scalars(select(Message).where(Message.role == "tool")).one()
-    assert tool_message.content == "1"
-
-
-def test_reaper_reenqueues_a_tool_call_whose_job_was_lost(app, state, session, llm, pg):
-    loop_id = tool_phase(app, session, llm)
-    pg.execute("UPDATE solidloop_jobs SET state = 'dead'")
-    pg.execute("UPDATE solidloop_tool_calls SET updated_at = now() - interval '1 hour'")
-    assert reap(state).dropped_tools != []
-    run(app)
-    session.expire_all()
-    assert session.get(Loop, loop_id).status == "completed"
-
-
-def test_reaper_requeues_a_queued_loop_with_no_live_job(app, state, session, llm, pg):
-    llm.script("stuck", {"content": "unstuck"})
-    loop = Assistant.start(message="stuck in the queue")
-    pg.execute("UPDATE solidloop_jobs SET state = 'dead'")
-    assert reap(state).stuck_queued == []  # younger than SOLIDLOOP_QUEUED_REAP_THRESHOLD
-    # Its age is queued_at, the moment it became queued (updated_at moves with
-    # any update, and is not indexed: migration 0009).
-    pg.execute("UPDATE solidloop_loops SET updated_at = now() - interval '1 hour'")
-    assert reap(state).stuck_queued == []
-    pg.execute("UPDATE solidloop_loops SET queued_at = now() - interval '1 hour'")
-    assert reap(state).stuck_queued == [loop.id]
-    assert reap(state).stuck_queued == []  # a live job exists now
-    run(app)
-    session.expire_all()
-    assert session.get(Loop, loop.id).status == "completed"
-
-
-def test_reaper_fails_orphan_shells_on_paused_loops(state, session):
-    loop_id, _ = running_loop(session)
-    Assistant(loop_id).pause()
-    session.add(Message(loop_id=loop_id, role="assistant", status="processing",
-                        is_hidden=False, content="half"))
-    session.commit()
-    report = reap(state)
-    assert len(report.orphan_shells) == 1
-    session.expire_all()
-    shell = session.scalars(select(Message).where(Message.role == "assistant")).one()
-    assert (shell.status, shell.is_hidden) == ("failed", True)
-
-
-def test_reaper_recovers_expired_broker_jobs(state, session, pg):
-    Assistant.start(message="job lease")
-    pg.execute("UPDATE solidloop_jobs SET state = 'running', lease_token = gen_random_uuid(), "
-               "lease_until = now() - interval '1 second', attempts = 1")
-    assert reap(state).expired_jobs == 1
-    assert pg.execute("SELECT state FROM solidloop_jobs").fetchone() == ("queued",)
-
-
-def test_concurrent_reapers_repair_each_loop_once(app, state, session, pg):
-    ids = [running_loop(session)[0] for _ in range(20)]
-    pg.execute("UPDATE solidloop_loops SET lease_expires_at = now() - interval '1 second'")
-    reports, errors = [], []
-
-    def one_reaper():
-        from ..support.support_app import create_app
-
-        other = create_app()
-        try:
-            with other.app_context():
-                reports.append(reap(other.extensions["solidloop"]))
-        except Exception as exc:
-            errors.append(exc)
-        finally:
-            other.extensions["solidloop"].broker.close()
-
-    threads = [threading.Thread(target=one_reaper) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
-    healed = sorted(i for r in reports for i in r.expired_llm)
-    assert healed == sorted(ids)  # each loop exactly once across all reapers
-    jobs = pg.execute("SELECT loop_id, count(*) FROM solidloop_jobs WHERE state = 'queued' "
-                      "GROUP BY loop_id").fetchall()
-    assert sorted(j[0] for j in jobs) == sorted(ids) and {j[1] for j in jobs} == {1}
-
-
-def test_last_reaped_at_is_exposed(state):
-    assert state.last_reaped_at is None
-    reap(state)
-    assert state.last_reaped_at is not None and state.last_reaped_at <= time.time()
-
-
 # -- the janitor ------------------------------------------------------------------------
 
 
@@ -427,60 +260,6 @@ def test_janitor_prunes_in_batches(app, session, pg):
 # -- loop controls ----------------------------------------------------------------------
 
 
-def test_force_stop_cancels_queued_jobs_and_revokes_tool_leases(app, state, session, llm):
-    loop_id = tool_phase(app, session, llm, calls=2)
-    session.execute(update(ToolCall).values(lease_token=uuid.uuid4(),
-                                            leased_until=func.now() + timedelta(hours=1)))
-    session.commit()
-    assert Assistant(loop_id).force_stop(reason="operator") is True
-    session.expire_all()
-    loop = session.get(Loop, loop_id)
-    assert (loop.status, loop.error_message) == ("failed", "force stopped: operator")
-    assert {c.lease_token for c in session.scalars(select(ToolCall))} == {None}
-    assert session.scalar(select(func.count()).select_from(Job)
-                          .where(Job.state == "queued")) == 0
-    run(app)
-    assert SIDE_EFFECTS == []
-    assert Assistant(loop_id).force_stop() is False
-
-
-def test_freeze_blocks_resume_until_unfrozen(app, session, llm):
-    llm.script("frozen", {"content": "thawed"})
-    loop = Assistant.start(message="frozen")
-    agent = Assistant(loop)
-    assert agent.freeze() is True
-    session.expire_all()
-    row = session.get(Loop, loop.id)
-    assert (row.status, row.frozen) == ("paused", True)
-    assert agent.freeze() is False
-    assert agent.resume() is False
-    assert agent.unfreeze() is True
-    assert agent.resume() is True
-    run(app)
-    session.expire_all()
-    assert session.get(Loop, loop.id).status == "completed"
-
-
-def test_observe_toggles_the_flag(app, session):
-    loop = Assistant.start(message="watch me")
-    assert Assistant(loop).observe() is True
-    assert Assistant(loop).observe() is False  # already observed
-    session.expire_all()
-    assert session.get(Loop, loop.id).observed is True
-    assert Assistant(loop).observe(False) is True
-
-
-def test_stale_generation_cannot_complete_after_force_stop(app, state, session):
-    from flask_solidloop.loops import store
-
-    loop_id, token = running_loop(session)
-    Assistant(loop_id).force_stop()
-    assert not store.fenced_transition(session, loop_id, token, from_="running",
-                                       to="completed")
-    assert session.execute(text("SELECT status FROM solidloop_loops WHERE id = :i"),
-                           {"i": loop_id}).scalar() == "failed"
-
-
 def test_a_slow_healthy_tool_keeps_its_lease_and_runs_once(app, state, session, llm, pg):
     """Longer than its lease, but its worker is alive: the renewer keeps it."""
     from flask_solidloop import Agent, Toolset
@@ -516,18 +295,6 @@ def test_a_slow_healthy_tool_keeps_its_lease_and_runs_once(app, state, session, 
     session.expire_all()
     assert session.get(Loop, loop.id).status == "completed"
     assert runs == [1]
-
-
-def test_reaper_leaves_a_stalled_call_alone_while_a_job_for_it_is_queued(
-        app, state, session, llm, pg):
-    tool_phase(app, session, llm)
-    call = session.scalars(select(ToolCall)).one()
-    pg.execute("UPDATE solidloop_tool_calls SET lease_token = gen_random_uuid(), "
-               "leased_until = now() - interval '1 second' WHERE id = %s", (call.id,))
-    # its job is still queued (a backlog): it will claim the call when it runs
-    assert reap(state).stalled_tools == []
-    pg.execute("UPDATE solidloop_jobs SET state = 'done'")
-    assert reap(state).stalled_tools == [call.id]
 
 
 @pytest.mark.parametrize("alone", [False, True], ids=["in-a-transaction", "autocommit"])
