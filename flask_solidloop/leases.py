@@ -2,7 +2,7 @@
 
 This module owns lease *renewal* only: it extends ``lease_expires_at`` and
 ``leased_until`` of leases a turn already holds, and never changes a loop's
-status, token or anything else (loops/store.py owns every state change; the
+status, token or anything else (loops/store/ owns every state change; the
 layering test checks that these are the only columns written here). It sits
 low in the layer order so the queue's worker middleware can start and stop it.
 

@@ -2,7 +2,7 @@
 the response, every attempt and the timings.
 
 At the bottom of the layers: the send path (llm/) fills it, ``ProviderError.wire``
-carries it, and loops/store.py writes it as an event row.
+carries it, and loops/store/ writes it as an event row.
 """
 
 from __future__ import annotations

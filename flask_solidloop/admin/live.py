@@ -3,7 +3,7 @@ process, fanned out to every stream in it; no stream holds a database
 connection while it waits.
 
 Turns announce their writes with ``pg_notify`` in the same transaction
-(``loops/store.py``: each partial and each finished turn), so a notification
+(``loops/store/``: each partial and each finished turn), so a notification
 means the row is committed. :class:`LiveHub` runs one thread per process that
 LISTENs on its own psycopg connection and bumps a per-loop counter under a
 ``threading.Condition``; a stream waits on that condition (no connection),

@@ -49,7 +49,8 @@ def get_loop(session: SessionLike, loop_id: int, *, alone: bool = False) -> Loop
     machinery; anything the session holds, or has pending, goes through
     ``session.get`` itself. ``alone``: the caller needs no transaction around
     the read (its next write is a statement of its own), so a session holding
-    nothing reads in autocommit, with no ``BEGIN`` to end later (loops/sole.py)."""
+    nothing reads in autocommit, with no ``BEGIN`` to end later
+    (loops/store/transaction.run_alone)."""
     real = real_session(session)
     if identity_key(Loop, loop_id) in real.identity_map or real.new or real.dirty \
             or real.deleted:

@@ -5,7 +5,7 @@ selects candidates with ``FOR UPDATE SKIP LOCKED`` (or re-checks its condition
 under the loop row lock) and changes rows with a compare-and-set, so two
 reapers racing on one loop resolve to one repair. Each repair and the job it
 implies commit together, like every other transition. The repairs themselves
-are the ``heal_*`` transitions of loops/store.py; this module orders them,
+are the ``heal_*`` transitions of loops/store/heals.py; this module orders them,
 reports what they did, and owns nothing else.
 
 Cases, in the order one pass runs them (after first returning broker jobs

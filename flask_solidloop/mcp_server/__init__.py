@@ -6,7 +6,7 @@ flask_solidloop/mcp/: :func:`build_blueprint` (what
 (:mod:`.protocol`), the Streamable HTTP glue in a Flask view (:mod:`.http`),
 Host/Origin rules and redaction (:mod:`.security`), and the start/status tools
 of agents exposed as tools (:mod:`.agents`). Sessions and wire-log events are
-written through loops/store.py; loops are started through the Agent API and
+written by :mod:`.store`; loops are started through the Agent API and
 read through loops.queries. See docs/guides/mcp_server.md and
 docs/decisions/0011-mcp-server-blueprint.md.
 """
