@@ -74,11 +74,14 @@ _EXIT_SET = (
     "updated_at = now()")
 
 
+#: A shell failed and hidden: its partial never enters the history.
+_HIDDEN_SET = "status = 'failed', is_hidden = true, updated_at = now()"
+
+
 def _hide_shells(loops: str) -> str:
-    """Fail and hide the ``processing`` shells of the loops ``loops`` selects: a
-    partial never enters the history."""
-    return ("UPDATE solidloop_messages SET status = 'failed', is_hidden = true, "
-            f"updated_at = now() WHERE loop_id IN ({loops}) AND status = 'processing'")
+    """Fail and hide the ``processing`` shells of the loops ``loops`` selects."""
+    return (f"UPDATE solidloop_messages SET {_HIDDEN_SET} "
+            f"WHERE loop_id IN ({loops}) AND status = 'processing'")
 
 
 SHELL_COLUMNS = tuple(column.name for column in Message.__table__.columns)
@@ -87,12 +90,17 @@ CALL_COLUMNS = tuple(column.name for column in ToolCall.__table__.columns)
 _SHELL_SELECTED = ", ".join(f'shell.{column} AS "shell_{column}"' for column in SHELL_COLUMNS)
 
 
+def _insert_shell(loop: str) -> str:
+    """A turn's hidden ``processing`` assistant message (its shell), one per row
+    of the loop ``loop`` names, from the ``FROM`` and ``WHERE`` that follow."""
+    return ("INSERT INTO solidloop_messages (loop_id, role, content, status, is_hidden) "
+            f"SELECT {loop}, 'assistant', '', 'processing', true")
+
+
 def _shell(sources: str) -> str:
     """The ``shell`` part of a statement whose ``claim`` part claimed a turn: the
-    turn's hidden ``processing`` assistant message, when ``%(open_shell)s``."""
-    return ("shell AS (INSERT INTO solidloop_messages (loop_id, role, content, status, "
-            f"is_hidden) SELECT claim.id, 'assistant', '', 'processing', true FROM {sources} "
-            "WHERE %(open_shell)s RETURNING *)")
+    turn's shell, when ``%(open_shell)s``."""
+    return f"shell AS ({_insert_shell('claim.id')} FROM {sources} WHERE %(open_shell)s RETURNING *)"
 
 
 def _llm_event(source: str) -> str:
@@ -172,10 +180,8 @@ CLAIM_TURN = (
 
 #: A turn's shell on its own (a stack that runs host middlewares between its
 #: initialization and its request), fenced on the generation under the row lock.
-OPEN_SHELL = (
-    "INSERT INTO solidloop_messages (loop_id, role, content, status, is_hidden) "
-    "SELECT id, 'assistant', '', 'processing', true FROM solidloop_loops "
-    f"WHERE id = %(loop_id)s AND {OWNED} FOR UPDATE RETURNING *")
+OPEN_SHELL = (f"{_insert_shell('id')} FROM solidloop_loops "
+              f"WHERE id = %(loop_id)s AND {OWNED} FOR UPDATE RETURNING *")
 
 #: A streaming turn's text so far, onto its still-hidden shell, announced to
 #: the admin's live stream.
@@ -605,7 +611,7 @@ TOUCH_CALLS = ("UPDATE solidloop_tool_calls SET updated_at = now() "
                "WHERE id = ANY(%(call_ids)s::bigint[])")
 #: ``processing`` shells of loops that are not running: failed and hidden.
 HEAL_ORPHAN_SHELLS = (
-    "UPDATE solidloop_messages m SET status = 'failed', is_hidden = true, updated_at = now() "
+    f"UPDATE solidloop_messages m SET {_HIDDEN_SET} "
     "WHERE m.id IN (SELECT m2.id FROM solidloop_messages m2 "
     "JOIN solidloop_loops l ON l.id = m2.loop_id "
     f"WHERE m2.status = 'processing' AND l.status <> {RUNNING} LIMIT {HEAL_BATCH}) "
