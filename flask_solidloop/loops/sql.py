@@ -198,47 +198,59 @@ RECORD_SNAPSHOT = (
     "VALUES (%(loop_id)s, %(server)s, %(tools)s, %(session_state)s) "
     "ON CONFLICT (loop_id, server_name) DO NOTHING")
 
-#: The turn's end, one statement: the fenced loop update (the row lock and the
-#: fence at once), the shell finalized with usage and cost, the wire event
-#: (none when ``payload`` is NULL), and the tool calls (each column an array
-#: parameter, in order; the first leased to this thread when ``lease`` is set:
-#: an adopted call). The other parts write only when the fence matched. With
-#: no calls (``completes``), the loop completes. It returns the loop's row,
-#: its calls' ids in order (``solidloop_call_ids``) and the first call's row
-#: (``call_<column>``), which an adopted call's step starts from.
-FINISH_TURN = (
-    "WITH fenced AS (UPDATE solidloop_loops SET step_count = step_count + 1, "
-    "lease_holder = NULL, lease_expires_at = NULL, updated_at = now(), "
-    "input_tokens = input_tokens + coalesce(%(input_tokens)s::bigint, 0), "
-    "output_tokens = output_tokens + coalesce(%(output_tokens)s::bigint, 0), "
-    "cost = cost + coalesce(%(cost)s::numeric, 0), "
-    f"status = CASE WHEN %(completes)s THEN {COMPLETED} ELSE status END, "
-    "execution_token = CASE WHEN %(completes)s THEN NULL ELSE execution_token END, "
-    "finished_at = CASE WHEN %(completes)s THEN now() ELSE finished_at END, "
-    "error_message = CASE WHEN %(completes)s THEN NULL ELSE error_message END "
-    f"WHERE id = %(loop_id)s AND {OWNED} "
-    f"RETURNING *, pg_notify('{LIVE_CHANNEL}', %(live)s)), "
-    "shell AS (UPDATE solidloop_messages SET content = %(content)s, reasoning = %(reasoning)s, "
-    "finish_reason = %(finish_reason)s, status = 'completed', is_hidden = false, "
-    "completed_at = now(), metadata = %(message_meta)s, usage = coalesce(%(usage)s, usage), "
-    "cost = coalesce(%(message_cost)s, cost), updated_at = now() "
-    "WHERE id = %(shell_id)s AND EXISTS (SELECT 1 FROM fenced)), "
-    f"event AS ({_llm_event('fenced')}), "
-    "calls AS (INSERT INTO solidloop_tool_calls (loop_id, message_id, position, call_id, name, "
-    "server_name, tool_name, arguments_raw, arguments, metadata, lease_token, lease_holder, "
-    "leased_until) SELECT fenced.id, %(shell_id)s, c.n - 1, c.call_id, c.name, c.server_name, "
-    "c.tool_name, c.arguments_raw, c.arguments, c.metadata, "
-    "CASE WHEN c.n = 1 THEN %(lease)s::uuid END, "
-    "CASE WHEN c.n = 1 AND %(lease)s::uuid IS NOT NULL THEN %(holder)s END, "
-    "CASE WHEN c.n = 1 AND %(lease)s::uuid IS NOT NULL THEN now() + %(ttl)s::interval END "
-    "FROM fenced, unnest(%(call_ids)s::varchar[], %(call_names)s::varchar[], "
-    "%(call_servers)s::varchar[], %(call_tools)s::varchar[], %(call_raws)s::text[], "
-    "%(call_arguments)s::jsonb[], %(call_metas)s::jsonb[]) WITH ORDINALITY "
-    "AS c(call_id, name, server_name, tool_name, arguments_raw, arguments, metadata, n) "
-    "RETURNING *) "
-    "SELECT fenced.*, ARRAY(SELECT id FROM calls ORDER BY position) AS solidloop_call_ids, "
-    + ", ".join(f'first.{column} AS "call_{column}"' for column in CALL_COLUMNS)
-    + " FROM fenced LEFT JOIN (SELECT * FROM calls ORDER BY position LIMIT 1) AS first ON true")
+def _finish_turn(with_calls: bool) -> str:
+    """The turn's end, one statement: the fenced loop update (the row lock and
+    the fence at once), the shell finalized with usage and cost, and the wire
+    event (none when ``payload`` is NULL). The other parts write only when the
+    fence matched. Without calls the loop completes; with them (``with_calls``:
+    each column an array parameter, in order; the first leased to this thread
+    when ``lease`` is set: an adopted call) it enters its tool phase under the
+    same generation, and the statement returns the calls' ids in order
+    (``solidloop_call_ids``) and the first call's row (``call_<column>``), which
+    an adopted call's step starts from. Two texts rather than one with a
+    switch: the turn's end is a statement of every turn, and each text then
+    plans only the parts it runs."""
+    completes = "" if with_calls else (
+        f"status = {COMPLETED}, execution_token = NULL, finished_at = now(), "
+        "error_message = NULL, ")
+    parts = [
+        "fenced AS (UPDATE solidloop_loops SET step_count = step_count + 1, "
+        "lease_holder = NULL, lease_expires_at = NULL, updated_at = now(), "
+        "input_tokens = input_tokens + coalesce(%(input_tokens)s::bigint, 0), "
+        "output_tokens = output_tokens + coalesce(%(output_tokens)s::bigint, 0), "
+        f"{completes}cost = cost + coalesce(%(cost)s::numeric, 0) "
+        f"WHERE id = %(loop_id)s AND {OWNED} "
+        f"RETURNING *, pg_notify('{LIVE_CHANNEL}', %(live)s))",
+        "shell AS (UPDATE solidloop_messages SET content = %(content)s, "
+        "reasoning = %(reasoning)s, finish_reason = %(finish_reason)s, status = 'completed', "
+        "is_hidden = false, completed_at = now(), metadata = %(message_meta)s, "
+        "usage = coalesce(%(usage)s, usage), cost = coalesce(%(message_cost)s, cost), "
+        "updated_at = now() WHERE id = %(shell_id)s AND EXISTS (SELECT 1 FROM fenced))",
+        f"event AS ({_llm_event('fenced')})",
+    ]
+    if not with_calls:
+        return f"WITH {', '.join(parts)} SELECT * FROM fenced"
+    parts.append(
+        "calls AS (INSERT INTO solidloop_tool_calls (loop_id, message_id, position, call_id, "
+        "name, server_name, tool_name, arguments_raw, arguments, metadata, lease_token, "
+        "lease_holder, leased_until) SELECT fenced.id, %(shell_id)s, c.n - 1, c.call_id, "
+        "c.name, c.server_name, c.tool_name, c.arguments_raw, c.arguments, c.metadata, "
+        "CASE WHEN c.n = 1 THEN %(lease)s::uuid END, "
+        "CASE WHEN c.n = 1 AND %(lease)s::uuid IS NOT NULL THEN %(holder)s END, "
+        "CASE WHEN c.n = 1 AND %(lease)s::uuid IS NOT NULL THEN now() + %(ttl)s::interval END "
+        "FROM fenced, unnest(%(call_ids)s::varchar[], %(call_names)s::varchar[], "
+        "%(call_servers)s::varchar[], %(call_tools)s::varchar[], %(call_raws)s::text[], "
+        "%(call_arguments)s::jsonb[], %(call_metas)s::jsonb[]) WITH ORDINALITY "
+        "AS c(call_id, name, server_name, tool_name, arguments_raw, arguments, metadata, n) "
+        "RETURNING *)")
+    first = ", ".join(f'first.{column} AS "call_{column}"' for column in CALL_COLUMNS)
+    return (f"WITH {', '.join(parts)} SELECT fenced.*, "
+            "ARRAY(SELECT id FROM calls ORDER BY position) AS solidloop_call_ids, "
+            f"{first} FROM fenced, (SELECT * FROM calls ORDER BY position LIMIT 1) AS first")
+
+
+#: By whether the turn ends with tool calls.
+FINISH_TURN = {with_calls: _finish_turn(with_calls) for with_calls in (False, True)}
 
 #: A running loop leaves ``running`` on the writer's generation: a limit
 #: pauses it, an error fails it (``to``). Its shells are failed and hidden, and
@@ -346,7 +358,7 @@ _ANSWER_SET = (
     "leased_until = CASE WHEN (SELECT answered FROM ok) THEN NULL ELSE leased_until END, ")
 
 
-def _tool_outcome(record: bool, answer: bool) -> str:
+def _tool_outcome(record: bool, answer: bool, adopt: bool = False) -> str:
     """A tool call's outcome: its canonical result recorded (``record``), its
     tool message written (``answer``), or both in one statement.
 
@@ -357,7 +369,9 @@ def _tool_outcome(record: bool, answer: bool) -> str:
     call without siblings. The answer is written while the loop runs and the
     call is unanswered; when it is the message's last, the next LLM turn is
     claimed for this thread (``adopt``; with its shell and its history as for
-    :data:`CLAIM_TURN`) or the loop is requeued (its job is the caller's).
+    :data:`CLAIM_TURN`) or the loop is requeued (its job is the caller's). Each
+    of those two is its own text, so the hot one (adopting) plans only what it
+    runs.
 
     Run alone, the statement's snapshot is taken before it waits for the row
     locks. The locked rows are read as they are now (``FOR UPDATE`` and
@@ -375,9 +389,9 @@ def _tool_outcome(record: bool, answer: bool) -> str:
     ``solidloop_token``, ``solidloop_lease``, ``solidloop_executed``,
     ``solidloop_siblings``), whether it answered (``solidloop_answered``, NULL
     when the checks failed), the siblings still unanswered in order
-    (``solidloop_remaining``), whether it requeued (``solidloop_requeued``),
-    and the claimed loop row with its shell and history (all NULL when no
-    claim was made)."""
+    (``solidloop_remaining``), and whether it requeued (``solidloop_requeued``)
+    or the claimed loop row with its shell and history (all NULL when no claim
+    was made)."""
     answered = (f"status = {RUNNING} AND response_message_id IS NULL" if answer else "false")
     parts = [
         "WITH locked AS (SELECT l.status, l.execution_token, c.lease_token, "
@@ -412,15 +426,23 @@ def _tool_outcome(record: bool, answer: bool) -> str:
     if not answer:
         return (f"{', '.join(parts)} SELECT {', '.join(selected)} "
                 "FROM (SELECT 1) AS one LEFT JOIN locked ON true")
-    # The siblings still unanswered, read once: the last answer is the one
-    # that leaves none.
+    # The siblings still unanswered, read once (and only for a call that has
+    # siblings): the last answer is the one that leaves none.
     last = "(SELECT answered FROM ok) AND cardinality((SELECT ids FROM rest)) = 0"
+    parts.append(
+        "rest AS (SELECT CASE WHEN (SELECT siblings FROM locked) "
+        f"THEN ARRAY(SELECT s.id {_UNANSWERED_BESIDE} ORDER BY s.position) "
+        "ELSE '{}'::bigint[] END AS ids)")
+    selected.append("(SELECT ids FROM rest) AS solidloop_remaining")
+    if not adopt:
+        parts.append(f"requeued AS (UPDATE solidloop_loops SET {REQUEUE_SET} "
+                     f"WHERE id = %(loop_id)s AND {last} RETURNING id)")
+        selected.append("EXISTS (SELECT 1 FROM requeued) AS solidloop_requeued")
+        return (f"{', '.join(parts)} SELECT {', '.join(selected)} FROM (SELECT 1) AS one "
+                "LEFT JOIN locked ON true")
     parts += [
-        f"rest AS (SELECT ARRAY(SELECT s.id {_UNANSWERED_BESIDE} ORDER BY s.position) AS ids)",
         f"claim AS (UPDATE solidloop_loops SET {_CLAIM_SET} WHERE id = %(loop_id)s "
-        f"AND %(adopt)s AND {last} {_CLAIM_RETURNING})",
-        f"requeued AS (UPDATE solidloop_loops SET {REQUEUE_SET} WHERE id = %(loop_id)s "
-        f"AND NOT %(adopt)s AND {last} RETURNING id)",
+        f"AND {last} {_CLAIM_RETURNING})",
         # The shell is made from the answer's row too, so its id is drawn after
         # the answer's: a conversation is ordered by message id, and the parts
         # of one statement otherwise run in no given order.
@@ -431,18 +453,20 @@ def _tool_outcome(record: bool, answer: bool) -> str:
         f"{HISTORY_ROWS} UNION ALL SELECT false, a.id, 'tool', a.content, NULL, a.metadata, "
         "a.tool_call_id, NULL, NULL, a.id FROM answer a")
     selected += [
-        "(SELECT ids FROM rest) AS solidloop_remaining",
-        "EXISTS (SELECT 1 FROM requeued) AS solidloop_requeued", "claim.*", _SHELL_SELECTED,
+        "claim.*", _SHELL_SELECTED,
         f"CASE WHEN %(read_history)s AND claim.id IS NOT NULL THEN {history} END "
         "AS solidloop_history"]
     return (f"{', '.join(parts)} SELECT {', '.join(selected)} FROM (SELECT 1) AS one "
             "LEFT JOIN locked ON true LEFT JOIN claim ON true LEFT JOIN shell ON true")
 
 
-#: By (record, answer): the checkpoint alone, the answer alone (a call whose
-#: result was recorded before), or both.
-TOOL_OUTCOME = {(record, answer): _tool_outcome(record, answer)
-                for record, answer in ((True, False), (False, True), (True, True))}
+#: By (record, answer, adopt): the checkpoint alone, the answer alone (a call
+#: whose result was recorded before), or both; an answer claims the next turn
+#: for its thread (``adopt``) or requeues the loop.
+TOOL_OUTCOME = {(record, answer, adopt): _tool_outcome(record, answer, adopt)
+                for record, answer, adopt in (
+                    (True, False, False), (False, True, False), (False, True, True),
+                    (True, True, False), (True, True, True))}
 
 #: The stored MCP session of the loop's server, kept current.
 STORE_MCP_SESSION = (
@@ -623,4 +647,6 @@ STATEMENTS: dict[str, str] = {
     if name.isupper() and isinstance(value, str) and (
         "SELECT" in value or "UPDATE" in value or "INSERT" in value)
     and not name.startswith("_") and name not in ("HISTORY_ROWS",)
-} | {f"TOOL_OUTCOME[record={r}, answer={a}]": text for (r, a), text in TOOL_OUTCOME.items()}
+} | {f"FINISH_TURN[with_calls={c}]": text for c, text in FINISH_TURN.items()} | {
+    f"TOOL_OUTCOME[record={r}, answer={a}, adopt={d}]": text
+    for (r, a, d), text in TOOL_OUTCOME.items()}

@@ -54,8 +54,9 @@ def test_the_rendered_statements_are_the_ones_reviewed():
 def test_every_statement_is_rendered_and_named_once():
     names = list(sql.STATEMENTS)
     assert len(names) == len(set(names))
-    for expected in ("CLAIM_TURN", "FINISH_TURN", "END_TURN", "REQUEUE_TURN", "LEAVE",
-                     "HEAL_EXPIRED_LLM", "TOOL_OUTCOME[record=True, answer=True]"):
+    for expected in ("CLAIM_TURN", "FINISH_TURN[with_calls=True]", "END_TURN", "REQUEUE_TURN",
+                     "LEAVE", "HEAL_EXPIRED_LLM",
+                     "TOOL_OUTCOME[record=True, answer=True, adopt=True]"):
         assert expected in names
     # A statement reaches the file whole: the layout only adds line breaks.
     for text in sql.STATEMENTS.values():
@@ -66,8 +67,9 @@ def test_the_fence_is_written_once():
     """The generation fence is one fragment; every statement that fences on the
     generation contains it as written."""
     fenced = [name for name, text in sql.STATEMENTS.items() if sql.OWNED in text]
-    assert {"FINISH_TURN", "END_TURN", "REQUEUE_TURN", "OPEN_SHELL", "CLAIM_CALL",
-            "TOOL_OUTCOME[record=True, answer=True]"} <= set(fenced)
+    assert {"FINISH_TURN[with_calls=False]", "FINISH_TURN[with_calls=True]", "END_TURN",
+            "REQUEUE_TURN", "OPEN_SHELL", "CLAIM_CALL",
+            "TOOL_OUTCOME[record=True, answer=True, adopt=True]"} <= set(fenced)
     # Nowhere is it spelled another way.
     spelled = re.compile(r"status = 'running' AND execution_token = %\(token\)s")
     for text in sql.STATEMENTS.values():

@@ -166,7 +166,7 @@ class NewToolCall:
 
 
 def _calls_params(calls: Sequence[NewToolCall]) -> dict[str, list[Any]]:
-    """The new tool calls as :data:`~..sql.FINISH_TURN`'s array parameters, in
+    """The new tool calls as the turn end's array parameters, in
     order, their text made storable (and each call flagged when it had to be)."""
     columns: dict[str, list[Any]] = {name: [] for name in (
         "call_ids", "call_names", "call_servers", "call_tools", "call_raws", "call_arguments",
@@ -231,7 +231,7 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
              if wire is not None and not repeat_history else None)
     params: dict[str, Any] = {
         "loop_id": loop_id, "token": token, "shell_id": shell_id,
-        "live": f"{loop_id}:{shell_id}", "completes": not calls,
+        "live": f"{loop_id}:{shell_id}",
         "input_tokens": usage.input_tokens if usage is not None else None,
         "output_tokens": usage.output_tokens if usage is not None else None,
         "cost": turn_cost if usage is not None else None,
@@ -240,31 +240,32 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
         "message_meta": Jsonb(meta),
         "usage": Jsonb(usage.to_dict()) if usage is not None else None,
         "message_cost": turn_cost if usage is not None else None,
-        "lease": lease, "holder": worker_identity(),
-        "ttl": timedelta(seconds=state.config.liveness_ttl),
-        **_calls_params(calls),
         **llm_event(wire, body_limit=state.config.event_body_limit,
                     repeat_history=repeat_history, tools=tools,
                     tools_logged=logged_tools.get((loop_id, born)) if born is not None else None),
     }
+    if calls:
+        params.update(_calls_params(calls), lease=lease, holder=worker_identity(),
+                      ttl=timedelta(seconds=state.config.liveness_ttl))
     # Nothing else joins this commit when no other call is enqueued with it.
     sole = not calls or (lease is not None and (sequential or len(calls) == 1))
-    fenced, committed = run_alone(session, sql.FINISH_TURN, params, sole=sole)
+    fenced, committed = run_alone(session, sql.FINISH_TURN[bool(calls)], params, sole=sole)
     if fenced is None:
         if not committed:
             session.rollback()
         raise LostLeaseError(f"loop {loop_id} changed hands during the request")
-    call_ids: list[int] = fenced.pop("solidloop_call_ids")
-    first_call = {column: fenced.pop(f"call_{column}") for column in sql.CALL_COLUMNS}
     adopted = None
-    to_run = calls_to_run(call_ids, sequential=sequential)
-    if lease is not None:
-        adopted = AdoptedToolCall(loop_id, call_ids[0], token, lease,
-                                  rows=((Loop, fenced), (ToolCall, first_call)),
-                                  sole_call=len(call_ids) == 1)
-        to_run = to_run[1:]
-    for call_id in to_run:
-        state.dispatch.tool_call(session, call_id, token, loop_id=loop_id)
+    if calls:
+        call_ids: list[int] = fenced.pop("solidloop_call_ids")
+        first_call = {column: fenced.pop(f"call_{column}") for column in sql.CALL_COLUMNS}
+        to_run = calls_to_run(call_ids, sequential=sequential)
+        if lease is not None:
+            adopted = AdoptedToolCall(loop_id, call_ids[0], token, lease,
+                                      rows=((Loop, fenced), (ToolCall, first_call)),
+                                      sole_call=len(call_ids) == 1)
+            to_run = to_run[1:]
+        for call_id in to_run:
+            state.dispatch.tool_call(session, call_id, token, loop_id=loop_id)
     # The shell as the session knows it (no SELECT now; it loads on first use).
     shell = real_session(session).identity_map.get(identity_key(Message, shell_id))
     commit_unless(committed, session)

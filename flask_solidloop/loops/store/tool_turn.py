@@ -248,10 +248,11 @@ def _outcome(state: SolidLoopState, session: SessionLike, call: CallFacts, *,
         text, message_meta = storable.message_content(
             content or "", {"is_error": is_error, "tool_name": call.name})
         new_token = uuid.uuid4()
-        params.update(content=text, message_meta=Jsonb(message_meta), adopt=adopt,
-                      open_shell=next_turn.open_shell, read_history=next_turn.read_history,
-                      **claim_params(call.loop_id, new_token, state.config.liveness_ttl))
-    statement = sql.TOOL_OUTCOME[(record, answer)]
+        params.update(content=text, message_meta=Jsonb(message_meta))
+        if adopt:
+            params.update(open_shell=next_turn.open_shell, read_history=next_turn.read_history,
+                          **claim_params(call.loop_id, new_token, state.config.liveness_ttl))
+    statement = sql.TOOL_OUTCOME[(record, answer, adopt and answer)]
     row: dict[str, Any] | None = None
     committed = False
     if alone:
@@ -273,14 +274,14 @@ def _outcome(state: SolidLoopState, session: SessionLike, call: CallFacts, *,
     adopted: Adopted | None = None
     if answer:
         remaining: list[int] = row.pop("solidloop_remaining")
-        if row["id"] is not None:  # the last answer: the next turn is this thread's
+        if adopt and row["id"] is not None:  # the last answer: the next turn is ours
             claim, shell = claim_from_row(row, params["new_token"],
                                           read_history=next_turn.read_history)
             rows: tuple[tuple[type, dict[str, Any]], ...] = ((Loop, row),)
             if shell is not None:
                 rows += ((Message, shell),)
             adopted = AdoptedLlmTurn(call.loop_id, claim, rows)
-        if row.pop("solidloop_requeued"):
+        if not adopt and row.pop("solidloop_requeued"):
             state.dispatch.llm_turn(session, call.loop_id)
         if answered and remaining and sequential:
             # The loop's current generation: a resume may have rotated it while
