@@ -40,6 +40,9 @@ class LoopStatus(enum.StrEnum):
     COMPLETED = "completed"
     FAILED = "failed"
     PAUSED = "paused"
+    #: The tool phase has nothing left to run but calls that wait for a
+    #: decision or a result: no job, lease or thread is held.
+    WAITING = "waiting"
 
     def __str__(self) -> str:
         return self.value
@@ -63,7 +66,7 @@ class Loop(Timestamps, Base):
     __tablename__ = "solidloop_loops"
     __table_args__ = (
         CheckConstraint(
-            "status IN ('init','queued','running','completed','failed','paused')",
+            "status IN ('init','queued','running','completed','failed','paused','waiting')",
             name="status_valid",
         ),
         Index("ix_solidloop_loops_status", "status"),

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import (
     BigInteger,
     Boolean,
+    CheckConstraint,
     DateTime,
     ForeignKey,
     Index,
@@ -54,6 +55,13 @@ class ToolCall(Timestamps, Base):
         # when its answer is written (migration 0009).
         Index("ix_solidloop_tool_calls_response_message_id", "response_message_id",
               postgresql_where=text("response_message_id IS NOT NULL")),
+        # The calls still awaiting a decision or a result, by deadline (the
+        # approvals listing, the reaper's expired waits): a call pays for the
+        # entry only while it waits (migration 0012).
+        Index("ix_solidloop_tool_calls_awaiting", "wait_deadline",
+              postgresql_where=text("waits_for IS NOT NULL AND decision IS NULL")),
+        CheckConstraint("waits_for IN ('approval','result')", name="waits_for_valid"),
+        CheckConstraint("decision IN ('approved','denied','completed')", name="decision_valid"),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
@@ -81,6 +89,20 @@ class ToolCall(Timestamps, Base):
     #: Facts about the call, e.g. ``{"sanitized": [...]}`` when text had to be made storable.
     meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSONB)
     duration_ms: Mapped[float | None] = mapped_column()
+    #: What the call waits for before it may run or be answered: ``approval``
+    #: (a person decides), ``result`` (a deferred tool: the host supplies it);
+    #: None for a call that runs at once.
+    waits_for: Mapped[str | None] = mapped_column(String(20))
+    #: The one decision on a waiting call: ``approved``, ``denied`` or
+    #: ``completed`` (its result supplied), with who took it and when.
+    decision: Mapped[str | None] = mapped_column(String(20))
+    decided_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    decided_by: Mapped[str | None] = mapped_column(String(200))
+    decision_reason: Mapped[str | None] = mapped_column(Text)
+    #: The model's arguments, when an approval ran the call with edited ones.
+    requested_arguments: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    #: When the wait times out (its tool's ``approval_timeout`` or ``result_timeout``).
+    wait_deadline: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     response_message_id: Mapped[int | None] = mapped_column(
         ForeignKey("solidloop_messages.id", ondelete="SET NULL")
     )

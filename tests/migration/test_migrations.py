@@ -233,3 +233,35 @@ def test_0011_drops_the_events_unindexed_references_and_downgrades(scratch_url):
         # The loop's cascade removes its events, both ways.
         conn.execute("DELETE FROM solidloop_loops WHERE id = %s", (loop_id,))
         assert conn.execute("SELECT count(*) FROM solidloop_events").fetchone() == (0,)
+
+
+def test_0012_adds_the_waiting_status_and_the_call_waits_and_downgrades(scratch_url):
+    upgrade(scratch_url, "0011")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn, \
+            pytest.raises(psycopg.errors.CheckViolation):
+        conn.execute("INSERT INTO solidloop_loops (agent_name, status) VALUES ('a', 'waiting')")
+    upgrade(scratch_url, "0012")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        loop_id = conn.execute("INSERT INTO solidloop_loops (agent_name, status, "
+                               "execution_token) VALUES ('a', 'waiting', gen_random_uuid()) "
+                               "RETURNING id").fetchone()[0]
+        message = conn.execute("INSERT INTO solidloop_messages (loop_id, role) "
+                               "VALUES (%s, 'assistant') RETURNING id", (loop_id,)).fetchone()[0]
+        conn.execute("INSERT INTO solidloop_tool_calls (loop_id, message_id, position, name, "
+                      "waits_for, wait_deadline) VALUES (%s, %s, 0, 'refund', 'approval', "
+                      "now())", (loop_id, message))
+        with pytest.raises(psycopg.errors.CheckViolation):
+            conn.execute("UPDATE solidloop_tool_calls SET decision = 'maybe'")
+        # The awaiting call is in the partial index, valid (built concurrently).
+        assert conn.execute(
+            "SELECT indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+            "WHERE c.relname = 'ix_solidloop_tool_calls_awaiting'").fetchone() == (True,)
+    downgrade(scratch_url, "0011")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        # The waiting loop is paused, its generation cleared; the columns are gone.
+        assert conn.execute("SELECT status, execution_token FROM solidloop_loops").fetchone() \
+            == ("paused", None)
+        columns = {r[0] for r in conn.execute(
+            "SELECT column_name FROM information_schema.columns "
+            "WHERE table_name = 'solidloop_tool_calls'")}
+        assert not columns & {"waits_for", "decision", "wait_deadline"}
