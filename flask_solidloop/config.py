@@ -115,6 +115,12 @@ def _positive_float(key: str, value: Any) -> float:
     return number
 
 
+def _optional_positive_float(key: str, value: Any) -> float | None:
+    if value is None or value == "":
+        return None
+    return _positive_float(key, value)
+
+
 def _ttl_seconds(key: str, value: Any) -> int:
     if isinstance(value, bool):
         raise ConfigurationError(key, value, "must be seconds >= 0, or -1 (keep forever)")
@@ -283,6 +289,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("SOLIDLOOP_WORKER_RETENTION", 86400, _positive_int,
             "Seconds a stopped or lost worker stays in the registry (`flask solidloop "
             "workers` shows it as recently dead) before its row is deleted."),
+    Setting("SOLIDLOOP_APPROVAL_TIMEOUT", None, _optional_positive_float,
+            "Seconds a tool call waits for an approval before its timeout decides (deny, or "
+            "the tool's on_timeout), for tools that set no approval_timeout= of their own; "
+            "unset (the default): an approval waits for ever."),
 )
 
 _BY_KEY = {s.key: s for s in SETTINGS}
@@ -333,6 +343,7 @@ class Config:
     job_failure_ttl: int
     worker_heartbeat: float
     worker_retention: int
+    approval_timeout: float | None
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> Config:

@@ -191,6 +191,37 @@ class ToolResult:
         )
 
 
+#: What a call does when its approval times out.
+ON_TIMEOUT = ("deny", "approve")
+
+
+@dataclass(frozen=True)
+class WaitRule:
+    """How a tool's calls wait inside a loop (docs/guides/approvals.md).
+
+    ``requires_approval``: each call waits for a person's decision before it
+    runs; a callable ``(arguments, ctx) -> bool`` decides per call (a policy
+    such as "refunds over 50 EUR"). ``deferred``: the loop never runs the
+    tool; each call waits for the host to supply its result. A timeout is in
+    seconds; ``on_timeout`` is what an approval's timeout decides.
+    """
+
+    requires_approval: bool | Callable[[dict[str, Any], CallContext], bool] = False
+    deferred: bool = False
+    approval_timeout: float | None = None
+    on_timeout: str = "deny"
+    result_timeout: float | None = None
+
+    @property
+    def waits(self) -> bool:
+        """Whether calls of this tool may wait at all."""
+        return bool(self.requires_approval) or self.deferred
+
+
+#: A tool whose calls run at once.
+NO_WAIT = WaitRule()
+
+
 @dataclass
 class ToolDefinition:
     """One declared tool: what is advertised and how to call it."""
@@ -206,6 +237,8 @@ class ToolDefinition:
     param_names: dict[str, str] = field(default_factory=dict, repr=False)
     #: model fields always passed to the handler (their Python default is a FieldInfo).
     always_pass: frozenset[str] = field(default_factory=frozenset, repr=False)
+    #: How its calls wait inside a loop (approvals, deferred results).
+    wait: WaitRule = NO_WAIT
 
     def to_mcp(self) -> dict:
         """The MCP ``Tool`` JSON: ``name``, ``description``, ``inputSchema``."""
@@ -241,6 +274,11 @@ class Toolset:
         name: str | None = None,
         description: str | None = None,
         input_schema: dict[str, Any] | None = None,
+        requires_approval: bool | Callable[[dict[str, Any], CallContext], bool] = False,
+        deferred: bool = False,
+        approval_timeout: float | None = None,
+        on_timeout: str = "deny",
+        result_timeout: float | None = None,
     ) -> ToolDefinition:
         """Add ``fn`` to this toolset as a tool; return the definition it stores.
 
@@ -250,6 +288,14 @@ class Toolset:
         paragraph of the docstring, and ``input_schema`` to a schema derived from
         the type hints (see the module docs). ``fn`` is stored as it is, not
         wrapped, and stays callable as plain Python.
+
+        Inside a loop, a call of a tool with ``requires_approval`` (True, or a
+        callable ``(arguments, ctx) -> bool``) waits for a decision before it
+        runs, at most ``approval_timeout`` seconds (then ``on_timeout``:
+        ``"deny"`` or ``"approve"``); a ``deferred`` tool is never run by the
+        loop: each call waits, at most ``result_timeout`` seconds, for the
+        host's ``complete_call`` (its function is the declaration: its
+        signature is the schema). See docs/guides/approvals.md.
 
         Raises :class:`ToolDefinitionError`, saying what was wrong and what to do,
         and adds nothing, when ``fn`` is not callable (a string, a
@@ -288,9 +334,12 @@ class Toolset:
                 f"{where}, tool {tool_name!r}: description= must be a string, got "
                 f"{type(description).__name__} {_short_repr(description)}"
             )
+        wait = _wait_rule(f"{where}, tool {tool_name!r}", requires_approval, deferred,
+                          approval_timeout, on_timeout, result_timeout)
         definition = _build_definition(
             self.name, tool_name, fn, description, input_schema, _caller_locals()
         )
+        definition.wait = wait
         self._tools[tool_name] = definition
         return definition
 
@@ -302,6 +351,11 @@ class Toolset:
         name: str | None = None,
         description: str | None = None,
         input_schema: dict[str, Any] | None = None,
+        requires_approval: bool | Callable[[dict[str, Any], CallContext], bool] = False,
+        deferred: bool = False,
+        approval_timeout: float | None = None,
+        on_timeout: str = "deny",
+        result_timeout: float | None = None,
     ) -> F: ...
 
     @typing.overload
@@ -312,6 +366,11 @@ class Toolset:
         name: str | None = None,
         description: str | None = None,
         input_schema: dict[str, Any] | None = None,
+        requires_approval: bool | Callable[[dict[str, Any], CallContext], bool] = False,
+        deferred: bool = False,
+        approval_timeout: float | None = None,
+        on_timeout: str = "deny",
+        result_timeout: float | None = None,
     ) -> Callable[[F], F]: ...
 
     def tool(
@@ -321,6 +380,11 @@ class Toolset:
         name: str | None = None,
         description: str | None = None,
         input_schema: dict[str, Any] | None = None,
+        requires_approval: bool | Callable[[dict[str, Any], CallContext], bool] = False,
+        deferred: bool = False,
+        approval_timeout: float | None = None,
+        on_timeout: str = "deny",
+        result_timeout: float | None = None,
     ) -> F | Callable[[F], F]:
         """Declare a tool with a decorator: ``@ts.tool`` or ``@ts.tool(name=..., ...)``.
 
@@ -338,12 +402,17 @@ class Toolset:
                 f"toolset {self.name!r}: @tool({fn!r}) passes the name where the function "
                 f"goes; give it by keyword: @tool(name={fn!r})"
             )
+        options: dict[str, Any] = dict(
+            name=name, description=description, input_schema=input_schema,
+            requires_approval=requires_approval, deferred=deferred,
+            approval_timeout=approval_timeout, on_timeout=on_timeout,
+            result_timeout=result_timeout)
         if fn is not None:
-            self.add_tool(fn, name=name, description=description, input_schema=input_schema)
+            self.add_tool(fn, **options)
             return fn
 
         def decorator(func: F) -> F:
-            self.add_tool(func, name=name, description=description, input_schema=input_schema)
+            self.add_tool(func, **options)
             return func
 
         return decorator
@@ -503,6 +572,41 @@ def _describe_callable(fn: Callable[..., Any]) -> str:
     if qualname is None:
         return _short_repr(fn)
     return f"{module}.{qualname}" if module else str(qualname)
+
+
+def _timeout(where: str, option: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ToolDefinitionError(
+            f"{where}: {option}= must be a number of seconds > 0, or None; got {value!r}")
+    return float(value)
+
+
+def _wait_rule(where: str, requires_approval: Any, deferred: Any, approval_timeout: Any,
+               on_timeout: Any, result_timeout: Any) -> WaitRule:
+    """The declared waiting rules, checked (ToolDefinitionError names the fix)."""
+    if not (isinstance(requires_approval, bool) or callable(requires_approval)):
+        raise ToolDefinitionError(
+            f"{where}: requires_approval= must be True, False or a callable "
+            f"(arguments, ctx) -> bool; got {_short_repr(requires_approval)}")
+    if not isinstance(deferred, bool):
+        raise ToolDefinitionError(f"{where}: deferred= must be True or False; "
+                                  f"got {_short_repr(deferred)}")
+    if deferred and requires_approval is not False:
+        raise ToolDefinitionError(
+            f"{where}: a deferred tool is never run by the loop, so it cannot also require "
+            "an approval; drop requires_approval= (the host that supplies the result decides)")
+    if on_timeout not in ON_TIMEOUT:
+        raise ToolDefinitionError(f"{where}: on_timeout= must be one of "
+                                  f"{', '.join(map(repr, ON_TIMEOUT))}; got {on_timeout!r}")
+    approval = _timeout(where, "approval_timeout", approval_timeout)
+    result = _timeout(where, "result_timeout", result_timeout)
+    if approval is not None and requires_approval is False:
+        raise ToolDefinitionError(f"{where}: approval_timeout= needs requires_approval=")
+    if result is not None and not deferred:
+        raise ToolDefinitionError(f"{where}: result_timeout= needs deferred=True")
+    return WaitRule(requires_approval, deferred, approval, on_timeout, result)
 
 
 def _build_definition(

@@ -7,6 +7,7 @@ import functools
 import gc
 import json
 import logging
+import re
 import threading
 import time
 from typing import Annotated, Any, Literal, Optional
@@ -489,11 +490,13 @@ def test_the_decorator_goes_through_add_tool() -> None:
         pass
 
     assert ts.tool(direct) is direct
-    none = {"name": None, "description": None, "input_schema": None}
+    waits = {"requires_approval": False, "deferred": False, "approval_timeout": None,
+             "on_timeout": "deny", "result_timeout": None}
+    none = {"name": None, "description": None, "input_schema": None, **waits}
     assert ts.added == [
         ("bare", none),
         ("called", none),
-        ("options", {"name": "renamed", "description": "Renamed.", "input_schema": None}),
+        ("options", {**none, "name": "renamed", "description": "Renamed."}),
         ("direct", none),
     ]
     assert [d.name for d in ts] == ["bare", "called", "renamed", "direct"]
@@ -1049,3 +1052,36 @@ def test_from_mcp_defaults_and_rejects_non_objects() -> None:
     assert ToolResult.from_mcp({}) == ToolResult(content=[])
     with pytest.raises(ValueError):
         ToolResult.from_mcp([])  # type: ignore[arg-type]
+
+
+def test_waiting_rules_are_checked_when_the_tool_is_declared() -> None:
+    ts = Toolset("money")
+
+    @ts.tool(requires_approval=True, approval_timeout=60, on_timeout="approve")
+    def refund(amount: float) -> str:
+        return "refunded"
+
+    @ts.tool(requires_approval=lambda arguments, ctx: arguments["amount"] > 50)
+    def credit(amount: float) -> str:
+        return "credited"
+
+    @ts.tool(deferred=True, result_timeout=3600)
+    def ask_a_human(question: str) -> str:
+        """The loop never runs this: a person answers it."""
+        raise AssertionError("not run by a loop")
+
+    assert ts.get("refund").wait.requires_approval is True
+    assert ts.get("refund").wait.approval_timeout == 60.0
+    assert callable(ts.get("credit").wait.requires_approval)
+    assert ts.get("ask_a_human").wait.deferred and ts.get("ask_a_human").wait.waits
+    assert not ts.get("credit").wait.deferred
+    for options, message in (
+            ({"requires_approval": "yes"}, "requires_approval= must be True, False or a callable"),
+            ({"deferred": True, "requires_approval": True}, "cannot also require an approval"),
+            ({"requires_approval": True, "on_timeout": "shrug"}, "on_timeout= must be one of"),
+            ({"requires_approval": True, "approval_timeout": 0}, "number of seconds > 0"),
+            ({"approval_timeout": 5}, "approval_timeout= needs requires_approval="),
+            ({"result_timeout": 5}, "result_timeout= needs deferred=True")):
+        with pytest.raises(ToolDefinitionError, match=re.escape(message)):
+            ts.add_tool(lambda x: x, name="bad", **options)
+    assert "bad" not in ts  # a refused declaration adds nothing
