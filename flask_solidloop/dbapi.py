@@ -4,7 +4,7 @@ The broker (queue/) and the loop store (loops/) both write plain SQL on the
 connection a host's session holds, inside that session's transaction, so
 their rows commit with the host's. This module, at the bottom of the layers,
 is the one way to reach that connection: psycopg's own ``%(name)s``
-parameters then work as written in ``queue/sql.py`` and ``loops/sql.py``.
+parameters then work as written in ``queue/sql.py`` and ``loops/sql/``.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ so a host can catch the whole family in one clause::
     ├── McpTransportError         an MCP server could not be reached or answered badly
     ├── LimitExceededError        max_steps / max_duration reached (the loop pauses)
     ├── LostLeaseError            this worker no longer owns the turn; write nothing
+    ├── DecisionConflictError     a waiting tool call was decided already (who, when)
     ├── WaitTimeoutError          a bounded wait ran out before the work it waited on finished
     └── BrokerError               the Postgres job queue could not do what was asked
         ├── BrokerUnavailableError  PostgreSQL did not answer the broker (dramatiq reconnects)
@@ -48,6 +49,7 @@ from .wire import WireRecord
 
 __all__ = ["AbortedError", "AgentDefinitionError", "AgentError", "BrokerError",
            "BrokerUnavailableError", "ConfigurationError", "DatabaseUnavailableError",
+           "DecisionConflictError",
            "InvalidArgumentError", "InvalidJobError", "JobEncodeError", "JobError",
            "JobImportError", "LimitExceededError", "LostLeaseError", "McpTransportError",
            "NoSuchJobError", "NotInitializedError", "ProviderAnswerError", "ProviderError",
@@ -188,6 +190,28 @@ class WaitTimeoutError(SolidLoopError, TimeoutError):
     """A bounded wait ran out before the work it waited on finished: a coroutine
     run through the MCP bridge (``run_sync``) that did not answer in time (the
     coroutine is cancelled)."""
+
+
+class DecisionConflictError(SolidLoopError):
+    """A decision on a waiting tool call (approve, deny, a supplied result) came
+    after another one landed: exactly one decision is taken per call. It names
+    the first: ``decision``, ``decided_by`` and ``decided_at``."""
+
+    def __init__(self, tool_call_id: int, decision: str, decided_by: str | None,
+                 decided_at: Any) -> None:
+        self.tool_call_id = tool_call_id
+        self.decision = decision
+        self.decided_by = decided_by
+        self.decided_at = decided_at
+        if decision == "answered":
+            super().__init__(f"tool call {tool_call_id} is answered already: nothing waits for "
+                             "a decision on it")
+            return
+        who = f" by {decided_by}" if decided_by else ""
+        when = f" at {decided_at.isoformat(timespec='seconds')}" if hasattr(
+            decided_at, "isoformat") else ""
+        super().__init__(f"tool call {tool_call_id} was {decision}{who}{when}; a call takes "
+                         "one decision")
 
 
 class BrokerError(SolidLoopError):

@@ -12,6 +12,10 @@ that made the change.
                           ``loop_id``, ``reason``
 ``tool_call_answered``    a tool call's answer was written: ``loop_id``,
                           ``tool_call_id``, ``is_error``
+``approval_requested``    a tool call waits for a decision: ``loop_id``,
+                          ``tool_call_id``, ``tool``, ``arguments``
+``result_requested``      a deferred tool call waits for its result:
+                          ``loop_id``, ``tool_call_id``, ``tool``, ``arguments``
 ========================  ====================================================
 
 The sender is the Flask app (``current_app``), so ``signal.connect_via(app)``
@@ -41,9 +45,12 @@ loop_completed: Signal = _signals.signal("solidloop-loop-completed")
 loop_failed: Signal = _signals.signal("solidloop-loop-failed")
 loop_paused: Signal = _signals.signal("solidloop-loop-paused")
 tool_call_answered: Signal = _signals.signal("solidloop-tool-call-answered")
+approval_requested: Signal = _signals.signal("solidloop-approval-requested")
+result_requested: Signal = _signals.signal("solidloop-result-requested")
 
-__all__ = ["loop_completed", "loop_failed", "loop_paused", "loop_started", "send",
-           "send_after_commit", "send_status", "tool_call_answered"]
+__all__ = ["approval_requested", "loop_completed", "loop_failed", "loop_paused",
+           "loop_started", "result_requested", "send", "send_after_commit", "send_status",
+           "send_wait_requested", "tool_call_answered"]
 
 _PENDING = "solidloop.pending_signals"
 
@@ -70,6 +77,11 @@ def send_status(status: str, *, loop_id: int, error: str | None = None) -> None:
         send(loop_failed, loop_id=loop_id, error=error)
     elif status == "paused":
         send(loop_paused, loop_id=loop_id, reason=error)
+
+
+def send_wait_requested(waits_for: str, **data: Any) -> None:
+    """The signal of a tool call that waits for an ``approval`` or a ``result``."""
+    send(approval_requested if waits_for == "approval" else result_requested, **data)
 
 
 def send_after_commit(session: Any, signal: Signal, **data: Any) -> None:

@@ -57,6 +57,7 @@ class ReapReport:
     stuck_tool_phase: list[int] = field(default_factory=list)
     stuck_queued: list[int] = field(default_factory=list)
     orphan_shells: list[int] = field(default_factory=list)
+    expired_waits: list[int] = field(default_factory=list)
     expired_jobs: int = 0
     duration_ms: float = 0.0
 
@@ -64,7 +65,7 @@ class ReapReport:
     def healed(self) -> int:
         return (len(self.expired_llm) + len(self.stalled_tools) + len(self.dropped_tools)
                 + len(self.stuck_tool_phase) + len(self.stuck_queued)
-                + len(self.orphan_shells) + self.expired_jobs)
+                + len(self.orphan_shells) + len(self.expired_waits) + self.expired_jobs)
 
     def counts(self) -> dict[str, int]:
         """How many of each case this pass healed (what its record stores)."""
@@ -93,6 +94,7 @@ def reap(state: SolidLoopState) -> ReapReport:
         report.stuck_queued = store.heal_stuck_queued(
             state, session, threshold=float(state.config.queued_reap_threshold))
         report.orphan_shells = store.heal_orphan_shells(session)
+        report.expired_waits = store.heal_expired_waits(state, session, grace=grace)
     except Exception as exc:
         session.rollback()
         report.duration_ms = (time.perf_counter() - started) * 1000

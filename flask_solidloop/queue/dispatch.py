@@ -57,5 +57,11 @@ class Dispatcher:
             args = (*args, str(reaper_lease_token))
         self._send(session, self.actors["tool_call"], args, loop_id=loop_id)
 
+    def wait_timeout(self, session: SessionLike, tool_call_id: int, *, loop_id: int,
+                     delay_ms: int) -> None:
+        """The timeout of a call's wait, due ``delay_ms`` from now (the database's)."""
+        self._send(session, self.actors["wait_timeout"], (tool_call_id,), loop_id=loop_id,
+                   delay_ms=delay_ms, continuation=False)
+
     def maintenance(self, session: SessionLike, task: str) -> None:
         self._send(session, self.actors["maintenance"], (task,), continuation=False)

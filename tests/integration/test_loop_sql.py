@@ -1,4 +1,4 @@
-"""Every statement of loops/sql.py prepares on a real PostgreSQL with the
+"""Every statement of loops/sql/ prepares on a real PostgreSQL with the
 migrated schema, every parameter's type left for the server to infer (what a
 ``None`` sends): a statement that does not parse, names a column that is not
 there or leaves a parameter's type ambiguous fails here, not in a worker."""

@@ -1,4 +1,4 @@
-"""Every statement of loops/sql.py, rendered to tests/unit/loop_sql.txt.
+"""Every statement of loops/sql/, rendered to tests/unit/loop_sql.txt.
 
 The statements are composed from shared parts (the fences, the claim's
 ``SET``, the requeue, the shell, the events); the file shows each one whole,
@@ -47,7 +47,7 @@ def test_the_rendered_statements_are_the_ones_reviewed():
     if os.environ.get("SOLIDLOOP_WRITE_SQL"):
         RENDERED.write_text(rendered)
     assert RENDERED.read_text() == rendered, (
-        "loops/sql.py changed: review the difference, then rewrite tests/unit/loop_sql.txt "
+        "loops/sql/ changed: review the difference, then rewrite tests/unit/loop_sql.txt "
         "with SOLIDLOOP_WRITE_SQL=1")
 
 

@@ -1,5 +1,5 @@
 """Each table of loop state has one writer (decisions 0009 and 0016): the loop
-tables are written by loops/store/ (with their statements in loops/sql.py),
+tables are written by loops/store/ (with their statements in loops/sql/),
 the MCP server's own rows (its inbound sessions, and inbound events) by
 mcp_server/store.py.
 
@@ -27,7 +27,7 @@ from flask_solidloop.models import Event, Loop, McpInboundSession, McpSession, M
 
 PACKAGE = Path(flask_solidloop.__file__).parent
 #: The loop store: its statements and the functions that run them.
-_LOOP_STORE = ("loops/sql.py", "loops/store/")
+_LOOP_STORE = ("loops/sql/", "loops/store/")
 #: Who may write each table (a path, or a directory ending in "/").
 OWNERS: dict[str, tuple[str, ...]] = {
     "solidloop_loops": _LOOP_STORE,
@@ -147,7 +147,7 @@ def test_the_owners_do_write_them():
     # The owners really hold the writes this test looks for (a check that
     # passes on an empty package would prove nothing).
     sources = {rel: source for rel, source in package_files()
-               if rel.startswith(("loops/sql.py", "loops/store/", "mcp_server/store.py"))}
+               if rel.startswith(("loops/sql/", "loops/store/", "mcp_server/store.py"))}
     kinds = " ".join(kind for rel, source in sources.items()
                      for kind in violations(source, rel, strict=False))
     for expected in ("update(Loop)", "new Loop row", "new Message row", "new Event row",

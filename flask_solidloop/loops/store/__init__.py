@@ -1,7 +1,7 @@
 """The only writer of loop, message, tool-call, MCP-session and event rows, and
 of the jobs that follow their changes.
 
-Every function is one named transition, with its statement in loops/sql.py,
+Every function is one named transition, with its statement in loops/sql/,
 and declares the kind of transaction it runs in (transaction.py: ``commits``,
 ``joins`` or ``alone``). State and the successor job land together or not at
 all (invariant: transactional dispatch). A turn whose fence closed gets
@@ -29,12 +29,14 @@ from .commands import (
 from .heals import (
     heal_dropped_tools,
     heal_expired_llm,
+    heal_expired_waits,
     heal_orphan_shells,
     heal_stalled_tools,
     heal_stuck_queued,
     heal_stuck_tool_phase,
 )
 from .llm_turn import (
+    CallWait,
     FinishedTurn,
     NewToolCall,
     calls_to_run,
@@ -61,12 +63,35 @@ from .tool_turn import (
     store_mcp_session_state,
 )
 from .transaction import end_transaction
+from .waits import (
+    APPROVAL,
+    APPROVED,
+    COMPLETED,
+    DENIED,
+    RESULT,
+    Decision,
+    DueWait,
+    decide,
+    denial,
+    due_wait,
+    retry_time_out,
+    supplied,
+    time_out,
+)
 
 __all__ = [
+    "APPROVAL",
+    "APPROVED",
+    "COMPLETED",
+    "DENIED",
+    "RESULT",
     "Adopted",
     "AdoptedLlmTurn",
     "AdoptedToolCall",
     "CallFacts",
+    "CallWait",
+    "Decision",
+    "DueWait",
     "FinishedTurn",
     "LlmClaim",
     "NewToolCall",
@@ -80,6 +105,9 @@ __all__ = [
     "claim_llm_turn",
     "claim_tool_call",
     "create_loop",
+    "decide",
+    "denial",
+    "due_wait",
     "end_transaction",
     "end_turn",
     "fail_unclaimed",
@@ -89,6 +117,7 @@ __all__ = [
     "freeze",
     "heal_dropped_tools",
     "heal_expired_llm",
+    "heal_expired_waits",
     "heal_orphan_shells",
     "heal_stalled_tools",
     "heal_stuck_queued",
@@ -100,8 +129,11 @@ __all__ = [
     "release_tool_call",
     "requeue_llm_turn",
     "resume",
+    "retry_time_out",
     "set_observed",
     "stop",
     "store_mcp_session_state",
+    "supplied",
+    "time_out",
     "unfreeze",
 ]

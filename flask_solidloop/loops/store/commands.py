@@ -21,7 +21,6 @@ from ...mcp.toolset import ToolResult
 from ...models import Loop, Message, ToolCall
 from ...models.loop import LoopStatus
 from .. import queries, sql, storable
-from .llm_turn import calls_to_run
 from .transaction import alone, commits, execute, fetch_row, fetch_rows, joins, run_alone
 
 if TYPE_CHECKING:
@@ -29,8 +28,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("flask_solidloop.store")
 
-_STOPPABLE = (LoopStatus.INIT, LoopStatus.QUEUED, LoopStatus.RUNNING, LoopStatus.PAUSED)
-_LIVE = (LoopStatus.QUEUED, LoopStatus.RUNNING)
+_STOPPABLE = (LoopStatus.INIT, LoopStatus.QUEUED, LoopStatus.RUNNING, LoopStatus.WAITING,
+              LoopStatus.PAUSED)
+#: What pause and freeze stop: a loop that runs, is about to, or waits.
+_LIVE = (LoopStatus.QUEUED, LoopStatus.RUNNING, LoopStatus.WAITING)
 
 
 def new_message(loop_id: int, role: str, content: str, **fields: Any) -> Message:
@@ -82,7 +83,8 @@ def _done(session: SessionLike, changed: bool) -> bool:
 
 @commits
 def pause(session: SessionLike, loop_id: int) -> bool:
-    """queued or running → paused; jobs of the old generation find nothing to do."""
+    """queued, running or waiting → paused; jobs of the old generation find
+    nothing to do (a decision on a waiting call is kept for the resume)."""
     if not _done(session, _leave(session, loop_id, from_=_LIVE, to=LoopStatus.PAUSED)):
         return False
     signals.send(signals.loop_paused, loop_id=loop_id, reason="paused")
@@ -184,9 +186,11 @@ def resume(state: SolidLoopState, session: SessionLike, loop_id: int, allowed: I
     If the newest assistant turn still has unanswered tool calls, the loop
     re-enters its tool phase under a fresh generation: a call a live worker
     still runs keeps its lease (it answers under the new generation itself),
-    every other call's lease is revoked and its job enqueued (only the head of
-    the line in sequential mode, ``sequential(loop_id)``, and only if none
-    runs). Otherwise the loop is queued for a new LLM turn. ``message`` appends
+    a call that still awaits a decision or a result keeps waiting, and every
+    other call's lease is revoked and its job enqueued (only the head of the
+    line in sequential mode, ``sequential(loop_id)``, and only if none runs).
+    When nothing runs and something awaits, the loop waits. Otherwise the
+    loop is queued for a new LLM turn. ``message`` appends
     a user message first, answering the pending calls (nothing may sit
     between a tool-call turn and its results)."""
     locked = fetch_row(session, sql.LOCK_LOOP, {"loop_id": loop_id})
@@ -207,15 +211,22 @@ def resume(state: SolidLoopState, session: SessionLike, loop_id: int, allowed: I
         session.add(new_message(loop_id, "user", message))
     if pending:
         token = uuid.uuid4()
-        execute(session, sql.RESUME_TO_CALLS, {"loop_id": loop_id, "new_token": token})
         calls = fetch_rows(session, sql.REVOKE_IDLE_LEASES,
                            {"call_ids": [call.id for call in pending]})
-        running = any(live for _, live in calls)
-        idle = [call_id for call_id, live in calls if not live]
+        running = any(live for _, live, _ in calls)
         one_at_a_time = sequential(loop_id)
-        if not (one_at_a_time and running):
-            for call_id in calls_to_run(idle, sequential=one_at_a_time):
-                state.dispatch.tool_call(session, call_id, token, loop_id=loop_id)
+        if one_at_a_time:
+            # The head of the line, if nothing runs and it does not await.
+            head = calls[0]
+            to_run = [] if running or head[2] else [head[0]]
+        else:
+            to_run = [call_id for call_id, live, awaiting in calls
+                      if not live and not awaiting]
+        to = LoopStatus.RUNNING if running or to_run else LoopStatus.WAITING
+        execute(session, sql.RESUME_TO_CALLS, {"loop_id": loop_id, "new_token": token,
+                                               "to": to.value})
+        for call_id in to_run:
+            state.dispatch.tool_call(session, call_id, token, loop_id=loop_id)
     else:
         execute(session, sql.RESUME_TO_TURN, {"loop_id": loop_id})
         state.dispatch.llm_turn(session, loop_id)

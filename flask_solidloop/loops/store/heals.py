@@ -93,6 +93,19 @@ def heal_dropped_tools(state: SolidLoopState, session: SessionLike, *, grace: fl
 
 
 @commits
+def heal_expired_waits(state: SolidLoopState, session: SessionLike, *,
+                       grace: float) -> list[int]:
+    """Waits past their deadline whose timeout job is gone (dead-lettered,
+    deleted): a timeout job again, due now."""
+    healed = []
+    for call_id, loop_id in fetch_rows(session, sql.EXPIRED_WAITS, {"grace": grace}):
+        state.dispatch.wait_timeout(session, call_id, loop_id=loop_id, delay_ms=0)
+        healed.append(call_id)
+    session.commit()
+    return healed
+
+
+@commits
 def heal_orphan_shells(session: SessionLike) -> list[int]:
     """``processing`` shells of loops that are not running: failed and hidden."""
     ids = [row[0] for row in fetch_rows(session, sql.HEAL_ORPHAN_SHELLS, {})]

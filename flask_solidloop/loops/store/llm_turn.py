@@ -54,7 +54,7 @@ def calls_to_run(call_ids: Sequence[int], *, sequential: bool) -> list[int]:
 
 
 def claim_params(loop_id: int, token: uuid.UUID, lease_seconds: float) -> dict[str, Any]:
-    """The parameters of a claim (loops/sql.py's ``_CLAIM_SET``)."""
+    """The parameters of a claim (loops/sql.CLAIM_SET)."""
     return {"loop_id": loop_id, "new_token": token, "holder": worker_identity(),
             "ttl": timedelta(seconds=lease_seconds)}
 
@@ -154,8 +154,21 @@ def record_partial(session: SessionLike, shell_id: int, content: str,
 
 
 @dataclass(frozen=True)
+class CallWait:
+    """How a new tool call waits (decided when the model's answer is parsed):
+    for an ``approval`` or a ``result``, at most ``timeout`` seconds, after
+    which an approval is decided ``on_timeout`` (``deny`` or ``approve``) and a
+    result is an error (loops/store/waits.py)."""
+
+    waits_for: str
+    timeout: float | None = None
+    on_timeout: str = "deny"
+
+
+@dataclass(frozen=True)
 class NewToolCall:
-    """A tool call the model asked for, routed to its server (if any offers it)."""
+    """A tool call the model asked for, routed to its server (if any offers it),
+    and how it waits, if it does."""
 
     call_id: str | None
     name: str
@@ -163,6 +176,7 @@ class NewToolCall:
     arguments: dict[str, Any] | None
     server_name: str | None = None
     tool_name: str | None = None
+    wait: CallWait | None = None
 
 
 def _calls_params(calls: Sequence[NewToolCall]) -> dict[str, list[Any]]:
@@ -170,7 +184,7 @@ def _calls_params(calls: Sequence[NewToolCall]) -> dict[str, list[Any]]:
     order, their text made storable (and each call flagged when it had to be)."""
     columns: dict[str, list[Any]] = {name: [] for name in (
         "call_ids", "call_names", "call_servers", "call_tools", "call_raws", "call_arguments",
-        "call_metas")}
+        "call_metas", "call_waits", "call_timeouts")}
     for call in calls:
         name, name_altered = storable.text(call.name)
         call_id, id_altered = storable.text(call.call_id or None)
@@ -179,11 +193,17 @@ def _calls_params(calls: Sequence[NewToolCall]) -> dict[str, list[Any]]:
         altered = storable.sanitized({"name": name_altered, "call_id": id_altered,
                                       "arguments_raw": raw_altered,
                                       "arguments": arguments_altered})
+        meta: dict[str, Any] = {"sanitized": altered} if altered else {}
+        wait = call.wait
+        if wait is not None and wait.on_timeout != "deny":
+            meta["on_timeout"] = wait.on_timeout  # what its timeout job decides
         for key, value in (("call_ids", call_id), ("call_names", name or ""),
                            ("call_servers", call.server_name), ("call_tools", call.tool_name),
                            ("call_raws", raw),
                            ("call_arguments", Jsonb(arguments) if arguments is not None else None),
-                           ("call_metas", Jsonb({"sanitized": altered}) if altered else None)):
+                           ("call_metas", Jsonb(meta) if meta else None),
+                           ("call_waits", wait.waits_for if wait is not None else None),
+                           ("call_timeouts", wait.timeout if wait is not None else None)):
             columns[key].append(value)
     return columns
 
@@ -195,6 +215,8 @@ class FinishedTurn:
 
     message: Message
     adopted: AdoptedToolCall | None = None
+    #: The loop waits: none of its calls can run before a decision or a result.
+    waiting: bool = False
 
 
 @alone
@@ -207,10 +229,13 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     fence (loops/sql.FINISH_TURN): the shell finalized with its usage and cost,
     the wire event, the tool calls; the loop completed, or in its tool phase
     with the calls to run now enqueued in the same commit. ``adopt``: the
-    thread that commits continues inline, so the first call is leased to it
-    instead of getting a job (returned as ``adopted``). A turn end with nothing
-    else to commit (a final answer, or an adopted call with no job beside it)
-    runs in autocommit."""
+    thread that commits continues inline, so the first call that can run is
+    leased to it instead of getting a job (returned as ``adopted``). A call
+    that waits (``NewToolCall.wait``) gets no job, and its timeout's job when
+    it has one; when none can run (in sequential mode: when the head of the
+    line waits), the loop waits. A turn end with nothing else to commit (a
+    final answer, or an adopted call with no job beside it) runs in
+    autocommit."""
     usage = response.usage
     content, content_altered = storable.text(response.content)
     reasoning, reasoning_altered = storable.text(response.reasoning)
@@ -219,7 +244,13 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
                                   "metadata": meta_altered})
     if altered:
         meta["sanitized"] = altered
-    lease = uuid.uuid4() if calls and adopt else None
+    # The calls that may run now: those that wait for nothing (in sequential
+    # mode, the head of the line, unless it waits).
+    runnable = [n for n, call in enumerate(calls) if call.wait is None]
+    if sequential:
+        runnable = runnable[:1] if runnable[:1] == [0] else []
+    waits = bool(calls) and not runnable
+    lease = uuid.uuid4() if runnable and adopt else None
     # The loop as this process's wire-log memory knows it: its id and its birth,
     # from the loop object the turn holds (not loaded for this: unknown, the
     # tools are logged whole).
@@ -244,28 +275,36 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
                     repeat_history=repeat_history, tools=tools,
                     tools_logged=logged_tools.get((loop_id, born)) if born is not None else None),
     }
+    timed = [n for n, call in enumerate(calls) if call.wait is not None
+             and call.wait.timeout is not None]
     if calls:
         params.update(_calls_params(calls), lease=lease, holder=worker_identity(),
-                      ttl=timedelta(seconds=state.config.liveness_ttl))
-    # Nothing else joins this commit when no other call is enqueued with it.
-    sole = not calls or (lease is not None and (sequential or len(calls) == 1))
+                      ttl=timedelta(seconds=state.config.liveness_ttl), waits=waits,
+                      lease_position=runnable[0] + 1 if lease is not None else None)
+    # Nothing else joins this commit when no job is enqueued with it.
+    sole = len(runnable) - (1 if lease is not None else 0) + len(timed) == 0
     fenced, committed = run_alone(session, sql.FINISH_TURN[bool(calls)], params, sole=sole)
     if fenced is None:
         if not committed:
             session.rollback()
         raise LostLeaseError(f"loop {loop_id} changed hands during the request")
     adopted = None
+    call_ids: list[int] = []
     if calls:
-        call_ids: list[int] = fenced.pop("solidloop_call_ids")
-        first_call = {column: fenced.pop(f"call_{column}") for column in sql.CALL_COLUMNS}
-        to_run = calls_to_run(call_ids, sequential=sequential)
+        call_ids = fenced.pop("solidloop_call_ids")
+        leased = {column: fenced.pop(f"call_{column}") for column in sql.CALL_COLUMNS}
+        to_run = [call_ids[n] for n in runnable]
         if lease is not None:
-            adopted = AdoptedToolCall(loop_id, call_ids[0], token, lease,
-                                      rows=((Loop, fenced), (ToolCall, first_call)),
+            adopted = AdoptedToolCall(loop_id, to_run[0], token, lease,
+                                      rows=((Loop, fenced), (ToolCall, leased)),
                                       sole_call=len(call_ids) == 1)
             to_run = to_run[1:]
         for call_id in to_run:
             state.dispatch.tool_call(session, call_id, token, loop_id=loop_id)
+        for n in timed:
+            timeout = calls[n].wait.timeout  # type: ignore[union-attr]
+            state.dispatch.wait_timeout(session, call_ids[n], loop_id=loop_id,
+                                        delay_ms=int(timeout * 1000))  # type: ignore[operator]
     # The shell as the session knows it (no SELECT now; it loads on first use).
     shell = real_session(session).identity_map.get(identity_key(Message, shell_id))
     commit_unless(committed, session)
@@ -273,10 +312,15 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
         logged_tools.remember((loop_id, fenced["created_at"]), tools)
     if not calls:
         signals.send(signals.loop_completed, loop_id=loop_id, agent=fenced["agent_name"])
+    for call, call_id in zip(calls, call_ids, strict=True):
+        if call.wait is not None:
+            signals.send_wait_requested(call.wait.waits_for, loop_id=loop_id,
+                                        tool_call_id=call_id, tool=call.name,
+                                        arguments=call.arguments)
     if shell is None:
         shell = session.get(Message, shell_id)
     assert shell is not None
-    return FinishedTurn(shell, adopted)
+    return FinishedTurn(shell, adopted, waits)
 
 
 @alone

@@ -81,8 +81,11 @@ def claim_tool_call(state: SolidLoopState, session: SessionLike, call: ToolCall,
     if sequential:
         pending = queries.unresolved_tool_calls(session, loop_id)
         if pending and pending[0].id != call.id:
-            # Out of order: run nothing, but make sure the head of the line runs.
-            state.dispatch.tool_call(session, pending[0].id, token, loop_id=loop_id)
+            # Out of order: run nothing, but make sure the head of the line runs
+            # (unless it awaits a decision or a result: that brings its job).
+            head = pending[0]
+            if head.waits_for is None or head.decision is not None:
+                state.dispatch.tool_call(session, head.id, token, loop_id=loop_id)
             commit_with_job_done(session)
             return ToolClaim.REDIRECTED, None
     if call.executed_at is not None:
@@ -152,6 +155,8 @@ class ToolOutcome:
     answered: bool
     #: The step this thread's commit claimed for it (``adopt``), if any.
     adopted: Adopted | None = None
+    #: The loop now waits: what is left of its tool phase awaits decisions or results.
+    waited: bool = False
 
 
 def canonical_result(call: CallFacts | ToolCall, result: ToolResult
@@ -248,7 +253,7 @@ def _outcome(state: SolidLoopState, session: SessionLike, call: CallFacts, *,
         text, message_meta = storable.message_content(
             content or "", {"is_error": is_error, "tool_name": call.name})
         new_token = uuid.uuid4()
-        params.update(content=text, message_meta=Jsonb(message_meta))
+        params.update(content=text, message_meta=Jsonb(message_meta), sequential=sequential)
         if adopt:
             params.update(open_shell=next_turn.open_shell, read_history=next_turn.read_history,
                           **claim_params(call.loop_id, new_token, state.config.liveness_ttl))
@@ -272,8 +277,11 @@ def _outcome(state: SolidLoopState, session: SessionLike, call: CallFacts, *,
            committed=committed)
     answered = bool(row.pop("solidloop_answered"))
     adopted: Adopted | None = None
+    waited = False
     if answer:
         remaining: list[int] = row.pop("solidloop_remaining")
+        awaiting: list[int] = row.pop("solidloop_waiting")
+        waited = bool(row.pop("solidloop_waited"))
         if adopt and row["id"] is not None:  # the last answer: the next turn is ours
             claim, shell = claim_from_row(row, params["new_token"],
                                           read_history=next_turn.read_history)
@@ -283,7 +291,8 @@ def _outcome(state: SolidLoopState, session: SessionLike, call: CallFacts, *,
             adopted = AdoptedLlmTurn(call.loop_id, claim, rows)
         if not adopt and row.pop("solidloop_requeued"):
             state.dispatch.llm_turn(session, call.loop_id)
-        if answered and remaining and sequential:
+        if answered and remaining and sequential and not waited \
+                and remaining[0] not in awaiting:
             # The loop's current generation: a resume may have rotated it while
             # the tool ran under its lease.
             adopted = _dispatch_line(state, session, call.loop_id, row["solidloop_token"],
@@ -297,7 +306,7 @@ def _outcome(state: SolidLoopState, session: SessionLike, call: CallFacts, *,
     if orm_call is None:
         orm_call = session.get(ToolCall, call.id)
     assert orm_call is not None
-    return ToolOutcome(orm_call, canonical, answered, adopted)
+    return ToolOutcome(orm_call, canonical, answered, adopted, waited)
 
 
 def _check(row: dict[str, Any], call: CallFacts, *, token: uuid.UUID,

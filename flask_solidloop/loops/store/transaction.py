@@ -15,7 +15,7 @@ how it treats the caller's session (tests/unit/test_store_shape.py checks):
   session (:func:`run_alone`): no ``BEGIN``, no ``COMMIT``. Otherwise it joins
   the session's transaction and commits it.
 
-The statements are loops/sql.py's, run on the session's psycopg connection
+The statements are loops/sql/'s, run on the session's psycopg connection
 (dbapi.driver_connection), prepared on their first run.
 """
 
@@ -47,7 +47,7 @@ def commits(function: F) -> F:
 
 
 def joins(function: F) -> F:
-    """The function writes in the caller's transaction; the caller commits."""
+    """The function reads or writes in the caller's transaction; the caller commits."""
     setattr(function, KIND, "joins")
     return function
 

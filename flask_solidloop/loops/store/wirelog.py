@@ -1,5 +1,5 @@
 """What the wire log keeps of a turn: the parameters of its ``llm_request`` and
-``tool_call`` events (loops/sql.py writes them with the turn's own rows).
+``tool_call`` events (loops/sql/ writes them with the turn's own rows).
 
 Bodies past ``SOLIDLOOP_EVENT_BODY_LIMIT`` become an excerpt with their size
 and SHA-256 (storable.excerpt); a request keeps its conversation from the

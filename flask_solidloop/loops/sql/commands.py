@@ -1,0 +1,74 @@
+"""The host's commands: pause, stop, freeze, observe, resume."""
+
+from __future__ import annotations
+
+from .parts import AWAITING, EXIT_SET, REQUEUE_SET, hide_shells
+
+# -- the host's commands ---------------------------------------------------------------
+
+#: A host-driven exit (pause, stop, force stop, freeze) from one of ``from`` to
+#: ``to``, with no fence (the host outranks any generation): the error text
+#: when ``error_message`` is given, the loop frozen when ``freeze``, its shells
+#: hidden, and, when ``revoke_leases``, its unexecuted calls' leases revoked
+#: (their workers' results will not be recorded).
+LEAVE = (
+    "WITH left_ AS (UPDATE solidloop_loops SET status = %(to)s::varchar, "
+    "error_message = coalesce(%(error_message)s, error_message), "
+    f"frozen = frozen OR %(freeze)s, {EXIT_SET} "
+    "WHERE id = %(loop_id)s AND status = ANY(%(from)s::text[]) RETURNING id), "
+    f"hidden AS ({hide_shells('SELECT id FROM left_')}), "
+    "revoked AS (UPDATE solidloop_tool_calls SET lease_token = NULL, leased_until = NULL, "
+    "updated_at = now() WHERE loop_id IN (SELECT id FROM left_) AND %(revoke_leases)s "
+    "AND executed_at IS NULL) "
+    "SELECT id FROM left_")
+
+#: The frozen flag of a loop that stays where it is (paused, init); or lifted.
+SET_FROZEN = ("UPDATE solidloop_loops SET frozen = %(frozen)s, updated_at = now() "
+              "WHERE id = %(loop_id)s AND frozen <> %(frozen)s RETURNING id")
+
+#: Whether someone watches the loop live (the admin).
+SET_OBSERVED = ("UPDATE solidloop_loops SET observed = %(observed)s, updated_at = now() "
+                "WHERE id = %(loop_id)s AND observed <> %(observed)s RETURNING id")
+
+#: The loop's shells, failed and hidden (a resume starts clean).
+HIDE_SHELLS = hide_shells("%(loop_id)s")
+
+#: What a resume resets: limits apply per run, and the next claim starts the clock.
+_RESUME_SET = ("error_message = NULL, finished_at = NULL, run_started_at = NULL, "
+               "run_step_base = step_count")
+#: A resumed loop queued for its next LLM turn (the caller enqueues its job).
+RESUME_TO_TURN = f"UPDATE solidloop_loops SET {REQUEUE_SET}, {_RESUME_SET} WHERE id = %(loop_id)s"
+#: A resumed loop back in its tool phase under a new generation: ``running``
+#: (the caller enqueues the calls' jobs), or ``waiting`` when none can run.
+RESUME_TO_CALLS = (
+    "UPDATE solidloop_loops SET status = %(to)s::varchar, execution_token = %(new_token)s, "
+    f"lease_expires_at = NULL, lease_holder = NULL, updated_at = now(), {_RESUME_SET} "
+    "WHERE id = %(loop_id)s")
+
+#: Of a resumed tool phase's calls (``call_ids``, in order): each one's id,
+#: whether a live worker still runs it (it answers under the new generation
+#: itself) and whether it awaits a decision or a result; every other
+#: unexecuted call's lease is revoked, for a new job.
+REVOKE_IDLE_LEASES = (
+    "WITH calls AS (SELECT id, position, executed_at IS NULL AND lease_token IS NOT NULL "
+    f"AND leased_until > now() AS live, {AWAITING} AS awaiting FROM solidloop_tool_calls "
+    "WHERE id = ANY(%(call_ids)s::bigint[])), "
+    "revoked AS (UPDATE solidloop_tool_calls t SET lease_token = NULL, leased_until = NULL, "
+    "lease_holder = NULL, updated_at = now() FROM calls "
+    "WHERE t.id = calls.id AND NOT calls.live AND t.executed_at IS NULL) "
+    "SELECT id, live, awaiting FROM calls ORDER BY position")
+
+#: Pending calls answered for a resume with a new message, in order (each
+#: call's text and metadata are the caller's: a call that ran gets its recorded
+#: result, the others a cancellation); an unexecuted call is marked cancelled.
+ANSWER_CANCELLED = (
+    "WITH answers AS (INSERT INTO solidloop_messages (loop_id, role, content, tool_call_id, "
+    "metadata) SELECT %(loop_id)s, 'tool', a.content, a.call_id, a.metadata "
+    "FROM unnest(%(call_ids)s::bigint[], %(contents)s::text[], %(metas)s::jsonb[]) "
+    "WITH ORDINALITY AS a(call_id, content, metadata, n) ORDER BY a.n "
+    "RETURNING id, tool_call_id) "
+    "UPDATE solidloop_tool_calls c SET response_message_id = answers.id, lease_token = NULL, "
+    "lease_holder = NULL, leased_until = NULL, updated_at = now(), "
+    "is_success = CASE WHEN c.executed_at IS NULL THEN false ELSE c.is_success END, "
+    "error_kind = CASE WHEN c.executed_at IS NULL THEN 'cancelled' ELSE c.error_kind END "
+    "FROM answers WHERE c.id = answers.tool_call_id")

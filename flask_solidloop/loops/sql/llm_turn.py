@@ -1,0 +1,184 @@
+"""The LLM turn's statements: its claim, its shell, its end, its requeue, and a
+middleware's own fenced transition."""
+
+from __future__ import annotations
+
+from ...queue import sql as jobs_sql
+from .parts import (
+    CALL_COLUMNS,
+    CLAIM_RETURNING,
+    CLAIM_SET,
+    COMPLETED,
+    EXIT_SET,
+    FAILED,
+    HISTORY_ROWS,
+    LIVE_CHANNEL,
+    OWNED,
+    PAUSED,
+    QUEUED,
+    REQUEUE_SET,
+    SHELL_SELECTED,
+    TERMINAL,
+    WAITING,
+    hide_shells,
+    history_json,
+    insert_shell,
+    llm_event,
+    shell_part,
+)
+
+# -- the LLM turn ---------------------------------------------------------------------
+
+#: The loop row locked, and what a caller decides on under the lock.
+LOCK_LOOP = ("SELECT status, frozen, execution_token FROM solidloop_loops "
+             "WHERE id = %(loop_id)s FOR UPDATE")
+
+#: A queued loop's LLM turn claimed in one statement: the claim, the running
+#: job marked done (``job_id``, ``job_lease``: NULL when there is none), the
+#: turn's shell when ``open_shell`` (as ``shell_<column>``), its history when
+#: ``read_history`` (``solidloop_history``). No row when nothing was claimed.
+#:
+#: Run alone, its snapshot is taken before the claim waits for the loop row,
+#: so it may miss what a holder of that row committed meanwhile (a loop
+#: stopped and resumed with a message: queued again, with a message the
+#: snapshot lacks). So the claim holds only on the row version that snapshot
+#: saw (``xmin``: the transaction that wrote the version); every write that
+#: makes a loop queued, or adds to its history while it is queued, rewrites the
+#: loop row (creating, resuming, answering a tool phase's last call,
+#: requeueing). When the row changed, nothing is written, and the caller runs
+#: the statement again after :data:`LOCK_LOOP`, where its snapshot starts with
+#: the lock held.
+CLAIM_TURN = (
+    "WITH seen AS (SELECT xmin FROM solidloop_loops WHERE id = %(loop_id)s), "
+    f"claim AS (UPDATE solidloop_loops SET {CLAIM_SET} WHERE id = %(loop_id)s "
+    f"AND status = {QUEUED} AND xmin = (SELECT xmin FROM seen) {CLAIM_RETURNING}), "
+    "job AS ({} RETURNING id), ".format(
+        jobs_sql.MARK_DONE_WHEN.format(condition="AND EXISTS (SELECT 1 FROM claim)"))
+    + f"{shell_part('claim')} "
+    f"SELECT claim.*, {SHELL_SELECTED}, CASE WHEN %(read_history)s "
+    f"THEN {history_json(HISTORY_ROWS)} END AS solidloop_history "
+    "FROM claim LEFT JOIN shell ON true")
+
+#: A turn's shell on its own (a stack that runs host middlewares between its
+#: initialization and its request), fenced on the generation under the row lock.
+OPEN_SHELL = (f"{insert_shell('id')} FROM solidloop_loops "
+              f"WHERE id = %(loop_id)s AND {OWNED} FOR UPDATE RETURNING *")
+
+#: A streaming turn's text so far, onto its still-hidden shell, announced to
+#: the admin's live stream.
+RECORD_PARTIAL = (
+    "WITH partial AS (UPDATE solidloop_messages SET content = %(content)s, "
+    "reasoning = %(reasoning)s, updated_at = now() "
+    "WHERE id = %(shell_id)s AND status = 'processing' RETURNING loop_id, id) "
+    f"SELECT pg_notify('{LIVE_CHANNEL}', loop_id::text || ':' || id::text) FROM partial")
+
+#: The tools a remote server listed for the loop for the first time (the first
+#: writer wins).
+RECORD_SNAPSHOT = (
+    "INSERT INTO solidloop_mcp_sessions (loop_id, server_name, tools, session_state) "
+    "VALUES (%(loop_id)s, %(server)s, %(tools)s, %(session_state)s) "
+    "ON CONFLICT (loop_id, server_name) DO NOTHING")
+
+def _finish_turn(with_calls: bool) -> str:
+    """The turn's end, one statement: the fenced loop update (the row lock and
+    the fence at once), the shell finalized with usage and cost, and the wire
+    event (none when ``payload`` is NULL). The other parts write only when the
+    fence matched. Without calls the loop completes; with them (``with_calls``:
+    each column an array parameter, in order; the first leased to this thread
+    at ``lease_position`` when ``lease`` is set: an adopted call; each with
+    what it waits for and its deadline) it enters its tool phase under the
+    same generation, ``waiting`` when none of them can run yet (``waits``),
+    and the statement returns the calls' ids in order
+    (``solidloop_call_ids``) and the first call's row (``call_<column>``), which
+    an adopted call's step starts from. Two texts rather than one with a
+    switch: the turn's end is a statement of every turn, and each text then
+    plans only the parts it runs."""
+    completes = (f"status = CASE WHEN %(waits)s THEN {WAITING} ELSE status END, "
+                 if with_calls else
+                 f"status = {COMPLETED}, execution_token = NULL, finished_at = now(), "
+                 "error_message = NULL, ")
+    parts = [
+        "fenced AS (UPDATE solidloop_loops SET step_count = step_count + 1, "
+        "lease_holder = NULL, lease_expires_at = NULL, updated_at = now(), "
+        "input_tokens = input_tokens + coalesce(%(input_tokens)s::bigint, 0), "
+        "output_tokens = output_tokens + coalesce(%(output_tokens)s::bigint, 0), "
+        f"{completes}cost = cost + coalesce(%(cost)s::numeric, 0) "
+        f"WHERE id = %(loop_id)s AND {OWNED} "
+        f"RETURNING *, pg_notify('{LIVE_CHANNEL}', %(live)s))",
+        "shell AS (UPDATE solidloop_messages SET content = %(content)s, "
+        "reasoning = %(reasoning)s, finish_reason = %(finish_reason)s, status = 'completed', "
+        "is_hidden = false, completed_at = now(), metadata = %(message_meta)s, "
+        "usage = coalesce(%(usage)s, usage), cost = coalesce(%(message_cost)s, cost), "
+        "updated_at = now() WHERE id = %(shell_id)s AND EXISTS (SELECT 1 FROM fenced))",
+        f"event AS ({llm_event('fenced')})",
+    ]
+    if not with_calls:
+        return f"WITH {', '.join(parts)} SELECT * FROM fenced"
+    parts.append(
+        "calls AS (INSERT INTO solidloop_tool_calls (loop_id, message_id, position, call_id, "
+        "name, server_name, tool_name, arguments_raw, arguments, metadata, waits_for, "
+        "wait_deadline, lease_token, lease_holder, leased_until) "
+        "SELECT fenced.id, %(shell_id)s, c.n - 1, c.call_id, "
+        "c.name, c.server_name, c.tool_name, c.arguments_raw, c.arguments, c.metadata, "
+        "c.waits_for, now() + make_interval(secs => c.timeout), "
+        "CASE WHEN c.n = %(lease_position)s THEN %(lease)s::uuid END, "
+        "CASE WHEN c.n = %(lease_position)s THEN %(holder)s END, "
+        "CASE WHEN c.n = %(lease_position)s THEN now() + %(ttl)s::interval END "
+        "FROM fenced, unnest(%(call_ids)s::varchar[], %(call_names)s::varchar[], "
+        "%(call_servers)s::varchar[], %(call_tools)s::varchar[], %(call_raws)s::text[], "
+        "%(call_arguments)s::jsonb[], %(call_metas)s::jsonb[], %(call_waits)s::varchar[], "
+        "%(call_timeouts)s::float8[]) WITH ORDINALITY "
+        "AS c(call_id, name, server_name, tool_name, arguments_raw, arguments, metadata, "
+        "waits_for, timeout, n) RETURNING *)")
+    first = ", ".join(f'first.{column} AS "call_{column}"' for column in CALL_COLUMNS)
+    # The row of the call leased to this thread, if one is (else the first).
+    return (f"WITH {', '.join(parts)} SELECT fenced.*, "
+            "ARRAY(SELECT id FROM calls ORDER BY position) AS solidloop_call_ids, "
+            f"{first} FROM fenced, (SELECT * FROM calls "
+            "ORDER BY lease_token IS NULL, position LIMIT 1) AS first")
+
+
+#: By whether the turn ends with tool calls.
+FINISH_TURN = {with_calls: _finish_turn(with_calls) for with_calls in (False, True)}
+
+#: A running loop leaves ``running`` on the writer's generation: a limit
+#: pauses it, an error fails it (``to``). Its shells are failed and hidden, and
+#: the turn's wire event recorded (none when ``payload`` is NULL). A tool turn
+#: that fails the loop passes its call's ``lease`` too (NULL for an LLM turn,
+#: or a tool job that holds none): the call must still be that lease's.
+END_TURN = (
+    "WITH ended AS (UPDATE solidloop_loops SET status = %(to)s::varchar, "
+    f"error_message = %(error_message)s, {EXIT_SET} WHERE id = %(loop_id)s AND {OWNED} "
+    "AND (%(lease)s::uuid IS NULL OR EXISTS (SELECT 1 FROM solidloop_tool_calls "
+    "WHERE id = %(call_id)s AND lease_token = %(lease)s)) RETURNING id), "
+    f"hidden AS ({hide_shells('SELECT id FROM ended')}), "
+    f"event AS ({llm_event('ended')}) "
+    "SELECT id FROM ended")
+
+#: A claimed LLM turn given back to the queue (the worker is stopping, or the
+#: database failed before the request), if the generation is still the
+#: writer's; its shells hidden. The caller enqueues the turn's job with it.
+REQUEUE_TURN = (
+    f"WITH requeued AS (UPDATE solidloop_loops SET {REQUEUE_SET} "
+    f"WHERE id = %(loop_id)s AND {OWNED} RETURNING id), "
+    f"hidden AS ({hide_shells('SELECT id FROM requeued')}) "
+    "SELECT id FROM requeued")
+
+#: A middleware's own fenced transition (``ctx.transition``): from one of
+#: ``from`` to ``to`` on the writer's generation. Leaving for completed,
+#: failed, paused or queued clears the generation and the lease; a terminal
+#: status stamps ``finished_at``; ``completed`` clears the error.
+TRANSITION = (
+    "UPDATE solidloop_loops SET status = %(to)s::varchar, "
+    f"execution_token = CASE WHEN %(to)s::varchar IN ({COMPLETED}, {FAILED}, {PAUSED}, {QUEUED}) "
+    "THEN NULL ELSE execution_token END, "
+    f"lease_expires_at = CASE WHEN %(to)s::varchar IN ({COMPLETED}, {FAILED}, {PAUSED}, {QUEUED}) "
+    "THEN NULL ELSE lease_expires_at END, "
+    f"lease_holder = CASE WHEN %(to)s::varchar IN ({COMPLETED}, {FAILED}, {PAUSED}, {QUEUED}) "
+    "THEN NULL ELSE lease_holder END, "
+    f"queued_at = CASE WHEN %(to)s::varchar = {QUEUED} THEN now() ELSE queued_at END, "
+    f"finished_at = CASE WHEN %(to)s::varchar IN {TERMINAL} THEN now() ELSE finished_at END, "
+    f"error_message = CASE WHEN %(to)s::varchar = {COMPLETED} THEN NULL ELSE error_message END, "
+    "updated_at = now() "
+    "WHERE id = %(loop_id)s AND status = ANY(%(from)s::text[]) AND execution_token = %(token)s "
+    "RETURNING id")
