@@ -44,6 +44,7 @@ from .errors import (
 )
 from .extension import SolidLoop
 from .jobs import FailedJobRegistry, Job, LazyActor, Queue, Retry
+from .loops.store import Decision, WaitRequest
 from .mcp.toolset import CallContext, ToolResult, Toolset
 from .models import RESUMABLE_STATUSES
 from .pipeline.builder import Builder
@@ -60,6 +61,7 @@ __all__ = [
     "CallContext",
     "ConfigurationError",
     "DatabaseUnavailableError",
+    "Decision",
     "DecisionConflictError",
     "FailedJobRegistry",
     "InvalidArgumentError",
@@ -90,6 +92,7 @@ __all__ = [
     "UnknownAgentError",
     "UnknownMiddlewareError",
     "UnknownToolError",
+    "WaitRequest",
     "WaitTimeoutError",
     "__version__",
 ]

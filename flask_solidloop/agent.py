@@ -28,7 +28,9 @@ from ._typing import SessionLike
 from .errors import AgentDefinitionError, InvalidArgumentError
 from .llm.types import ProviderSettings
 from .loops import control, queries, store
+from .loops.store import Decision, WaitRequest
 from .mcp.registry import validate_entry
+from .mcp.toolset import CallContext
 from .models import RESUMABLE_STATUSES, Loop, Message, ToolCall
 from .state import get_state
 
@@ -197,6 +199,26 @@ class Agent:
     def configure_tool_middlewares(self, builder: Builder) -> None:
         """Edit this agent's tool stack."""
 
+    # -- waiting tool calls (docs/guides/approvals.md) ---------------------------------
+
+    def approval_policy(self, tool_name: str, arguments: dict[str, Any],
+                        ctx: CallContext) -> bool:
+        """Whether a call the model asked for waits for a person's approval, for
+        any tool (a remote server's too, whose definitions the app does not
+        own): ``tool_name`` as advertised to the model, ``ctx.server_name`` and
+        ``ctx.tool_name`` its route, ``ctx.loop`` the loop. A tool's own
+        ``requires_approval=`` is asked first. If it raises, the call waits."""
+        return False
+
+    approval_policy.solidloop_default = True  # type: ignore[attr-defined]
+
+    def on_wait(self, request: WaitRequest, session: SessionLike) -> None:
+        """Called for each tool call that begins to wait, inside the transaction
+        that makes it wait: a job enqueued here with ``session=session`` (a
+        notification, say) commits with the wait, or not at all. It runs in a
+        savepoint: if it raises, its writes are undone, the error is logged,
+        and the call waits all the same."""
+
     # -- lifecycle ----------------------------------------------------------------
 
     @classmethod
@@ -325,6 +347,42 @@ class Agent:
         """
         return control.resume(get_state(), self._require_loop(), from_=from_, message=message,
                               session=session)
+
+    def pending_approvals(self) -> list[ToolCall]:
+        """The loop's tool calls that await an approval, in order."""
+        return control.pending_calls(get_state(), loop_id=self._require_loop(),
+                                     waits_for=store.APPROVAL)
+
+    def pending_calls(self) -> list[ToolCall]:
+        """The loop's tool calls that await an approval or a result, in order."""
+        return control.pending_calls(get_state(), loop_id=self._require_loop())
+
+    def approve(self, tool_call_id: int, by: str | None = None,
+                arguments: dict[str, Any] | None = None, *,
+                session: SessionLike | None = None) -> Decision:
+        """Approve a call that awaits an approval: its tool runs, with
+        ``arguments`` when given (the model's are kept beside them). Commits,
+        with the tool's job; given ``session=``, joins its transaction and the
+        caller commits. Raises DecisionConflictError when another decision
+        landed first."""
+        return control.approve(get_state(), tool_call_id, by=by, arguments=arguments,
+                               loop_id=self._require_loop(), session=session)
+
+    def deny(self, tool_call_id: int, reason: str, by: str | None = None, *,
+             session: SessionLike | None = None) -> Decision:
+        """Deny a call that awaits an approval: the tool never runs; the model
+        reads ``reason`` as the call's error result and carries on. Commits as
+        :meth:`approve` does."""
+        return control.deny(get_state(), tool_call_id, reason=reason, by=by,
+                            loop_id=self._require_loop(), session=session)
+
+    def complete_call(self, tool_call_id: int, result: Any, is_error: bool = False, *,
+                      by: str | None = None, session: SessionLike | None = None) -> Decision:
+        """Supply the result of a deferred call (text, an MCP ``CallToolResult``
+        dict or a ToolResult); the model reads it as the call's result. Commits
+        as :meth:`approve` does."""
+        return control.complete_call(get_state(), tool_call_id, result, is_error=is_error,
+                                     by=by, loop_id=self._require_loop(), session=session)
 
     def history(self, *, include_hidden: bool = False) -> list[Message]:
         return queries.messages(get_state().db.session, self._require_loop(),

@@ -11,6 +11,7 @@ in one line, even when the app fails to load.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import sys
@@ -461,7 +462,8 @@ def _short(text: str | None, width: int) -> str:
 
 @solidloop_cli.command("list")
 @click.option("--status", "statuses", multiple=True,
-              type=click.Choice(["init", "queued", "running", "completed", "failed", "paused"]),
+              type=click.Choice(["init", "queued", "running", "waiting", "completed", "failed",
+                                 "paused"]),
               help="Only loops in this status (repeatable).")
 @click.option("--agent", default=None, help="Only loops of this agent.")
 @click.option("--since", default=None, metavar="WHEN",
@@ -573,6 +575,110 @@ def stop(loop_id: int, reason: str) -> None:
     A tool call that is running finishes on its worker and its result is kept.
     """
     _control(loop_id, "stop", reason=reason)
+
+
+# -- waiting tool calls ---------------------------------------------------------------
+
+
+def _decider(by: str | None) -> str:
+    """Who decides from the command line: ``--by``, else ``cli:<OS user>``."""
+    if by:
+        return by
+    import getpass
+
+    try:
+        return f"cli:{getpass.getuser()}"
+    except Exception:  # no user name in this environment
+        return "cli"
+
+
+@solidloop_cli.command("approvals")
+@click.option("--agent", default=None, help="Only calls of this agent's loops.")
+@click.option("--results", is_flag=True, default=False,
+              help="Also list deferred calls that await their result.")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 10000),
+              help="Oldest N calls.")
+@with_appcontext
+def approvals_command(agent: str | None, results: bool, limit: int) -> None:
+    """List the tool calls that await an approval, oldest first."""
+    from .loops import control
+
+    state = _state()
+    calls = control.pending_calls(state, agent=agent, limit=limit,
+                                  waits_for=None if results else "approval")
+    if not calls:
+        click.echo("nothing awaits a decision" if not results
+                   else "nothing awaits a decision or a result")
+        return
+    now = datetime.now(UTC)
+    click.echo(f"{'call':>7} {'loop':>7}  {'awaits':<8} {'tool':<20} {'age':>5} "
+               f"{'times out':>10}  arguments")
+    for call in calls:
+        deadline = call.wait_deadline.astimezone(UTC).strftime("%H:%M:%S") \
+            if call.wait_deadline else "never"
+        arguments = json.dumps(call.arguments, ensure_ascii=False) \
+            if call.arguments is not None else (call.arguments_raw or "")
+        click.echo(f"{call.id:>7} {call.loop_id:>7}  {call.waits_for:<8} "
+                   f"{_short(call.name, 20):<20} {_age(call.created_at, now):>5} "
+                   f"{deadline:>10}  {_short(arguments, 60)}")
+    if len(calls) == limit:
+        click.echo(f"(oldest {limit}; --limit shows more)")
+
+
+def _decide(action: str, tool_call_id: int, **kwargs: Any) -> None:
+    from .loops import control
+
+    state = _state()
+    try:
+        decided = getattr(control, action)(state, tool_call_id, **kwargs)
+    except SolidLoopError as exc:
+        raise click.ClickException(str(exc)) from exc
+    then = ("its job is queued" if decided.enqueued else
+            "the loop is not running: resume it to act on the decision")
+    click.echo(f"tool call {tool_call_id} (loop {decided.loop_id}) {decided.decision}; {then}")
+
+
+@solidloop_cli.command("approve")
+@click.argument("tool_call_id", type=int)
+@click.option("--arguments", default=None, metavar="JSON",
+              help="Run the tool with these arguments instead (a JSON object); the "
+                   "model's are kept beside them.")
+@click.option("--by", default=None, help="Who decides (default: cli:<your user name>).")
+@with_appcontext
+def approve_command(tool_call_id: int, arguments: str | None, by: str | None) -> None:
+    """Approve a tool call that awaits an approval: its tool runs."""
+    edited = None
+    if arguments is not None:
+        try:
+            edited = json.loads(arguments)
+        except ValueError as exc:
+            raise click.BadParameter(f"not JSON: {exc}", param_hint="--arguments") from None
+        if not isinstance(edited, dict):
+            raise click.BadParameter('must be a JSON object, such as \'{"amount": 20}\'',
+                                     param_hint="--arguments")
+    _decide("approve", tool_call_id, by=_decider(by), arguments=edited)
+
+
+@solidloop_cli.command("deny")
+@click.argument("tool_call_id", type=int)
+@click.option("--reason", required=True, help="Why; the model reads it as the call's result.")
+@click.option("--by", default=None, help="Who decides (default: cli:<your user name>).")
+@with_appcontext
+def deny_command(tool_call_id: int, reason: str, by: str | None) -> None:
+    """Deny a tool call that awaits an approval: it never runs; the model reads why."""
+    _decide("deny", tool_call_id, reason=reason, by=_decider(by))
+
+
+@solidloop_cli.command("complete")
+@click.argument("tool_call_id", type=int)
+@click.argument("result")
+@click.option("--error", "is_error", is_flag=True, default=False,
+              help="The model reads the result as an error.")
+@click.option("--by", default=None, help="Who supplies it (default: cli:<your user name>).")
+@with_appcontext
+def complete_command(tool_call_id: int, result: str, is_error: bool, by: str | None) -> None:
+    """Supply the RESULT (text) of a deferred tool call that awaits it."""
+    _decide("complete_call", tool_call_id, result=result, is_error=is_error, by=_decider(by))
 
 
 def _every(seconds: float | None, run, label: str) -> None:

@@ -31,6 +31,9 @@ def format_loop(loop: Loop) -> str:
     if loop.status == "running" and loop.lease_expires_at is not None:
         lines.append(f"  LLM turn held by {loop.lease_holder or 'a worker'}, lease until "
                      f"{_clock(loop.lease_expires_at)}")
+    if loop.status == "waiting":
+        lines.append("  waiting: its tool calls await a decision or a result (marked below); "
+                     "`flask solidloop approvals` lists every call that waits")
     if loop.frozen:
         lines.append("  frozen: resume refuses until `flask solidloop unfreeze` lifts it")
     if loop.subject_label:
@@ -90,8 +93,29 @@ def describe_call_state(state: ToolCallState) -> str:
         verb = "running" if state.state == "running" else "stalled (lease lapsed"
         tail = "" if state.state == "running" else "; the reaper takes it over)"
         return f"{verb}{holder}, lease until {_clock(state.leased_until)}{tail}"
-    return {"executed": "ran; answer pending", "waiting": "waiting (not started)"}.get(
-        state.state, state.state)
+    return {"executed": "ran; answer pending", "waiting": "waiting (not started)",
+            "awaiting_approval": "awaiting approval", "awaiting_result": "awaiting its result"
+            }.get(state.state, state.state)
+
+
+def describe_decision(call: ToolCall) -> str | None:
+    """``approved by alice``, ``denied by bob: too big`` ...; None when undecided."""
+    if call.decision is None:
+        return None
+    text = call.decision + (f" by {call.decided_by}" if call.decided_by else "")
+    if call.decision == "denied" and call.decision_reason:
+        text += f": {call.decision_reason}"
+    if call.requested_arguments is not None:
+        text += " (with edited arguments)"
+    return text
+
+
+def describe_wait(call: ToolCall, state: ToolCallState) -> str:
+    """An awaiting call's state, the command that decides it, and its deadline."""
+    how = (f"`flask solidloop approve {call.id}` or `deny {call.id} --reason ...`"
+           if call.waits_for == "approval" else f"`flask solidloop complete {call.id} RESULT`")
+    deadline = f", times out at {_clock(call.wait_deadline)}" if call.wait_deadline else ""
+    return f"{describe_call_state(state)}: {how}{deadline}"
 
 
 def format_message(
@@ -130,9 +154,14 @@ def format_message(
                 if call.response_message_id is None:
                     outcome += ", answer pending"
             elif states and call.id in states:
-                outcome = describe_call_state(states[call.id])
+                state = states[call.id]
+                outcome = (describe_wait(call, state) if state.state.startswith("awaiting_")
+                           else describe_call_state(state))
             else:
                 outcome = "pending"
+            decision = describe_decision(call)
+            if decision:
+                outcome += f"; {decision}"
             line += f" [{outcome}]"
         parts.append(line)
     if message.role == "tool" and message.tool_call_id in calls:

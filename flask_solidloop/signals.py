@@ -16,6 +16,9 @@ that made the change.
                           ``tool_call_id``, ``tool``, ``arguments``
 ``result_requested``      a deferred tool call waits for its result:
                           ``loop_id``, ``tool_call_id``, ``tool``, ``arguments``
+``tool_call_decided``     a waiting call was approved, denied or given its
+                          result: ``loop_id``, ``tool_call_id``, ``decision``,
+                          ``by``
 ========================  ====================================================
 
 The sender is the Flask app (``current_app``), so ``signal.connect_via(app)``
@@ -47,10 +50,11 @@ loop_paused: Signal = _signals.signal("solidloop-loop-paused")
 tool_call_answered: Signal = _signals.signal("solidloop-tool-call-answered")
 approval_requested: Signal = _signals.signal("solidloop-approval-requested")
 result_requested: Signal = _signals.signal("solidloop-result-requested")
+tool_call_decided: Signal = _signals.signal("solidloop-tool-call-decided")
 
 __all__ = ["approval_requested", "loop_completed", "loop_failed", "loop_paused",
            "loop_started", "result_requested", "send", "send_after_commit", "send_status",
-           "send_wait_requested", "tool_call_answered"]
+           "send_wait_requested", "tool_call_answered", "tool_call_decided"]
 
 _PENDING = "solidloop.pending_signals"
 

@@ -22,7 +22,13 @@ from flask_solidloop.models import metadata
 from flask_solidloop.queue.broker import libpq_url
 from flask_solidloop.testing.plugin import prepare_database, truncate_all
 
-from .support.support_app import DATABASE_URL_ENV, DEFAULT_DATABASE_URL, LLM_URL_ENV, SIDE_EFFECTS
+from .support.support_app import (
+    DATABASE_URL_ENV,
+    DEFAULT_DATABASE_URL,
+    LLM_URL_ENV,
+    SIDE_EFFECTS,
+    SLOW_EFFECTS_DDL,
+)
 
 # The suite runs on flask_solidloop.testing's pytest plugin (loaded through its
 # pytest11 entry point): the database, emulator and drain fixtures below are its
@@ -113,3 +119,20 @@ def session(app):
 @pytest.fixture
 def drain(solidloop_drain):
     return solidloop_drain
+
+
+@pytest.fixture
+def effects(database_url):
+    """Who ran which tool body, by idempotency key (logged by the tools themselves,
+    outside our transactions): ``effects(key, phase="start")`` lists the pids."""
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+        conn.execute(SLOW_EFFECTS_DDL)
+        conn.execute("TRUNCATE slow_effects")
+
+    def runs(key: str, phase: str = "start") -> list[int]:
+        with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+            return [pid for (pid,) in conn.execute(
+                "SELECT pid FROM slow_effects WHERE idempotency_key = %s AND phase = %s "
+                "ORDER BY id", (key, phase))]
+
+    return runs

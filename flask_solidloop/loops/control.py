@@ -1,19 +1,27 @@
 """Host commands on a loop: pause, stop, force stop, freeze, unfreeze, observe and
-resume. The Agent facade, the CLI, the admin and the MCP server all call
-these; each is one locked transaction in loops/store/commands.py.
+resume, and the decisions on its waiting tool calls (approve, deny,
+complete_call). The Agent facade, the CLI, the admin and the MCP server all
+call these; each is one locked transaction in loops/store/.
 
-Every function takes the app's state and an optional session (the app's
+Every command takes the app's state and an optional session (the app's
 ``db.session`` by default) and returns True when it changed the loop, False
-when the loop was not in a state the command applies to.
+when the loop was not in a state the command applies to. A decision returns
+what landed (``store.Decision``) or raises ``DecisionConflictError``; it
+commits on the app's session, or, given ``session=``, joins that session's
+transaction and leaves the commit to the caller (a rollback then undoes it
+and the job it implies).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
+from .. import signals
 from .._typing import SessionLike
 from ..errors import InvalidArgumentError
-from ..models import RESUMABLE_STATUSES
+from ..mcp.toolset import ToolResult
+from ..models import RESUMABLE_STATUSES, ToolCall
 from ..state import SolidLoopState
 from . import queries, store
 
@@ -86,3 +94,83 @@ def resume(state: SolidLoopState, loop_id: int, *,
 
     return store.resume(state, _session(state, session), loop_id, allowed, message=message,
                         sequential=sequential)
+
+
+# -- decisions on waiting tool calls ----------------------------------------------------
+
+
+def pending_calls(state: SolidLoopState, *, loop_id: int | None = None,
+                  agent: str | None = None, waits_for: str | None = None, limit: int = 200,
+                  session: SessionLike | None = None) -> list[ToolCall]:
+    """The tool calls that await a decision (``waits_for="approval"``) or a
+    result (``"result"``), or both, oldest first; of one loop, or of every
+    loop (of ``agent``)."""
+    if waits_for not in (None, store.APPROVAL, store.RESULT):
+        raise InvalidArgumentError(f"waits_for must be 'approval', 'result' or None; "
+                                   f"got {waits_for!r}")
+    return queries.awaiting_calls(_session(state, session), loop_id=loop_id, agent=agent,
+                                  waits_for=waits_for, limit=limit)
+
+
+def approve(state: SolidLoopState, tool_call_id: int, *, by: str | None = None,
+            arguments: dict[str, Any] | None = None, loop_id: int | None = None,
+            session: SessionLike | None = None) -> store.Decision:
+    """Approve a call that awaits an approval: its tool runs (with ``arguments``,
+    edited, when given; the model's are kept beside them)."""
+    if arguments is not None and not isinstance(arguments, dict):
+        raise InvalidArgumentError(
+            f"arguments must be a dict (the tool's arguments as a JSON object); "
+            f"got {type(arguments).__name__}")
+    return _decide(state, tool_call_id, loop_id, session, waits_for=store.APPROVAL,
+                   decision=store.APPROVED, by=by, arguments=arguments)
+
+
+def deny(state: SolidLoopState, tool_call_id: int, *, reason: str, by: str | None = None,
+         loop_id: int | None = None, session: SessionLike | None = None) -> store.Decision:
+    """Deny a call that awaits an approval: the tool never runs, and the model
+    reads ``reason`` as the call's error result."""
+    if not isinstance(reason, str) or not reason.strip():
+        raise InvalidArgumentError("reason must be a non-empty string: the model reads it "
+                                   "as the call's result")
+    return _decide(state, tool_call_id, loop_id, session, waits_for=store.APPROVAL,
+                   decision=store.DENIED, by=by, reason=reason,
+                   result=store.denial(reason, by))
+
+
+def complete_call(state: SolidLoopState, tool_call_id: int, result: Any, *,
+                  is_error: bool = False, by: str | None = None, loop_id: int | None = None,
+                  session: SessionLike | None = None) -> store.Decision:
+    """Supply the result of a deferred call: text, an MCP ``CallToolResult``
+    dict or a ToolResult (``is_error``: the model reads it as an error)."""
+    supplied: ToolResult = store.supplied(result, is_error=is_error)
+    return _decide(state, tool_call_id, loop_id, session, waits_for=store.RESULT,
+                   decision=store.COMPLETED, by=by, result=supplied)
+
+
+def _decide(state: SolidLoopState, tool_call_id: int, loop_id: int | None,
+            session: SessionLike | None, **decision: Any) -> store.Decision:
+    """One decision: in its own commit on the app's session, or joined to the
+    caller's ``session``; its signal is sent when that commits."""
+    own = session is None
+    target = _session(state, session)
+    try:
+        call, loop = queries.get_tool_call_and_loop(target, tool_call_id)
+        if call is None or loop is None:
+            raise InvalidArgumentError(f"there is no tool call {tool_call_id}")
+        if loop_id is not None and call.loop_id != loop_id:
+            raise InvalidArgumentError(
+                f"tool call {tool_call_id} belongs to loop {call.loop_id}, not loop {loop_id}")
+        agent = state.agent_for(loop.agent_name, loop)
+        decided = store.decide(state, target, tool_call_id,
+                               sequential=bool(agent.option("sequential_tool_calls")),
+                               **decision)
+        signals.send_after_commit(target, signals.tool_call_decided, loop_id=decided.loop_id,
+                                  tool_call_id=tool_call_id, decision=decided.decision,
+                                  by=decision.get("by"))
+    except BaseException:
+        if own:
+            target.rollback()
+        raise
+    if own:
+        target.commit()
+    return decided

@@ -229,8 +229,9 @@ class ToolCallState:
 
     #: answered | executed (result recorded, answer pending) | running (a live
     #: lease) | stalled (its lease lapsed: the reaper takes it over) | queued (a
-    #: job waits for it) | waiting (nothing holds it yet: sequential mode, or a
-    #: paused loop)
+    #: job waits for it) | awaiting_approval | awaiting_result (a decision or a
+    #: result has yet to come) | waiting (nothing holds it yet: sequential
+    #: mode, or a paused loop)
     state: str
     holder: str | None = None
     leased_until: datetime | None = None
@@ -253,6 +254,8 @@ def tool_call_states(session: SessionLike, loop_id: int) -> dict[int, ToolCallSt
             state = ToolCallState("answered")
         elif call.executed_at is not None:
             state = ToolCallState("executed")
+        elif call.waits_for is not None and call.decision is None:
+            state = ToolCallState(f"awaiting_{call.waits_for}")
         elif call.lease_token is not None and call.leased_until is not None:
             live = now is None or call.leased_until >= now
             state = ToolCallState("running" if live else "stalled", call.lease_holder,
@@ -263,6 +266,23 @@ def tool_call_states(session: SessionLike, loop_id: int) -> dict[int, ToolCallSt
             state = ToolCallState("waiting")
         states[call.id] = state
     return states
+
+
+def awaiting_calls(session: SessionLike, *, loop_id: int | None = None,
+                   agent: str | None = None, waits_for: str | None = None,
+                   limit: int = 200) -> list[ToolCall]:
+    """Tool calls that await a decision or a result (``waits_for``: only those
+    awaiting an ``approval``, or a ``result``), oldest first, of one loop or
+    of every loop (of ``agent``)."""
+    query = select(ToolCall).where(ToolCall.waits_for.is_not(None), ToolCall.decision.is_(None),
+                                   ToolCall.response_message_id.is_(None))
+    if loop_id is not None:
+        query = query.where(ToolCall.loop_id == loop_id)
+    if waits_for is not None:
+        query = query.where(ToolCall.waits_for == waits_for)
+    if agent is not None:
+        query = query.join(Loop, Loop.id == ToolCall.loop_id).where(Loop.agent_name == agent)
+    return list(session.scalars(query.order_by(ToolCall.id).limit(limit)))
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,13 @@ with expired leases to their queue, case 7):
    running: failed and hidden, so a partial never enters the history.
 7. ``expired_jobs``: broker jobs whose holder stopped renewing: back to queued,
    or dead after too many deliveries.
+8. ``expired_waits``: a tool call of a running or waiting loop whose wait is
+   past its deadline with no live timeout job (it was dead-lettered or
+   deleted): a new wait_timeout job, which decides the wait as its tool says.
+
+A call that awaits a decision or a result has no job and no lease by design:
+``dropped_tools`` and ``stalled_tools`` leave it alone, and a ``waiting`` loop
+is not ``running``, so the LLM and tool-phase cases never touch it.
 
 Each pass, successful or not, ends with one upsert of the ``reap`` row of
 solidloop_maintenance_runs (maintenance/runs.py), which the admin shows.

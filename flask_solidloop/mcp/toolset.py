@@ -133,12 +133,17 @@ class CallContext:
     For an external MCP caller, ``principal`` identifies the caller and the other
     two are None. ``idempotency_key`` (``"solidloop:tool_call:<id>"``) is stable
     across retries of the same tool call; pass it to side-effecting APIs.
+    An approval policy sees the call before it has a row: ``server_name`` and
+    ``tool_name`` then say which server's tool it is (the model calls it by its
+    advertised name), and ``idempotency_key`` is None.
     """
 
     agent: Any = None
     loop: Any = None
     principal: Any = None
     idempotency_key: str | None = None
+    server_name: str | None = None
+    tool_name: str | None = None
 
 
 @dataclass

@@ -41,6 +41,7 @@ from ..mcp.registry import ToolRegistry
 from ..urls import redact_urls_in
 from .builder import Handler
 from .context import LlmContext
+from .waits import call_wait
 
 logger = logging.getLogger("flask_solidloop.llm")
 
@@ -355,18 +356,20 @@ class ResponseParsing:
         calls = []
         for request in response.tool_calls:
             route = ctx.tools.resolve(request.name) if ctx.tools is not None else None
+            arguments = _parse_arguments(request.arguments_raw)
             calls.append(store.NewToolCall(
                 call_id=request.call_id or None, name=request.name,
-                arguments_raw=request.arguments_raw,
-                arguments=_parse_arguments(request.arguments_raw),
+                arguments_raw=request.arguments_raw, arguments=arguments,
                 server_name=route.server_name if route else None,
                 tool_name=route.tool_name if route else None,
+                wait=call_wait(ctx, request.name, route, arguments),
             ))
         finished = store.finish_llm_turn(
             ctx.state, ctx.session, loop_id=ctx.loop_id, token=ctx.execution_token,
             shell_id=ctx.shell_id, response=response, meta=meta, turn_cost=turn_cost,
             calls=calls, wire=ctx.wire,
             sequential=bool(ctx.agent.option("sequential_tool_calls")), adopt=ctx.adopt_next,
+            on_wait=ctx.agent.on_wait,
         )
         ctx.message, ctx.adopted = finished.message, finished.adopted
         ctx.committed = True

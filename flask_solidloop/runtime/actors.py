@@ -1,4 +1,4 @@
-"""Declare solidloop's three actors on an app's broker: ids in, nothing returned."""
+"""Declare solidloop's actors on an app's broker: ids in, nothing returned."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ NO_TIME_LIMIT_MS = 30 * 24 * 3600 * 1000
 
 
 def declare_actors(state: SolidLoopState) -> dict[str, dramatiq.Actor]:
-    """Bind llm_turn, tool_call and maintenance to ``state.broker``."""
+    """Bind llm_turn, tool_call, wait_timeout and maintenance to ``state.broker``."""
     from ..maintenance import run_maintenance
     from .inline import run_chain
     from .job_log import logged_job
-    from .turns import llm_turn_job, run_adopted, tool_call_job
+    from .turns import llm_turn_job, run_adopted, tool_call_job, wait_timeout_job
 
     config = state.config
     common: dict[str, Any] = {"max_retries": config.job_max_retries, "min_backoff": 1000,
@@ -42,6 +42,9 @@ def declare_actors(state: SolidLoopState) -> dict[str, dramatiq.Actor]:
             state, tool_call_id, execution_token, reaper_lease_token, adopt=adopt),
             adopted_step)
 
+    def wait_timeout(tool_call_id: int) -> None:
+        wait_timeout_job(state, tool_call_id)
+
     def maintenance(task: str) -> None:
         with logged_job(f"maintenance {task}"):
             run_maintenance(state, task)
@@ -52,6 +55,9 @@ def declare_actors(state: SolidLoopState) -> dict[str, dramatiq.Actor]:
                                    queue_name=QUEUE_LLM, priority=0, options=dict(common)),
         "tool_call": dramatiq.Actor(tool_call, broker=broker, actor_name="solidloop.tool_call",
                                     queue_name=QUEUE_TOOL, priority=0, options=dict(common)),
+        "wait_timeout": dramatiq.Actor(wait_timeout, broker=broker,
+                                       actor_name="solidloop.wait_timeout",
+                                       queue_name=QUEUE_TOOL, priority=0, options=dict(common)),
         "maintenance": dramatiq.Actor(maintenance, broker=broker,
                                       actor_name="solidloop.maintenance",
                                       queue_name=QUEUE_MAINTENANCE, priority=10,

@@ -1,4 +1,5 @@
-"""The bodies of the two turn actors: one LLM call, or one tool execution.
+"""The bodies of the turn actors: one LLM call, or one tool execution; and of a
+wait's timeout.
 
 Both take ids only and are idempotent: a duplicate or stale delivery finds the
 loop in a state it does not own and returns having written nothing. Each marks
@@ -276,3 +277,31 @@ def run_tool_call(state: SolidLoopState, call: ToolCall, loop: Loop, execution_t
     finally:
         tool_lease.release()
     return ctx.adopted
+
+
+def wait_timeout_job(state: SolidLoopState, tool_call_id: int) -> None:
+    """The wait_timeout job: a waiting call's deadline came, so its timeout
+    decides it (store.time_out), unless a decision landed first. Run early (a
+    clock step), it puts itself off until the deadline."""
+    session = state.db.session
+    try:
+        wait = store.due_wait(session, tool_call_id)
+    except Exception:
+        session.rollback()
+        raise
+    with logged_job("wait_timeout", loop_id=wait.loop_id if wait is not None else None,
+                    agent=wait.agent_name if wait is not None else None,
+                    tool_call_id=tool_call_id):
+        if wait is None:
+            session.rollback()
+            logger.debug("wait_timeout: tool call %s no longer waits", tool_call_id)
+            return
+        if not wait.due:
+            store.retry_time_out(state, session, wait)
+            return
+        agent = state.agent_for(wait.agent_name)
+        decided = store.time_out(state, session, wait,
+                                 sequential=bool(agent.option("sequential_tool_calls")))
+        if decided is not None:
+            logger.info("wait_timeout: tool call %s of loop %s timed out: %s", tool_call_id,
+                        wait.loop_id, decided.decision)

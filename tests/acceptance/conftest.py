@@ -2,29 +2,7 @@
 
 from __future__ import annotations
 
-import psycopg
 import pytest
-
-from flask_solidloop.urls import libpq_url
-
-from ..support.support_app import SLOW_EFFECTS_DDL
-
-
-@pytest.fixture
-def effects(database_url):
-    """Who ran which tool body, by idempotency key (logged by the tools themselves,
-    outside our transactions): ``effects(key, phase="start")`` lists the pids."""
-    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
-        conn.execute(SLOW_EFFECTS_DDL)
-        conn.execute("TRUNCATE slow_effects")
-
-    def runs(key: str, phase: str = "start") -> list[int]:
-        with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
-            return [pid for (pid,) in conn.execute(
-                "SELECT pid FROM slow_effects WHERE idempotency_key = %s AND phase = %s "
-                "ORDER BY id", (key, phase))]
-
-    return runs
 
 
 @pytest.fixture(scope="session")

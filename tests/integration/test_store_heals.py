@@ -176,3 +176,48 @@ def test_reaper_leaves_a_stalled_call_alone_while_a_job_for_it_is_queued(
     assert reap(state).stalled_tools == []
     pg.execute("UPDATE solidloop_jobs SET state = 'done'")
     assert reap(state).stalled_tools == [call.id]
+
+
+def test_reaper_reenqueues_a_lost_free_call_but_never_an_awaiting_one(app, state, session,
+                                                                      llm, pg):
+    from ..support.support_app import ShopAgent
+
+    llm.script("refund and look", {"tool_calls": [
+        {"name": "refund", "arguments": {"order": "1", "amount": 90}},
+        {"name": "lookup_order", "arguments": {"order": "1"}}]})
+    loop = ShopAgent.start(message="refund and look")
+    run(app, queues=("solidloop_llm",))
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "running"  # the lookup's job is queued
+    refund, lookup = session.scalars(select(ToolCall).order_by(ToolCall.position)).all()
+    pg.execute("UPDATE solidloop_jobs SET state = 'dead' WHERE queue_name <> 'notifications'")
+    pg.execute("UPDATE solidloop_tool_calls SET updated_at = now() - interval '1 hour'")
+    assert reap(state).dropped_tools == [lookup.id]
+    run(app, queues=("solidloop_llm", "solidloop_tool"))
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "waiting"
+    assert session.get(ToolCall, refund.id).lease_token is None
+    pg.execute("UPDATE solidloop_tool_calls SET updated_at = now() - interval '1 hour'")
+    assert reap(state).healed == 0  # a waiting loop is left to its decision
+
+
+def test_reaper_gives_a_wait_past_its_deadline_a_timeout_job_again(app, state, session, llm,
+                                                                   pg):
+    from ..support.support_app import ShopAgent
+
+    llm.script("risky", {"tool_calls": [{"name": "risky", "arguments": {"note": "r"}}]})
+    loop = ShopAgent.start(message="risky one")
+    run(app, queues=("solidloop_llm",))
+    (call,) = session.scalars(select(ToolCall)).all()
+    assert reap(state).expired_waits == []  # its timeout job is queued
+    pg.execute("UPDATE solidloop_jobs SET state = 'dead' "
+               "WHERE actor_name = 'solidloop.wait_timeout'")
+    assert reap(state).expired_waits == []  # not past its deadline yet (and the grace)
+    pg.execute("UPDATE solidloop_tool_calls SET wait_deadline = now() - interval '1 hour'")
+    assert reap(state).expired_waits == [call.id]
+    assert reap(state).expired_waits == []  # its new job is live
+    llm.script("before the approval's timeout", {"content": "Timed out."})
+    run(app)
+    session.expire_all()
+    assert session.get(ToolCall, call.id).decided_by == "timeout"
+    assert session.get(Loop, loop.id).status == "completed"

@@ -333,6 +333,97 @@ class XmlPromptedStreamingAgent(XmlPromptedAgent):
     streaming = True
 
 
+# -- waiting tool calls: approvals and deferred results ------------------------------
+
+shop = Toolset("shop")
+#: Calls the ``on_wait`` hook saw, in the process that ran it.
+WAIT_REQUESTS: list = []
+
+
+def notify_staff(tool_call_id: int) -> None:
+    """The host's own job: tell someone a call waits."""
+    _log_slow_effect(f"notify:{tool_call_id}", "notify")
+
+
+@shop.tool(requires_approval=lambda arguments, ctx: arguments["amount"] > 50)
+def refund(order: str, amount: float, ctx: CallContext) -> str:
+    """Refund an order; over 50 it needs a person's approval."""
+    _log_slow_effect(ctx.idempotency_key, "refund")
+    return f"refunded {amount:g} on {order}"
+
+
+@shop.tool(requires_approval=True)
+def send_email(to: str, body: str, ctx: CallContext) -> str:
+    """Send an email (always approved first)."""
+    _log_slow_effect(ctx.idempotency_key, "email")
+    return f"sent to {to}: {body}"
+
+
+@shop.tool(deferred=True)
+def ask_human(question: str) -> str:
+    """Ask a person; the answer comes later."""
+    raise AssertionError("a deferred tool is never run by the loop")
+
+
+@shop.tool(requires_approval=True, approval_timeout=1.0, on_timeout="approve")
+def nudge(note: str, ctx: CallContext) -> str:
+    """Approved by itself after a second."""
+    _log_slow_effect(ctx.idempotency_key, "nudge")
+    return f"nudged: {note}"
+
+
+@shop.tool(requires_approval=True, approval_timeout=1.0)
+def risky(note: str, ctx: CallContext) -> str:
+    """Denied by itself after a second."""
+    _log_slow_effect(ctx.idempotency_key, "risky")
+    return f"risky: {note}"
+
+
+@shop.tool(deferred=True, result_timeout=1.0)
+def webhook(ref: str) -> str:
+    """Waits a second for a result."""
+    raise AssertionError("a deferred tool is never run by the loop")
+
+
+@shop.tool
+def lookup_order(order: str, ctx: CallContext) -> str:
+    """Look an order up (never waits)."""
+    _log_slow_effect(ctx.idempotency_key, "lookup")
+    return f"order {order}: paid"
+
+
+@solidloop.agent("shop")
+class ShopAgent(Agent):
+    system_prompt = "You run a shop."
+    mcps = [{"name": "shop", "toolset": shop}]
+
+    def llm(self) -> dict:
+        return llm_settings()
+
+    def on_wait(self, request, session) -> None:
+        WAIT_REQUESTS.append(request)
+        # The host's notification, committed with the wait (or not at all).
+        solidloop.queue("notifications").enqueue(notify_staff, request.tool_call_id,
+                                                 session=session)
+        if request.tool == "send_email" and (request.arguments or {}).get("to") == "boom":
+            raise RuntimeError("the notifier failed")
+
+
+@solidloop.agent("shop_sequential")
+class SequentialShopAgent(ShopAgent):
+    sequential_tool_calls = True
+
+
+@solidloop.agent("shop_policy")
+class PolicyShopAgent(ShopAgent):
+    """Its policy gates lookups of VIP orders; a policy error gates too."""
+
+    def approval_policy(self, tool_name, arguments, ctx) -> bool:
+        if arguments.get("order") == "crash":
+            raise RuntimeError("policy bug")
+        return tool_name == "lookup_order" and str(arguments.get("order", "")).startswith("vip")
+
+
 def create_app(**config) -> Flask:
     import json
 

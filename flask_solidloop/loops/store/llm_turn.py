@@ -9,8 +9,9 @@ the generation that claim minted: a turn whose loop changed hands gets
 
 from __future__ import annotations
 
+import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from decimal import Decimal
@@ -40,6 +41,8 @@ from .transaction import (
     run_alone,
 )
 from .wirelog import llm_event, logged_tools
+
+logger = logging.getLogger("flask_solidloop.store")
 
 if TYPE_CHECKING:
     from ...llm.client import WireRecord
@@ -166,6 +169,20 @@ class CallWait:
 
 
 @dataclass(frozen=True)
+class WaitRequest:
+    """A tool call that began to wait, as the agent's ``on_wait`` hook sees it
+    inside the turn's transaction: for an ``approval`` or a ``result``."""
+
+    tool_call_id: int
+    loop_id: int
+    tool: str
+    arguments: dict[str, Any] | None
+    waits_for: str
+    #: Seconds until its timeout decides it; None: it waits for ever.
+    timeout: float | None
+
+
+@dataclass(frozen=True)
 class NewToolCall:
     """A tool call the model asked for, routed to its server (if any offers it),
     and how it waits, if it does."""
@@ -224,7 +241,9 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
                     token: uuid.UUID, shell_id: int, response: AssistantTurn,
                     meta: dict[str, Any], turn_cost: Decimal | None,
                     calls: Sequence[NewToolCall], wire: WireRecord | None,
-                    sequential: bool, adopt: bool) -> FinishedTurn:
+                    sequential: bool, adopt: bool,
+                    on_wait: Callable[[WaitRequest, SessionLike], None] | None = None,
+                    ) -> FinishedTurn:
     """The LLM turn's canonical write, one statement under the row lock and the
     fence (loops/sql.FINISH_TURN): the shell finalized with its usage and cost,
     the wire event, the tool calls; the loop completed, or in its tool phase
@@ -233,9 +252,12 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     leased to it instead of getting a job (returned as ``adopted``). A call
     that waits (``NewToolCall.wait``) gets no job, and its timeout's job when
     it has one; when none can run (in sequential mode: when the head of the
-    line waits), the loop waits. A turn end with nothing else to commit (a
-    final answer, or an adopted call with no job beside it) runs in
-    autocommit."""
+    line waits), the loop waits. ``on_wait`` runs for each call that waits,
+    in the same transaction (a savepoint: what it writes, a notification job
+    say, commits with the wait; if it raises, its writes are undone, the error
+    logged, and the turn's end commits without them). A turn end with nothing
+    else to commit (a final answer, or an adopted call with no job beside it)
+    runs in autocommit."""
     usage = response.usage
     content, content_altered = storable.text(response.content)
     reasoning, reasoning_altered = storable.text(response.reasoning)
@@ -281,8 +303,10 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
         params.update(_calls_params(calls), lease=lease, holder=worker_identity(),
                       ttl=timedelta(seconds=state.config.liveness_ttl), waits=waits,
                       lease_position=runnable[0] + 1 if lease is not None else None)
+    waiting = [n for n, call in enumerate(calls) if call.wait is not None]
+    hooked = on_wait is not None and bool(waiting)
     # Nothing else joins this commit when no job is enqueued with it.
-    sole = len(runnable) - (1 if lease is not None else 0) + len(timed) == 0
+    sole = len(runnable) - (1 if lease is not None else 0) + len(timed) == 0 and not hooked
     fenced, committed = run_alone(session, sql.FINISH_TURN[bool(calls)], params, sole=sole)
     if fenced is None:
         if not committed:
@@ -305,6 +329,10 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
             timeout = calls[n].wait.timeout  # type: ignore[union-attr]
             state.dispatch.wait_timeout(session, call_ids[n], loop_id=loop_id,
                                         delay_ms=int(timeout * 1000))  # type: ignore[operator]
+        if hooked:
+            assert on_wait is not None
+            for n in waiting:
+                _run_wait_hook(on_wait, session, _wait_request(calls[n], call_ids[n], loop_id))
     # The shell as the session knows it (no SELECT now; it loads on first use).
     shell = real_session(session).identity_map.get(identity_key(Message, shell_id))
     commit_unless(committed, session)
@@ -312,15 +340,36 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
         logged_tools.remember((loop_id, fenced["created_at"]), tools)
     if not calls:
         signals.send(signals.loop_completed, loop_id=loop_id, agent=fenced["agent_name"])
-    for call, call_id in zip(calls, call_ids, strict=True):
-        if call.wait is not None:
-            signals.send_wait_requested(call.wait.waits_for, loop_id=loop_id,
-                                        tool_call_id=call_id, tool=call.name,
-                                        arguments=call.arguments)
+    for n in waiting:
+        request = _wait_request(calls[n], call_ids[n], loop_id)
+        signals.send_wait_requested(request.waits_for, loop_id=loop_id,
+                                    tool_call_id=request.tool_call_id, tool=request.tool,
+                                    arguments=request.arguments)
     if shell is None:
         shell = session.get(Message, shell_id)
     assert shell is not None
     return FinishedTurn(shell, adopted, waits)
+
+
+def _wait_request(call: NewToolCall, call_id: int, loop_id: int) -> WaitRequest:
+    assert call.wait is not None
+    return WaitRequest(call_id, loop_id, call.name, call.arguments, call.wait.waits_for,
+                       call.wait.timeout)
+
+
+def _run_wait_hook(on_wait: Callable[[WaitRequest, SessionLike], None], session: SessionLike,
+                   request: WaitRequest) -> None:
+    """The agent's ``on_wait`` in a savepoint of the turn's transaction."""
+    savepoint = real_session(session).begin_nested()
+    try:
+        on_wait(request, session)
+    except Exception:
+        savepoint.rollback()
+        logger.exception("on_wait raised for tool call %s of loop %s; the call waits "
+                         "all the same, without what the hook wrote", request.tool_call_id,
+                         request.loop_id)
+    else:
+        savepoint.commit()
 
 
 @alone

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from psycopg.types.json import Jsonb
 
-from ..._typing import SessionLike
+from ... import signals
+from ..._typing import SessionLike, real_session
 from ...errors import DecisionConflictError, InvalidArgumentError
 from ...mcp.toolset import ToolResult
 from ...models import ToolCall
@@ -113,6 +114,8 @@ def decide(state: SolidLoopState, session: SessionLike, tool_call_id: int, *,
         params["arguments"] = Jsonb(arguments_json) if arguments_json is not None else None
     row = fetch_row(session, sql.DECIDE[records], params)
     assert row is not None
+    # The call's row changed under the session's copy: read it again on use.
+    real_session(session).expire(call)
     if not row["solidloop_decided"]:
         _refuse(tool_call_id, row, waits_for)
     enqueue = row["status"] in (LoopStatus.RUNNING, LoopStatus.WAITING) and (
@@ -186,6 +189,8 @@ def time_out(state: SolidLoopState, session: SessionLike, wait: DueWait, *,
         session.rollback()
         return None
     session.commit()
+    signals.send(signals.tool_call_decided, loop_id=decided.loop_id,
+                 tool_call_id=decided.tool_call_id, decision=decided.decision, by=TIMEOUT)
     return decided
 
 
