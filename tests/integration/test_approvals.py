@@ -509,3 +509,62 @@ def test_the_cli_lists_approves_denies_and_completes(app, session, llm, drain):
     status = runner.invoke(args=["solidloop", "status", str(loop.id)])
     assert "approved by jo (with edited arguments)" in status.output
     assert "denied by cli" in status.output and ": no mail today" in status.output
+
+
+def test_a_timeout_racing_a_decision_takes_exactly_one(app, session, llm, drain, pg):
+    from flask_solidloop.runtime.turns import wait_timeout_job
+
+    state = app.extensions["solidloop"]
+    llm.script("risky: race", {"content": "Ran."})
+    llm.script("before the approval's timeout", {"content": "Timed out."})
+    winners = []
+    for round_ in range(8):
+        loop = start_waiting(llm, drain, session, ("risky", {"note": f"race {round_}"}),
+                             message=f"risky race {round_}")
+        call = calls_of(session, loop.id)["risky"]
+        session.rollback()
+        pg.execute("UPDATE solidloop_tool_calls SET wait_deadline = now() - interval '1 second' "
+                   "WHERE id = %s", (call.id,))
+        barrier = threading.Barrier(2)
+        lost: list[DecisionConflictError] = []
+
+        def time_it_out(call_id=call.id):
+            with app.app_context():
+                barrier.wait()
+                try:
+                    wait_timeout_job(state, call_id)
+                finally:
+                    app.extensions["sqlalchemy"].session.remove()
+
+        def approve_it(call_id=call.id, loop_id=loop.id):
+            with app.app_context():
+                barrier.wait()
+                try:
+                    ShopAgent(loop_id).approve(call_id, by="staff")
+                except DecisionConflictError as exc:
+                    lost.append(exc)
+                finally:
+                    app.extensions["sqlalchemy"].session.remove()
+
+        threads = [threading.Thread(target=time_it_out), threading.Thread(target=approve_it)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        decided = calls_of(session, loop.id)["risky"]
+        winners.append(decided.decided_by)
+        if decided.decided_by == "staff":
+            assert decided.decision == "approved" and lost == []
+        else:
+            assert (decided.decided_by, decided.decision) == ("timeout", "denied")
+            assert [e.decided_by for e in lost] == ["timeout"]
+        # Either way, one job for the call (beside the timeout's own job, run
+        # here by hand: when it comes, it finds nothing to decide), and the
+        # loop finishes.
+        assert sorted(j.actor_name for j in live_jobs(session, loop.id)) == [
+            "solidloop.tool_call", "solidloop.wait_timeout"]
+        pg.execute("UPDATE solidloop_jobs SET eta = now() "
+                   "WHERE actor_name = 'solidloop.wait_timeout' AND state = 'queued'")
+        drain()
+        assert loop_of(session, loop.id).status == "completed"
+    assert set(winners) <= {"staff", "timeout"}
