@@ -22,9 +22,11 @@ from .config import Config
 from .errors import AgentDefinitionError, ConfigurationError, SetupError
 from .jobs import JobRegistry, Queue
 from .leases import RenewerSlot
+from .loops import control
 from .maintenance.janitor import JANITOR_INTERVAL, prune, runs_in_workers
 from .maintenance.reaper import reap
 from .mcp.toolset import Toolset
+from .models import ToolCall
 from .pipeline.builder import Builder
 from .queue.broker import PostgresBroker
 from .queue.middleware import (
@@ -127,6 +129,25 @@ class SolidLoop:
         from .state import get_state
 
         return get_state(app).extras["jobs.results"]
+
+    # -- waiting tool calls --------------------------------------------------------------
+
+    def pending_approvals(self, *, agent: str | None = None, limit: int = 200,
+                          session: Any = None) -> list[ToolCall]:
+        """Tool calls of every loop (of ``agent``) that await an approval, oldest
+        first: a staff page's list (decide each through ``Agent(call.loop_id)``)."""
+        from .state import get_state
+
+        return control.pending_calls(get_state(), agent=agent, waits_for="approval",
+                                     limit=limit, session=session)
+
+    def pending_calls(self, *, agent: str | None = None, limit: int = 200,
+                      session: Any = None) -> list[ToolCall]:
+        """Tool calls of every loop (of ``agent``) that await an approval or a
+        result, oldest first."""
+        from .state import get_state
+
+        return control.pending_calls(get_state(), agent=agent, limit=limit, session=session)
 
     # -- the MCP server blueprint -------------------------------------------------------
 

@@ -605,6 +605,8 @@ def _wait_rule(where: str, requires_approval: Any, deferred: Any, approval_timeo
     if on_timeout not in ON_TIMEOUT:
         raise ToolDefinitionError(f"{where}: on_timeout= must be one of "
                                   f"{', '.join(map(repr, ON_TIMEOUT))}; got {on_timeout!r}")
+    if on_timeout != "deny" and requires_approval is False:
+        raise ToolDefinitionError(f"{where}: on_timeout= needs requires_approval=")
     approval = _timeout(where, "approval_timeout", approval_timeout)
     result = _timeout(where, "result_timeout", result_timeout)
     if approval is not None and requires_approval is False:

@@ -1081,6 +1081,7 @@ def test_waiting_rules_are_checked_when_the_tool_is_declared() -> None:
             ({"requires_approval": True, "on_timeout": "shrug"}, "on_timeout= must be one of"),
             ({"requires_approval": True, "approval_timeout": 0}, "number of seconds > 0"),
             ({"approval_timeout": 5}, "approval_timeout= needs requires_approval="),
+            ({"on_timeout": "approve"}, "on_timeout= needs requires_approval="),
             ({"result_timeout": 5}, "result_timeout= needs deferred=True")):
         with pytest.raises(ToolDefinitionError, match=re.escape(message)):
             ts.add_tool(lambda x: x, name="bad", **options)
