@@ -88,3 +88,45 @@ def test_agents_as_tools_start_durable_loops_and_report_their_answer(
     bad = asyncio.run(_call(url, "carol", "status_assistant", {"loop_id": "x"}))
     assert bad["error"] and "invalid arguments" in bad["text"]
     assert mcp_server_app.agents_blueprint.name == "mcp_agents"
+
+
+def test_an_outside_client_sees_and_decides_its_loops_pending_approvals(
+        app, session, llm, drain, mcp_gunicorn, effects):
+    url = f"{mcp_gunicorn}/mcp/agents"
+    llm.script("refund 77 and email", {"content": "Both need you.", "tool_calls": [
+        {"name": "refund", "arguments": {"order": "9", "amount": 77}},
+        {"name": "send_email", "arguments": {"to": "ceo", "body": "hi"}}]})
+    llm.script(lambda body: sum(m["role"] == "tool" for m in body["messages"]) == 2,
+               {"content": "Refunded; no email."})
+    started = asyncio.run(_call(url, "dana", "start_shop", {"message": "refund 77 and email"}))
+    loop_id = started["data"]["loop_id"]
+    drain()
+    status = asyncio.run(_call(url, "dana", "status_shop", {"loop_id": loop_id}))
+    assert status["data"]["status"] == "waiting"
+    pending = {p["tool"]: p for p in status["data"]["pending_approvals"]}
+    assert set(pending) == {"refund", "send_email"}
+    assert pending["refund"]["arguments"] == {"order": "9", "amount": 77}
+    assert "approve_shop" in status["data"]["next"]
+    refund_id, email_id = pending["refund"]["tool_call_id"], pending["send_email"]["tool_call_id"]
+    # Only the principal who started the loop may decide.
+    stranger = asyncio.run(_call(url, "mallory", "approve_shop",
+                                 {"loop_id": loop_id, "tool_call_id": refund_id}))
+    assert stranger["error"] and "started by you" in stranger["text"]
+    approved = asyncio.run(_call(url, "dana", "approve_shop",
+                                 {"loop_id": loop_id, "tool_call_id": refund_id,
+                                  "arguments": {"order": "9", "amount": 70}}))
+    assert approved["data"] == {"tool_call_id": refund_id, "decision": "approved",
+                                "status": "the tool runs"}
+    denied = asyncio.run(_call(url, "dana", "deny_shop",
+                               {"loop_id": loop_id, "tool_call_id": email_id,
+                                "reason": "no emails to the CEO"}))
+    assert denied["data"]["decision"] == "denied"
+    twice = asyncio.run(_call(url, "dana", "deny_shop",
+                              {"loop_id": loop_id, "tool_call_id": refund_id, "reason": "x"}))
+    assert twice["error"] and "was approved by mcp:dana" in twice["text"]
+    drain()
+    done = asyncio.run(_call(url, "dana", "status_shop", {"loop_id": loop_id}))
+    assert done["data"]["status"] == "completed" and "pending_approvals" not in done["data"]
+    refund = session.get(ToolCall, refund_id)
+    assert refund.arguments["amount"] == 70 and refund.decided_by == "mcp:dana"
+    assert len(effects(f"solidloop:tool_call:{refund_id}", "refund")) == 1

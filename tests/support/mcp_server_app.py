@@ -6,7 +6,8 @@ extension (so its agents and workers are the same):
 * ``/mcp/calc``: the support app's ``calc`` toolset and ``probe`` (tools that
   report who called them), behind bearer tokens ``token-<name>`` (principal
   ``<name>``);
-* ``/mcp/agents``: the ``assistant`` agent as start/status tools, same tokens;
+* ``/mcp/agents``: the ``assistant`` and ``shop`` agents as start/status (and
+  approve/deny) tools, same tokens;
 * ``/mcp/conformance``: the fixture tools of the official conformance suite,
   open to any caller (the suite sends no token).
 """
@@ -22,7 +23,7 @@ from flask import Flask
 from flask_solidloop import Agent, CallContext, ToolResult, Toolset
 from flask_solidloop.mcp_server import report_progress
 
-from .support_app import Assistant, calc, llm_settings, solidloop
+from .support_app import Assistant, ShopAgent, calc, llm_settings, solidloop
 from .support_app import create_app as create_support_app
 
 #: The tokens the test blueprints accept: ``token-<name>`` is principal ``<name>``.
@@ -180,7 +181,7 @@ class RemoteCalcAgent(Agent):
 
 
 calc_blueprint = solidloop.mcp_blueprint(calc, probe, auth=check_token, name="mcp_calc")
-agents_blueprint = solidloop.mcp_blueprint(auth=check_token, agents=[Assistant],
+agents_blueprint = solidloop.mcp_blueprint(auth=check_token, agents=[Assistant, ShopAgent],
                                            name="mcp_agents")
 conformance_blueprint = solidloop.mcp_blueprint(conformance, auth=anyone, name="conformance")
 
