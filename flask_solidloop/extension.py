@@ -194,7 +194,8 @@ class SolidLoop:
     def admin_blueprint(self, *, authorize: Callable[[Any], bool] | None,
                         subject_resolver: Callable[[Any], Any] | None = None,
                         name: str = "solidloop_admin", require_token: bool = False,
-                        page_size: int = 50) -> Any:
+                        page_size: int = 50,
+                        operator: Callable[[Any], str | None] | None = None) -> Any:
         """The admin UI as a blueprint: ``app.register_blueprint(bp, url_prefix="/admin")``.
 
         ``authorize(request) -> bool`` decides every request and must return
@@ -203,12 +204,15 @@ class SolidLoop:
         ``{"url": ..., "label": ...}``; only relative and http(s) URLs become
         links. ``require_token=True`` adds a signed CSRF token (needs
         ``app.secret_key``) on top of the Fetch-Metadata / Origin check.
+        ``operator(request)`` names who acts, recorded as ``decided_by`` on the
+        tool calls an operator approves or denies (default ``"admin"``).
         See docs/guides/admin.md.
         """
         from .admin import create_blueprint
 
         return create_blueprint(authorize=authorize, subject_resolver=subject_resolver,
-                                name=name, require_token=require_token, page_size=page_size)
+                                name=name, require_token=require_token, page_size=page_size,
+                                operator=operator)
 
     # -- app binding --------------------------------------------------------------
 

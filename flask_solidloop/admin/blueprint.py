@@ -1,5 +1,6 @@
 """The admin blueprint's views: dashboard, loops (list, page, live stream,
-actions, bulk actions), jobs and workers.
+actions, bulk actions), jobs and workers; the approvals views are
+admin/approvals.py's, registered here.
 
 Reads go through ``loops.queries`` (``jobs.control`` for job rows,
 ``maintenance.runs`` for the last reaper and janitor passes), changes through
@@ -31,13 +32,13 @@ from werkzeug.datastructures import MultiDict
 
 from ..errors import InvalidArgumentError, SolidLoopError
 from ..jobs import control as jobs_control
-from ..loops import control, queries
+from ..loops import control, pending, queries
 from ..maintenance import runs as maintenance_runs
 from ..models import RESUMABLE_STATUSES, Loop
 from ..models.loop import ALL_STATUSES
 from ..queue.middleware.worker_registry import MISSED_BEATS, WorkerRow, list_workers
 from ..state import SolidLoopState, get_state
-from . import filters, format, live, passes, security
+from . import approvals, filters, format, live, passes, security
 
 logger = logging.getLogger("flask_solidloop.admin")
 
@@ -48,10 +49,13 @@ SubjectResolver = Callable[[Loop], "str | dict[str, Any] | None"]
 NAV: list[tuple[str, str]] = [
     ("dashboard", "Dashboard"),
     ("loops", "Loops"),
+    ("approvals", "Approvals"),
     ("jobs", "Jobs"),
     ("workers", "Workers"),
     ("inbound", "Inbound MCP"),
 ]
+#: The dashboard counts waiting calls up to this many (and says "more than").
+AWAITING_CAP = 10_000
 #: How far back the Workers page shows stopped and lost workers by default (s).
 WORKERS_RECENT = 3600.0
 
@@ -92,7 +96,8 @@ class SubjectLink:
 def create_blueprint(*, authorize: security.Authorize | None,
                      subject_resolver: SubjectResolver | None = None,
                      name: str = "solidloop_admin", require_token: bool = False,
-                     page_size: int = 50) -> Blueprint:
+                     page_size: int = 50,
+                     operator: approvals.Operator | None = None) -> Blueprint:
     """The admin blueprint; see :meth:`SolidLoop.admin_blueprint`."""
     bp = Blueprint(name, __name__, template_folder="templates", static_folder="static",
                    static_url_path="/_static")
@@ -179,8 +184,10 @@ def create_blueprint(*, authorize: security.Authorize | None,
         maintenance = passes.statuses(maintenance_runs.last_runs(st.db.session), data.now,
                                       st.config)
         live_workers = [w for w in registry(interval * MISSED_BEATS) if w.state(interval) == "live"]
+        awaiting = pending.pending_counts(st.db.session, cap=AWAITING_CAP)
         return render_template("solidloop/admin/dashboard.html", d=data,
-                               live_workers=live_workers, maintenance=maintenance)
+                               live_workers=live_workers, maintenance=maintenance,
+                               awaiting=awaiting, awaiting_cap=AWAITING_CAP)
 
     @bp.get("/loops")
     def loops() -> Any:
@@ -221,6 +228,8 @@ def create_blueprint(*, authorize: security.Authorize | None,
                                live_message=begin.cursor.message_id, live_text=begin.text,
                                back=_back(), did=request.args.get("did"),
                                ok=request.args.get("ok"), results=RESULTS,
+                               decided=request.args.get("decided", type=int),
+                               note=request.args.get("note"),
                                **_loop_regions(session, loop_id))
 
     @bp.get("/loops/<int:loop_id>/regions")
@@ -342,6 +351,8 @@ def create_blueprint(*, authorize: security.Authorize | None,
             before = ids[-1]
         return {"changed": changed, "unchanged": unchanged, "batches": batches,
                 "hit_limit": len(changed) + len(unchanged) >= limit, "limit": limit}
+
+    approvals.add_views(bp, state=state, operator=operator, page_size=page_size)
 
     @bp.get("/jobs")
     def jobs() -> Any:

@@ -43,7 +43,8 @@ logger = logging.getLogger("flask_solidloop.admin.live")
 LISTEN_APPLICATION_NAME = "solidloop-admin-live"
 #: Milliseconds the browser waits before reconnecting a stream that ended.
 RETRY_MS = 500
-LIVE_STATUSES = ("queued", "running")
+#: A waiting loop streams too: a decision taken elsewhere shows at once.
+LIVE_STATUSES = ("queued", "running", "waiting")
 #: Seconds the LISTEN thread stays up with no stream watching; it closes its
 #: connection then, and the next stream starts it again.
 IDLE_SECONDS = 60.0

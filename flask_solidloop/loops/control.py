@@ -23,7 +23,7 @@ from ..errors import InvalidArgumentError
 from ..mcp.toolset import ToolResult
 from ..models import RESUMABLE_STATUSES, ToolCall
 from ..state import SolidLoopState
-from . import queries, store
+from . import pending, queries, store
 
 
 def _session(state: SolidLoopState, session: SessionLike | None) -> SessionLike:
@@ -108,7 +108,7 @@ def pending_calls(state: SolidLoopState, *, loop_id: int | None = None,
     if waits_for not in (None, store.APPROVAL, store.RESULT):
         raise InvalidArgumentError(f"waits_for must be 'approval', 'result' or None; "
                                    f"got {waits_for!r}")
-    return queries.awaiting_calls(_session(state, session), loop_id=loop_id, agent=agent,
+    return pending.awaiting_calls(_session(state, session), loop_id=loop_id, agent=agent,
                                   waits_for=waits_for, limit=limit)
 
 

@@ -268,23 +268,6 @@ def tool_call_states(session: SessionLike, loop_id: int) -> dict[int, ToolCallSt
     return states
 
 
-def awaiting_calls(session: SessionLike, *, loop_id: int | None = None,
-                   agent: str | None = None, waits_for: str | None = None,
-                   limit: int = 200) -> list[ToolCall]:
-    """Tool calls that await a decision or a result (``waits_for``: only those
-    awaiting an ``approval``, or a ``result``), oldest first, of one loop or
-    of every loop (of ``agent``)."""
-    query = select(ToolCall).where(ToolCall.waits_for.is_not(None), ToolCall.decision.is_(None),
-                                   ToolCall.response_message_id.is_(None))
-    if loop_id is not None:
-        query = query.where(ToolCall.loop_id == loop_id)
-    if waits_for is not None:
-        query = query.where(ToolCall.waits_for == waits_for)
-    if agent is not None:
-        query = query.join(Loop, Loop.id == ToolCall.loop_id).where(Loop.agent_name == agent)
-    return list(session.scalars(query.order_by(ToolCall.id).limit(limit)))
-
-
 @dataclass(frozen=True)
 class LoopFilter:
     """Filters of a loop listing; every field is optional."""

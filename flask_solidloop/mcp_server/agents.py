@@ -18,7 +18,7 @@ import re
 from typing import Any
 
 from ..errors import InvalidArgumentError
-from ..loops import queries
+from ..loops import pending, queries
 from ..mcp.toolset import CallContext, Toolset
 from ..state import get_state
 
@@ -89,7 +89,7 @@ def _add_agent(toolset: Toolset, agent_cls: Any, label_of: Any) -> None:
             result["answer"] = answer
         if loop.error_message:
             result["error"] = loop.error_message
-        waiting = queries.awaiting_calls(session, loop_id=loop.id)
+        waiting = pending.awaiting_calls(session, loop_id=loop.id)
         for kind, key in (("approval", "pending_approvals"), ("result", "pending_results")):
             calls = [_pending(call) for call in waiting if call.waits_for == kind]
             if calls:

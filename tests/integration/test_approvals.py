@@ -528,7 +528,7 @@ def test_a_timeout_racing_a_decision_takes_exactly_one(app, session, llm, drain,
         barrier = threading.Barrier(2)
         lost: list[DecisionConflictError] = []
 
-        def time_it_out(call_id=call.id):
+        def time_it_out(call_id=call.id, barrier=barrier):
             with app.app_context():
                 barrier.wait()
                 try:
@@ -536,7 +536,7 @@ def test_a_timeout_racing_a_decision_takes_exactly_one(app, session, llm, drain,
                 finally:
                     app.extensions["sqlalchemy"].session.remove()
 
-        def approve_it(call_id=call.id, loop_id=loop.id):
+        def approve_it(call_id=call.id, loop_id=loop.id, barrier=barrier, lost=lost):
             with app.app_context():
                 barrier.wait()
                 try:
