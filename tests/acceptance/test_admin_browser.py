@@ -325,3 +325,71 @@ def test_actions_bulk_resume_csrf_and_closed_mount(app, session, llm, stack, pag
     response = page.goto(stack + "/closed/")
     assert response.status == 403
     assert page.goto(stack + f"/closed/loops/{victim.id}").status == 403
+
+
+def test_staff_approve_one_call_and_bulk_deny_a_hundred_while_loop_pages_follow(
+        app, session, llm, stack, browser, tmp_path):
+    from ..support.support_app import ShopAgent
+
+    stack, _ = stack
+    llm.script(lambda req: req["messages"][-1]["role"] == "user"
+               and "refund" in str(req["messages"][-1].get("content")),
+               {"content": "Needs a person.", "tool_calls": [
+                   {"name": "refund", "arguments": {"order": "77", "amount": 99}}]})
+    llm.script(lambda req: req["messages"][-1]["role"] == "user"
+               and "mail" in str(req["messages"][-1].get("content")),
+               {"content": "Drafted.", "tool_calls": [
+                   {"name": "send_email", "arguments": {"to": "customer", "body": "sorry"}}]})
+    llm.script(lambda req: req["messages"][-1]["role"] == "tool", {"content": "Handled."})
+    refund = ShopAgent.start(message="refund order 77")
+    mails = [ShopAgent.start(message=f"mail customer {n}") for n in range(100)]
+    for loop in [refund, *mails]:
+        wait_status(session, loop.id, ("waiting",), timeout=120)
+
+    context = browser.new_context(viewport={"width": 1360, "height": 900})
+    try:
+        errors: list[str] = []
+        staff, watch, watch_mail = (context.new_page() for _ in range(3))
+        for each in (staff, watch, watch_mail):
+            # CSP refusals and uncaught exceptions (not the browser's own notes on
+            # a favicon it could not find, or on a stream the server ended).
+            each.on("console", lambda m: "Content Security Policy" in m.text
+                    and errors.append(m.text))
+            each.on("pageerror", lambda exc: errors.append(str(exc)))
+            each.on("response", lambda r: r.status >= 400 and errors.append(r.url))
+        # Two loop pages stay open: they follow the decisions taken elsewhere.
+        watch.goto(stack + f"/admin/loops/{refund.id}")
+        assert watch.locator("#loop-status").inner_text().strip() == "waiting"
+        assert watch.locator(".decide button[data-decision='approve']").count() == 1
+        watch_mail.goto(stack + f"/admin/loops/{mails[0].id}")
+
+        staff.goto(stack + "/admin/")
+        assert staff.locator("#awaiting-approval").inner_text().strip() == "101"
+        staff.click("#waiting-card a[href$='/approvals']")
+        assert staff.locator("#approvals tr[data-call]").count() == 50  # one page
+        staff.goto(stack + "/admin/approvals?tool=refund")
+        row = staff.locator("#approvals tr[data-call]")
+        assert row.count() == 1 and "99" in row.inner_text()
+        shot(staff, "admin-approvals", tmp_path)
+        row.locator("button[data-decision='approve']").click()
+        staff.wait_for_url(re.compile(r"/admin/approvals\?"))
+        assert "approved" in staff.locator("#decided").inner_text()
+        # The open loop page sees it live: the tool ran and the loop completed.
+        wait_text(watch, "#loop-status", "completed", timeout=30)
+        wait_text(watch, "#tool-calls", "approved by admin", timeout=30)
+
+        staff.goto(stack + "/admin/approvals?tool=send_email")
+        staff.fill("#bulk-approvals input[name=reason]", "we never email customers from here")
+        staff.click("#bulk-approvals button[value=deny]")
+        assert staff.locator("#bulk-count").get_attribute("data-count") == "100"
+        staff.click("#bulk-go")
+        assert staff.locator("#bulk-result").get_attribute("data-decided") == "100"
+        wait_text(watch_mail, "#tool-calls", "we never email customers from here", timeout=30)
+        wait_text(watch_mail, "#loop-status", "completed", timeout=60)
+        for loop in mails:
+            assert wait_status(session, loop.id, ("completed",), timeout=120) == "completed"
+        staff.goto(stack + "/admin/approvals")
+        assert staff.locator("#none-waiting").count() == 1
+        assert errors == [], "\n".join(errors)
+    finally:
+        context.close()
