@@ -35,8 +35,9 @@ def fleet(monkeypatch, tmp_path):
     """Start worker fleets (each its own process group); all stopped at the end."""
     started = []
 
-    def start(name: str):
-        monkeypatch.setenv("SOLIDLOOP_TEST_APP_CONFIG", json.dumps(WORKER_CONFIG))
+    def start(name: str, ttl: float | None = None):
+        config = {**WORKER_CONFIG, **({"SOLIDLOOP_LIVENESS_TTL": ttl} if ttl else {})}
+        monkeypatch.setenv("SOLIDLOOP_TEST_APP_CONFIG", json.dumps(config))
         proc = spawn_workers(WORKER_CMD, log=tmp_path / f"{name}.log")
         started.append(proc)
         return proc
@@ -157,3 +158,29 @@ def test_a_decision_outlives_the_fleet_that_ran_the_loop(
     session.expire_all()
     refund = session.get(ToolCall, refund.id)
     assert (refund.decision, refund.is_success) == ("approved", True)
+
+
+def test_a_worker_killed_right_after_a_decision_is_taken_over_and_runs_the_tool_once(
+        app, session, llm, fleet, effects):
+    llm.script("slow refund", {"content": "Needs you.", "tool_calls": [
+        {"name": "slow_refund", "arguments": {"order": "S1", "wait": 6}}]})
+    llm.script("refunded S1", {"content": "Refunded."})
+    fleet("one", ttl=4.0), fleet("two", ttl=4.0)
+    loop = ShopAgent.start(message="slow refund please")
+    poll(session, lambda: status_of(session, loop.id) == "waiting", what="the loop to wait")
+    call = session.scalars(select(ToolCall).where(ToolCall.loop_id == loop.id)).one()
+    key = f"solidloop:tool_call:{call.id}"
+    ShopAgent(loop).approve(call.id, by="staff")
+    # The decision's job is claimed by a worker, which dies before the tool acts
+    # (its gateway takes six seconds to answer): the call is taken over by the
+    # other fleet once the lease lapses, and the refund happens once.
+    holder = poll(session, lambda: session.get(ToolCall, call.id).lease_holder,
+                  what="a worker to claim the approved call")
+    os.killpg(os.getpgid(int(holder.rsplit(":", 1)[1])), signal.SIGKILL)
+    assert effects(key, "slow_refund") == []
+    poll(session, lambda: status_of(session, loop.id) == "completed",
+         what="the other fleet to take the call over")
+    assert len(effects(key, "slow_refund")) == 1
+    session.expire_all()
+    done = session.get(ToolCall, call.id)
+    assert (done.decision, done.is_success) == ("approved", True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
@@ -383,6 +384,14 @@ def risky(note: str, ctx: CallContext) -> str:
 def webhook(ref: str) -> str:
     """Waits a second for a result."""
     raise AssertionError("a deferred tool is never run by the loop")
+
+
+@shop.tool(requires_approval=True)
+def slow_refund(order: str, wait: float, ctx: CallContext) -> str:
+    """A refund whose gateway takes ``wait`` seconds to answer before it acts."""
+    time.sleep(wait)
+    _log_slow_effect(ctx.idempotency_key, "slow_refund")
+    return f"refunded {order} after {wait:g}s"
 
 
 @shop.tool
