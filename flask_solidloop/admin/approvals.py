@@ -10,7 +10,6 @@ error page). Who decided is the blueprint's ``operator(request)``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlencode
@@ -21,6 +20,7 @@ from werkzeug.datastructures import MultiDict
 from ..errors import InvalidArgumentError, SolidLoopError
 from ..loops import control, pending
 from ..state import SolidLoopState
+from .filters import json_object
 
 #: The page's filter keys, in the order the form shows them.
 FILTER_KEYS = ("agent", "tool", "waits")
@@ -53,18 +53,8 @@ def filter_items(args: MultiDict[str, str]) -> list[tuple[str, str]]:
 
 def edited_arguments(raw: str | None) -> dict[str, Any] | None:
     """The JSON object an operator typed for edit-and-approve; None when empty."""
-    text = (raw or "").strip()
-    if not text:
-        return None
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise DecisionInputError(f"the edited arguments are not JSON ({exc}); give an object "
-                                 'such as {"amount": 40}') from None
-    if not isinstance(value, dict):
-        raise DecisionInputError('the edited arguments must be a JSON object such as '
-                                 '{"amount": 40}')
-    return value
+    return json_object(raw, what="the edited arguments", example='{"amount": 40}',
+                       error=DecisionInputError)
 
 
 def add_views(bp: Blueprint, *, state: Callable[[], SolidLoopState],

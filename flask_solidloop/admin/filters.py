@@ -33,6 +33,23 @@ def _when(key: str, value: str) -> datetime:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
+def json_object(raw: str | None, *, what: str, example: str,
+                error: type[InvalidArgumentError]) -> dict[str, Any] | None:
+    """The JSON object an operator typed (None when the field is empty); ``error``
+    names ``what`` was wrong and shows ``example``."""
+    text = (raw or "").strip()
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise error(f"{what} is not valid JSON ({exc}); give an object such as "
+                    f"{example}") from None
+    if not isinstance(value, dict):
+        raise error(f"{what} must be a JSON object such as {example}")
+    return value
+
+
 def parse(args: MultiDict[str, str]) -> LoopSearch:
     """The search the query string asks for; FilterError names a bad value."""
     statuses = tuple(s for s in args.getlist("status") if s)
@@ -44,16 +61,8 @@ def parse(args: MultiDict[str, str]) -> LoopSearch:
     if failure and failure not in FAILURE_CLASS_NAMES:
         raise FilterError(f"failure={failure!r} is not a failure class; use one of "
                           f"{', '.join(FAILURE_CLASS_NAMES)}")
-    state: dict[str, Any] | None = None
-    raw_state = (args.get("state") or "").strip()
-    if raw_state:
-        try:
-            state = json.loads(raw_state)
-        except ValueError as exc:
-            raise FilterError(f"state is not valid JSON ({exc}); give an object such as "
-                              '{"customer": "acme"}') from None
-        if not isinstance(state, dict):
-            raise FilterError('state must be a JSON object such as {"customer": "acme"}')
+    state = json_object(args.get("state"), what="state", example='{"customer": "acme"}',
+                        error=FilterError)
     return LoopSearch(
         statuses=statuses,
         agent=(args.get("agent") or "").strip() or None,
