@@ -20,7 +20,7 @@ from werkzeug.datastructures import MultiDict
 from ..errors import InvalidArgumentError, SolidLoopError
 from ..loops import control, pending
 from ..state import SolidLoopState
-from .filters import json_object
+from .filters import FilterError, json_object
 
 #: The page's filter keys, in the order the form shows them.
 FILTER_KEYS = ("agent", "tool", "waits")
@@ -53,8 +53,10 @@ def filter_items(args: MultiDict[str, str]) -> list[tuple[str, str]]:
 
 def edited_arguments(raw: str | None) -> dict[str, Any] | None:
     """The JSON object an operator typed for edit-and-approve; None when empty."""
-    return json_object(raw, what="the edited arguments", example='{"amount": 40}',
-                       error=DecisionInputError)
+    try:
+        return json_object(raw, what="the edited arguments", example='{"amount": 40}')
+    except FilterError as exc:
+        raise DecisionInputError(str(exc)) from None
 
 
 def add_views(bp: Blueprint, *, state: Callable[[], SolidLoopState],

@@ -33,20 +33,19 @@ def _when(key: str, value: str) -> datetime:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
-def json_object(raw: str | None, *, what: str, example: str,
-                error: type[InvalidArgumentError]) -> dict[str, Any] | None:
-    """The JSON object an operator typed (None when the field is empty); ``error``
-    names ``what`` was wrong and shows ``example``."""
+def json_object(raw: str | None, *, what: str, example: str) -> dict[str, Any] | None:
+    """The JSON object an operator typed (None when the field is empty);
+    FilterError names ``what`` was wrong and shows ``example``."""
     text = (raw or "").strip()
     if not text:
         return None
     try:
         value = json.loads(text)
     except ValueError as exc:
-        raise error(f"{what} is not valid JSON ({exc}); give an object such as "
-                    f"{example}") from None
+        raise FilterError(f"{what} is not valid JSON ({exc}); give an object such as "
+                          f"{example}") from None
     if not isinstance(value, dict):
-        raise error(f"{what} must be a JSON object such as {example}")
+        raise FilterError(f"{what} must be a JSON object such as {example}")
     return value
 
 
@@ -61,8 +60,7 @@ def parse(args: MultiDict[str, str]) -> LoopSearch:
     if failure and failure not in FAILURE_CLASS_NAMES:
         raise FilterError(f"failure={failure!r} is not a failure class; use one of "
                           f"{', '.join(FAILURE_CLASS_NAMES)}")
-    state = json_object(args.get("state"), what="state", example='{"customer": "acme"}',
-                        error=FilterError)
+    state = json_object(args.get("state"), what="state", example='{"customer": "acme"}')
     return LoopSearch(
         statuses=statuses,
         agent=(args.get("agent") or "").strip() or None,
