@@ -293,6 +293,10 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds a tool call waits for an approval before its timeout decides (deny, or "
             "the tool's on_timeout), for tools that set no approval_timeout= of their own; "
             "unset (the default): an approval waits for ever."),
+    Setting("SOLIDLOOP_DATABASE_RETRY_SECONDS", 30.0, _positive_float,
+            "Seconds a turn's end or a tool's outcome is retried in place when the database "
+            "fails under it (while the step still holds its lease), before the step is left "
+            "to its lease and the reaper."),
 )
 
 _BY_KEY = {s.key: s for s in SETTINGS}
@@ -344,6 +348,7 @@ class Config:
     worker_heartbeat: float
     worker_retention: int
     approval_timeout: float | None
+    database_retry_seconds: float
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> Config:

@@ -42,3 +42,20 @@ def execute_on(target: Any, query: str, params: Any, *, fetch: bool = False) -> 
     its rows when ``fetch`` and it returns any."""
     cur = driver_connection(target).execute(query, params)
     return cur.fetchall() if fetch and cur.description else []
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is what a database that went away (or is busy) raises, as
+    opposed to a defect: psycopg's ``OperationalError`` and ``InterfaceError``
+    (a dropped or refused connection, an admin shutdown, a cancelled
+    statement, a deadlock, a serialization failure), SQLAlchemy's wrappers of
+    those, a connection it invalidated, and its pool's timeout. A constraint,
+    bad SQL or bad data is not transient."""
+    from sqlalchemy import exc as sa_exc
+
+    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+        return True
+    if isinstance(exc, sa_exc.DBAPIError):
+        return bool(exc.connection_invalidated) or isinstance(
+            exc.orig, psycopg.OperationalError | psycopg.InterfaceError)
+    return isinstance(exc, sa_exc.DisconnectionError | sa_exc.TimeoutError)

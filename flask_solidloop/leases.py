@@ -36,9 +36,13 @@ Ownership rules:
   a loss;
 * a broken connection is replaced and the renewal retried at once, so one
   blip (a killed backend, a restarted pooler) loses nothing; if the retry
-  fails too, every registration is marked lost: a dead renewer must never let
-  a dead lease look alive. The turns see the flag before their next canonical
-  write and yield; the reaper heals the loops;
+  fails too (the database is away), a registration is marked lost once its
+  lease may have lapsed: its last renewal (stamped before the statement was
+  sent) is older than the lease, less a second. Until then the lease is
+  still valid in the database and the turn goes on (its writes are fenced
+  whatever this flag says); after, a dead renewer never lets a dead lease
+  look alive. The turns see the flag before their next canonical write and
+  yield; the reaper heals the loops;
 * a registration older than its ceiling is dropped (a leak ceiling that does
   not depend on the turn's ``finally``): the agent's max_duration for an LLM
   turn, the tool's limit (its timeout, at most max_duration) for a tool call,
@@ -64,6 +68,9 @@ from .errors import LostLeaseError
 logger = logging.getLogger("flask_solidloop.renewer")
 
 MIN_INTERVAL = 1.0
+#: Seconds a lease is taken to lapse early, when renewals fail: the claim that
+#: set it committed a moment before the registration's first stamp.
+LAPSE_SLACK = 1.0
 
 
 def worker_identity() -> str:
@@ -121,6 +128,14 @@ class Registration:
     ceiling_seconds: float
     registered_at: float = field(default_factory=time.monotonic)
     lost_event: threading.Event = field(default_factory=threading.Event)
+    #: When the lease was last known good: stamped before a renewal is sent
+    #: (the database's new expiry is no earlier than this plus the lease).
+    renewed_at: float = field(default_factory=time.monotonic)
+
+    def may_have_lapsed(self, now: float) -> bool:
+        """Whether the lease may have expired in the database since its last
+        renewal (a second of slack for the claim that set it first)."""
+        return now - self.renewed_at >= self.lease_seconds - LAPSE_SLACK
 
     @property
     def key(self) -> tuple[str, int, uuid.UUID]:
@@ -268,23 +283,26 @@ class LeaseRenewer:
             return
         try:
             try:
-                self._renew(live)
+                self._renew(live, now)
             except psycopg.OperationalError as exc:
                 # One blip (a restarted pooler, a killed backend) must not discard
                 # every turn in flight: reconnect and try once more right away.
                 logger.warning("lease renewer: connection failed (%s); reconnecting", exc)
                 self._close()
-                self._renew(live)
+                self._renew(live, time.monotonic())
             self.renewals += 1
         except Exception as exc:
             self.errors += 1
-            logger.error("lease renewer: renewal failed, marking %d turn(s) lost: %s",
-                         len(live), exc)
-            for registration in live:
-                registration.lost_event.set()
             self._close()
+            now = time.monotonic()
+            lapsed = [r for r in live if r.may_have_lapsed(now)]
+            logger.error("lease renewer: renewal failed (%s); %d lease(s) may have lapsed and "
+                         "are marked lost, %d kept for the next try", exc, len(lapsed),
+                         len(live) - len(lapsed))
+            for registration in lapsed:
+                registration.lost_event.set()
 
-    def _renew(self, live: list[Registration]) -> None:
+    def _renew(self, live: list[Registration], sent_at: float) -> None:
         if self._conn is None or self._conn.closed:
             self._conn = self._connect()
         conn = self._conn
@@ -295,6 +313,9 @@ class LeaseRenewer:
             renewed = {(kind, row[0], row[1]) for row in conn.execute(
                 renew_sql, ([r.row_id for r in batch], [r.token for r in batch],
                             [r.lease_seconds for r in batch])).fetchall()}
+            for registration in batch:
+                if registration.key in renewed:
+                    registration.renewed_at = sent_at
             missing = [r for r in batch if r.key not in renewed]
             if not missing:
                 continue

@@ -53,6 +53,13 @@ class TurnContext:
         assert loop is not None
         return loop
 
+    def still_ours(self) -> bool:
+        """Whether the step's lease has not been found lost (the renewer's view;
+        a step without a registration counts as holding it: its writes are
+        fenced all the same)."""
+        lease = getattr(self, "lease", None)
+        return lease is None or not lease.lost()
+
     def transition(self, *, from_: str | tuple[str, ...], to: str, **changes: Any) -> bool:
         """Fenced transition on this turn's generation, committed now.
 
@@ -119,6 +126,8 @@ class ToolContext(TurnContext):
 
     tool_call_id: int = 0
     lease_token: uuid.UUID | None = None
+    #: The call's lease registration with the renewer, once claimed.
+    lease: RenewerHandle | None = None
     #: The call is its message's only one and this thread adopted it with the
     #: turn that asked for it (its outcome may be one statement, alone).
     sole_call: bool = False
@@ -130,3 +139,6 @@ class ToolContext(TurnContext):
     result: ToolResult | None = None
     #: Set by ToolExecution when ResponseCreation records the result with the answer.
     unrecorded: UnrecordedResult | None = None
+    #: Set by ToolExecution once the tool has run (its effect may have happened):
+    #: from then on the step is never handed back for the tool to run again.
+    tool_ran: bool = False

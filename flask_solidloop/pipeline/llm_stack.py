@@ -29,6 +29,7 @@ import logging
 import time
 from typing import Any
 
+from ..dbapi import is_transient
 from ..errors import AbortedError, LimitExceededError, LostLeaseError, ProviderError
 from ..llm import pricing, reasoning, tool_text
 from ..llm.client import RetryPolicy, post_json
@@ -74,10 +75,21 @@ class ErrorHandling:
 def _end_turn(ctx: LlmContext, *, to: str, error_message: str) -> None:
     if ctx.lease is not None and ctx.lease.lost():
         return  # not ours any more: the reaper or the new generation decides
-    store.end_turn(ctx.session, ctx.loop_id, ctx.execution_token, to=to,
-                   error_message=error_message, shell_id=ctx.shell_id, wire=ctx.wire,
-                   body_limit=ctx.state.config.event_body_limit,
-                   repeat_history=ctx.state.config.event_repeat_history)
+    try:
+        store.with_database_retry(
+            lambda: store.end_turn(ctx.session, ctx.loop_id, ctx.execution_token, to=to,
+                                   error_message=error_message, shell_id=ctx.shell_id,
+                                   wire=ctx.wire, body_limit=ctx.state.config.event_body_limit,
+                                   repeat_history=ctx.state.config.event_repeat_history),
+            session=ctx.session, seconds=ctx.state.config.database_retry_seconds,
+            still_ours=ctx.still_ours, what=f"loop {ctx.loop_id}: the turn's end")
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        store.recover(ctx.session)
+        logger.warning("loop %s: the database failed as the turn ended (%s): it is left "
+                       "to its lease, and the reaper queues it again", ctx.loop_id,
+                       type(exc).__name__)
 
 
 class AgentInitialization:
@@ -276,9 +288,16 @@ class PartialWriter:
     def _interval(self) -> float:
         # An observed loop (someone watches it in the admin) flushes at
         # SOLIDLOOP_OBSERVED_STREAM_UPDATE_INTERVAL; read without keeping a
-        # transaction open across the stream.
+        # transaction open across the stream. A database that fails meanwhile
+        # leaves the interval as it was: the stream goes on.
         config = self.ctx.state.config
-        observed = queries.is_observed(self.ctx.session, self.ctx.loop_id)
+        try:
+            observed = queries.is_observed(self.ctx.session, self.ctx.loop_id)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            store.recover(self.ctx.session)
+            return getattr(self, "interval", config.stream_update_interval)
         self.ctx.session.rollback()
         return config.observed_stream_update_interval if observed \
             else config.stream_update_interval
@@ -297,8 +316,18 @@ class PartialWriter:
         content = "".join(self.content)
         if self.text_filter is not None:
             content = self.text_filter(content)
-        store.record_partial(ctx.session, ctx.shell_id, content,
-                             "".join(self.reasoning) or None)
+        try:
+            store.record_partial(ctx.session, ctx.shell_id, content,
+                                 "".join(self.reasoning) or None)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            # A partial is a display: a database that fails under it costs the
+            # watcher this update, never the turn.
+            store.recover(ctx.session)
+            logger.warning("loop %s: a partial write failed (%s); the stream goes on",
+                           ctx.loop_id, type(exc).__name__)
+            return
         self.interval = self._interval()  # observing may start or stop mid-turn
 
 
@@ -318,7 +347,14 @@ def _check_lease(ctx: LlmContext) -> None:
 def _no_longer_ours(ctx: LlmContext) -> bool:
     if ctx.lease is not None and ctx.lease.lost():
         return True
-    owned = queries.is_owned(ctx.session, ctx.loop_id, ctx.execution_token)
+    try:
+        owned = queries.is_owned(ctx.session, ctx.loop_id, ctx.execution_token)
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        # Unknown: go on (the turn's end is fenced whatever the answer).
+        store.recover(ctx.session)
+        return False
     ctx.session.rollback()
     return not owned
 
@@ -364,13 +400,17 @@ class ResponseParsing:
                 tool_name=route.tool_name if route else None,
                 wait=call_wait(ctx, request.name, route, arguments),
             ))
-        finished = store.finish_llm_turn(
-            ctx.state, ctx.session, loop_id=ctx.loop_id, token=ctx.execution_token,
-            shell_id=ctx.shell_id, response=response, meta=meta, turn_cost=turn_cost,
-            calls=calls, wire=ctx.wire,
-            sequential=bool(ctx.agent.option("sequential_tool_calls")), adopt=ctx.adopt_next,
-            on_wait=ctx.agent.on_wait,
-        )
+        shell_id = ctx.shell_id
+        # Retried in place while the lease holds: the answer is paid for.
+        finished = store.with_database_retry(
+            lambda: store.finish_llm_turn(
+                ctx.state, ctx.session, loop_id=ctx.loop_id, token=ctx.execution_token,
+                shell_id=shell_id, response=response, meta=meta, turn_cost=turn_cost,
+                calls=calls, wire=ctx.wire,
+                sequential=bool(ctx.agent.option("sequential_tool_calls")),
+                adopt=ctx.adopt_next, on_wait=ctx.agent.on_wait),
+            session=ctx.session, seconds=ctx.state.config.database_retry_seconds,
+            still_ours=ctx.still_ours, what=f"loop {ctx.loop_id}: the turn's end")
         ctx.message, ctx.adopted = finished.message, finished.adopted
         ctx.committed = True
         return self.next_step(ctx)

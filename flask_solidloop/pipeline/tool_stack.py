@@ -23,8 +23,10 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+from ..dbapi import is_transient
 from ..loops import queries, store
 from ..mcp.registry import ToolRegistry, call_on_server
 from ..mcp.toolset import CallContext, ToolResult
@@ -33,6 +35,8 @@ from .builder import Handler
 from .context import ToolContext, UnrecordedResult
 
 logger = logging.getLogger("flask_solidloop.tools")
+
+T = TypeVar("T")
 
 
 class ToolExecution:
@@ -47,7 +51,7 @@ class ToolExecution:
             return self.next_step(ctx)
 
         # Read now: the tool's run ends the session's transaction (expiring it).
-        ctx.facts = store.CallFacts.of(call)
+        facts = ctx.facts = store.CallFacts.of(call)
         result, duration_ms = self._run(ctx, call)
         if ctx.plan is not None and ctx.plan.fuse_outcome:
             # Nothing between the two steps: ResponseCreation records the result
@@ -55,10 +59,10 @@ class ToolExecution:
             ctx.unrecorded = UnrecordedResult(result, duration_ms)
             return self.next_step(ctx)
         # From here on the stored (storable) result is the canonical one.
-        outcome = store.checkpoint_tool_call(
-            ctx.state, ctx.session, ctx.facts, token=ctx.execution_token,
+        outcome = _retried(ctx, lambda: store.checkpoint_tool_call(
+            ctx.state, ctx.session, facts, token=ctx.execution_token,
             lease=ctx.lease_token, result=result, duration_ms=duration_ms,
-            body_limit=ctx.state.config.event_body_limit)
+            body_limit=ctx.state.config.event_body_limit), "the result")
         ctx.tool_call, ctx.result = outcome.call, outcome.result
         return self.next_step(ctx)
 
@@ -91,6 +95,7 @@ class ToolExecution:
             try:
                 # The route was resolved when the model's answer was parsed: call that
                 # server directly, without listing any server again.
+                ctx.tool_ran = True
                 routed = (call_on_server(entries, server_name, tool_name, arguments, call_ctx,
                                          stored_state)
                           if server_name and tool_name else None)
@@ -101,14 +106,36 @@ class ToolExecution:
                     result, new_state = routed
                     if new_state is not None and stored_state is not None \
                             and new_state != stored_state:
-                        store.store_mcp_session_state(ctx.session, ctx.loop_id, server_name,
-                                                      new_state)
+                        _keep_session_state(ctx, server_name, new_state)
             finally:
                 # A tool that used db.session without committing (or left it failed)
                 # must not leak into our checkpoint: its uncommitted writes are
                 # discarded here. Tools that want their writes kept commit them.
-                ctx.session.rollback()
+                store.recover(ctx.session)
         return result, (time.monotonic() - started) * 1000
+
+
+def _keep_session_state(ctx: ToolContext, server_name: str | None,
+                        new_state: dict[str, Any]) -> None:
+    """Keep the server's new session for the loop's next calls; a database that
+    fails meanwhile costs only that (the next call probes the server again)."""
+    try:
+        store.store_mcp_session_state(ctx.session, ctx.loop_id, server_name, new_state)
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        store.recover(ctx.session)
+        logger.warning("tool_call %s: could not keep the MCP session of %r (%s)",
+                       ctx.tool_call_id, server_name, type(exc).__name__)
+
+
+def _retried(ctx: ToolContext, write: Callable[[], T], what: str) -> T:
+    """A tool outcome's write, retried in place on a transient database error while
+    the call's lease holds (store.with_database_retry): the tool's effect has
+    happened, and a lost result would run it again."""
+    return store.with_database_retry(
+        write, session=ctx.session, seconds=ctx.state.config.database_retry_seconds,
+        still_ours=ctx.still_ours, what=f"tool_call {ctx.tool_call_id}: {what}")
 
 
 class ResponseCreation:
@@ -126,24 +153,26 @@ class ResponseCreation:
         if unrecorded is not None:
             # ToolExecution ran the tool and left its result to us: the result
             # and the answer are one statement (the answer renders the stored result).
-            assert ctx.lease_token is not None
-            outcome = store.checkpoint_and_answer_tool_call(
-                ctx.state, ctx.session, ctx.facts, token=ctx.execution_token,
-                lease=ctx.lease_token, result=unrecorded.result,
+            lease, facts = ctx.lease_token, ctx.facts
+            assert lease is not None
+            outcome = _retried(ctx, lambda: store.checkpoint_and_answer_tool_call(
+                ctx.state, ctx.session, facts, token=ctx.execution_token,
+                lease=lease, result=unrecorded.result,
                 duration_ms=unrecorded.duration_ms,
                 body_limit=ctx.state.config.event_body_limit,
                 answer_text=lambda stored: answer_text(stored, limit), sequential=sequential,
-                adopt=ctx.adopt_next, next_turn=next_turn, sole_call=ctx.sole_call)
+                adopt=ctx.adopt_next, next_turn=next_turn, sole_call=ctx.sole_call),
+                "the result and its answer")
             ctx.tool_call, ctx.result = outcome.call, outcome.result
         else:
-            result = ctx.result
+            result, facts = ctx.result, ctx.facts
             assert result is not None
             # Not answered for a duplicate delivery (already answered): nothing to do.
-            outcome = store.answer_tool_call(
-                ctx.state, ctx.session, ctx.facts, token=ctx.execution_token,
+            outcome = _retried(ctx, lambda: store.answer_tool_call(
+                ctx.state, ctx.session, facts, token=ctx.execution_token,
                 lease=ctx.lease_token, content=answer_text(result, limit),
                 is_error=result.is_error, sequential=sequential, adopt=ctx.adopt_next,
-                next_turn=next_turn)
+                next_turn=next_turn), "the answer")
         ctx.adopted = outcome.adopted
         ctx.committed = True
         return self.next_step(ctx)

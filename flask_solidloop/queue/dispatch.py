@@ -51,11 +51,12 @@ class Dispatcher:
         *,
         loop_id: int,
         reaper_lease_token: uuid.UUID | None = None,
+        delay_ms: int | None = None,
     ) -> None:
         args: tuple[Any, ...] = (tool_call_id, str(execution_token))
         if reaper_lease_token is not None:
             args = (*args, str(reaper_lease_token))
-        self._send(session, self.actors["tool_call"], args, loop_id=loop_id)
+        self._send(session, self.actors["tool_call"], args, loop_id=loop_id, delay_ms=delay_ms)
 
     def wait_timeout(self, session: SessionLike, tool_call_id: int, *, loop_id: int,
                      delay_ms: int) -> None:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import psycopg
 from sqlalchemy.exc import SQLAlchemyError
 
+from ..dbapi import is_transient
 from ..errors import LostLeaseError
 from ..leases import RenewerHandle
 from ..loops import queries, storable, store
@@ -147,28 +148,33 @@ def run_llm_turn(state: SolidLoopState, loop: Loop, *, adopt: bool = False,
                      agent=agent, lease=lease_handle, claim=claim, shell_id=claim.shell_id,
                      plan=plan, adopt_next=adopt)
 
-    def database_failed(exc: BaseException) -> bool:
+    def database_failed(exc: BaseException) -> None:
         # The claim committed before the stack ran, so a rollback does not undo
         # it: until the request is sent nothing of the turn is written, so the
         # turn goes back to the queue, a little later, rather than fail the
         # loop on what may be a blip. After the request the turn's end may have
-        # committed, and the usual outcome applies.
+        # committed (its retries ran out, or its COMMIT landed unseen): the
+        # turn is left to its lease, which the reaper takes over once it
+        # lapses if nothing ended the turn.
         if ctx.requested:
-            return False
+            logger.warning("llm_turn: loop %s: the database failed after the request (%s); "
+                           "the turn is left to its lease", loop_id, storable.error_text(exc))
+            return
         try:
             handed = store.requeue_llm_turn(state, session, loop_id, token,
                                             delay_ms=DATABASE_RETRY_DELAY_MS)
-        except (SQLAlchemyError, psycopg.Error):
-            session.rollback()
+        except Exception as again:
+            store.recover(session)
+            if not is_transient(again):
+                raise
             logger.warning("llm_turn: loop %s: the database failed before the request "
                            "(%s), and so did handing the turn back; its lease lapses and "
                            "the reaper queues it again", loop_id, storable.error_text(exc))
-            return True
+            return
         logger.warning("llm_turn: loop %s: the database failed before the request (%s); %s",
                        loop_id, storable.error_text(exc),
                        f"queued again in {DATABASE_RETRY_DELAY_MS / 1000:g}s" if handed
                        else "the loop moved on meanwhile")
-        return True
 
     def fail(error: str) -> bool:
         return store.end_turn(session, loop_id, token, to=LoopStatus.FAILED,
@@ -184,29 +190,30 @@ def run_llm_turn(state: SolidLoopState, loop: Loop, *, adopt: bool = False,
 
 def _guarded(ctx: LlmContext | ToolContext, run: Callable[[], None], label: str, *,
              fail: Callable[[str], bool],
-             database_failed: Callable[[BaseException], bool] | None = None) -> None:
+             database_failed: Callable[[BaseException], None]) -> None:
     """Run a turn; turn what escapes it into the outcome the fence allows.
 
     A lost lease yields silently. An error after the turn's canonical commit is
     reported and leaves the loop alone (its successor is queued, or adopted).
-    A database error that ``database_failed`` handles (True) ends the turn
-    there. Any other error fails the loop through ``fail`` if this generation
-    still owns it, and is re-raised otherwise (dramatiq's retry policy then
-    sees it).
+    A transient database error never fails the loop: ``database_failed``
+    decides what becomes of the step (hands it back, or leaves it to its
+    lease), or raises for the job to be retried. Any other error fails the
+    loop through ``fail`` if this generation still owns it, and is re-raised
+    otherwise (dramatiq's retry policy then sees it).
     """
     session = ctx.session
     try:
         run()
     except LostLeaseError as exc:
-        session.rollback()
+        store.recover(session)
         logger.info("%s: lease lost, yielding: %s", label, exc)
     except Exception as exc:
-        session.rollback()
+        store.recover(session)
         if ctx.committed:
             logger.exception("%s: error after the turn committed", label)
             return
-        if database_failed is not None and isinstance(exc, SQLAlchemyError | psycopg.Error) \
-                and database_failed(exc):
+        if is_transient(exc):
+            database_failed(exc)
             return
         logger.exception("%s failed with an unhandled error", label, exc_info=exc)
         if not fail(storable.error_text(exc)):
@@ -231,6 +238,8 @@ def run_tool_call(state: SolidLoopState, call: ToolCall, loop: Loop, execution_t
                       agent=None, tool_call_id=tool_call_id,  # type: ignore[arg-type]
                       sole_call=adopted is not None and adopted.sole_call, adopt_next=adopt)
     tool_lease = RenewerHandle(None, None)
+    if adopted is not None:
+        ctx.lease_token = adopted.lease_token
 
     def run() -> None:
         nonlocal tool_lease
@@ -259,7 +268,7 @@ def run_tool_call(state: SolidLoopState, call: ToolCall, loop: Loop, execution_t
             max_duration = agent.effective_max_duration(state.config.default_max_duration)
             limit = min(float(max_duration), state.tool_timeout_seconds(agent))
             renewer = state.renewer()
-            tool_lease = RenewerHandle(renewer, renewer.register_tool(
+            tool_lease = ctx.lease = RenewerHandle(renewer, renewer.register_tool(
                 tool_call_id, lease_token, lease_seconds=lease_seconds,
                 ceiling_seconds=limit + state.config.lease_leak_grace,
             ))
@@ -272,8 +281,41 @@ def run_tool_call(state: SolidLoopState, call: ToolCall, loop: Loop, execution_t
                               error_message=f"tool call {tool_call_id}: {error}",
                               call_id=tool_call_id, lease=ctx.lease_token)
 
+    def database_failed(exc: BaseException) -> None:
+        # Nothing of the call is ours yet (the claim did not commit, or cannot
+        # be told to have): the job is retried (an adopted call is handed back
+        # by the inline runner). Claimed, with the tool not run: handed back,
+        # its lease released with its job queued a little later. The tool ran
+        # and its outcome could not be written (its retries ran out): left to
+        # the lease; the reaper takes the call over once it lapses (answering
+        # a recorded result, running the tool again otherwise).
+        if ctx.lease_token is None:
+            raise exc
+        if ctx.tool_ran:
+            logger.warning("tool_call %s: the database failed after the tool ran (%s); the "
+                           "call is left to its lease", tool_call_id, storable.error_text(exc))
+            return
+        try:
+            handed = store.hand_back_tool_call(
+                state, session, loop_id=loop_id, tool_call_id=tool_call_id,
+                execution_token=token, lease_token=ctx.lease_token,
+                delay_ms=DATABASE_RETRY_DELAY_MS)
+        except Exception as again:
+            store.recover(session)
+            if not is_transient(again):
+                raise
+            logger.warning("tool_call %s: the database failed before the tool ran (%s), and "
+                           "so did handing the call back; its lease lapses and the reaper "
+                           "takes it over", tool_call_id, storable.error_text(exc))
+            return
+        logger.warning("tool_call %s: the database failed before the tool ran (%s); %s",
+                       tool_call_id, storable.error_text(exc),
+                       f"queued again in {DATABASE_RETRY_DELAY_MS / 1000:g}s" if handed
+                       else "the call moved on meanwhile")
+
     try:
-        _guarded(ctx, run, f"tool_call {tool_call_id}", fail=fail)
+        _guarded(ctx, run, f"tool_call {tool_call_id}", fail=fail,
+                 database_failed=database_failed)
     finally:
         tool_lease.release()
     return ctx.adopted

@@ -19,6 +19,10 @@ from flask_solidloop import Agent, CallContext, SolidLoop, Toolset
 from flask_solidloop.models import Message, ToolCall
 
 DATABASE_URL_ENV = "SOLIDLOOP_TEST_DATABASE_URL"
+#: In a worker subprocess: drop the connection under statements matching this.
+DROP_PATTERN_ENV = "SOLIDLOOP_TEST_DROP_PATTERN"
+DROP_TIMES_ENV = "SOLIDLOOP_TEST_DROP_TIMES"
+DROP_AFTER_ENV = "SOLIDLOOP_TEST_DROP_AFTER"
 LLM_URL_ENV = "SOLIDLOOP_TEST_LLM_URL"
 DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/solidloop_test"
 
@@ -334,6 +338,48 @@ class XmlPromptedStreamingAgent(XmlPromptedAgent):
     streaming = True
 
 
+# -- database faults: an agent whose tool stack reads and writes in steps ------------
+
+
+class AuditBeforeTool:
+    """A host tool middleware before ToolExecution that reads the database (as an
+    authorization check would): a point between the call's claim and its tool."""
+
+    def __init__(self, next_step):
+        self.next_step = next_step
+
+    def __call__(self, ctx):
+        ctx.session.execute(select(ToolCall.id).where(ToolCall.loop_id == ctx.loop_id)).all()
+        ctx.session.rollback()
+        return self.next_step(ctx)
+
+
+class PassAfterTool:
+    """Between ToolExecution and ResponseCreation: the result is then recorded
+    (checkpointed) before, and apart from, its answer."""
+
+    def __init__(self, next_step):
+        self.next_step = next_step
+
+    def __call__(self, ctx):
+        return self.next_step(ctx)
+
+
+@solidloop.agent("audited")
+class AuditedAssistant(Agent):
+    system_prompt = "You use audited tools."
+    mcps = [{"name": "calc", "toolset": calc}]
+
+    def llm(self) -> dict:
+        return llm_settings()
+
+    def configure_tool_middlewares(self, builder) -> None:
+        from flask_solidloop.pipeline import ResponseCreation, ToolExecution
+
+        builder.insert_before(ToolExecution, AuditBeforeTool)
+        builder.insert_before(ResponseCreation, PassAfterTool)
+
+
 # -- waiting tool calls: approvals and deferred results ------------------------------
 
 shop = Toolset("shop")
@@ -451,4 +497,13 @@ def create_app(**config) -> Flask:
         logging.getLogger("flask_solidloop.jobs").setLevel(app.config["TEST_JOBS_LOG_LEVEL"])
     db.init_app(app)
     solidloop.init_app(app, db=db)
+    drop = os.environ.get(DROP_PATTERN_ENV)
+    if drop:
+        # A worker subprocess of a fault test: drop the connection under the
+        # first statements matching the pattern (tests/support/db_faults.py).
+        from .db_faults import install_dropper
+
+        install_dropper(app.config["SQLALCHEMY_DATABASE_URI"], drop,
+                        times=int(os.environ.get(DROP_TIMES_ENV, "1")),
+                        after=int(os.environ.get(DROP_AFTER_ENV, "0")))
     return app

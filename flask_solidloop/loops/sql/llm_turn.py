@@ -79,6 +79,13 @@ RECORD_SNAPSHOT = (
     "VALUES (%(loop_id)s, %(server)s, %(tools)s, %(session_state)s) "
     "ON CONFLICT (loop_id, server_name) DO NOTHING")
 
+#: The turn's shell is still unfinished: with calls, the loop stays running
+#: under the same generation, so only this makes a second run of the turn's
+#: end (a retry after a COMMIT that landed unseen) write nothing.
+_UNFINISHED = (" AND EXISTS (SELECT 1 FROM solidloop_messages "
+              "WHERE id = %(shell_id)s AND status = 'processing')")
+
+
 def _finish_turn(with_calls: bool) -> str:
     """The turn's end, one statement: the fenced loop update (the row lock and
     the fence at once), the shell finalized with usage and cost, and the wire
@@ -86,9 +93,10 @@ def _finish_turn(with_calls: bool) -> str:
     fence matched. Without calls the loop completes; with them (``with_calls``:
     each column an array parameter, in order; the first leased to this thread
     at ``lease_position`` when ``lease`` is set: an adopted call; each with
-    what it waits for and its deadline) it enters its tool phase under the
-    same generation, ``waiting`` when none of them can run yet (``waits``),
-    and the statement returns the calls' ids in order
+    what it waits for and its deadline; fenced on its shell being unfinished
+    too) it enters its tool phase under the same generation, ``waiting`` when
+    none of them can run yet (``waits``), and the statement returns the
+    calls' ids in order
     (``solidloop_call_ids``) and the first call's row (``call_<column>``), which
     an adopted call's step starts from. Two texts rather than one with a
     switch: the turn's end is a statement of every turn, and each text then
@@ -103,7 +111,7 @@ def _finish_turn(with_calls: bool) -> str:
         "input_tokens = input_tokens + coalesce(%(input_tokens)s::bigint, 0), "
         "output_tokens = output_tokens + coalesce(%(output_tokens)s::bigint, 0), "
         f"{completes}cost = cost + coalesce(%(cost)s::numeric, 0) "
-        f"WHERE id = %(loop_id)s AND {OWNED} "
+        f"WHERE id = %(loop_id)s AND {OWNED}{_UNFINISHED if with_calls else ''} "
         f"RETURNING *, pg_notify('{LIVE_CHANNEL}', %(live)s))",
         "shell AS (UPDATE solidloop_messages SET content = %(content)s, "
         "reasoning = %(reasoning)s, finish_reason = %(finish_reason)s, status = 'completed', "

@@ -60,10 +60,11 @@ from .tool_turn import (
     checkpoint_and_answer_tool_call,
     checkpoint_tool_call,
     claim_tool_call,
+    hand_back_tool_call,
     release_tool_call,
     store_mcp_session_state,
 )
-from .transaction import end_transaction
+from .transaction import end_transaction, recover, with_database_retry
 from .waits import (
     APPROVAL,
     APPROVED,
@@ -117,6 +118,7 @@ __all__ = [
     "finish_llm_turn",
     "force_stop",
     "freeze",
+    "hand_back_tool_call",
     "heal_dropped_tools",
     "heal_expired_llm",
     "heal_expired_waits",
@@ -128,6 +130,7 @@ __all__ = [
     "pause",
     "record_partial",
     "record_tool_snapshots",
+    "recover",
     "release_tool_call",
     "requeue_llm_turn",
     "resume",
@@ -138,4 +141,5 @@ __all__ = [
     "supplied",
     "time_out",
     "unfreeze",
+    "with_database_retry",
 ]

@@ -355,14 +355,28 @@ def release_tool_call(state: SolidLoopState, session: SessionLike, adopted: Adop
     released and its job queued in one commit, if the lease is still the
     adopted one and the tool has not run. False otherwise. Rolls back what the
     session holds first."""
+    return hand_back_tool_call(state, session, loop_id=adopted.loop_id,
+                               tool_call_id=adopted.tool_call_id,
+                               execution_token=adopted.execution_token,
+                               lease_token=adopted.lease_token)
+
+
+@commits
+def hand_back_tool_call(state: SolidLoopState, session: SessionLike, *, loop_id: int,
+                        tool_call_id: int, execution_token: uuid.UUID,
+                        lease_token: uuid.UUID, delay_ms: int | None = None) -> bool:
+    """A claimed call whose tool has not run, given back: its lease released and
+    its job queued (due in ``delay_ms``) in one commit, compare-and-set on the
+    lease (loops/sql.RELEASE_CALL). False, with nothing written, when the lease
+    is no longer this one or the tool ran. Rolls back what the session holds
+    first."""
     session.rollback()
     if fetch_row(session, sql.RELEASE_CALL, {
-            "loop_id": adopted.loop_id, "call_id": adopted.tool_call_id,
-            "lease": adopted.lease_token}) is None:
+            "loop_id": loop_id, "call_id": tool_call_id, "lease": lease_token}) is None:
         session.rollback()
         return False
-    state.dispatch.tool_call(session, adopted.tool_call_id, adopted.execution_token,
-                             loop_id=adopted.loop_id)
+    state.dispatch.tool_call(session, tool_call_id, execution_token, loop_id=loop_id,
+                             delay_ms=delay_ms)
     session.commit()
     return True
 

@@ -21,6 +21,8 @@ The statements are loops/sql/'s, run on the session's psycopg connection
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -31,10 +33,13 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from ..._typing import SessionLike, real_session
-from ...dbapi import driver_connection
+from ...dbapi import driver_connection, is_transient
 from ...queue.current_job import mark_current_job_done, note_current_job_done
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
+
+logger = logging.getLogger("flask_solidloop.store")
 
 #: The attribute each decorator sets: "commits", "joins" or "alone".
 KIND = "solidloop_transaction"
@@ -126,25 +131,84 @@ def run_alone(session: SessionLike, query: str, params: Any, *,
     return fetch_row(session, query, params), False
 
 
+def _on_driver(session: SessionLike, run: Callable[[psycopg.Connection[Any]], T]) -> T:
+    """``run`` on the session's psycopg connection. When the statement kills the
+    connection (a dropped socket, a server that went away), SQLAlchemy is told,
+    as it would be had it run the statement itself: the connection is
+    invalidated, so the session's rollback succeeds and its next statement
+    gets a fresh one, never the dead one back from the pool."""
+    session.flush()
+    driver = driver_connection(session)
+    try:
+        return run(driver)
+    except psycopg.Error as exc:
+        if driver.closed or driver.broken:
+            real_session(session).connection().invalidate(exc)
+        raise
+
+
 def fetch_row(session: SessionLike, query: str, params: Any) -> dict[str, Any] | None:
     """``query``'s first row as a dict, in the session's transaction (what the
     session holds flushed first, so the statement sees it)."""
-    session.flush()
-    return driver_connection(session).cursor(row_factory=dict_row).execute(
-        query, params, prepare=True).fetchone()
+    return _on_driver(session, lambda driver: driver.cursor(row_factory=dict_row).execute(
+        query, params, prepare=True).fetchone())
 
 
 def fetch_rows(session: SessionLike, query: str, params: Any) -> list[tuple[Any, ...]]:
     """``query``'s rows as tuples, in the session's transaction."""
-    session.flush()
-    return driver_connection(session).execute(query, params, prepare=True).fetchall()
+    return _on_driver(session, lambda driver: driver.execute(
+        query, params, prepare=True).fetchall())
 
 
 def execute(session: SessionLike, query: str, params: Any) -> int:
     """Run a statement that returns nothing, in the session's transaction; the
     number of rows it changed."""
-    session.flush()
-    return driver_connection(session).execute(query, params, prepare=True).rowcount
+    return _on_driver(session, lambda driver: driver.execute(
+        query, params, prepare=True).rowcount)
+
+
+def recover(session: SessionLike) -> None:
+    """Roll the session back after an error, whatever state its connection is
+    in: a connection that died with the statement is discarded (the session
+    closes, its objects detached), and the next statement starts on a fresh
+    one."""
+    try:
+        session.rollback()
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        real_session(session).close()
+
+
+#: The first and the longest wait between two attempts of a retried write.
+RETRY_FIRST_WAIT = 0.2
+RETRY_LONGEST_WAIT = 2.0
+
+
+def with_database_retry(write: Callable[[], T], *, session: SessionLike, seconds: float,
+                        still_ours: Callable[[], bool], what: str) -> T:
+    """Run a canonical write, again on a transient database error, for as long
+    as the step still holds its lease (``still_ours``) and at most ``seconds``,
+    backing off from 0.2 s to 2 s, each attempt on a fresh connection. The
+    write must be safe to run twice (its checks refuse what the first attempt
+    already wrote, should its COMMIT have landed unseen). The last error is
+    raised when the time is up."""
+    deadline = time.monotonic() + seconds
+    wait = RETRY_FIRST_WAIT
+    while True:
+        try:
+            return write()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            recover(session)
+            left = deadline - time.monotonic()
+            if left <= 0 or not still_ours():
+                raise
+            logger.warning("%s: the database failed (%s); trying again in %.1fs", what,
+                           exc.__class__.__name__, min(wait, left))
+            time.sleep(min(wait, left))
+            wait = min(wait * 2, RETRY_LONGEST_WAIT)
 
 
 def commit_unless(committed: bool, session: SessionLike) -> None:
