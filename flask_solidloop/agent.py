@@ -21,7 +21,8 @@ like ``streming = True`` fails at import instead of being ignored.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+import json
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ._typing import SessionLike
@@ -55,6 +56,35 @@ OPTIONS: dict[str, str] = {
                           "message); None: 'user_xml' with tool_prompting, else 'tool'",
 }
 HOOKS = ("configure_llm_middlewares", "configure_tool_middlewares")
+
+
+def _new_loop(index: int, item: Any) -> store.NewLoop:
+    """One item of :meth:`Agent.start_many`, checked (the error names its index)."""
+    if isinstance(item, str):
+        item = {"message": item}
+    if not isinstance(item, Mapping):
+        raise InvalidArgumentError(
+            f"start_many: item {index} is a {type(item).__name__}; pass a message string "
+            "or a mapping with 'message' (and optionally 'subject', 'state')")
+    unknown = set(item) - {"message", "subject", "state"}
+    if unknown:
+        raise InvalidArgumentError(
+            f"start_many: item {index} has unknown keys {sorted(unknown)}; the keys are "
+            "'message', 'subject' and 'state'")
+    message = item.get("message")
+    if not isinstance(message, str) or not message.strip():
+        raise InvalidArgumentError(f"start_many: item {index}: message must be a non-empty "
+                                   "string")
+    loop_state = item.get("state") or {}
+    if not isinstance(loop_state, Mapping):
+        raise InvalidArgumentError(f"start_many: item {index}: state must be a dict")
+    try:
+        json.dumps(dict(loop_state))
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"start_many: item {index}: state must be JSON-friendly "
+                                   f"({exc})") from None
+    subject_type, subject_id = _subject_key(item.get("subject"))
+    return store.NewLoop(subject_type, subject_id, dict(loop_state), message)
 
 
 def _subject_key(subject: Any) -> tuple[str | None, str | None]:
@@ -239,6 +269,38 @@ class Agent:
         """
         return cls._create(message=message, subject=subject, session=session, commit=commit,
                            state=state, enqueue=True)
+
+    @classmethod
+    def start_many(
+        cls,
+        loops: Iterable[str | Mapping[str, Any]],
+        *,
+        session: SessionLike | None = None,
+        commit: bool = True,
+    ) -> list[int]:
+        """Start many loops of this agent at once; their ids, in the order given.
+
+        Each item is a user message, or a mapping with ``message`` and, as for
+        :meth:`start`, optional ``subject`` and ``state``. Every loop, its
+        messages and its first job are written in one transaction (three
+        statements and one NOTIFY, whatever their number), so the batch starts
+        whole or not at all. Every item is checked before anything is written:
+        a bad one raises InvalidArgumentError naming its index. With
+        ``commit=False`` the caller commits, with its own writes.
+        """
+        ext_state = get_state()
+        name = cls._registered_name()
+        agent = cls()
+        agent.validate()
+        checked = [_new_loop(index, item) for index, item in enumerate(loops)]
+        session = session or ext_state.db.session
+        assert session is not None
+        ids = store.create_loops(ext_state, session, agent_name=name,
+                                 system_prompt=agent.render_system_prompt(), loops=checked,
+                                 enqueue=True)
+        if commit:
+            session.commit()
+        return ids
 
     @classmethod
     def create(

@@ -490,6 +490,8 @@ def list_command(statuses: tuple[str, ...], agent: str | None, since: str | None
     for loop in loops:
         tokens = (loop.input_tokens or 0) + (loop.output_tokens or 0)
         reason = _short(loop.error_message, 60) if loop.status in ("failed", "paused") else ""
+        if not reason and loop.provider_wait_since is not None:
+            reason = _short(f"waiting for its provider: {loop.provider_wait_error or ''}", 60)
         click.echo(f"{loop.id:>7}  {_short(loop.agent_name, 18):<18} {loop.status:<9} "
                    f"{loop.step_count:>5} {tokens:>9} {f'${loop.cost:.4f}':>10} "
                    f"{_age(loop.created_at, now):>5}  {reason}".rstrip())

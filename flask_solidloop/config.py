@@ -293,6 +293,11 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds a tool call waits for an approval before its timeout decides (deny, or "
             "the tool's on_timeout), for tools that set no approval_timeout= of their own; "
             "unset (the default): an approval waits for ever."),
+    Setting("SOLIDLOOP_PROVIDER_OUTAGE_MAX_WAIT", 900.0, _positive_float,
+            "Seconds a loop waits out its provider's outage (it cannot be reached, or "
+            "answers 429/502/503/504/529 past the request's retries): the turn is deferred, "
+            "5 s doubling to 60 s, holding nothing, and fails only once the outage has "
+            "lasted this long."),
     Setting("SOLIDLOOP_DATABASE_RETRY_SECONDS", 30.0, _positive_float,
             "Seconds a turn's end or a tool's outcome is retried in place when the database "
             "fails under it (while the step still holds its lease), before the step is left "
@@ -349,6 +354,7 @@ class Config:
     worker_retention: int
     approval_timeout: float | None
     database_retry_seconds: float
+    provider_outage_max_wait: float
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> Config:

@@ -31,7 +31,7 @@ from sqlalchemy import select
 
 from .database import ensure_database, upgrade_database
 from .errors import SolidLoopError
-from .loops import queries
+from .loops import control, queries
 from .models import Event
 from .render import format_message
 from .runtime.worker import worker_command, worker_env
@@ -134,6 +134,16 @@ def _follow(app: Flask, loop_id: int, timeout: float, workers: subprocess.Popen,
             click.echo(f"\nloop {loop_id} ended {status}: {loop.error_message}", err=True)
             click.echo(f"demo failed: the loop did not complete (exit 1); `flask solidloop "
                        f"status {loop_id}` shows it, the workers' log is {log_path}", err=True)
+            return 1
+        if loop.provider_wait_attempts:
+            # A deployment waits out its provider's outage; a first run against a
+            # wrong URL should not wait 15 minutes to say so.
+            control.stop(state, loop_id, reason="the demo stopped it: its provider is out")
+            click.echo(f"\nloop {loop_id} waits for its provider: {loop.provider_wait_error}",
+                       err=True)
+            click.echo(f"demo failed: the loop did not complete (exit 1): check the "
+                       f"provider's URL; `flask solidloop status {loop_id}` shows it, the "
+                       f"workers' log is {log_path}", err=True)
             return 1
         if workers.poll() is not None:
             with open(log_path, errors="replace") as handle:

@@ -15,6 +15,7 @@ so a host can catch the whole family in one clause::
     ├── UnknownMiddlewareError    a pipeline edit named a middleware not in the stack
     ├── ProviderError             the LLM provider failed the turn (``wire``: what was sent)
     │   ├── ProviderHTTPError     ... with a non-2xx status
+    │   ├── ProviderUnavailableError  ... could not be reached at all (nothing was sent)
     │   ├── ProviderResponseError ... with a body we could not understand
     │   │   └── ProviderAnswerError   ... or an answer a retry would only repeat
     │   └── AbortedError          the loop was paused or stopped during the request
@@ -53,7 +54,8 @@ __all__ = ["AbortedError", "AgentDefinitionError", "AgentError", "BrokerError",
            "InvalidArgumentError", "InvalidJobError", "JobEncodeError", "JobError",
            "JobImportError", "LimitExceededError", "LostLeaseError", "McpTransportError",
            "NoSuchJobError", "NotInitializedError", "ProviderAnswerError", "ProviderError",
-           "ProviderHTTPError", "ProviderResponseError", "QueueNotDeclaredError", "SetupError",
+           "ProviderHTTPError", "ProviderResponseError", "ProviderUnavailableError",
+           "QueueNotDeclaredError", "SetupError",
            "SolidLoopError", "ToolDefinitionError", "UnknownAgentError", "UnknownMiddlewareError",
            "UnknownToolError", "WaitTimeoutError"]
 
@@ -141,6 +143,23 @@ class ProviderHTTPError(ProviderError):
         self.url = url
         excerpt = body if len(body) <= 500 else body[:500] + "..."
         super().__init__(f"HTTP {status} from {url}: {excerpt}")
+
+
+class ProviderUnavailableError(ProviderError):
+    """The provider could not be reached at all (the connection never opened):
+    nothing was sent."""
+
+
+#: Statuses that say the provider is out or overloaded for now, not that the
+#: request is wrong: a turn that meets one past its retries waits for the
+#: provider (SOLIDLOOP_PROVIDER_OUTAGE_MAX_WAIT) instead of failing.
+OUTAGE_STATUSES = frozenset({429, 502, 503, 504, 529})
+
+
+def is_provider_outage(exc: BaseException) -> bool:
+    """Whether ``exc`` says the provider is away or overloaded for now."""
+    return isinstance(exc, ProviderUnavailableError) or (
+        isinstance(exc, ProviderHTTPError) and exc.status in OUTAGE_STATUSES)
 
 
 class ProviderResponseError(ProviderError):

@@ -31,6 +31,10 @@ def format_loop(loop: Loop) -> str:
     if loop.status == "running" and loop.lease_expires_at is not None:
         lines.append(f"  LLM turn held by {loop.lease_holder or 'a worker'}, lease until "
                      f"{_clock(loop.lease_expires_at)}")
+    if loop.provider_wait_since is not None:
+        lines.append(f"  waiting for its provider since {_clock(loop.provider_wait_since)} "
+                     f"({loop.provider_wait_attempts} deferred turn(s); the turn is queued "
+                     f"again, holding nothing): {loop.provider_wait_error or ''}".rstrip(": "))
     if loop.status == "waiting":
         lines.append("  waiting: its tool calls await a decision or a result (marked below); "
                      "`flask solidloop approvals` lists every call that waits")

@@ -42,6 +42,7 @@ from ..errors import (
     ProviderError,
     ProviderHTTPError,
     ProviderResponseError,
+    ProviderUnavailableError,
     SolidLoopError,
 )
 from ..urls import redact_url, redact_urls_in
@@ -298,7 +299,7 @@ def map_exceptions(send: Send, attempt: Attempt) -> Iterator[None]:
         if attempt.number <= send.policy.retries:
             raise _Retry(jittered(send.policy, attempt.number)) from None
         send.fail(attempt)
-        raise ProviderError(
+        raise ProviderUnavailableError(
             f"cannot connect to {send.shown_url}: {redact_urls_in(str(exc))}") from exc
     except httpx.TimeoutException as exc:
         # Never repeated: a read timeout means the whole timeout has passed, and the

@@ -128,6 +128,12 @@ class Loop(Timestamps, Base):
     state: Mapped[dict[str, Any]] = mapped_column(
         JSONB, nullable=False, default=dict, server_default=text("'{}'::jsonb")
     )
+    # A provider outage that keeps deferring the loop's turn: since when, how
+    # many turns it deferred, its last error (cleared by the turn's end).
+    provider_wait_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    provider_wait_attempts: Mapped[int] = mapped_column(
+        Integer, nullable=False, default=0, server_default="0")
+    provider_wait_error: Mapped[str | None] = mapped_column(Text)
 
     messages: Mapped[list[Message]] = relationship(
         back_populates="loop", order_by="Message.id", lazy="select", passive_deletes=True

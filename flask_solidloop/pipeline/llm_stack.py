@@ -27,10 +27,18 @@ from __future__ import annotations
 import json
 import logging
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 from ..dbapi import is_transient
-from ..errors import AbortedError, LimitExceededError, LostLeaseError, ProviderError
+from ..errors import (
+    AbortedError,
+    LimitExceededError,
+    LostLeaseError,
+    ProviderAnswerError,
+    ProviderError,
+    is_provider_outage,
+)
 from ..llm import pricing, reasoning, tool_text
 from ..llm.client import RetryPolicy, post_json
 from ..llm.dialect import RenderOptions, StreamDelta
@@ -63,13 +71,50 @@ class ErrorHandling:
             ctx.session.rollback()
             logger.info("loop %s: the turn stopped: the loop was paused or stopped", ctx.loop_id)
         except ProviderError as exc:
-            ctx.session.rollback()
+            store.recover(ctx.session)
             # Exception text can quote a request (and so a key): scrub it first.
             message = redact_urls_in(redact_secrets(f"{type(exc).__name__}: {exc}",
                                                     ctx.secrets))
+            if is_provider_outage(exc) and _defer(ctx, message):
+                return None
             logger.warning("loop %s: provider error: %s", ctx.loop_id, message)
             _end_turn(ctx, to="failed", error_message=message)
         return None
+
+
+def _defer(ctx: LlmContext, message: str) -> bool:
+    """The provider is away or overloaded past the request's own retries: the turn
+    goes back to the queue, due later, holding nothing (store.defer_llm_turn).
+    False when the outage has lasted SOLIDLOOP_PROVIDER_OUTAGE_MAX_WAIT: the
+    turn then fails, the outage's length in its message."""
+    if ctx.lease is not None and ctx.lease.lost():
+        return True  # not ours any more: nothing to defer
+    max_wait = ctx.state.config.provider_outage_max_wait
+    deferred = store.defer_llm_turn(ctx.state, ctx.session, ctx.loop_id, ctx.execution_token,
+                                    error_message=message, max_wait=max_wait,
+                                    wire=ctx.wire, shell_id=ctx.shell_id)
+    if deferred is not None:
+        logger.warning("loop %s: the provider is out (%s); deferred %d time(s) since %s, next "
+                       "try in %.0fs", ctx.loop_id, message, deferred.attempts,
+                       deferred.since.isoformat(timespec="seconds"), deferred.delay_seconds)
+        return True
+    loop = queries.get_loop(ctx.session, ctx.loop_id)
+    ctx.session.rollback()
+    if loop is None or not queries.owns(loop, ctx.execution_token):
+        return True
+    since = loop.provider_wait_since
+    waited = f" for {_minutes(loop)} ({loop.provider_wait_attempts} deferred turns)" \
+        if since is not None else ""
+    _end_turn(ctx, to="failed", error_message=(
+        f"the provider stayed out{waited}, past SOLIDLOOP_PROVIDER_OUTAGE_MAX_WAIT "
+        f"({max_wait:g}s); last error: {message}"))
+    return True
+
+
+def _minutes(loop: Any) -> str:
+    """How long the loop's provider outage has lasted, as a person reads it."""
+    seconds = (datetime.now(UTC) - loop.provider_wait_since).total_seconds()
+    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f}s"
 
 
 def _end_turn(ctx: LlmContext, *, to: str, error_message: str) -> None:
@@ -389,6 +434,7 @@ class ResponseParsing:
             turn_cost = pricing.cost(response.usage, ctx.state.config.prices.get(model))
             if turn_cost is None:
                 meta["unpriced"] = True
+        _refuse_shared_call_ids(response)
         calls = []
         for request in response.tool_calls:
             route = ctx.tools.resolve(request.name) if ctx.tools is not None else None
@@ -414,6 +460,23 @@ class ResponseParsing:
         ctx.message, ctx.adopted = finished.message, finished.adopted
         ctx.committed = True
         return self.next_step(ctx)
+
+
+def _refuse_shared_call_ids(response: Any) -> None:
+    """Tool calls of one answer must have ids of their own: calls that share one
+    are a broken answer (a proxy that split one call into several blocks, or
+    repeated it), which run as they are would run wrong arguments, and merged
+    would guess. The turn fails as a provider answer error, naming the id."""
+    seen: dict[str, int] = {}
+    for call in response.tool_calls:
+        if call.call_id:
+            seen[call.call_id] = seen.get(call.call_id, 0) + 1
+    shared = {call_id: n for call_id, n in seen.items() if n > 1}
+    if shared:
+        call_id, n = next(iter(shared.items()))
+        raise ProviderAnswerError(
+            f"{n} tool calls of one answer share the id {call_id!r} (the provider, or a "
+            "proxy in front of it, split or repeated a call); none was run")
 
 
 def _estimate_usage(ctx: LlmContext, response: Any) -> dict[str, Any]:

@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -327,6 +327,35 @@ class PostgresBroker(dramatiq.Broker):
             execute_on(connection, query, params)
         self.emit_after("enqueue", message, delay)
         return message
+
+    def enqueue_many(self, messages: Sequence[Message], *, connection: Any) -> int:
+        """Write ``messages`` as job rows due now, in one statement with one NOTIFY,
+        on ``connection``'s transaction (a bulk start's first turns). They must
+        share a queue, an actor and a tier; each carries its loop id as
+        :meth:`enqueue` reads it. Returns how many were written."""
+        if not messages:
+            return 0
+        first = messages[0]
+        if first.queue_name not in self.queues:
+            raise QueueNotDeclaredError(first.queue_name)
+        tier = 0 if first.options.get("solidloop_continuation") else 1
+        for message in messages:
+            if (message.queue_name, message.actor_name) != (first.queue_name,
+                                                            first.actor_name):
+                raise InvalidJobError("enqueue_many() takes messages of one queue and one "
+                                      "actor; call it once per actor")
+            self.emit_before("enqueue", message, None)
+        params = {
+            "queue_name": first.queue_name, "actor_name": first.actor_name, "tier": tier,
+            "message_ids": [message.message_id for message in messages],
+            "messages": [encode_message(message) for message in messages],
+            "loop_ids": [message.options.get("solidloop_loop_id") for message in messages],
+            "channel": jobs_sql.CHANNEL_PREFIX + first.queue_name,
+        }
+        rows = execute_on(connection, jobs_sql.INSERT_MANY_AND_NOTIFY, params, fetch=True)
+        for message in messages:
+            self.emit_after("enqueue", message, None)
+        return int(rows[0][0])
 
     def enqueue_host_job(
         self,

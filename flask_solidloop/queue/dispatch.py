@@ -43,6 +43,14 @@ class Dispatcher:
         self._send(session, self.actors["llm_turn"], (loop_id,), loop_id=loop_id,
                    delay_ms=delay_ms, continuation=not first)
 
+    def first_llm_turns(self, session: SessionLike, loop_ids: list[int]) -> int:
+        """The first LLM turns of many new loops, in one statement with one NOTIFY
+        (Agent.start_many); the same jobs :meth:`llm_turn` writes with ``first``."""
+        actor = self.actors["llm_turn"]
+        messages = [actor.message_with_options(args=(loop_id,), solidloop_loop_id=loop_id)
+                    for loop_id in loop_ids]
+        return self.broker.enqueue_many(messages, connection=session)
+
     def tool_call(
         self,
         session: SessionLike,

@@ -32,6 +32,15 @@ INSERT_AND_NOTIFY = (
     "SELECT job.id, pg_notify(%(channel)s, '') FROM job"
 )
 NOTIFY = "SELECT pg_notify(%s, '')"
+#: Many jobs of one actor at once, due now, and one wake-up for them all
+#: (a bulk start: one statement and one NOTIFY, not one of each per job).
+INSERT_MANY_AND_NOTIFY = (
+    "WITH job AS (INSERT INTO solidloop_jobs (queue_name, actor_name, message_id, message, "
+    "eta, loop_id, tier) SELECT %(queue_name)s, %(actor_name)s, message_id, message::jsonb, "
+    "now(), loop_id, %(tier)s FROM unnest(%(message_ids)s::uuid[], %(messages)s::text[], "
+    "%(loop_ids)s::bigint[]) AS t(message_id, message, loop_id) RETURNING 1) "
+    "SELECT count(*), pg_notify(%(channel)s, '') FROM job"
+)
 
 CLAIM = """
 UPDATE solidloop_jobs AS j

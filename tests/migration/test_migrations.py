@@ -265,3 +265,25 @@ def test_0012_adds_the_waiting_status_and_the_call_waits_and_downgrades(scratch_
             "SELECT column_name FROM information_schema.columns "
             "WHERE table_name = 'solidloop_tool_calls'")}
         assert not columns & {"waits_for", "decision", "wait_deadline"}
+
+
+def test_0013_adds_the_provider_wait_columns_and_downgrades(scratch_url):
+    upgrade(scratch_url, "0012")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        conn.execute("INSERT INTO solidloop_loops (agent_name, status) VALUES ('a', 'running')")
+    upgrade(scratch_url, "0013")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        # An existing loop waits on no provider: no outage, no deferred turns.
+        assert conn.execute("SELECT provider_wait_since, provider_wait_attempts, "
+                            "provider_wait_error FROM solidloop_loops").fetchone() \
+            == (None, 0, None)
+        conn.execute("UPDATE solidloop_loops SET provider_wait_since = now(), "
+                     "provider_wait_attempts = 2, provider_wait_error = 'HTTP 503'")
+    downgrade(scratch_url, "0012")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        columns = {r[0] for r in conn.execute(
+            "SELECT column_name FROM information_schema.columns "
+            "WHERE table_name = 'solidloop_loops'")}
+        assert not columns & {"provider_wait_since", "provider_wait_attempts",
+                              "provider_wait_error"}
+        assert conn.execute("SELECT status FROM solidloop_loops").fetchone() == ("running",)

@@ -385,6 +385,8 @@ class AuditedAssistant(Agent):
 shop = Toolset("shop")
 #: Calls the ``on_wait`` hook saw, in the process that ran it.
 WAIT_REQUESTS: list = []
+#: The host's own queue (declared at import, so worker processes consume it).
+notifications = solidloop.queue("notifications")
 
 
 def notify_staff(tool_call_id: int) -> None:
@@ -458,8 +460,7 @@ class ShopAgent(Agent):
     def on_wait(self, request, session) -> None:
         WAIT_REQUESTS.append(request)
         # The host's notification, committed with the wait (or not at all).
-        solidloop.queue("notifications").enqueue(notify_staff, request.tool_call_id,
-                                                 session=session)
+        notifications.enqueue(notify_staff, request.tool_call_id, session=session)
         if request.tool == "send_email" and (request.arguments or {}).get("to") == "boom":
             raise RuntimeError("the notifier failed")
 

@@ -9,7 +9,12 @@ import json
 import httpx
 import pytest
 
-from flask_solidloop.errors import ProviderError, ProviderHTTPError, ProviderResponseError
+from flask_solidloop.errors import (
+    ProviderError,
+    ProviderHTTPError,
+    ProviderResponseError,
+    ProviderUnavailableError,
+)
 from flask_solidloop.llm.client import AbortedError, RetryPolicy, WireRecord, post_json
 from flask_solidloop.llm.openai import OpenAIAggregator
 from flask_solidloop.llm.streaming import post_stream
@@ -85,8 +90,8 @@ def test_both_entry_points_share_the_retry_loop(mode):
 
 @pytest.mark.parametrize("mode", SENDERS)
 @pytest.mark.parametrize(("raised", "expected", "requests"), [
-    (httpx.ConnectError, ProviderError, 3),
-    (httpx.ConnectTimeout, ProviderError, 3),
+    (httpx.ConnectError, ProviderUnavailableError, 3),
+    (httpx.ConnectTimeout, ProviderUnavailableError, 3),
     (httpx.ReadTimeout, ProviderError, 1),
     (httpx.WriteTimeout, ProviderError, 1),
     (httpx.PoolTimeout, ProviderError, 1),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .parts import AWAITING, EXIT_SET, REQUEUE_SET, hide_shells
+from .parts import AWAITING, EXIT_SET, PROVIDER_WAIT_CLEARED, REQUEUE_SET, hide_shells
 
 # -- the host's commands ---------------------------------------------------------------
 
@@ -22,6 +22,30 @@ LEAVE = (
     "AND executed_at IS NULL) "
     "SELECT id FROM left_")
 
+#: ``n`` ids for new loops, taken from the loops' own sequence in order (a bulk
+#: start writes its loops, messages and jobs knowing their ids up front).
+NEW_LOOP_IDS = ("SELECT nextval(pg_get_serial_sequence('solidloop_loops', 'id')) "
+                "FROM generate_series(1, %(n)s)")
+
+#: Many loops of one agent at once (Agent.start_many): each with its id, subject,
+#: state and user message (its metadata saying whether the text was changed),
+#: the agent's system prompt when there is one (system before user, in id
+#: order, as create_loop writes them). The caller writes their first jobs.
+START_MANY = (
+    "WITH input AS (SELECT * FROM unnest(%(ids)s::bigint[], %(subject_types)s::text[], "
+    "%(subject_ids)s::text[], %(states)s::text[], %(messages)s::text[], %(metas)s::text[]) "
+    "AS t(id, subject_type, subject_id, state, message, meta)), "
+    "loops AS (INSERT INTO solidloop_loops (id, agent_name, subject_type, subject_id, status, "
+    "state) SELECT id, %(agent_name)s, subject_type, subject_id, %(status)s, state::jsonb "
+    "FROM input RETURNING id), "
+    "messages AS (INSERT INTO solidloop_messages (loop_id, role, content, metadata) "
+    "SELECT loop_id, role, content, meta FROM ("
+    "SELECT id AS loop_id, 0 AS rank, 'system' AS role, %(system_prompt)s::text AS content, "
+    "%(system_meta)s::jsonb AS meta FROM input WHERE %(system_prompt)s::text IS NOT NULL "
+    "UNION ALL SELECT id, 1, 'user', message, meta::jsonb FROM input) AS m "
+    "ORDER BY loop_id, rank) "
+    "SELECT count(*) AS started FROM loops")
+
 #: The frozen flag of a loop that stays where it is (paused, init); or lifted.
 SET_FROZEN = ("UPDATE solidloop_loops SET frozen = %(frozen)s, updated_at = now() "
               "WHERE id = %(loop_id)s AND frozen <> %(frozen)s RETURNING id")
@@ -35,7 +59,7 @@ HIDE_SHELLS = hide_shells("%(loop_id)s")
 
 #: What a resume resets: limits apply per run, and the next claim starts the clock.
 _RESUME_SET = ("error_message = NULL, finished_at = NULL, run_started_at = NULL, "
-               "run_step_base = step_count")
+               f"run_step_base = step_count, {PROVIDER_WAIT_CLEARED}")
 #: A resumed loop queued for its next LLM turn (the caller enqueues its job).
 RESUME_TO_TURN = f"UPDATE solidloop_loops SET {REQUEUE_SET}, {_RESUME_SET} WHERE id = %(loop_id)s"
 #: A resumed loop back in its tool phase under a new generation: ``running``

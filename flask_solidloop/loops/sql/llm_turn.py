@@ -15,6 +15,7 @@ from .parts import (
     LIVE_CHANNEL,
     OWNED,
     PAUSED,
+    PROVIDER_WAIT_CLEARED,
     QUEUED,
     REQUEUE_SET,
     SHELL_SELECTED,
@@ -110,7 +111,7 @@ def _finish_turn(with_calls: bool) -> str:
         "lease_holder = NULL, lease_expires_at = NULL, updated_at = now(), "
         "input_tokens = input_tokens + coalesce(%(input_tokens)s::bigint, 0), "
         "output_tokens = output_tokens + coalesce(%(output_tokens)s::bigint, 0), "
-        f"{completes}cost = cost + coalesce(%(cost)s::numeric, 0) "
+        f"{completes}{PROVIDER_WAIT_CLEARED}, cost = cost + coalesce(%(cost)s::numeric, 0) "
         f"WHERE id = %(loop_id)s AND {OWNED}{_UNFINISHED if with_calls else ''} "
         f"RETURNING *, pg_notify('{LIVE_CHANNEL}', %(live)s))",
         "shell AS (UPDATE solidloop_messages SET content = %(content)s, "
@@ -171,6 +172,25 @@ REQUEUE_TURN = (
     f"WHERE id = %(loop_id)s AND {OWNED} RETURNING id), "
     f"hidden AS ({hide_shells('SELECT id FROM requeued')}) "
     "SELECT id FROM requeued")
+
+#: A turn whose provider is out (unreachable, or answering 429/502/503/504
+#: after the request's own retries) deferred, if the generation is still the
+#: writer's and the outage began less than ``max_wait`` seconds ago: queued
+#: again (its job is the caller's, due later), its shells hidden, its wire
+#: event recorded, the outage's start kept and its attempts counted. No row
+#: when the fence failed or the outage has lasted too long (the caller then
+#: ends the turn failed).
+DEFER_TURN = (
+    f"WITH deferred AS (UPDATE solidloop_loops SET {REQUEUE_SET}, "
+    "provider_wait_since = coalesce(provider_wait_since, now()), "
+    "provider_wait_attempts = provider_wait_attempts + 1, "
+    "provider_wait_error = %(error_message)s "
+    f"WHERE id = %(loop_id)s AND {OWNED} "
+    "AND coalesce(provider_wait_since, now()) > now() - make_interval(secs => %(max_wait)s) "
+    "RETURNING id, provider_wait_since, provider_wait_attempts), "
+    f"hidden AS ({hide_shells('SELECT id FROM deferred')}), "
+    f"event AS ({llm_event('deferred')}) "
+    "SELECT * FROM deferred")
 
 #: A middleware's own fenced transition (``ctx.transition``): from one of
 #: ``from`` to ``to`` on the writer's generation. Leaving for completed,

@@ -45,6 +45,10 @@ CLAIM_SET = (
 #: A claim returns the loop's row whole, and the run's elapsed seconds.
 CLAIM_RETURNING = "RETURNING *, extract(epoch FROM now() - run_started_at) AS run_elapsed"
 
+#: What ends a provider outage's hold on a loop (a turn's end, a resume).
+PROVIDER_WAIT_CLEARED = ("provider_wait_since = NULL, provider_wait_attempts = 0, "
+                         "provider_wait_error = NULL")
+
 #: A loop queued for its next LLM turn (its job is the caller's, in the same commit).
 REQUEUE_SET = (
     f"status = {QUEUED}, queued_at = now(), execution_token = NULL, "

@@ -17,7 +17,9 @@ renewer's own connection.
 
 from .adopted import Adopted, AdoptedLlmTurn, AdoptedToolCall, LlmClaim
 from .commands import (
+    NewLoop,
     create_loop,
+    create_loops,
     force_stop,
     freeze,
     pause,
@@ -37,11 +39,13 @@ from .heals import (
 )
 from .llm_turn import (
     CallWait,
+    Deferral,
     FinishedTurn,
     NewToolCall,
     WaitRequest,
     calls_to_run,
     claim_llm_turn,
+    defer_llm_turn,
     end_turn,
     fail_unclaimed,
     fenced_transition,
@@ -93,9 +97,11 @@ __all__ = [
     "CallFacts",
     "CallWait",
     "Decision",
+    "Deferral",
     "DueWait",
     "FinishedTurn",
     "LlmClaim",
+    "NewLoop",
     "NewToolCall",
     "NextTurn",
     "ToolClaim",
@@ -108,7 +114,9 @@ __all__ = [
     "claim_llm_turn",
     "claim_tool_call",
     "create_loop",
+    "create_loops",
     "decide",
+    "defer_llm_turn",
     "denial",
     "due_wait",
     "end_transaction",

@@ -8,9 +8,11 @@ finds its fence closed and writes nothing.
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from psycopg.types.json import Jsonb
@@ -60,6 +62,46 @@ def create_loop(state: SolidLoopState, session: SessionLike, *, agent_name: str,
         state.dispatch.llm_turn(session, loop.id, first=True)
     signals.send_after_commit(session, signals.loop_started, loop_id=loop.id, agent=agent_name)
     return loop
+
+
+@dataclass(frozen=True)
+class NewLoop:
+    """One loop of a bulk start, checked: its subject's key, state and message."""
+
+    subject_type: str | None
+    subject_id: str | None
+    state: dict[str, Any]
+    message: str
+
+
+@joins
+def create_loops(state: SolidLoopState, session: SessionLike, *, agent_name: str,
+                 system_prompt: str, loops: Sequence[NewLoop], enqueue: bool) -> list[int]:
+    """Many loops of one agent, as :func:`create_loop` writes one, in three
+    statements whatever their number: their ids, the loops with their system
+    and user messages (loops/sql.START_MANY), and, when ``enqueue``, their first
+    jobs with one NOTIFY. Their ids, in the order given; the caller commits."""
+    if not loops:
+        return []
+    ids = [row[0] for row in fetch_rows(session, sql.NEW_LOOP_IDS, {"n": len(loops)})]
+    contents = [storable.message_content(loop.message, None) for loop in loops]
+    system_content, system_meta = storable.message_content(system_prompt, None) \
+        if system_prompt else (None, {})
+    fetch_row(session, sql.START_MANY, {
+        "ids": ids, "agent_name": agent_name,
+        "status": (LoopStatus.QUEUED if enqueue else LoopStatus.INIT).value,
+        "subject_types": [loop.subject_type for loop in loops],
+        "subject_ids": [loop.subject_id for loop in loops],
+        "states": [json.dumps(loop.state) for loop in loops],
+        "messages": [content for content, _ in contents],
+        "metas": [json.dumps(meta) for _, meta in contents],
+        "system_prompt": system_content, "system_meta": json.dumps(system_meta)})
+    if enqueue:
+        state.dispatch.first_llm_turns(session, ids)
+    for loop_id in ids:
+        signals.send_after_commit(session, signals.loop_started, loop_id=loop_id,
+                                  agent=agent_name)
+    return ids
 
 
 def _leave(session: SessionLike, loop_id: int, *, from_: Iterable[str], to: LoopStatus,

@@ -10,10 +10,11 @@ the generation that claim minted: a turn whose loop changed hands gets
 from __future__ import annotations
 
 import logging
+import random
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
@@ -427,6 +428,57 @@ def requeue_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int,
     state.dispatch.llm_turn(session, loop_id, delay_ms=delay_ms)
     session.commit()
     return True
+
+
+#: A deferred turn's first wait, and the longest (seconds); each deferral
+#: doubles the last, with jitter.
+DEFER_FIRST_WAIT = 5.0
+DEFER_LONGEST_WAIT = 60.0
+
+
+@dataclass(frozen=True)
+class Deferral:
+    """A turn deferred for its provider: when the outage began (the database's
+    clock), how many turns it has deferred, and when the next try is due."""
+
+    since: datetime
+    attempts: int
+    delay_seconds: float
+
+
+def defer_delay(attempts: int) -> float:
+    """The wait before a deferred turn's next try: 5 s doubling to 60 s, with up
+    to a quarter more, so loops deferred together do not come back together."""
+    base = min(DEFER_FIRST_WAIT * 2 ** max(0, attempts - 1), DEFER_LONGEST_WAIT)
+    return base * (1 + random.random() / 4)
+
+
+@commits
+def defer_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int,
+                   token: uuid.UUID, *, error_message: str, max_wait: float,
+                   wire: WireRecord | None = None, shell_id: int | None = None,
+                   ) -> Deferral | None:
+    """A turn whose provider is out, deferred (loops/sql.DEFER_TURN): queued
+    again with its job due after :func:`defer_delay`, its shells hidden, its
+    wire event kept, the outage's start and attempts on the loop. None, with
+    nothing written, when the generation moved on or the outage began more
+    than ``max_wait`` seconds ago (the caller then fails the turn). Rolls back
+    what the session holds first."""
+    session.rollback()
+    error = storable.text(error_message)[0]
+    config = state.config
+    params = {"loop_id": loop_id, "token": token, "error_message": error,
+              "max_wait": max_wait, "shell_id": shell_id,
+              **llm_event(wire, body_limit=config.event_body_limit, error=error,
+                          repeat_history=config.event_repeat_history)}
+    row = fetch_row(session, sql.DEFER_TURN, params)
+    if row is None:
+        session.rollback()
+        return None
+    delay = defer_delay(row["provider_wait_attempts"])
+    state.dispatch.llm_turn(session, loop_id, delay_ms=int(delay * 1000))
+    session.commit()
+    return Deferral(row["provider_wait_since"], row["provider_wait_attempts"], delay)
 
 
 @commits
