@@ -50,6 +50,10 @@ OPTIONS: dict[str, str] = {
     "sequential_tool_calls": "bool: run a turn's tool calls one after another",
     "reasoning_effort": "str passed to the provider, or None",
     "max_tokens": "int output cap, or None for the provider default",
+    "turn_timeout": "seconds of wall time per LLM request, retries and streaming included "
+                    "(default 600), or None for none",
+    "max_output_chars": "int: characters an answer may reach before its request is ended "
+                        "(default 1,000,000), or None for none",
     "reasoning_strategies": "how past reasoning is sent back (list), or None for the default",
     "tool_prompting": "'xml': tools described in the system prompt, no tools field; or None",
     "tool_result_format": "'tool' (tool role) or 'user_xml' (<tool_response> in a user "
@@ -114,6 +118,8 @@ class Agent:
     sequential_tool_calls: Any = False
     reasoning_effort: Any = None
     max_tokens: Any = None
+    turn_timeout: Any = 600
+    max_output_chars: Any = 1_000_000
     reasoning_strategies: Any = None
     tool_prompting: Any = None
     tool_result_format: Any = None
@@ -178,7 +184,13 @@ class Agent:
         name = self.agent_name
         self.provider()
         ToolRegistry.build(self.tool_entries(), agent=str(name), remote=False)
-        for option in ("max_steps", "max_duration", "max_tokens"):
+        timeout = self.option("turn_timeout")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
+                timeout, int | float) or timeout <= 0):
+            raise AgentDefinitionError(
+                f"agent {name!r}: turn_timeout must be a positive number of seconds or None, "
+                f"got {timeout!r}")
+        for option in ("max_steps", "max_duration", "max_tokens", "max_output_chars"):
             value = self.option(option)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value <= 0):

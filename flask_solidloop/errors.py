@@ -18,6 +18,7 @@ so a host can catch the whole family in one clause::
     │   ├── ProviderUnavailableError  ... could not be reached at all (nothing was sent)
     │   ├── ProviderResponseError ... with a body we could not understand
     │   │   └── ProviderAnswerError   ... or an answer a retry would only repeat
+    │   │       └── TurnLimitError    ... or past turn_timeout / max_output_chars
     │   └── AbortedError          the loop was paused or stopped during the request
     ├── ToolDefinitionError       a tool was declared with an invalid name or schema
     ├── UnknownToolError          a toolset was asked for a tool it does not declare
@@ -56,7 +57,8 @@ __all__ = ["AbortedError", "AgentDefinitionError", "AgentError", "BrokerError",
            "NoSuchJobError", "NotInitializedError", "ProviderAnswerError", "ProviderError",
            "ProviderHTTPError", "ProviderResponseError", "ProviderUnavailableError",
            "QueueNotDeclaredError", "SetupError",
-           "SolidLoopError", "ToolDefinitionError", "UnknownAgentError", "UnknownMiddlewareError",
+           "SolidLoopError", "ToolDefinitionError", "TurnLimitError", "UnknownAgentError",
+           "UnknownMiddlewareError",
            "UnknownToolError", "WaitTimeoutError"]
 
 
@@ -169,6 +171,16 @@ class ProviderResponseError(ProviderError):
 class ProviderAnswerError(ProviderResponseError):
     """The provider answered in a way a retry would only repeat (an unknown
     finish reason, a blocked prompt): fail the turn without re-sending it."""
+
+
+class TurnLimitError(ProviderAnswerError):
+    """An LLM request passed one of its turn's hard limits (``limit``:
+    ``"turn_timeout"``, the request's total wall time, or ``"max_output_chars"``,
+    the answer's length): the request was ended there and is not sent again."""
+
+    def __init__(self, limit: str, message: str) -> None:
+        super().__init__(message)
+        self.limit = limit
 
 
 class AbortedError(ProviderError):

@@ -44,6 +44,7 @@ from ..errors import (
     ProviderResponseError,
     ProviderUnavailableError,
     SolidLoopError,
+    TurnLimitError,
 )
 from ..urls import redact_url, redact_urls_in
 from ..wire import WireRecord
@@ -197,6 +198,37 @@ class _Retry(SolidLoopError):  # a signal inside the send path, never raised out
         self.delay = delay
 
 
+@dataclass(frozen=True)
+class TurnLimits:
+    """An LLM turn's hard limits: ``timeout`` seconds of wall time for its
+    requests, retries and streams included (ending at ``deadline``, a
+    ``time.monotonic()`` value), and at most ``max_output_chars`` characters of
+    answer (text, reasoning and tool-call arguments). None: no such limit."""
+
+    timeout: float | None = None
+    max_output_chars: int | None = None
+    deadline: float | None = None
+
+    @classmethod
+    def starting_now(cls, timeout: float | None, max_output_chars: int | None) -> TurnLimits:
+        deadline = time.monotonic() + timeout if timeout else None
+        return cls(timeout, max_output_chars, deadline)
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def timeout_message(self) -> str:
+        return (f"turn_timeout: the request ran past the turn's {self.timeout:g}s and was "
+                "ended (what arrived is in the wire log; not sent again). Raise the agent's "
+                "turn_timeout for a slow model, or ask for shorter answers")
+
+    def length_message(self, chars: int) -> str:
+        return (f"max_output_chars: the answer reached {chars} characters, past the turn's "
+                f"{self.max_output_chars} and was ended (what arrived is in the wire log; "
+                "not sent again). Raise the agent's max_output_chars, or set max_tokens so "
+                "the provider stops first")
+
+
 class Send:
     """One request through the send path: what to send, how to retry, its wire record."""
 
@@ -206,8 +238,10 @@ class Send:
         policy: RetryPolicy | None, secrets: list[str] | None,
         should_abort: Callable[[], bool] | None, client: httpx.Client | None,
         retry_after_from_body: Callable[[Any], float | None] | None, stream: bool,
+        limits: TurnLimits | None = None,
     ) -> None:
         self.url = url
+        self.limits = limits or TurnLimits()
         #: The URL as errors, logs and the wire log show it: no credentials.
         self.shown_url = redact_url(url)
         self.payload = payload
@@ -228,6 +262,26 @@ class Send:
     def redact(self, value: Any) -> Any:
         return redact_secrets(value, self.secrets)
 
+    def attempt_timeout(self, attempt: Attempt) -> httpx.Timeout:
+        """The attempt's httpx timeouts: a read never waits past the turn's
+        deadline. TurnLimitError when the deadline has passed already (a retry
+        wait used it up)."""
+        remaining = self.limits.remaining()
+        if remaining is None:
+            return self.timeout
+        if remaining <= 0:
+            attempt.log(error="turn_timeout before the attempt")
+            self.fail(attempt)
+            raise TurnLimitError("turn_timeout", self.limits.timeout_message())
+        return httpx.Timeout(connect=min(self.timeout.connect or remaining, remaining),
+                             read=min(self.read_timeout, remaining),
+                             write=min(self.read_timeout, remaining),
+                             pool=min(self.timeout.pool or remaining, remaining))
+
+    def past_deadline(self) -> bool:
+        remaining = self.limits.remaining()
+        return remaining is not None and remaining <= 0.05
+
     def run(self, exchange: Callable[[Attempt], T]) -> T:
         """The one retry loop: call ``exchange`` once per attempt until it returns.
 
@@ -247,7 +301,11 @@ class Send:
                         return exchange(attempt)
                 except _Retry as retry:
                     attempt.entry["retry_in_s"] = round(retry.delay, 3)
-                    _sleep(retry.delay, self.should_abort)
+                    remaining = self.limits.remaining()
+                    # Never wait past the turn's deadline: the next attempt then
+                    # fails on it at once (attempt_timeout).
+                    _sleep(retry.delay if remaining is None else min(retry.delay, max(
+                        remaining, 0.0)), self.should_abort)
         except ProviderError as exc:
             exc.wire = self.record  # the failed turn's wire log
             raise
@@ -293,6 +351,8 @@ def map_exceptions(send: Send, attempt: Attempt) -> Iterator[None]:
     """
     try:
         yield
+    except TurnLimitError:
+        raise  # the exchange logged the attempt and the record already
     except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
         # The connection never opened: nothing was sent, so a retry is safe.
         attempt.log(error=f"connect failed: {exc}")
@@ -305,6 +365,10 @@ def map_exceptions(send: Send, attempt: Attempt) -> Iterator[None]:
         # Never repeated: a read timeout means the whole timeout has passed, and the
         # provider may have done (and billed) the work.
         name = type(exc).__name__
+        if send.past_deadline():
+            attempt.log(error=f"turn_timeout ({name})", events=attempt.events)
+            send.fail(attempt)
+            raise TurnLimitError("turn_timeout", send.limits.timeout_message()) from exc
         if attempt.stream:
             attempt.log(error=f"{name}: no data for {send.read_timeout}s", events=attempt.events)
             message = (f"{name}: {send.shown_url} sent nothing for {send.read_timeout}s "
@@ -364,6 +428,7 @@ def post_json(
     client: httpx.Client | None = None,
     params: dict[str, str] | None = None,
     retry_after_from_body: Callable[[Any], float | None] | None = None,
+    limits: TurnLimits | None = None,
 ) -> tuple[Any, WireRecord]:
     """POST ``payload`` and return the parsed JSON body plus the wire record.
 
@@ -373,13 +438,13 @@ def post_json(
     send = Send(url, payload, headers=headers, params=params, read_timeout=read_timeout,
                 connect_timeout=connect_timeout, policy=policy, secrets=secrets,
                 should_abort=should_abort, client=client,
-                retry_after_from_body=retry_after_from_body, stream=False)
+                retry_after_from_body=retry_after_from_body, stream=False, limits=limits)
     return send.run(partial(_json_attempt, send)), send.record
 
 
 def _json_attempt(send: Send, attempt: Attempt) -> Any:
     response = send.http.post(send.url, json=send.payload, headers=send.headers,
-                              params=send.params, timeout=send.timeout)
+                              params=send.params, timeout=send.attempt_timeout(attempt))
     status = response.status_code
     attempt.log(status=status)
     if status >= 400:

@@ -25,8 +25,8 @@ from typing import Any
 
 import httpx
 
-from ..errors import AbortedError, ProviderAnswerError
-from .client import Attempt, RetryPolicy, Send, WireRecord
+from ..errors import AbortedError, ProviderAnswerError, TurnLimitError
+from .client import Attempt, RetryPolicy, Send, TurnLimits, WireRecord
 from .dialect import StreamAggregator, StreamDelta
 from .sse import SSEParser
 from .types import AssistantTurn
@@ -50,6 +50,7 @@ def post_stream(
     on_delta: Callable[[StreamDelta], None] | None = None,
     retry_after_from_body: Callable[[Any], float | None] | None = None,
     client: httpx.Client | None = None,
+    limits: TurnLimits | None = None,
 ) -> tuple[AssistantTurn, WireRecord, dict[str, Any]]:
     """Stream one response; return the assembled turn, the wire record and metrics
     (``ttft_ms``, ``thinking_ms``, ``duration_ms``, ``output_tokens`` (labelled
@@ -58,17 +59,34 @@ def post_stream(
     send = Send(url, payload, headers=headers, params=params, read_timeout=read_timeout,
                 connect_timeout=connect_timeout, policy=policy, secrets=secrets,
                 should_abort=should_abort, client=client,
-                retry_after_from_body=retry_after_from_body, stream=True)
+                retry_after_from_body=retry_after_from_body, stream=True, limits=limits)
     turn, metrics = send.run(
         lambda attempt: _stream_attempt(send, attempt, make_aggregator(), on_delta))
     return turn, send.record, metrics
 
 
+def output_chars(turn: AssistantTurn) -> int:
+    """Characters of everything the answer produced: text, reasoning, tool calls."""
+    return len(turn.content or "") + len(turn.reasoning or "") + sum(
+        len(call.name) + len(call.arguments_raw or "") for call in turn.tool_calls)
+
+
 def estimate_output_tokens(turn: AssistantTurn) -> int:
     """Characters / 4 of everything the answer produced: text, reasoning, tool calls."""
-    chars = len(turn.content or "") + len(turn.reasoning or "") + sum(
-        len(call.name) + len(call.arguments_raw or "") for call in turn.tool_calls)
-    return (chars + 3) // 4
+    return (output_chars(turn) + 3) // 4
+
+
+def _end_at_limit(send: Send, attempt: Attempt, received: int, chars: int,
+                  limit: str) -> None:
+    """A stream ends at one of its turn's limits: what arrived is summarised on
+    the attempt and the record (leaving the response's context closes it, which
+    ends the generation and its bill); the caller raises TurnLimitError."""
+    attempt.log(error=f"{limit}: ended after {attempt.events} events, {chars} chars",
+                events=attempt.events, bytes=received, handed_content=attempt.handed)
+    send.record.response_body = {"stream_summary": {
+        "events": attempt.events, "bytes": received, "ended_by": limit,
+        "output_chars": chars}}
+    send.fail(attempt)
 
 
 def _empty_stream(send: Send, attempt: Attempt, status: int, received: int) -> None:
@@ -103,8 +121,11 @@ def _stream_attempt(
     first_reasoning_at: float | None = None
     first_answer_at: float | None = None
     received = 0
+    chars = 0
+    limits = send.limits
     with send.http.stream("POST", send.url, json=send.payload, headers=send.headers,
-                          params=send.params, timeout=send.timeout) as response:
+                          params=send.params, timeout=send.attempt_timeout(attempt)
+                          ) as response:
         attempt.entry["status"] = response.status_code
         if response.status_code >= 400:
             body_text = response.read().decode(errors="replace")
@@ -132,14 +153,25 @@ def _stream_attempt(
                     if delta.content and first_answer_at is None:
                         first_answer_at = now
                     attempt.handed = True  # the latch: from here on, never retried
+                    chars += len(delta.content) + len(delta.reasoning)
                     if on_delta is not None:
                         on_delta(delta)
+            if limits.max_output_chars is not None and chars > limits.max_output_chars:
+                _end_at_limit(send, attempt, received, chars, "max_output_chars")
+                raise TurnLimitError("max_output_chars", limits.length_message(chars))
+            if send.past_deadline():
+                _end_at_limit(send, attempt, received, chars, "turn_timeout")
+                raise TurnLimitError("turn_timeout", limits.timeout_message())
         for event in parser.close():
             attempt.events += 1
             aggregator.feed(event)
         if attempt.events == 0 and not aggregator.finished:
             _empty_stream(send, attempt, response.status_code, received)
         turn = aggregator.result()
+        total = output_chars(turn)  # tool-call arguments stream as no visible text
+        if limits.max_output_chars is not None and total > limits.max_output_chars:
+            _end_at_limit(send, attempt, received, total, "max_output_chars")
+            raise TurnLimitError("max_output_chars", limits.length_message(total))
     duration = time.monotonic() - attempt.started
     ttft = (first_delta_at - attempt.started) if first_delta_at else duration
     output = turn.usage.output_tokens if turn.usage else 0

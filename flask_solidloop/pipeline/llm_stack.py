@@ -37,14 +37,15 @@ from ..errors import (
     LostLeaseError,
     ProviderAnswerError,
     ProviderError,
+    TurnLimitError,
     is_provider_outage,
 )
 from ..llm import pricing, reasoning, tool_text
-from ..llm.client import RetryPolicy, post_json
+from ..llm.client import RetryPolicy, TurnLimits, post_json
 from ..llm.dialect import RenderOptions, StreamDelta
 from ..llm.redact import is_secret_header, redact_secrets
 from ..llm.registry import get_dialect
-from ..llm.streaming import post_stream
+from ..llm.streaming import output_chars, post_stream
 from ..loops import queries, store
 from ..mcp.registry import ToolRegistry
 from ..urls import redact_urls_in
@@ -77,6 +78,8 @@ class ErrorHandling:
                                                     ctx.secrets))
             if is_provider_outage(exc) and _defer(ctx, message):
                 return None
+            if isinstance(exc, TurnLimitError) and ctx.partial is not None:
+                ctx.partial.flush()  # what arrived stays on the failed shell
             logger.warning("loop %s: provider error: %s", ctx.loop_id, message)
             _end_turn(ctx, to="failed", error_message=message)
         return None
@@ -249,6 +252,10 @@ class NetworkCalling:
                      + [v for k, v in settings.headers.items() if is_secret_header(k)] if v],
             should_abort=lambda: _no_longer_ours(ctx),
             retry_after_from_body=dialect.retry_after_from_body,
+            # One deadline for the whole turn: its retries, its stream and any
+            # continuation share it.
+            limits=TurnLimits.starting_now(ctx.agent.option("turn_timeout"),
+                                           ctx.agent.option("max_output_chars")),
         )
         ctx.secrets = common["secrets"]
         url = settings.base_url + rendered.path
@@ -267,6 +274,7 @@ class NetworkCalling:
                 body, ctx.wire = post_json(url, rendered.payload, **common)
                 ctx.metrics = {"duration_ms": round((time.monotonic() - started) * 1000, 1)}
                 ctx.response = dialect.parse(body)
+                _check_length(ctx.response, common["limits"], ctx.wire)
             _follow_continuations(ctx, dialect, url, rendered.payload, streaming, common)
         except ProviderError as exc:
             # Keep the record we have: a 2xx whose body would not parse is exactly
@@ -307,11 +315,23 @@ def _follow_continuations(ctx: LlmContext, dialect: Any, url: str, payload: dict
         else:
             body, wire = post_json(url, next_payload, **common)
             turn = dialect.parse(body)
+            _check_length(turn, common["limits"], wire)
         if ctx.wire is not None:
             ctx.wire.attempts.extend({**a, "continuation": hops} for a in wire.attempts)
             ctx.wire.response_body = wire.response_body
         ctx.response = dialect.merge(ctx.response, turn)
         ctx.metrics["continuations"] = hops
+
+
+def _check_length(turn: Any, limits: TurnLimits, wire: Any) -> None:
+    """A whole (non-streamed) answer longer than max_output_chars fails the turn
+    as a stream ended there would: the request is done, but the answer is not
+    taken into the history."""
+    chars = output_chars(turn)
+    if limits.max_output_chars is not None and chars > limits.max_output_chars:
+        error = TurnLimitError("max_output_chars", limits.length_message(chars))
+        error.wire = wire
+        raise error
 
 
 class PartialWriter:
@@ -354,6 +374,11 @@ class PartialWriter:
         if now - self.last_write < self.interval:
             return
         self.last_write = now
+        self.flush()
+
+    def flush(self) -> None:
+        """Write the text so far now (a turn ended at its limit keeps what arrived
+        on its failed shell)."""
         ctx = self.ctx
         if ctx.lease is not None and ctx.lease.lost():
             return

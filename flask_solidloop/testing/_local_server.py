@@ -67,7 +67,7 @@ class Response:
     content_type: str | None = "application/json"  # None: no Content-Type header
     headers: dict[str, str] = field(default_factory=dict)
     # Set only by timing faults: written one piece at a time instead of ``body`` at once.
-    pieces: list[bytes] | None = None
+    pieces: Iterable[bytes] | None = None
     delay: float = 0.0  # seconds of silence between pieces
     abort: bool = False  # close the socket after the last piece
     chunked: bool = False  # no Content-Length (streams); else Content-Length = len(body)

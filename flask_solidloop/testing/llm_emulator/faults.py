@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import datetime as dt
 import email.utils
+import itertools
 import json
+from collections.abc import Iterator
 from typing import Any
 
 from ...errors import InvalidArgumentError
@@ -27,6 +29,7 @@ FAULT_OPTIONS: dict[str, dict[str, Any]] = {
     "retry_info": {"status": 429, "retry_delay": "2s", "message": None, "headers": None},
     "slow_prefill": {"seconds": 1.0},
     "slow_stream": {"seconds": 0.2},
+    "endless_stream": {"seconds": 0.05},
     "disconnect_mid_stream": {"after": None, "torn": False},
     "error_mid_stream": {"after": None, "message": None, "body": None},
     "malformed_chunk": {"after": 1, "data": None},
@@ -232,4 +235,22 @@ def deliver(rendered: Rendered, fault: Fault | None, dialect: str) -> Response:
         response.pieces, response.abort, response.chunked = sent, True, True
     elif kind == "slow_stream":
         response.pieces, response.delay, response.chunked = pieces, float(opts["seconds"]), True
+    elif kind == "endless_stream":
+        response.pieces = _endless(events, pieces, rendered.framing, dialect)
+        response.delay, response.chunked = float(opts["seconds"]), True
     return response
+
+
+def _endless(events: list[Event], pieces: list[bytes], framing: str,
+             dialect: str) -> Iterator[bytes]:
+    """A stream that never ends: the answer up to its first text chunk, then that
+    chunk again and again until the client hangs up (a runaway generation)."""
+    if dialect != OPENAI:
+        raise InvalidArgumentError("fault 'endless_stream' is written for the openai dialect")
+    for index, event in enumerate(events):
+        data = event.data if isinstance(event.data, dict) else {}
+        choices = data.get("choices") or [{}]
+        if (choices[0].get("delta") or {}).get("content"):
+            (again,) = _frame([event], framing)
+            return itertools.chain(pieces[:index + 1], itertools.repeat(again))
+    raise InvalidArgumentError("fault 'endless_stream' needs an answer with text to repeat")

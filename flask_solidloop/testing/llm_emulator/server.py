@@ -163,6 +163,8 @@ class LLMEmulator(LocalServer[RecordedRequest]):
           ``headers``.
         * ``"slow_prefill"``: ``seconds`` [1.0] of silence before the first byte.
         * ``"slow_stream"``: ``seconds`` [0.2] of silence between chunks.
+        * ``"endless_stream"``: the answer's first text chunk, repeated every
+          ``seconds`` [0.05] until the client hangs up (openai dialect).
         * ``"disconnect_mid_stream"``: send ``after`` events [half] then close the socket
           (no terminator, no end of the chunked body); ``torn`` [False] also sends half of
           the next event.
