@@ -8,6 +8,7 @@ the environment.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -53,6 +54,8 @@ def create_app() -> Flask:
     app = Flask(__name__)
     app.config["SQLALCHEMY_DATABASE_URI"] = os.environ["SOLIDLOOP_BENCH_DATABASE_URL"]
     app.config["SQLALCHEMY_ENGINE_OPTIONS"] = {"pool_size": 6, "max_overflow": 2}
+    # bench/memory.py raises the history cap this way.
+    app.config.update(json.loads(os.environ.get("SOLIDLOOP_BENCH_CONFIG", "{}")))
     db.init_app(app)
     solidloop.init_app(app, db=db)
     return app

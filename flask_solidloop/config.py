@@ -190,9 +190,23 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("SOLIDLOOP_DEFAULT_READ_TIMEOUT", 600, _positive_int,
             "Read timeout (silence allowed between reads) for agents whose llm config sets none."),
     Setting("SOLIDLOOP_DEFAULT_TOOL_TIMEOUT", 600, _positive_int,
-            "Longest a tool call may run (a remote server entry's own timeout counts if "
-            "longer). Past it plus SOLIDLOOP_LEASE_LEAK_GRACE the worker stops renewing the "
-            "call's lease, so a hung tool is taken over instead of held forever."),
+            "Longest a call to an in-process tool may run when neither the tool (timeout=) "
+            "nor its mcps entry sets one: past it the model gets a timeout error and the "
+            "tool is abandoned in a quarantined thread. It also bounds the lease renewer: "
+            "past it (or a remote server's longer timeout) plus SOLIDLOOP_LEASE_LEAK_GRACE "
+            "a call's lease is no longer renewed."),
+    Setting("SOLIDLOOP_MAX_HISTORY_BYTES", 32 * 1024 * 1024, _optional_positive_int,
+            "Size of a loop's history (its text, in characters: a byte each for ASCII) past "
+            "which its next LLM turn is not sent and the loop fails, naming both sizes; "
+            "unset (None) for no cap."),
+    Setting("SOLIDLOOP_TOOL_QUARANTINE_LIMIT", 8, _positive_int,
+            "Abandoned tool threads (tools that never returned after their timeout) one "
+            "worker process keeps before it asks dramatiq to restart its worker processes, "
+            "the only way to reclaim what they hold."),
+    Setting("SOLIDLOOP_TOOL_MAX_ATTEMPTS", 3, _positive_int,
+            "Runs of one tool call whose lease lapsed before it finished (its worker died, "
+            "froze or hung) after which it is not run again: the model gets an error naming "
+            "the attempts."),
     Setting("SOLIDLOOP_LEASE_LEAK_GRACE", 300, _positive_int,
             "Grace added to an agent's max_duration to form the lease renewer's leak ceiling."),
     Setting("SOLIDLOOP_DEFAULT_MAX_DURATION", 7200, _positive_int,
@@ -355,6 +369,9 @@ class Config:
     approval_timeout: float | None
     database_retry_seconds: float
     provider_outage_max_wait: float
+    tool_quarantine_limit: int
+    max_history_bytes: int | None
+    tool_max_attempts: int
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> Config:

@@ -17,6 +17,7 @@ so a host can catch the whole family in one clause::
     │   ├── ProviderHTTPError     ... with a non-2xx status
     │   ├── ProviderUnavailableError  ... could not be reached at all (nothing was sent)
     │   ├── ProviderResponseError ... with a body we could not understand
+    │   │   ├── ProviderConnectionLostError ... or a connection that broke mid-response
     │   │   └── ProviderAnswerError   ... or an answer a retry would only repeat
     │   │       └── TurnLimitError    ... or past turn_timeout / max_output_chars
     │   └── AbortedError          the loop was paused or stopped during the request
@@ -24,6 +25,7 @@ so a host can catch the whole family in one clause::
     ├── UnknownToolError          a toolset was asked for a tool it does not declare
     ├── McpTransportError         an MCP server could not be reached or answered badly
     ├── LimitExceededError        max_steps / max_duration reached (the loop pauses)
+    ├── HistoryTooLargeError      a history past SOLIDLOOP_MAX_HISTORY_BYTES (the loop fails)
     ├── LostLeaseError            this worker no longer owns the turn; write nothing
     ├── DecisionConflictError     a waiting tool call was decided already (who, when)
     ├── WaitTimeoutError          a bounded wait ran out before the work it waited on finished
@@ -49,17 +51,42 @@ from dramatiq.errors import BrokerConnectionError, QueueNotFound
 
 from .wire import WireRecord
 
-__all__ = ["AbortedError", "AgentDefinitionError", "AgentError", "BrokerError",
-           "BrokerUnavailableError", "ConfigurationError", "DatabaseUnavailableError",
-           "DecisionConflictError",
-           "InvalidArgumentError", "InvalidJobError", "JobEncodeError", "JobError",
-           "JobImportError", "LimitExceededError", "LostLeaseError", "McpTransportError",
-           "NoSuchJobError", "NotInitializedError", "ProviderAnswerError", "ProviderError",
-           "ProviderHTTPError", "ProviderResponseError", "ProviderUnavailableError",
-           "QueueNotDeclaredError", "SetupError",
-           "SolidLoopError", "ToolDefinitionError", "TurnLimitError", "UnknownAgentError",
-           "UnknownMiddlewareError",
-           "UnknownToolError", "WaitTimeoutError"]
+__all__ = [
+    "AbortedError",
+    "AgentDefinitionError",
+    "AgentError",
+    "BrokerError",
+    "BrokerUnavailableError",
+    "ConfigurationError",
+    "DatabaseUnavailableError",
+    "DecisionConflictError",
+    "HistoryTooLargeError",
+    "InvalidArgumentError",
+    "InvalidJobError",
+    "JobEncodeError",
+    "JobError",
+    "JobImportError",
+    "LimitExceededError",
+    "LostLeaseError",
+    "McpTransportError",
+    "NoSuchJobError",
+    "NotInitializedError",
+    "ProviderAnswerError",
+    "ProviderConnectionLostError",
+    "ProviderError",
+    "ProviderHTTPError",
+    "ProviderResponseError",
+    "ProviderUnavailableError",
+    "QueueNotDeclaredError",
+    "SetupError",
+    "SolidLoopError",
+    "ToolDefinitionError",
+    "TurnLimitError",
+    "UnknownAgentError",
+    "UnknownMiddlewareError",
+    "UnknownToolError",
+    "WaitTimeoutError",
+]
 
 
 class SolidLoopError(Exception):
@@ -160,12 +187,18 @@ OUTAGE_STATUSES = frozenset({429, 502, 503, 504, 529})
 
 def is_provider_outage(exc: BaseException) -> bool:
     """Whether ``exc`` says the provider is away or overloaded for now."""
-    return isinstance(exc, ProviderUnavailableError) or (
+    return isinstance(exc, ProviderUnavailableError | ProviderConnectionLostError) or (
         isinstance(exc, ProviderHTTPError) and exc.status in OUTAGE_STATUSES)
 
 
 class ProviderResponseError(ProviderError):
     """The provider answered 2xx with a body we could not interpret."""
+
+
+class ProviderConnectionLostError(ProviderResponseError):
+    """The connection broke after the request was sent (a provider restart, a
+    dropped proxy): the request may have been served. An outage for the loop,
+    deferred a few times at most (each deferral sends the request again)."""
 
 
 class ProviderAnswerError(ProviderResponseError):
@@ -181,6 +214,11 @@ class TurnLimitError(ProviderAnswerError):
     def __init__(self, limit: str, message: str) -> None:
         super().__init__(message)
         self.limit = limit
+
+
+class HistoryTooLargeError(SolidLoopError):
+    """A loop's history passed SOLIDLOOP_MAX_HISTORY_BYTES: its turn is not sent
+    (the loop fails, naming both sizes)."""
 
 
 class AbortedError(ProviderError):

@@ -116,6 +116,16 @@ SELECT t.id FROM solidloop_tool_calls AS t
  WHERE t.id = ANY(%s::bigint[]) AND t.lease_token IS NULL AND t.response_message_id IS NOT NULL
 """
 
+#: Of the loops whose lease went missing, those that left ``running`` for a
+#: status only a turn's end or a host command gives (completed, failed, paused,
+#: waiting): usually the turn's own end, committed just before it lets go of
+#: its registration. Not a takeover (which leaves the loop running under a new
+#: generation, or queued).
+_ENDED_LOOPS = """
+SELECT l.id FROM solidloop_loops AS l
+ WHERE l.id = ANY(%s::bigint[]) AND l.status NOT IN ('running', 'queued')
+"""
+
 
 @dataclass
 class Registration:
@@ -323,17 +333,18 @@ class LeaseRenewer:
                 still_ours_sql, ([r.row_id for r in missing],
                                  [r.token for r in missing])).fetchall()}
             gone = [r for r in missing if r.key not in still_ours]
-            answered: set[int] = set()
-            if kind == "tool" and gone:
-                answered = {row[0] for row in conn.execute(
-                    _ANSWERED_TOOLS, ([r.row_id for r in gone],)).fetchall()}
+            ended: set[int] = set()
+            if gone:
+                ended = {row[0] for row in conn.execute(
+                    _ANSWERED_TOOLS if kind == "tool" else _ENDED_LOOPS,
+                    ([r.row_id for r in gone],)).fetchall()}
             for registration in gone:
                 # Still ours but not renewed: our own commit ended the lease on
                 # purpose (tool phase, checkpoint). Anything else: it moved on.
                 registration.lost_event.set()
-                if registration.row_id in answered:
-                    logger.debug("%s %s: answered; its lease has ended", kind,
-                                 registration.row_id)
+                if registration.row_id in ended:
+                    logger.debug("%s %s: %s; its lease has ended", kind, registration.row_id,
+                                 "answered" if kind == "tool" else "its turn ended")
                 else:
                     logger.info("%s %s: lease lost (taken over)", kind, registration.row_id)
 

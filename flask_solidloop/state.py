@@ -97,9 +97,16 @@ class SolidLoopState:
 
     def tool_timeout_seconds(self, agent: AgentLike) -> float:
         """How long the agent's tool calls may run: SOLIDLOOP_DEFAULT_TOOL_TIMEOUT,
-        or its slowest remote server's timeout if that is longer."""
-        timeouts = [float(entry.get("timeout") or 60) for entry in agent.tool_entries()
-                    if entry.get("url") is not None]
+        or its slowest server's or tool's own timeout if that is longer."""
+        timeouts: list[float] = []
+        for entry in agent.tool_entries():
+            if entry.get("url") is not None:
+                timeouts.append(float(entry.get("timeout") or 60))
+            elif entry.get("toolset") is not None:
+                if entry.get("timeout"):
+                    timeouts.append(float(entry["timeout"]))
+                timeouts += [definition.timeout for definition in entry["toolset"].definitions()
+                             if definition.timeout]
         return max([float(self.config.default_tool_timeout), *timeouts])
 
     def agent_class(self, name: str) -> Any:

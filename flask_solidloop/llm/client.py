@@ -39,6 +39,7 @@ import httpx
 from ..errors import (
     AbortedError,
     ProviderAnswerError,
+    ProviderConnectionLostError,
     ProviderError,
     ProviderHTTPError,
     ProviderResponseError,
@@ -198,6 +199,23 @@ class _Retry(SolidLoopError):  # a signal inside the send path, never raised out
         self.delay = delay
 
 
+#: Payloads with more text than this are sent as a streamed body (Send.body).
+STREAMED_BODY_CHARS = 256_000
+#: The body's JSON, as httpx's ``json=`` writes it.
+_BODY_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def text_size(value: Any) -> int:
+    """Characters of the strings in ``value`` (a JSON-like tree)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(text_size(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return sum(text_size(item) for item in value)
+    return 0
+
+
 @dataclass(frozen=True)
 class TurnLimits:
     """An LLM turn's hard limits: ``timeout`` seconds of wall time for its
@@ -261,6 +279,17 @@ class Send:
 
     def redact(self, value: Any) -> Any:
         return redact_secrets(value, self.secrets)
+
+    def body(self) -> dict[str, Any]:
+        """The request body as httpx arguments: ``json=`` for an ordinary payload;
+        for one of megabytes (a long history), its JSON encoded piece by piece
+        with its Content-Length, so the body is never held whole a second and a
+        third time (a JSON string, then its bytes). Fresh for each attempt."""
+        if text_size(self.payload) < STREAMED_BODY_CHARS:
+            return {"json": self.payload}
+        length = sum(len(piece.encode()) for piece in _BODY_ENCODER.iterencode(self.payload))
+        pieces = (piece.encode() for piece in _BODY_ENCODER.iterencode(self.payload))
+        return {"content": pieces, "headers": {**self.headers, "Content-Length": str(length)}}
 
     def attempt_timeout(self, attempt: Attempt) -> httpx.Timeout:
         """The attempt's httpx timeouts: a read never waits past the turn's
@@ -382,7 +411,7 @@ def map_exceptions(send: Send, attempt: Attempt) -> Iterator[None]:
     except httpx.TransportError as exc:
         if attempt.stream:
             _broken_stream(send, attempt, exc)
-            raise ProviderResponseError(
+            raise ProviderConnectionLostError(
                 f"the stream from {send.shown_url} broke after {attempt.events} events: {exc}"
             ) from exc
         # The connection dropped while the request or response was in flight: the
@@ -390,9 +419,9 @@ def map_exceptions(send: Send, attempt: Attempt) -> Iterator[None]:
         # a readable reason instead of an unexplained transport exception.
         attempt.log(error=f"{type(exc).__name__}: {exc}")
         send.fail(attempt)
-        raise ProviderResponseError(
+        raise ProviderConnectionLostError(
             f"the connection to {send.shown_url} broke before the response was complete "
-            f"({type(exc).__name__}: {exc}); not retried, as it may have been served"
+            f"({type(exc).__name__}: {exc}); not retried at once, as it may have been served"
         ) from exc
     except ProviderResponseError as exc:
         if attempt.stream:
@@ -443,7 +472,7 @@ def post_json(
 
 
 def _json_attempt(send: Send, attempt: Attempt) -> Any:
-    response = send.http.post(send.url, json=send.payload, headers=send.headers,
+    response = send.http.post(send.url, **{"headers": send.headers, **send.body()},
                               params=send.params, timeout=send.attempt_timeout(attempt))
     status = response.status_code
     attempt.log(status=status)

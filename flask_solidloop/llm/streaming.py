@@ -123,7 +123,7 @@ def _stream_attempt(
     received = 0
     chars = 0
     limits = send.limits
-    with send.http.stream("POST", send.url, json=send.payload, headers=send.headers,
+    with send.http.stream("POST", send.url, **{"headers": send.headers, **send.body()},
                           params=send.params, timeout=send.attempt_timeout(attempt)
                           ) as response:
         attempt.entry["status"] = response.status_code

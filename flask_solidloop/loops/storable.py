@@ -22,6 +22,8 @@ import math
 import re
 from typing import Any
 
+from ..llm.client import text_size
+
 REPLACEMENT = "\ufffd"
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
@@ -92,6 +94,8 @@ def excerpt(value: Any, limit: int) -> tuple[Any, bool]:
     """``value`` as it goes into the wire log: whole when its JSON is at most
     ``limit`` characters, else an excerpt with the full size and a SHA-256, so
     a large body is kept once (on its row) and still recognisable here."""
+    if text_size(value) >= _STREAMED_EXCERPT_CHARS:
+        return _streamed_excerpt(value, limit)
     try:
         encoded = json.dumps(value, ensure_ascii=False, default=str)
     except (TypeError, ValueError, RecursionError):
@@ -104,6 +108,32 @@ def excerpt(value: Any, limit: int) -> tuple[Any, bool]:
         "sha256": hashlib.sha256(encoded.encode("utf-8", "replace")).hexdigest(),
         "truncated": True,
     }, True
+
+
+#: Values with more text than this are measured and hashed piece by piece.
+_STREAMED_EXCERPT_CHARS = 256_000
+
+
+def _streamed_excerpt(value: Any, limit: int) -> tuple[Any, bool]:
+    """:func:`excerpt` of a large value, its JSON measured, hashed and cut as it
+    is encoded: the same excerpt, size and digest, without the whole JSON text
+    and its bytes in memory at once."""
+    digest = hashlib.sha256()
+    size, head = 0, ""
+    try:
+        for piece in json.JSONEncoder(ensure_ascii=False, default=str).iterencode(value):
+            size += len(piece)
+            if len(head) < limit:
+                head += piece[:limit - len(head)]
+            digest.update(piece.encode("utf-8", "replace"))
+    except (TypeError, ValueError, RecursionError):
+        encoded = repr(value)
+        size, head = len(encoded), encoded[:limit]
+        digest = hashlib.sha256(encoded.encode("utf-8", "replace"))
+    if size <= limit:
+        return value, False
+    return {"excerpt": head, "size": size, "sha256": digest.hexdigest(),
+            "truncated": True}, True
 
 
 #: The request-body keys that carry the conversation (OpenAI-compatible and
@@ -141,10 +171,15 @@ def conversation_tail(body: Any) -> Any:
 
 
 def history_digest(turns: list[Any]) -> str:
-    """SHA-256 of ``turns`` as compact JSON with sorted keys (see conversation_tail)."""
-    encoded = json.dumps(turns, ensure_ascii=False, sort_keys=True, separators=(",", ":"),
-                         default=str)
-    return hashlib.sha256(encoded.encode("utf-8", "replace")).hexdigest()
+    """SHA-256 of ``turns`` as compact JSON with sorted keys (see conversation_tail).
+    Hashed as it is encoded, piece by piece: a history of megabytes is never
+    held a second and a third time, as a JSON string and its bytes."""
+    digest = hashlib.sha256()
+    encoder = json.JSONEncoder(ensure_ascii=False, sort_keys=True, separators=(",", ":"),
+                               default=str)
+    for piece in encoder.iterencode(turns):
+        digest.update(piece.encode("utf-8", "replace"))
+    return digest.hexdigest()
 
 
 #: The key that replaces a logged request's tool declarations when the same

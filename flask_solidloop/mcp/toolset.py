@@ -244,6 +244,9 @@ class ToolDefinition:
     always_pass: frozenset[str] = field(default_factory=frozenset, repr=False)
     #: How its calls wait inside a loop (approvals, deferred results).
     wait: WaitRule = NO_WAIT
+    #: Seconds a call may run inside a loop before it is answered with a timeout
+    #: error; None: the server entry's ``timeout``, else SOLIDLOOP_DEFAULT_TOOL_TIMEOUT.
+    timeout: float | None = None
 
     def to_mcp(self) -> dict:
         """The MCP ``Tool`` JSON: ``name``, ``description``, ``inputSchema``."""
@@ -284,6 +287,7 @@ class Toolset:
         approval_timeout: float | None = None,
         on_timeout: str = "deny",
         result_timeout: float | None = None,
+        timeout: float | None = None,
     ) -> ToolDefinition:
         """Add ``fn`` to this toolset as a tool; return the definition it stores.
 
@@ -300,7 +304,10 @@ class Toolset:
         ``"deny"`` or ``"approve"``); a ``deferred`` tool is never run by the
         loop: each call waits, at most ``result_timeout`` seconds, for the
         host's ``complete_call`` (its function is the declaration: its
-        signature is the schema). See docs/guides/approvals.md.
+        signature is the schema). See docs/guides/approvals.md. ``timeout``
+        bounds a call's run inside a loop, in seconds (default: the server
+        entry's ``timeout``, else SOLIDLOOP_DEFAULT_TOOL_TIMEOUT); past it the
+        model gets a timeout error and the tool is abandoned (docs/guides/tools.md).
 
         Raises :class:`ToolDefinitionError`, saying what was wrong and what to do,
         and adds nothing, when ``fn`` is not callable (a string, a
@@ -345,6 +352,7 @@ class Toolset:
             self.name, tool_name, fn, description, input_schema, _caller_locals()
         )
         definition.wait = wait
+        definition.timeout = _timeout(f"{where}, tool {tool_name!r}", "timeout", timeout)
         self._tools[tool_name] = definition
         return definition
 
@@ -361,6 +369,7 @@ class Toolset:
         approval_timeout: float | None = None,
         on_timeout: str = "deny",
         result_timeout: float | None = None,
+        timeout: float | None = None,
     ) -> F: ...
 
     @typing.overload
@@ -376,6 +385,7 @@ class Toolset:
         approval_timeout: float | None = None,
         on_timeout: str = "deny",
         result_timeout: float | None = None,
+        timeout: float | None = None,
     ) -> Callable[[F], F]: ...
 
     def tool(
@@ -390,6 +400,7 @@ class Toolset:
         approval_timeout: float | None = None,
         on_timeout: str = "deny",
         result_timeout: float | None = None,
+        timeout: float | None = None,
     ) -> F | Callable[[F], F]:
         """Declare a tool with a decorator: ``@ts.tool`` or ``@ts.tool(name=..., ...)``.
 
@@ -411,7 +422,7 @@ class Toolset:
             name=name, description=description, input_schema=input_schema,
             requires_approval=requires_approval, deferred=deferred,
             approval_timeout=approval_timeout, on_timeout=on_timeout,
-            result_timeout=result_timeout)
+            result_timeout=result_timeout, timeout=timeout)
         if fn is not None:
             self.add_tool(fn, **options)
             return fn
@@ -427,6 +438,10 @@ class Toolset:
     def list_tools(self) -> list[dict]:
         """MCP tool dicts (``name``, ``description``, ``inputSchema``) in declaration order."""
         return [definition.to_mcp() for definition in self._tools.values()]
+
+    def definitions(self) -> list[ToolDefinition]:
+        """Every tool's definition, in declaration order."""
+        return list(self._tools.values())
 
     def get(self, name: str) -> ToolDefinition:
         """The definition of tool ``name``; raises :class:`UnknownToolError` (a

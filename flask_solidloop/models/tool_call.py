@@ -89,6 +89,10 @@ class ToolCall(Timestamps, Base):
     #: Facts about the call, e.g. ``{"sanitized": [...]}`` when text had to be made storable.
     meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSONB)
     duration_ms: Mapped[float | None] = mapped_column()
+    #: Runs of this call whose lease lapsed before a result (the reaper took the
+    #: call over each time); at SOLIDLOOP_TOOL_MAX_ATTEMPTS it is not run again.
+    lapsed_runs: Mapped[int] = mapped_column(Integer, nullable=False, default=0,
+                                             server_default="0")
     #: What the call waits for before it may run or be answered: ``approval``
     #: (a person decides), ``result`` (a deferred tool: the host supplies it);
     #: None for a call that runs at once.

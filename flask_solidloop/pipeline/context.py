@@ -76,7 +76,7 @@ class TurnContext:
 class LlmContext(TurnContext):
     """One LLM turn. Filled in as the stack runs:
 
-    * AgentInitialization: ``tools`` (the registry), ``history``
+    * AgentInitialization: ``tools`` (the registry), ``history``, ``history_chars``
     * NetworkCalling: ``shell_id`` (unless the claim wrote it), ``response``,
       ``wire``, ``metrics``, ``reasoning_carried``
     * ResponseParsing: ``message`` (the finalized assistant message)
@@ -84,6 +84,8 @@ class LlmContext(TurnContext):
 
     tools: ToolRegistry | None = None
     history: list[ChatMessage] = field(default_factory=list)
+    #: The history's text, in characters (AgentInitialization measures it).
+    history_chars: int = 0
     #: The turn's claim, committed before the stack ran: its generation, the
     #: run's elapsed seconds, and the shell and history it wrote and read.
     claim: LlmClaim | None = None

@@ -33,9 +33,11 @@ from typing import Any
 from ..dbapi import is_transient
 from ..errors import (
     AbortedError,
+    HistoryTooLargeError,
     LimitExceededError,
     LostLeaseError,
     ProviderAnswerError,
+    ProviderConnectionLostError,
     ProviderError,
     TurnLimitError,
     is_provider_outage,
@@ -68,6 +70,10 @@ class ErrorHandling:
         except LimitExceededError as exc:
             ctx.session.rollback()
             _end_turn(ctx, to="paused", error_message=str(exc))
+        except HistoryTooLargeError as exc:
+            ctx.session.rollback()
+            logger.warning("loop %s: %s", ctx.loop_id, exc)
+            _end_turn(ctx, to="failed", error_message=f"{type(exc).__name__}: {exc}")
         except AbortedError:
             ctx.session.rollback()
             logger.info("loop %s: the turn stopped: the loop was paused or stopped", ctx.loop_id)
@@ -76,7 +82,9 @@ class ErrorHandling:
             # Exception text can quote a request (and so a key): scrub it first.
             message = redact_urls_in(redact_secrets(f"{type(exc).__name__}: {exc}",
                                                     ctx.secrets))
-            if is_provider_outage(exc) and _defer(ctx, message):
+            if is_provider_outage(exc) and _defer(
+                    ctx, message, max_attempts=BROKEN_RESPONSE_DEFERRALS
+                    if isinstance(exc, ProviderConnectionLostError) else None):
                 return None
             if isinstance(exc, TurnLimitError) and ctx.partial is not None:
                 ctx.partial.flush()  # what arrived stays on the failed shell
@@ -85,17 +93,26 @@ class ErrorHandling:
         return None
 
 
-def _defer(ctx: LlmContext, message: str) -> bool:
+#: Deferrals a turn gets, in one outage, for a connection that broke after its
+#: request was sent (ProviderConnectionLostError): each one sends (and may bill)
+#: the request again, so a proxy that always cuts long answers costs a few
+#: requests, not a quarter of an hour of them.
+BROKEN_RESPONSE_DEFERRALS = 3
+
+
+def _defer(ctx: LlmContext, message: str, *, max_attempts: int | None = None) -> bool:
     """The provider is away or overloaded past the request's own retries: the turn
     goes back to the queue, due later, holding nothing (store.defer_llm_turn).
-    False when the outage has lasted SOLIDLOOP_PROVIDER_OUTAGE_MAX_WAIT: the
-    turn then fails, the outage's length in its message."""
+    False when the outage has lasted SOLIDLOOP_PROVIDER_OUTAGE_MAX_WAIT (or, for
+    a broken connection, ``max_attempts`` deferrals): the turn then fails, the
+    outage's length in its message."""
     if ctx.lease is not None and ctx.lease.lost():
         return True  # not ours any more: nothing to defer
     max_wait = ctx.state.config.provider_outage_max_wait
     deferred = store.defer_llm_turn(ctx.state, ctx.session, ctx.loop_id, ctx.execution_token,
                                     error_message=message, max_wait=max_wait,
-                                    wire=ctx.wire, shell_id=ctx.shell_id)
+                                    max_attempts=max_attempts, wire=ctx.wire,
+                                    shell_id=ctx.shell_id)
     if deferred is not None:
         logger.warning("loop %s: the provider is out (%s); deferred %d time(s) since %s, next "
                        "try in %.0fs", ctx.loop_id, message, deferred.attempts,
@@ -108,6 +125,13 @@ def _defer(ctx: LlmContext, message: str) -> bool:
     since = loop.provider_wait_since
     waited = f" for {_minutes(loop)} ({loop.provider_wait_attempts} deferred turns)" \
         if since is not None else ""
+    if max_attempts is not None and since is not None \
+            and loop.provider_wait_attempts >= max_attempts:
+        _end_turn(ctx, to="failed", error_message=(
+            f"the connection to the provider broke mid-response again after "
+            f"{loop.provider_wait_attempts} deferred turns (over {_minutes(loop)}); each sent "
+            f"the request again, so it is not sent any more; last error: {message}"))
+        return True
     _end_turn(ctx, to="failed", error_message=(
         f"the provider stayed out{waited}, past SOLIDLOOP_PROVIDER_OUTAGE_MAX_WAIT "
         f"({max_wait:g}s); last error: {message}"))
@@ -173,6 +197,25 @@ class AgentInitialization:
         carried = ctx.claim.history if ctx.claim is not None else None
         ctx.history = carried if carried is not None else queries.history(ctx.session,
                                                                           ctx.loop_id)
+        cap = ctx.state.config.max_history_bytes
+        size = ctx.history_chars = history_size(ctx.history)
+        if cap is not None and size > cap:
+            ctx.history = []  # not kept while the turn ends
+            raise HistoryTooLargeError(
+                f"the loop's history is {_amount(size)} of text, past "
+                f"SOLIDLOOP_MAX_HISTORY_BYTES ({_amount(cap)}); no model takes a prompt "
+                "that large: start a new loop from a summary (or raise the cap)")
+
+
+def _amount(chars: int) -> str:
+    return f"{chars / 1e6:.1f} MB" if chars >= 1_000_000 else f"{chars:,} characters"
+
+
+def history_size(history: list[Any]) -> int:
+    """The history's text, in characters (a byte each for ASCII): contents,
+    reasoning and tool-call arguments."""
+    return sum(len(m.content or "") + len(m.reasoning or "") + sum(
+        len(c.arguments_raw or "") for c in (m.tool_calls or ())) for m in history)
 
 
 def _tools_with_snapshots(ctx: LlmContext) -> ToolRegistry:

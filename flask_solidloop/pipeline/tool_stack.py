@@ -31,6 +31,7 @@ from ..loops import queries, store
 from ..mcp.registry import ToolRegistry, call_on_server
 from ..mcp.toolset import CallContext, ToolResult
 from ..models import ToolCall
+from . import tool_threads
 from .builder import Handler
 from .context import ToolContext, UnrecordedResult
 
@@ -68,6 +69,19 @@ class ToolExecution:
 
     def _run(self, ctx: ToolContext, call: ToolCall) -> tuple[ToolResult, float]:
         started = time.monotonic()
+        max_attempts = ctx.state.config.tool_max_attempts
+        if call.lapsed_runs >= max_attempts:
+            logger.error("tool_call %s: %r was started %d times and each run ended without a "
+                         "result; it is not run again (SOLIDLOOP_TOOL_MAX_ATTEMPTS=%d)",
+                         ctx.tool_call_id, call.name, call.lapsed_runs, max_attempts)
+            result = ToolResult.error(
+                f"the tool {call.name!r} was started {call.lapsed_runs} times and each run "
+                "ended without a result (its worker died, froze or hung, and the call was "
+                f"taken over); it is not run again (SOLIDLOOP_TOOL_MAX_ATTEMPTS="
+                f"{max_attempts}). It may have done its work: check before calling it again")
+            result.error_kind = "attempts"
+            store.end_transaction(ctx.session)
+            return result, (time.monotonic() - started) * 1000
         if call.arguments is None:
             result = ToolResult.error(
                 f"the arguments for tool {call.name!r} are not a JSON object: "
@@ -96,9 +110,14 @@ class ToolExecution:
                 # The route was resolved when the model's answer was parsed: call that
                 # server directly, without listing any server again.
                 ctx.tool_ran = True
-                routed = (call_on_server(entries, server_name, tool_name, arguments, call_ctx,
-                                         stored_state)
-                          if server_name and tool_name else None)
+                in_process = _in_process_timeout(ctx, entries, server_name, tool_name)
+                if in_process is not None and server_name and tool_name:
+                    routed = _run_in_process(ctx, call, in_process, lambda: call_on_server(
+                        entries, server_name, tool_name, arguments, call_ctx, None))
+                else:
+                    routed = (call_on_server(entries, server_name, tool_name, arguments,
+                                             call_ctx, stored_state)
+                              if server_name and tool_name else None)
                 if routed is None:  # a tool no server offers: the model learns which do
                     registry = ToolRegistry.build(entries, agent=str(ctx.agent.agent_name))
                     result = registry.call(name, arguments, call_ctx)
@@ -113,6 +132,43 @@ class ToolExecution:
                 # discarded here. Tools that want their writes kept commit them.
                 store.recover(ctx.session)
         return result, (time.monotonic() - started) * 1000
+
+
+def _in_process_timeout(ctx: ToolContext, entries: list[dict[str, Any]],
+                        server_name: str | None, tool_name: str | None) -> float | None:
+    """The timeout of a call to an in-process toolset's tool (the tool's own
+    ``timeout=``, else its entry's ``timeout``, else SOLIDLOOP_DEFAULT_TOOL_TIMEOUT);
+    None for a call to anything else (a remote server bounds its own calls)."""
+    for entry in entries:
+        if entry.get("name") == server_name and entry.get("toolset") is not None:
+            toolset = entry["toolset"]
+            definition = toolset.get(tool_name) if tool_name in toolset else None
+            own = definition.timeout if definition is not None else None
+            return float(own or entry.get("timeout")
+                         or ctx.state.config.default_tool_timeout)
+    return None
+
+
+def _run_in_process(ctx: ToolContext, call: ToolCall, timeout: float,
+                    run: Callable[[], T]) -> T | tuple[ToolResult, None]:
+    """``run`` (the call to an in-process tool) on a tool thread, at most ``timeout``
+    seconds: past it, the model gets a ``timeout`` error, the worker thread
+    goes on, and the tool's thread stays quarantined (pipeline/tool_threads.py)."""
+    threads = tool_threads.pool()
+    try:
+        return threads.run(run, timeout=timeout, app=ctx.state.app)
+    except tool_threads.ToolTimeoutError as exc:
+        logger.error(
+            "tool_call %s: %r did not return within its %gs timeout; it is abandoned in a "
+            "quarantined thread (%d in this process; past %d the worker restarts) and the "
+            "model is told it timed out", ctx.tool_call_id, call.name, timeout,
+            exc.quarantined, threads.quarantine_limit)
+        result = ToolResult.error(
+            f"the tool {call.name!r} did not finish within its {timeout:g}s timeout and was "
+            "abandoned; it may still complete its work. Do not assume it succeeded; check "
+            "before calling it again")
+        result.error_kind = "timeout"
+        return result, None
 
 
 def _keep_session_state(ctx: ToolContext, server_name: str | None,

@@ -18,6 +18,8 @@ inline) and returns the next step its commit claimed for this thread
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import uuid
 from collections.abc import Callable
@@ -185,7 +187,31 @@ def run_llm_turn(state: SolidLoopState, loop: Loop, *, adopt: bool = False,
                  fail=fail, database_failed=database_failed)
     finally:
         lease_handle.release()
-    return ctx.adopted
+    adopted_next = ctx.adopted
+    if ctx.history_chars >= TRIM_AFTER_CHARS:
+        # Drop what still holds the history (the claim's copy, the wire record's
+        # request) before handing the freed memory back.
+        ctx.history, ctx.claim, ctx.wire = [], None, None
+        del ctx
+        release_free_memory()
+    return adopted_next
+
+
+#: A turn whose history had this much text hands the memory it freed back to
+#: the system after it ends (release_free_memory).
+TRIM_AFTER_CHARS = 1_000_000
+
+
+def release_free_memory() -> None:
+    """Give the memory freed by a large turn back to the system. glibc keeps
+    freed blocks in its heap for reuse, so a worker that once sent a 100 MB
+    history would otherwise keep that much resident for good; malloc_trim
+    returns it. A no-op where libc has no malloc_trim."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _guarded(ctx: LlmContext | ToolContext, run: Callable[[], None], label: str, *,

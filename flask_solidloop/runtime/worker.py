@@ -10,7 +10,9 @@ setup is left alone everywhere but in these worker processes.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
+import signal
 import sys
 
 import dramatiq
@@ -19,6 +21,7 @@ from flask.cli import ScriptInfo
 
 from ..database import check_schema
 from ..errors import DatabaseUnavailableError, NotInitializedError, SetupError
+from ..pipeline import tool_threads
 from ..queue.broker import PostgresBroker
 from ..state import EXTENSION_KEY, get_state
 
@@ -69,7 +72,25 @@ def load_worker_app() -> tuple[Flask, PostgresBroker]:
         sys.exit(RET_CONNECT)
     broker = state.broker
     dramatiq.set_broker(broker)
+    threads = tool_threads.pool()
+    threads.quarantine_limit = state.config.tool_quarantine_limit
+    threads.on_limit = restart_worker_processes
     return app, broker
+
+
+def restart_worker_processes(quarantined: int) -> None:
+    """Too many abandoned tool threads hold this process's resources: ask the
+    dramatiq master to restart its worker processes (SIGHUP: each stops
+    gracefully, handing its turns back, and the master starts them again)."""
+    log = logging.getLogger("flask_solidloop.worker")
+    if multiprocessing.parent_process() is None:
+        log.error("%d abandoned tool threads in this process (SOLIDLOOP_TOOL_QUARANTINE_LIMIT); "
+                  "it runs under no dramatiq master to restart it: restart it to reclaim them",
+                  quarantined)
+        return
+    log.error("%d abandoned tool threads in this process (SOLIDLOOP_TOOL_QUARANTINE_LIMIT): "
+              "asking dramatiq to restart its worker processes to reclaim them", quarantined)
+    os.kill(os.getppid(), signal.SIGHUP)
 
 
 #: dramatiq's exit code for "broker connection failed during worker startup".
@@ -97,6 +118,13 @@ def worker_env(app_import_path: str | None) -> dict[str, str]:
     ValueError, naming the fix, when there is no app to tell them about.
     """
     env = dict(os.environ)
+    # dramatiq restarts its worker processes (SIGHUP, which a worker sends its
+    # master past SOLIDLOOP_TOOL_QUARANTINE_LIMIT) by exec-ing "python -m
+    # dramatiq" found on PATH: this interpreter's directory first, so the
+    # restart finds the same interpreter and its virtualenv.
+    bin_dir = os.path.dirname(sys.executable)
+    if env.get("PATH", "").split(os.pathsep)[0] != bin_dir:
+        env["PATH"] = os.pathsep.join(filter(None, [bin_dir, env.get("PATH")]))
     if app_import_path:
         env["FLASK_APP"] = app_import_path
     if not env.get("FLASK_APP"):

@@ -9,6 +9,7 @@ whole database and the worker's log are searched for the canaries.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -63,9 +64,12 @@ def test_credentials_in_urls_are_never_stored_or_logged(
         try:
             good = CanaryAgent.start(message="echo it").id
             wait_for(session, [good], timeout=60, proc=proc, log=log)
-            # The same password on a port nothing listens on: the error names the URL.
+            # The same password on a port nothing listens on: the outage (deferred,
+            # its error kept on the loop) and then the failure name the URL.
             monkeypatch.setenv(CANARY_LLM_URL_ENV,
                                f"http://user:{PASSWORD}@127.0.0.1:9")
+            monkeypatch.setenv("SOLIDLOOP_TEST_APP_CONFIG", json.dumps(
+                {"SOLIDLOOP_PROVIDER_OUTAGE_MAX_WAIT": 2.0}))
             kill_group(proc)
             log = tmp_path / "worker-2.log"
             proc = spawn_workers([sys.executable, "-m", "dramatiq", "flask_solidloop.worker",
@@ -80,6 +84,7 @@ def test_credentials_in_urls_are_never_stored_or_logged(
 
     assert session.get(Loop, good).status == "completed"
     error = session.get(Loop, dead).error_message
+    assert error.startswith("the provider stayed out for ")
     assert "cannot connect to http://user:***@127.0.0.1:9" in error
     dump = pg_dump(database_url)
     logged = "".join(path.read_text(errors="replace") for path in tmp_path.glob("worker*.log"))

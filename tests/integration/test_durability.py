@@ -79,6 +79,32 @@ def test_rotated_token_marks_lost_but_a_cleared_lease_does_not(state, session, p
         renewer.stop()
 
 
+def test_a_turn_that_ended_is_not_logged_as_taken_over(state, session, pg, caplog):
+    """A renewal that runs between a turn's last commit and the release of its
+    registration finds the lease gone: the turn ended, nobody took it over."""
+    ended_id, ended_token = running_loop(session)
+    taken_id, taken_token = running_loop(session)
+    renewer = LeaseRenewer(libpq_url(state.broker.url))
+    try:
+        ended = renewer.register(ended_id, ended_token, lease_seconds=30, ceiling_seconds=3600)
+        taken = renewer.register(taken_id, taken_token, lease_seconds=30, ceiling_seconds=3600)
+        # The turn's own end (FINISH_TURN completing the loop) ...
+        pg.execute("UPDATE solidloop_loops SET status = 'completed', execution_token = NULL, "
+                   "lease_expires_at = NULL WHERE id = %s", (ended_id,))
+        # ... and a takeover (the reaper's expired_llm: queued, generation cleared).
+        pg.execute("UPDATE solidloop_loops SET status = 'queued', execution_token = NULL, "
+                   "lease_expires_at = NULL WHERE id = %s", (taken_id,))
+        with caplog.at_level("DEBUG", logger="flask_solidloop.renewer"):
+            renewer.renew_once()
+        assert ended.lost() and taken.lost()  # neither turn may write any more
+        lines = [r.getMessage() for r in caplog.records]
+        assert f"loop {ended_id}: its turn ended; its lease has ended" in lines
+        assert f"loop {taken_id}: lease lost (taken over)" in lines
+        assert f"loop {ended_id}: lease lost (taken over)" not in lines
+    finally:
+        renewer.stop()
+
+
 def test_leak_ceiling_drops_a_registration(state, session):
     loop_id, token = running_loop(session)
     renewer = LeaseRenewer(libpq_url(state.broker.url))

@@ -148,3 +148,36 @@ def test_tool_calls_sharing_an_id_are_refused_never_run(app, session, llm):
     assert failed.status == "failed"
     assert "2 tool calls of one answer share the id 'toolu_same'" in failed.error_message
     assert session.scalars(select(ToolCall)).all() == [] and SIDE_EFFECTS == []
+
+
+def test_a_connection_that_breaks_mid_response_defers_three_times_then_fails(
+        app, session, llm):
+    """A provider restart mid-response is an outage; one that always breaks (a
+    proxy cutting long answers) costs three more requests, not fifteen minutes."""
+    llm.fault_next("disconnect_mid_stream", times=4)
+    llm.script("cut", {"content": "an answer that never arrives whole"})
+    loop = Assistant.start(message="cut")
+    drain(app)
+    for attempt in (1, 2, 3):
+        held = loop_of(session, loop.id)
+        assert held.status == "queued" and held.provider_wait_attempts == attempt
+        assert "ProviderConnectionLostError: the connection to " in held.provider_wait_error
+        make_due(session)
+        drain(app)
+    failed = loop_of(session, loop.id)
+    assert failed.status == "failed"
+    assert failed.error_message.startswith(
+        "the connection to the provider broke mid-response again after 3 deferred turns")
+    assert len(llm.requests) == 4
+
+
+def test_a_connection_that_broke_once_completes_on_the_deferred_turn(app, session, llm):
+    llm.fault_next("disconnect_mid_stream")
+    llm.script("blip", {"content": "whole this time"})
+    loop = Assistant.start(message="blip")
+    drain(app)
+    assert loop_of(session, loop.id).provider_wait_attempts == 1
+    make_due(session)
+    drain(app)
+    done = loop_of(session, loop.id)
+    assert done.status == "completed" and done.provider_wait_since is None

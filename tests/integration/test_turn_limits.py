@@ -7,8 +7,6 @@ emulator over HTTP."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from sqlalchemy import select
 
@@ -66,19 +64,17 @@ def test_a_stream_that_never_ends_stops_at_turn_timeout_with_one_request(
     llm.script("go on", {"content": "and on "})
     llm.fault_next("endless_stream", seconds=0.02)
     loop = LimitedStream.start(message="go on")
-    started = time.monotonic()
     drain()
-    took = time.monotonic() - started
     failed = finished(session, loop.id)
     assert failed.status == "failed"
     assert failed.error_message.startswith("TurnLimitError: turn_timeout: the request ran "
                                            "past the turn's 1.5s")
     assert len(llm.requests) == 1  # never sent (and billed) twice
-    assert took < 1.5 + 5
     # What arrived is kept: the wire log's summary, and the hidden partial text.
     event = request_event(session, loop.id)
     (attempt,) = event.payload["attempts"]
     assert attempt["error"].startswith("turn_timeout: ended after ") and attempt["events"] > 5
+    assert attempt["duration_ms"] >= 1450  # ended at the deadline, not before
     summary = event.payload["response"]["body"]["stream_summary"]
     assert summary["ended_by"] == "turn_timeout" and summary["output_chars"] > 0
     shell = session.scalars(select(Message).where(Message.loop_id == loop.id,

@@ -287,3 +287,26 @@ def test_0013_adds_the_provider_wait_columns_and_downgrades(scratch_url):
         assert not columns & {"provider_wait_since", "provider_wait_attempts",
                               "provider_wait_error"}
         assert conn.execute("SELECT status FROM solidloop_loops").fetchone() == ("running",)
+
+
+def test_0014_counts_lapsed_runs_on_tool_calls_and_downgrades(scratch_url):
+    upgrade(scratch_url, "0013")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        loop_id = conn.execute("INSERT INTO solidloop_loops (agent_name, status) "
+                               "VALUES ('a', 'running') RETURNING id").fetchone()[0]
+        message = conn.execute("INSERT INTO solidloop_messages (loop_id, role) "
+                               "VALUES (%s, 'assistant') RETURNING id", (loop_id,)).fetchone()[0]
+        conn.execute("INSERT INTO solidloop_tool_calls (loop_id, message_id, position, name) "
+                     "VALUES (%s, %s, 0, 'add')", (loop_id, message))
+    upgrade(scratch_url, "0014")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        # An existing call has lost no lease.
+        assert conn.execute("SELECT lapsed_runs FROM solidloop_tool_calls").fetchone() == (0,)
+        conn.execute("UPDATE solidloop_tool_calls SET lapsed_runs = lapsed_runs + 1")
+    downgrade(scratch_url, "0013")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        columns = {r[0] for r in conn.execute(
+            "SELECT column_name FROM information_schema.columns "
+            "WHERE table_name = 'solidloop_tool_calls'")}
+        assert "lapsed_runs" not in columns
+        assert conn.execute("SELECT count(*) FROM solidloop_tool_calls").fetchone() == (1,)

@@ -206,6 +206,16 @@ def slow(seconds: float, ctx: CallContext) -> str:
     return f"slept {seconds}s in {os.getpid()}"
 
 
+@slow_tools.tool(timeout=1)
+def hang_forever(ctx: CallContext) -> str:
+    """Never return, ignoring every attempt to stop it (logs its start)."""
+    import time
+
+    _log_slow_effect(ctx.idempotency_key, "hang")
+    while True:
+        time.sleep(1)
+
+
 @solidloop.agent("liveness")
 class SlowAgent(Agent):
     system_prompt = "You run slow tools."

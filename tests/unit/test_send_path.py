@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from flask_solidloop.errors import (
+    ProviderConnectionLostError,
     ProviderError,
     ProviderHTTPError,
     ProviderResponseError,
@@ -116,7 +117,8 @@ def test_a_broken_connection_is_repeated_only_on_a_stream_before_content(mode):
         assert turn.content == "hi" and len(record.attempts) == 2
         assert record.attempts[0]["handed_content"] is False
     else:
-        with pytest.raises(ProviderResponseError, match="not retried, as it may have been served"):
+        with pytest.raises(ProviderConnectionLostError,
+                           match="not retried at once, as it may have been served"):
             send(http)
         assert len(http.calls) == 1
 

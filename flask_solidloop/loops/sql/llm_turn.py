@@ -187,6 +187,7 @@ DEFER_TURN = (
     "provider_wait_error = %(error_message)s "
     f"WHERE id = %(loop_id)s AND {OWNED} "
     "AND coalesce(provider_wait_since, now()) > now() - make_interval(secs => %(max_wait)s) "
+    "AND provider_wait_attempts < coalesce(%(max_attempts)s::int, provider_wait_attempts + 1) "
     "RETURNING id, provider_wait_since, provider_wait_attempts), "
     f"hidden AS ({hide_shells('SELECT id FROM deferred')}), "
     f"event AS ({llm_event('deferred')}) "

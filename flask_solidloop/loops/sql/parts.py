@@ -126,9 +126,22 @@ HISTORY_ORDER = "is_call DESC, sort_key"
 HISTORY = f"{HISTORY_ROWS} ORDER BY {HISTORY_ORDER}"
 
 
+#: Text (bytes) up to which a claim carries the history it read as one JSON
+#: value; a longer one is read as rows afterwards (loops/queries.history): as
+#: JSON, a client holds it three times at once (the result, its text, its
+#: objects), as rows twice, and then once.
+HISTORY_INLINE_BYTES = 256_000
+
+
 def history_json(rows: str) -> str:
     """``rows`` as one JSON array in :data:`HISTORY_ORDER`: the history read by a
-    statement along with its own writes."""
-    return ("(SELECT json_agg(json_build_array(h.is_call, h.id, h.role, h.text, h.reasoning, "
-            "h.metadata, h.ref, h.name, h.arguments_raw, h.sort_key) "
-            f"ORDER BY {HISTORY_ORDER}) FROM ({rows}) AS h)")
+    statement along with its own writes; NULL when its text passes
+    :data:`HISTORY_INLINE_BYTES` (the caller then reads it as rows). The size
+    comes from the values' headers (``octet_length`` does not detoast)."""
+    size = ("(SELECT coalesce(sum(coalesce(octet_length(s.text), 0) "
+            "+ coalesce(octet_length(s.reasoning), 0) "
+            f"+ coalesce(octet_length(s.arguments_raw), 0)), 0) FROM ({rows}) AS s)")
+    return (f"CASE WHEN {size} <= {HISTORY_INLINE_BYTES} THEN "
+            "(SELECT coalesce(json_agg(json_build_array(h.is_call, h.id, h.role, h.text, "
+            "h.reasoning, h.metadata, h.ref, h.name, h.arguments_raw, h.sort_key) "
+            f"ORDER BY {HISTORY_ORDER}), '[]'::json) FROM ({rows}) AS h) END")

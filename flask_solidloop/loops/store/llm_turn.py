@@ -70,7 +70,9 @@ def claim_from_row(row: dict[str, Any], token: uuid.UUID, *,
     history_rows = row.pop("solidloop_history", None)
     columns = {column: row.pop(f"shell_{column}") for column in sql.SHELL_COLUMNS}
     shell = columns if columns["id"] is not None else None
-    history = queries.history_from_rows(history_rows or []) if read_history else None
+    # NULL: too long to carry as JSON (loops/sql.history_json); the turn reads it.
+    history = queries.history_from_rows(history_rows) \
+        if read_history and history_rows is not None else None
     return LlmClaim(token=token, run_elapsed_seconds=float(row["run_elapsed"]),
                     shell_id=shell["id"] if shell is not None else None,
                     history=history), shell
@@ -456,19 +458,20 @@ def defer_delay(attempts: int) -> float:
 @commits
 def defer_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int,
                    token: uuid.UUID, *, error_message: str, max_wait: float,
-                   wire: WireRecord | None = None, shell_id: int | None = None,
-                   ) -> Deferral | None:
+                   max_attempts: int | None = None, wire: WireRecord | None = None,
+                   shell_id: int | None = None) -> Deferral | None:
     """A turn whose provider is out, deferred (loops/sql.DEFER_TURN): queued
     again with its job due after :func:`defer_delay`, its shells hidden, its
     wire event kept, the outage's start and attempts on the loop. None, with
     nothing written, when the generation moved on or the outage began more
-    than ``max_wait`` seconds ago (the caller then fails the turn). Rolls back
+    than ``max_wait`` seconds ago, or ``max_attempts`` turns were deferred in
+    it already (the caller then fails the turn). Rolls back
     what the session holds first."""
     session.rollback()
     error = storable.text(error_message)[0]
     config = state.config
     params = {"loop_id": loop_id, "token": token, "error_message": error,
-              "max_wait": max_wait, "shell_id": shell_id,
+              "max_wait": max_wait, "max_attempts": max_attempts, "shell_id": shell_id,
               **llm_event(wire, body_limit=config.event_body_limit, error=error,
                           repeat_history=config.event_repeat_history)}
     row = fetch_row(session, sql.DEFER_TURN, params)

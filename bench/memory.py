@@ -1,0 +1,201 @@
+"""A worker's memory against the history it sends: peak and after-loop RSS for
+1, 10 and 100 MB histories, against the same worker's baseline, in one run.
+
+Run it from the project root with the project's virtualenv::
+
+    python bench/memory.py                    # 1, 10 and 100 MB
+    python bench/memory.py --sizes 1 10       # MB
+
+What it does, on a database of its own (``solidloop_bench_memory``, fresh):
+
+1. Starts ``dramatiq flask_solidloop.worker --processes 1 --threads 1`` on
+   bench/approvals_app.py (its agent answers without tools here) and the LLM
+   emulator in this process, answering every request with a short text; runs
+   two small warm-up loops; reads the worker process's RSS: the **baseline**.
+2. For each size: a loop is created with its history already written, as 1 MB
+   messages alternating user and assistant (1, 10 or 100 of them, like a loop
+   whose tools returned 1 MB each), its peak RSS mark reset
+   (``/proc/PID/clear_refs``), and the loop resumed: one LLM turn reads the
+   whole history, renders it, sends it and records the answer. Then:
+   **peak** (``VmHWM`` during that turn), **after** (``VmRSS`` once the loop
+   completed) and **after one more turn** (``VmRSS`` after a small loop ran
+   next, the worker's steady state).
+3. Prints, per size, the peak's growth over the baseline as a multiple of the
+   history (target: at most 3x) and what the process keeps after the loop
+   (target: back to the baseline within one turn, 10% or 10 MB of slack),
+   with PASS/MISS.
+
+The history cap (``SOLIDLOOP_MAX_HISTORY_BYTES``, 32 MiB by default) is
+raised to 1 GiB for the bench's worker so the 100 MB history is sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(BENCH))
+
+from turns import sql, tree  # noqa: E402
+
+DATABASE = "solidloop_bench_memory"
+URL = f"postgresql+psycopg://postgres@127.0.0.1:5432/{DATABASE}"
+MB = 1_000_000
+PEAK_RATIO = 3.0
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def status(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM of ``pid``, in bytes."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0]) * 1024
+    return fields
+
+
+def start_worker() -> subprocess.Popen:
+    env = dict(os.environ, FLASK_APP="approvals_app:create_app()",
+               PYTHONPATH=os.pathsep.join([str(BENCH), str(ROOT)]),
+               SOLIDLOOP_BENCH_CONFIG=json.dumps({"SOLIDLOOP_MAX_HISTORY_BYTES": 1 << 30}))
+    log_path = os.environ.get("SOLIDLOOP_BENCH_WORKER_LOG")
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    return subprocess.Popen([sys.executable, "-m", "dramatiq", "flask_solidloop.worker",
+                             "--processes", "1", "--threads", "1"], cwd=BENCH, env=env,
+                            stdout=out, stderr=out, start_new_session=True)
+
+
+def worker_pid(master: subprocess.Popen) -> int:
+    """The one dramatiq worker process under the master (the one that runs turns)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        children = [pid for pid in tree(master.pid) if pid != master.pid]
+        if children:
+            return max(children)
+        time.sleep(0.1)
+    raise SystemExit("the worker process did not start")
+
+
+def wait_done(loop_id: int, worker: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        (row,) = sql(f"SELECT status, error_message FROM solidloop_loops WHERE id = {loop_id}",
+                     DATABASE)
+        if row[0] in ("completed", "failed", "paused"):
+            if row[0] != "completed":
+                raise SystemExit(f"loop {loop_id} ended {row[0]}: {row[1]}")
+            return
+        if worker.poll() is not None:
+            raise SystemExit("the worker exited")
+        time.sleep(0.05)
+    raise SystemExit(f"loop {loop_id} did not complete")
+
+
+def small_loop(app, module, worker) -> None:
+    with app.app_context():
+        loop = module.Approvals.start(message="hello")
+        loop_id = loop.id
+        module.db.session.remove()
+    wait_done(loop_id, worker)
+
+
+def big_loop(app, module, megabytes: int) -> int:
+    """A loop in ``init`` whose history is ``megabytes`` 1 MB messages."""
+    with app.app_context():
+        loop = module.Approvals.create(message="the history follows")
+        loop_id = loop.id
+        module.db.session.commit()
+        module.db.session.remove()
+    # 1 MB of text per message, generated by the server (hex, so nothing to escape).
+    sql("INSERT INTO solidloop_messages (loop_id, role, content, status) "
+        f"SELECT {loop_id}, CASE WHEN n % 2 = 0 THEN 'user' ELSE 'assistant' END, "
+        "(SELECT string_agg(md5((n * 100000 + i)::text), '') FROM generate_series(1, 31250) "
+        f"AS i), 'completed' FROM generate_series(0, {megabytes - 1}) AS n", DATABASE)
+    sql("INSERT INTO solidloop_messages (loop_id, role, content, status) "
+        f"VALUES ({loop_id}, 'user', 'summarise all that', 'completed')", DATABASE)
+    return loop_id
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 10, 100],
+                        help="history sizes in MB")
+    args = parser.parse_args()
+
+    from flask_solidloop.migrations import upgrade
+    from flask_solidloop.testing import LLMEmulator
+
+    sql(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)")
+    sql(f"CREATE DATABASE {DATABASE}")
+    upgrade(URL)
+    emulator = LLMEmulator().start()
+    emulator.script(lambda body: True, {"content": "ok"})
+    os.environ.update(SOLIDLOOP_BENCH_DATABASE_URL=URL, SOLIDLOOP_BENCH_LLM_URL=emulator.base_url,
+                      SOLIDLOOP_BENCH_API_KEY="sk-bench")
+    import approvals_app as module
+
+    app = module.create_app()
+    master = start_worker()
+    rows = []
+    try:
+        pid = worker_pid(master)
+        for _ in range(2):
+            small_loop(app, module, master)
+        baseline = status(pid)["VmRSS"]
+        log(f"worker {pid}: baseline RSS {baseline / MB:.0f} MB")
+        for megabytes in args.sizes:
+            loop_id = big_loop(app, module, megabytes)
+            Path(f"/proc/{pid}/clear_refs").write_text("5")  # reset VmHWM
+            with app.app_context():
+                module.Approvals(loop_id).resume(from_=("init",))
+                module.db.session.remove()
+            wait_done(loop_id, master)
+            figures = status(pid)
+            small_loop(app, module, master)
+            next_turn = status(pid)["VmRSS"]
+            rows.append((megabytes, baseline, figures["VmHWM"], figures["VmRSS"], next_turn))
+            log(f"{megabytes} MB: peak {figures['VmHWM'] / MB:.0f} MB, after "
+                f"{figures['VmRSS'] / MB:.0f} MB, after one more turn {next_turn / MB:.0f} MB")
+            sql(f"DELETE FROM solidloop_loops WHERE id = {loop_id}", DATABASE)
+    finally:
+        os.killpg(master.pid, signal.SIGTERM)
+        try:
+            master.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(master.pid, signal.SIGKILL)
+            master.wait()
+        emulator.stop()
+        sql(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)")
+
+    print(f"\nworker RSS against the history one LLM turn sends (baseline "
+          f"{rows[0][1] / MB:.0f} MB)\n")
+    print("| history | peak RSS | peak - baseline | / history | after the loop "
+          "| after one more turn | peak | after |")
+    print("|---:|---:|---:|---:|---:|---:|:---:|:---:|")
+    for megabytes, base, peak, after, next_turn in rows:
+        growth = (peak - base) / (megabytes * MB)
+        kept = next_turn - base
+        peak_ok = "PASS" if growth <= PEAK_RATIO else "MISS"
+        after_ok = "PASS" if kept <= max(0.1 * base, 10 * MB) else "MISS"
+        print(f"| {megabytes} MB | {peak / MB:.0f} MB | {(peak - base) / MB:.0f} MB | "
+              f"{growth:.1f}x | {after / MB:.0f} MB | {next_turn / MB:.0f} MB | "
+              f"{peak_ok} | {after_ok} |")
+    print(f"\ntargets: peak growth <= {PEAK_RATIO:g}x the history; after one more turn, "
+          "back to the baseline (within 10% or 10 MB)")
+
+
+if __name__ == "__main__":
+    main()
