@@ -31,23 +31,28 @@ def test_fifty_loops_survive_random_worker_kills(database_url, llm, tmp_path):
     assert result.tool_calls == settings.loops * settings.turns * settings.tools_per_turn
 
 
-def _can_restart_postgres(database_url: str) -> bool:
-    from ..support.chaos import postgres_restart_command
-
-    # Only the local cluster, and only one we manage (never a shared server).
-    return "127.0.0.1" in database_url and postgres_restart_command() is not None
-
-
 @pytest.mark.timeout(0)
-def test_loops_finish_across_a_postgres_restart(database_url, llm, tmp_path):
-    if not _can_restart_postgres(database_url):
-        pytest.skip("PostgreSQL cannot be restarted on this machine (no pg_ctlcluster cluster)")
-    from ..support.support_app import create_app
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
+def test_loops_finish_across_a_postgres_restart(llm, tmp_path, monkeypatch, mode):
+    """On a throwaway cluster of its own (never the shared one): a fast restart
+    cuts every session; an immediate one is a crash, recovered from the WAL."""
+    from flask_solidloop.database import ensure_database
+    from flask_solidloop.migrations import upgrade
 
+    from ..support import pg_cluster
+    from ..support.support_app import DATABASE_URL_ENV, create_app
+
+    if not pg_cluster.available():
+        pytest.skip("no PostgreSQL server programs to run a throwaway cluster")
     settings = ChaosSettings(loops=15, kill_workers=False, restart_postgres_after=2.0, seed=11,
                              workers=2, stall_timeout=120)
-    result = run_chaos(settings, database_url=database_url, emulator=llm, log_dir=tmp_path,
-                       make_app=create_app)
+    with pg_cluster.throwaway_cluster() as cluster:
+        url = cluster.url("solidloop_chaos")
+        ensure_database(url)
+        upgrade(url)
+        monkeypatch.setenv(DATABASE_URL_ENV, url)
+        result = run_chaos(settings, database_url=url, emulator=llm, log_dir=tmp_path,
+                           make_app=create_app, restart=lambda: cluster.restart(mode))
     print("\n" + result.table())
     assert result.recoveries["postgres_restarts"] == 1
     assert result.problems == []

@@ -169,8 +169,12 @@ def prepare_effects_table(database_url: str) -> None:
 
 
 def run_chaos(settings: ChaosSettings, *, database_url: str, emulator: Any, log_dir: Path,
-              make_app: Any, progress: Any = None) -> ChaosResult:
-    """Run the whole scenario and return what happened (verified)."""
+              make_app: Any, progress: Any = None,
+              restart: Any = None) -> ChaosResult:
+    """Run the whole scenario and return what happened (verified). ``restart``
+    restarts the server at ``settings.restart_postgres_after`` (default: the
+    local cluster, see :func:`restart_postgres`; a test passes its throwaway
+    cluster's, tests/support/pg_cluster.py)."""
     from flask_solidloop.maintenance.reaper import reap
 
     rng = random.Random(settings.seed)
@@ -202,7 +206,7 @@ def run_chaos(settings: ChaosSettings, *, database_url: str, emulator: Any, log_
     def restarter() -> None:
         if stop.wait(settings.restart_postgres_after or 0):
             return
-        restart_postgres()
+        (restart or restart_postgres)()
         result.recoveries["postgres_restarts"] += 1
 
     def reaper() -> None:

@@ -1,0 +1,100 @@
+"""A throwaway PostgreSQL cluster for tests that restart or crash the server.
+
+Restarting the shared cluster (the one every test database lives on) would
+cut every other test, benchmark and session using it. A test that needs a
+restart gets a cluster of its own instead: ``initdb`` in a temporary
+directory as the ``postgres`` user, on a free port of 127.0.0.1, restarted
+with ``pg_ctl restart -m fast`` or ``-m immediate`` (a crash: recovery from
+the WAL on start), and removed afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+#: Where Debian puts the server's programs.
+BIN_DIRS = sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
+
+
+def _bin(name: str) -> str | None:
+    for directory in BIN_DIRS:
+        if (directory / name).exists():
+            return str(directory / name)
+    return shutil.which(name)
+
+
+def available() -> bool:
+    """Whether this machine can run a throwaway cluster (the server's programs,
+    and a ``postgres`` user to run them as when we are root)."""
+    if _bin("initdb") is None or _bin("pg_ctl") is None:
+        return False
+    return os.geteuid() != 0 or shutil.which("runuser") is not None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ThrowawayCluster:
+    """One cluster: ``url(database)`` to reach it, ``restart(mode)`` to restart it."""
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="solidloop-pg-"))
+        self.data = self.root / "data"
+        self.port = _free_port()
+        self.log = self.root / "server.log"
+
+    def _run(self, *argv: str, timeout: float = 120) -> None:
+        command = list(argv)
+        if os.geteuid() == 0:  # initdb and the server refuse to run as root
+            command = ["runuser", "-u", "postgres", "--", *command]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            log = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
+            raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): "
+                               f"{done.stderr[-2000:]}\n{log}")
+
+    def start(self) -> ThrowawayCluster:
+        if os.geteuid() == 0:
+            shutil.chown(self.root, "postgres", "postgres")
+        self._run(str(_bin("initdb")), "-D", str(self.data), "-A", "trust", "-U", "postgres",
+                  "--no-sync", "-E", "UTF8")
+        options = (f"-p {self.port} -c listen_addresses=127.0.0.1 "
+                   f"-c unix_socket_directories={self.root} -c max_connections=100")
+        self._pg_ctl("start", "-o", options)
+        return self
+
+    def _pg_ctl(self, action: str, *extra: str) -> None:
+        self._run(str(_bin("pg_ctl")), action, "-D", str(self.data), "-l", str(self.log),
+                  "-w", "-t", "60", *extra)
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
+
+    def restart(self, mode: str = "fast") -> None:
+        """Restart the server: ``fast`` (sessions cut, a clean shutdown) or
+        ``immediate`` (a crash: no checkpoint, recovery from the WAL on start)."""
+        self._pg_ctl("restart", "-m", mode)
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self._pg_ctl("stop", "-m", "immediate")
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def throwaway_cluster() -> Iterator[ThrowawayCluster]:
+    cluster = ThrowawayCluster()
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
