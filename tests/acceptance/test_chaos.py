@@ -45,18 +45,51 @@ def test_loops_finish_across_a_postgres_restart(llm, tmp_path, monkeypatch, mode
     if not pg_cluster.available():
         pytest.skip("no PostgreSQL server programs to run a throwaway cluster")
     settings = ChaosSettings(loops=15, kill_workers=False, restart_postgres_after=2.0, seed=11,
-                             workers=2, stall_timeout=120)
+                             workers=2, stall_timeout=120, restart_modes=(mode,))
     with pg_cluster.throwaway_cluster() as cluster:
         url = cluster.url("solidloop_chaos")
         ensure_database(url)
         upgrade(url)
         monkeypatch.setenv(DATABASE_URL_ENV, url)
         result = run_chaos(settings, database_url=url, emulator=llm, log_dir=tmp_path,
-                           make_app=create_app, restart=lambda: cluster.restart(mode))
+                           make_app=create_app, restart=cluster.restart)
     print("\n" + result.table())
     assert result.recoveries["postgres_restarts"] == 1
     assert result.problems == []
     assert result.statuses["completed"] == settings.loops
+
+
+@pytest.mark.timeout(0)
+def test_loops_finish_under_kills_freezes_and_restarts(llm, tmp_path, monkeypatch):
+    """Every fault at once, on a throwaway cluster: SIGKILLs, SIGSTOP freezes
+    longer and shorter than the lease, and PostgreSQL restarts, fast and
+    immediate in turn. The contract holds; each duplicate side effect is put
+    down to the fault behind it (bench/chaos.py runs this at 1,000+ loops)."""
+    from flask_solidloop.database import ensure_database
+    from flask_solidloop.migrations import upgrade
+
+    from ..support import pg_cluster
+    from ..support.support_app import DATABASE_URL_ENV, create_app
+
+    if not pg_cluster.available():
+        pytest.skip("no PostgreSQL server programs to run a throwaway cluster")
+    settings = ChaosSettings(loops=24, seed=5, workers=3, kill_min=2.0, kill_max=4.0,
+                             freeze_every=(2.0, 4.0), freeze_for=(1.0, 6.0),
+                             restart_every=5.0, stall_timeout=120)
+    with pg_cluster.throwaway_cluster() as cluster:
+        url = cluster.url("solidloop_chaos")
+        ensure_database(url)
+        upgrade(url)
+        monkeypatch.setenv(DATABASE_URL_ENV, url)
+        result = run_chaos(settings, database_url=url, emulator=llm, log_dir=tmp_path,
+                           make_app=create_app, restart=cluster.restart)
+    print("\n" + result.table())
+    assert result.problems == []
+    assert result.statuses["completed"] == settings.loops
+    assert result.tool_calls == settings.loops * settings.turns * settings.tools_per_turn
+    assert result.kills >= 1 and result.freezes >= 1
+    assert sum(n for case, n in result.recoveries.items()
+               if case.startswith("postgres_restarts")) >= 1
 
 
 def test_the_user_chaos_fixture_runs_an_agent_under_kills(solidloop_chaos, llm, app):

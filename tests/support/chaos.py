@@ -16,9 +16,12 @@ dead-lettered; every side effect carries its own call's idempotency key.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import random
+import signal
 import subprocess
 import threading
 import time
@@ -63,6 +66,15 @@ class ChaosSettings:
     kill_workers: bool = True
     #: ... and/or restart PostgreSQL this many seconds in (the restart fault test).
     restart_postgres_after: float | None = None
+    #: SIGSTOP a random worker every ``freeze_every`` (a range, seconds) for
+    #: ``freeze_for`` (a range) and SIGCONT it: a frozen VM, a GC pause, a stall
+    #: longer or shorter than the lease.
+    freeze_every: tuple[float, float] | None = None
+    freeze_for: tuple[float, float] = (5.0, 40.0)
+    #: Restart PostgreSQL every this many seconds, the modes in turn (``restart``
+    #: of run_chaos takes the mode).
+    restart_every: float | None = None
+    restart_modes: tuple[str, ...] = ("fast", "immediate")
 
     def app_config(self) -> dict[str, Any]:
         return {
@@ -82,9 +94,14 @@ class ChaosResult:
     assistant_turns: int = 0
     tool_calls: int = 0
     kills: int = 0
+    freezes: int = 0
     recoveries: Counter = field(default_factory=Counter)
     effects: int = 0
     duplicate_effects: int = 0
+    #: What each duplicate effect followed (see classify_duplicates).
+    duplicate_causes: Counter = field(default_factory=Counter)
+    #: The faults as they happened: (wall clock, kind, pids it hit).
+    faults: list[tuple[float, str, frozenset[int]]] = field(default_factory=list)
     wall_time: float = 0.0
     reaper_errors: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -97,10 +114,12 @@ class ChaosResult:
             ("assistant turns", self.assistant_turns),
             ("tool calls", self.tool_calls),
             ("worker kills", self.kills),
+            ("worker freezes", self.freezes),
             ("reaper recoveries", sum(self.recoveries.values())),
             *((f"  {k}", v) for k, v in sorted(self.recoveries.items())),
             ("side effects", self.effects),
             ("duplicate effects (same key)", self.duplicate_effects),
+            *((f"  after a {k}", v) for k, v in sorted(self.duplicate_causes.items())),
             ("reaper passes that failed", len(self.reaper_errors)),
             ("wall time (s)", f"{self.wall_time:.1f}"),
             ("problems", len(self.problems)),
@@ -161,6 +180,40 @@ def restart_postgres() -> None:
     subprocess.run(command, check=True, capture_output=True, timeout=120)
 
 
+def group_pids(pgid: int) -> frozenset[int]:
+    """The processes of process group ``pgid`` (a worker master and its children)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            found.add(int(stat.parent.name))
+    return frozenset(found)
+
+
+def classify_duplicates(runs: list[tuple[str, int, float]],
+                        faults: list[tuple[float, str, frozenset[int]]]) -> Counter:
+    """Why each extra run of a side effect happened. ``runs``: (idempotency key,
+    pid, wall clock) per effect; ``faults``: (wall clock, kind, pids hit). An
+    extra run follows the fault that hit the earlier run's process (a ``kill``
+    or a ``freeze``) or the whole server (a ``restart``) between the two runs;
+    ``other`` when none did (a defect to look into)."""
+    by_key: dict[str, list[tuple[float, int]]] = {}
+    for key, pid, at in runs:
+        by_key.setdefault(key, []).append((at, pid))
+    causes: Counter = Counter()
+    for entries in by_key.values():
+        entries.sort()
+        for (first_at, first_pid), (next_at, _) in itertools.pairwise(entries):
+            hits = [kind for at, kind, pids in faults
+                    if first_at - 1.0 <= at <= next_at
+                    and (kind == "restart" or first_pid in pids)]
+            causes[hits[0] if hits else "other"] += 1
+    return causes
+
+
 def prepare_effects_table(database_url: str) -> None:
     with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
         conn.execute("DROP TABLE IF EXISTS chaos_effects")
@@ -172,9 +225,10 @@ def run_chaos(settings: ChaosSettings, *, database_url: str, emulator: Any, log_
               make_app: Any, progress: Any = None,
               restart: Any = None) -> ChaosResult:
     """Run the whole scenario and return what happened (verified). ``restart``
-    restarts the server at ``settings.restart_postgres_after`` (default: the
-    local cluster, see :func:`restart_postgres`; a test passes its throwaway
-    cluster's, tests/support/pg_cluster.py)."""
+    (a mode: ``fast`` or ``immediate``) restarts the server at
+    ``settings.restart_postgres_after``, or every ``settings.restart_every``
+    (default: the local cluster, see :func:`restart_postgres`; a test passes
+    its throwaway cluster's, tests/support/pg_cluster.py)."""
     from flask_solidloop.maintenance.reaper import reap
 
     rng = random.Random(settings.seed)
@@ -193,21 +247,66 @@ def run_chaos(settings: ChaosSettings, *, database_url: str, emulator: Any, log_
     app = make_app(**settings.app_config())
     state = app.extensions["solidloop"]
     fleet = Fleet(settings, env, log_dir)
+    fleet_lock = threading.Lock()
     stop = threading.Event()
     errors: list[str] = []
+
+    faults_lock = threading.Lock()
+
+    def fault(kind: str, pids: frozenset[int] = frozenset()) -> None:
+        with faults_lock:
+            result.faults.append((time.time(), kind, pids))
 
     def killer() -> None:
         while not stop.wait(rng.uniform(settings.kill_min, settings.kill_max)):
             index = rng.randrange(settings.workers)
-            fleet.kill(index)
-            result.kills += 1
-            fleet.start(index)
+            with fleet_lock:
+                proc = fleet.procs[index]
+                pids = group_pids(proc.pid) if proc is not None else frozenset()
+                fleet.kill(index)
+                fault("kill", pids)
+                result.kills += 1
+                fleet.start(index)
+
+    def freezer() -> None:
+        assert settings.freeze_every is not None
+        frng = random.Random(rng.random())
+        while not stop.wait(frng.uniform(*settings.freeze_every)):
+            index = frng.randrange(settings.workers)
+            with fleet_lock:
+                proc = fleet.procs[index]
+                if proc is None or proc.poll() is not None:
+                    continue
+                pgid = proc.pid
+                pids = group_pids(pgid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGSTOP)
+            fault("freeze", pids)
+            result.freezes += 1
+            stop.wait(frng.uniform(*settings.freeze_for))
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGCONT)
 
     def restarter() -> None:
-        if stop.wait(settings.restart_postgres_after or 0):
+        do_restart = restart or (lambda mode: restart_postgres())
+        if settings.restart_every is None:
+            if stop.wait(settings.restart_postgres_after or 0):
+                return
+            do_restart(settings.restart_modes[0])
+            fault("restart")
+            result.recoveries["postgres_restarts"] += 1
             return
-        (restart or restart_postgres)()
-        result.recoveries["postgres_restarts"] += 1
+        turn = 0
+        while not stop.wait(settings.restart_every):
+            mode = settings.restart_modes[turn % len(settings.restart_modes)]
+            turn += 1
+            try:
+                do_restart(mode)
+            except Exception as exc:  # judged at the end, with the run's outcome
+                errors.append(f"restart ({mode}) failed: {exc}")
+                continue
+            fault("restart")
+            result.recoveries[f"postgres_restarts_{mode}"] += 1
 
     def reaper() -> None:
         with app.app_context():
@@ -227,8 +326,10 @@ def run_chaos(settings: ChaosSettings, *, database_url: str, emulator: Any, log_
     threads = [threading.Thread(target=reaper, daemon=True)]
     if settings.kill_workers:
         threads.append(threading.Thread(target=killer, daemon=True))
-    if settings.restart_postgres_after is not None:
+    if settings.restart_postgres_after is not None or settings.restart_every is not None:
         threads.append(threading.Thread(target=restarter, daemon=True))
+    if settings.freeze_every is not None:
+        threads.append(threading.Thread(target=freezer, daemon=True))
     try:
         fleet.start_all()
         with app.app_context():
@@ -269,13 +370,18 @@ def run_chaos(settings: ChaosSettings, *, database_url: str, emulator: Any, log_
         stop.set()
         for thread in threads:
             if thread.is_alive():
-                thread.join(timeout=30)
+                thread.join(timeout=60)
+        for proc in fleet.procs:  # nothing stays frozen
+            if proc is not None and proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGCONT)
         fleet.stop_all()
         state.stop_renewer()
     result.wall_time = time.monotonic() - started
     result.llm_requests = len(emulator.requests) - requests_before
     result.problems.extend(errors)
-    if settings.restart_postgres_after is None and result.reaper_errors:
+    restarts = settings.restart_postgres_after is not None or settings.restart_every is not None
+    if not restarts and result.reaper_errors:
         # With the database up throughout, a failing reaper pass is a bug.
         result.problems.append(f"reaper failed {len(result.reaper_errors)} time(s), e.g. "
                                f"{result.reaper_errors[0]}")
@@ -338,6 +444,10 @@ def verify(settings: ChaosSettings, state: Any, loop_ids: list[int], database_ur
 
         effects = pg.execute("SELECT idempotency_key, loop_id, n FROM chaos_effects").fetchall()
         result.effects = len(effects)
+        result.duplicate_causes = classify_duplicates(
+            [(key, pid, at) for key, pid, at in pg.execute(
+                "SELECT idempotency_key, pid, extract(epoch FROM created_at)::float8 "
+                "FROM chaos_effects").fetchall()], result.faults)
         calls = {f"solidloop:tool_call:{cid}": (loop_id, args.get("n") if args else None)
                  for cid, loop_id, args in pg.execute(
                      "SELECT id, loop_id, arguments FROM solidloop_tool_calls "

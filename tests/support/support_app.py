@@ -128,7 +128,9 @@ chaos_tools = Toolset("chaos")
 CHAOS_TURNS_ENV = "SOLIDLOOP_CHAOS_TURNS"
 
 
-@chaos_tools.tool
+# Its own timeout: it rides out a PostgreSQL restart for up to 60 s (below),
+# longer than the chaos settings' short default tool timeout.
+@chaos_tools.tool(timeout=90)
 def effect(n: int, ctx: CallContext) -> str:
     """Record an external side effect (outside any of our transactions), then answer."""
     import random
