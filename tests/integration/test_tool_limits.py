@@ -144,9 +144,19 @@ def test_a_call_whose_lease_keeps_lapsing_stops_at_max_attempts(app, state, sess
     loop_id = tool_phase(app, session, llm)
     call = session.scalars(select(ToolCall)).one()
     session.rollback()
+    # A lease the reaper minted lapsing before any worker claimed it ran
+    # nothing: not counted.
+    pg.execute("UPDATE solidloop_tool_calls SET lease_token = %s, lease_holder = NULL, "
+               "leased_until = now() - interval '1 second' WHERE id = %s",
+               (uuid.uuid4(), call.id))
+    pg.execute("UPDATE solidloop_jobs SET state = 'done' WHERE state = 'queued'")
+    assert reap(state).stalled_tools == [call.id]
+    session.expire_all()
+    assert session.get(ToolCall, call.id).lapsed_runs == 0
+    session.rollback()
     for lapse in (1, 2, 3):
         # A worker claimed the call and died (or froze) before a result.
-        pg.execute("UPDATE solidloop_tool_calls SET lease_token = %s, "
+        pg.execute("UPDATE solidloop_tool_calls SET lease_token = %s, lease_holder = 'w:1', "
                    "leased_until = now() - interval '1 second' WHERE id = %s",
                    (uuid.uuid4(), call.id))
         pg.execute("UPDATE solidloop_jobs SET state = 'done' WHERE state = 'queued'")
@@ -173,7 +183,8 @@ def test_a_call_under_the_cap_runs_after_a_lapse(app, state, session, llm, pg, d
     call = session.scalars(select(ToolCall)).one()
     session.rollback()
     pg.execute("UPDATE solidloop_tool_calls SET lease_token = %s, lapsed_runs = 1, "
-               "leased_until = now() - interval '1 second' WHERE id = %s",
+               "lease_holder = 'w:1', leased_until = now() - interval '1 second' "
+               "WHERE id = %s",
                (uuid.uuid4(), call.id))
     pg.execute("UPDATE solidloop_jobs SET state = 'done' WHERE state = 'queued'")
     assert reap(state).stalled_tools == [call.id]

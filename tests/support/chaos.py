@@ -292,20 +292,20 @@ def run_chaos(settings: ChaosSettings, *, database_url: str, emulator: Any, log_
         if settings.restart_every is None:
             if stop.wait(settings.restart_postgres_after or 0):
                 return
+            fault("restart")  # from its start: sessions are cut as it begins
             do_restart(settings.restart_modes[0])
-            fault("restart")
             result.recoveries["postgres_restarts"] += 1
             return
         turn = 0
         while not stop.wait(settings.restart_every):
             mode = settings.restart_modes[turn % len(settings.restart_modes)]
             turn += 1
+            fault("restart")  # from its start: sessions are cut as it begins
             try:
                 do_restart(mode)
             except Exception as exc:  # judged at the end, with the run's outcome
                 errors.append(f"restart ({mode}) failed: {exc}")
                 continue
-            fault("restart")
             result.recoveries[f"postgres_restarts_{mode}"] += 1
 
     def reaper() -> None:

@@ -61,8 +61,10 @@ HEAL_STUCK_QUEUED = (
     "WHERE l.id = picked.id RETURNING l.id")
 #: Unexecuted calls whose lease lapsed while their loop runs: a fresh lease
 #: (compare-and-set on the old one) for a new job, so healthy siblings are not
-#: fenced, and one more lapsed run counted (SOLIDLOOP_TOOL_MAX_ATTEMPTS). Returns
-#: each call's id, loop, new lease and the loop's generation.
+#: fenced, and one more lapsed run counted (SOLIDLOOP_TOOL_MAX_ATTEMPTS) when a
+#: worker held the lapsed lease (a lease the reaper minted has no holder until a
+#: worker claims it: one that lapsed unclaimed ran nothing). Returns each call's
+#: id, loop, new lease and the loop's generation.
 HEAL_STALLED_TOOLS = (
     "WITH picked AS (SELECT t.id, t.lease_token, t.loop_id, l.execution_token "
     "FROM solidloop_tool_calls t JOIN solidloop_loops l ON l.id = t.loop_id "
@@ -72,7 +74,7 @@ HEAL_STALLED_TOOLS = (
     f"ORDER BY t.leased_until LIMIT {HEAL_BATCH} FOR UPDATE OF l SKIP LOCKED), "
     "minted AS (UPDATE solidloop_tool_calls t SET lease_token = gen_random_uuid(), "
     "lease_holder = NULL, updated_at = now(), leased_until = now() + %(ttl)s, "
-    "lapsed_runs = t.lapsed_runs + 1 "
+    "lapsed_runs = t.lapsed_runs + (t.lease_holder IS NOT NULL)::int "
     "FROM picked WHERE t.id = picked.id AND t.lease_token = picked.lease_token "
     "AND t.executed_at IS NULL RETURNING t.id, t.lease_token) "
     "SELECT minted.id, picked.loop_id, minted.lease_token, picked.execution_token "
