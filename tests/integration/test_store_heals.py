@@ -221,3 +221,37 @@ def test_reaper_gives_a_wait_past_its_deadline_a_timeout_job_again(app, state, s
     session.expire_all()
     assert session.get(ToolCall, call.id).decided_by == "timeout"
     assert session.get(Loop, loop.id).status == "completed"
+
+
+def test_a_claim_of_a_reaper_lease_runs_its_lease_from_the_claim(app, state, session, llm,
+                                                                  pg):
+    """The reaper's lease may have nearly lapsed while its job waited in the
+    queue: the claim renews it, so the next reap does not take the call over
+    from the live worker that just claimed it (found by the 1,000-loop chaos
+    run: calls taken over three times with no fault behind them)."""
+    from flask_solidloop.loops import store
+
+    tool_phase(app, session, llm)
+    call = session.scalars(select(ToolCall)).one()
+    pg.execute("UPDATE solidloop_tool_calls SET lease_token = %s, lease_holder = 'w:1', "
+               "leased_until = now() - interval '1 second' WHERE id = %s",
+               (uuid.uuid4(), call.id))
+    pg.execute("UPDATE solidloop_jobs SET state = 'done' WHERE state = 'queued'")
+    assert reap(state).stalled_tools == [call.id]
+    minted, loop_token = pg.execute(
+        "SELECT t.lease_token, l.execution_token FROM solidloop_tool_calls t "
+        "JOIN solidloop_loops l ON l.id = t.loop_id WHERE t.id = %s", (call.id,)).fetchone()
+    # Its job waited: the minted lease is about to run out.
+    pg.execute("UPDATE solidloop_tool_calls SET leased_until = now() + interval '50 ms' "
+               "WHERE id = %s", (call.id,))
+    session.expire_all()
+    outcome, lease = store.claim_tool_call(state, session, session.get(ToolCall, call.id),
+                                           loop_token, sequential=False, lease_seconds=30,
+                                           reaper_lease_token=minted)
+    session.commit()
+    assert outcome is store.ToolClaim.CLAIMED and lease == minted
+    left = pg.execute("SELECT extract(epoch FROM leased_until - now()) FROM "
+                      "solidloop_tool_calls WHERE id = %s", (call.id,)).fetchone()[0]
+    assert left > 25
+    time.sleep(0.1)
+    assert reap(state).stalled_tools == []  # the live claim keeps its call

@@ -24,17 +24,18 @@ from .parts import (
 #: A delivered tool job's claim of its call: under the loop row lock and the
 #: generation fence, a fresh lease on an unexecuted call nobody holds (or whose
 #: lease lapsed); or, for a job the reaper queued with the lease it minted
-#: (``reaper_lease``), that lease, if it is still the call's. A call that
-#: awaits a decision or a result is never claimed. The call's new lease columns
-#: come back.
+#: (``reaper_lease``), that lease, if it is still the call's. Either way the
+#: lease runs from the claim: a reaper's lease may have all but run out while
+#: its job waited in the queue, and left as it was, the next reap would take
+#: the call over again from the live worker that just claimed it (a second run
+#: with no fault behind it). A call that awaits a decision or a result is never
+#: claimed. The call's new lease columns come back.
 CLAIM_CALL = (
     f"WITH owner AS (SELECT id FROM solidloop_loops WHERE id = %(loop_id)s AND {OWNED} "
     "FOR UPDATE) "
     "UPDATE solidloop_tool_calls "
     "SET lease_token = coalesce(%(reaper_lease)s::uuid, %(lease)s::uuid), "
-    "lease_holder = %(holder)s, updated_at = now(), "
-    "leased_until = CASE WHEN %(reaper_lease)s::uuid IS NULL THEN now() + %(ttl)s "
-    "ELSE leased_until END "
+    "lease_holder = %(holder)s, updated_at = now(), leased_until = now() + %(ttl)s "
     "WHERE id = %(call_id)s AND executed_at IS NULL AND EXISTS (SELECT 1 FROM owner) "
     f"AND NOT ({AWAITING}) AND CASE WHEN %(reaper_lease)s::uuid IS NULL "
     "THEN lease_token IS NULL OR leased_until < now() "
