@@ -36,6 +36,7 @@ from typing import Any, NoReturn, TypeVar
 
 import httpx
 
+from .. import jsontext
 from ..errors import (
     AbortedError,
     ProviderAnswerError,
@@ -201,8 +202,9 @@ class _Retry(SolidLoopError):  # a signal inside the send path, never raised out
 
 #: Payloads with more text than this are sent as a streamed body (Send.body).
 STREAMED_BODY_CHARS = 256_000
-#: The body's JSON, as httpx's ``json=`` writes it.
-_BODY_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+def _body_pieces(payload: Any) -> Iterator[str]:
+    """The body's JSON as httpx's ``json=`` writes it, in bounded pieces."""
+    return jsontext.pieces(payload, separators=(",", ":"), allow_nan=False)
 
 
 def text_size(value: Any) -> int:
@@ -287,9 +289,9 @@ class Send:
         third time (a JSON string, then its bytes). Fresh for each attempt."""
         if text_size(self.payload) < STREAMED_BODY_CHARS:
             return {"json": self.payload}
-        length = sum(len(piece.encode()) for piece in _BODY_ENCODER.iterencode(self.payload))
-        pieces = (piece.encode() for piece in _BODY_ENCODER.iterencode(self.payload))
-        return {"content": pieces, "headers": {**self.headers, "Content-Length": str(length)}}
+        length = sum(len(piece.encode()) for piece in _body_pieces(self.payload))
+        content = (piece.encode() for piece in _body_pieces(self.payload))
+        return {"content": content, "headers": {**self.headers, "Content-Length": str(length)}}
 
     def attempt_timeout(self, attempt: Attempt) -> httpx.Timeout:
         """The attempt's httpx timeouts: a read never waits past the turn's

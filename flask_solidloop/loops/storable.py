@@ -22,6 +22,7 @@ import math
 import re
 from typing import Any
 
+from .. import jsontext
 from ..llm.client import text_size
 
 REPLACEMENT = "\ufffd"
@@ -121,7 +122,7 @@ def _streamed_excerpt(value: Any, limit: int) -> tuple[Any, bool]:
     digest = hashlib.sha256()
     size, head = 0, ""
     try:
-        for piece in json.JSONEncoder(ensure_ascii=False, default=str).iterencode(value):
+        for piece in jsontext.pieces(value, default=str):
             size += len(piece)
             if len(head) < limit:
                 head += piece[:limit - len(head)]
@@ -175,9 +176,7 @@ def history_digest(turns: list[Any]) -> str:
     Hashed as it is encoded, piece by piece: a history of megabytes is never
     held a second and a third time, as a JSON string and its bytes."""
     digest = hashlib.sha256()
-    encoder = json.JSONEncoder(ensure_ascii=False, sort_keys=True, separators=(",", ":"),
-                               default=str)
-    for piece in encoder.iterencode(turns):
+    for piece in jsontext.pieces(turns, sort_keys=True, separators=(",", ":"), default=str):
         digest.update(piece.encode("utf-8", "replace"))
     return digest.hexdigest()
 
