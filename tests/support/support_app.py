@@ -237,6 +237,24 @@ class SlowSequentialAgent(Agent):
         return llm_settings()
 
 
+# -- a real llama-cpp-python server (tests/acceptance/test_provider_outage_llama_cpp.py) --
+
+LLAMA_URL_ENV = "SOLIDLOOP_TEST_LLAMA_URL"
+
+
+@solidloop.agent("llama")
+class LlamaAgent(Agent):
+    """Talks to a real llama-cpp-python server serving a tiny random model."""
+
+    system_prompt = "You answer briefly."
+
+    def llm(self) -> dict:
+        return {**llm_settings(), "base_url": os.environ.get(LLAMA_URL_ENV, "http://127.0.0.1:9")}
+
+    def llm_params(self) -> dict:
+        return {"max_tokens": 8}
+
+
 # -- bad input: tools whose output PostgreSQL cannot store as it is -----------------
 
 odd_tools = Toolset("odd")
