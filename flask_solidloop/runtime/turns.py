@@ -27,6 +27,7 @@ from collections.abc import Callable
 import psycopg
 from sqlalchemy.exc import SQLAlchemyError
 
+from .._typing import SessionLike
 from ..dbapi import is_transient
 from ..errors import LostLeaseError
 from ..leases import RenewerHandle
@@ -162,21 +163,10 @@ def run_llm_turn(state: SolidLoopState, loop: Loop, *, adopt: bool = False,
             logger.warning("llm_turn: loop %s: the database failed after the request (%s); "
                            "the turn is left to its lease", loop_id, storable.error_text(exc))
             return
-        try:
-            handed = store.requeue_llm_turn(state, session, loop_id, token,
-                                            delay_ms=DATABASE_RETRY_DELAY_MS)
-        except Exception as again:
-            store.recover(session)
-            if not is_transient(again):
-                raise
-            logger.warning("llm_turn: loop %s: the database failed before the request "
-                           "(%s), and so did handing the turn back; its lease lapses and "
-                           "the reaper queues it again", loop_id, storable.error_text(exc))
-            return
-        logger.warning("llm_turn: loop %s: the database failed before the request (%s); %s",
-                       loop_id, storable.error_text(exc),
-                       f"queued again in {DATABASE_RETRY_DELAY_MS / 1000:g}s" if handed
-                       else "the loop moved on meanwhile")
+        _hand_back(session, exc, lambda: store.requeue_llm_turn(
+            state, session, loop_id, token, delay_ms=DATABASE_RETRY_DELAY_MS),
+            f"llm_turn: loop {loop_id}: the database failed before the request",
+            "the turn", "the loop")
 
     def fail(error: str) -> bool:
         return store.end_turn(session, loop_id, token, to=LoopStatus.FAILED,
@@ -321,23 +311,13 @@ def run_tool_call(state: SolidLoopState, call: ToolCall, loop: Loop, execution_t
             logger.warning("tool_call %s: the database failed after the tool ran (%s); the "
                            "call is left to its lease", tool_call_id, storable.error_text(exc))
             return
-        try:
-            handed = store.hand_back_tool_call(
-                state, session, loop_id=loop_id, tool_call_id=tool_call_id,
-                execution_token=token, lease_token=ctx.lease_token,
-                delay_ms=DATABASE_RETRY_DELAY_MS)
-        except Exception as again:
-            store.recover(session)
-            if not is_transient(again):
-                raise
-            logger.warning("tool_call %s: the database failed before the tool ran (%s), and "
-                           "so did handing the call back; its lease lapses and the reaper "
-                           "takes it over", tool_call_id, storable.error_text(exc))
-            return
-        logger.warning("tool_call %s: the database failed before the tool ran (%s); %s",
-                       tool_call_id, storable.error_text(exc),
-                       f"queued again in {DATABASE_RETRY_DELAY_MS / 1000:g}s" if handed
-                       else "the call moved on meanwhile")
+        lease_token = ctx.lease_token
+        _hand_back(session, exc, lambda: store.hand_back_tool_call(
+            state, session, loop_id=loop_id, tool_call_id=tool_call_id,
+            execution_token=token, lease_token=lease_token,
+            delay_ms=DATABASE_RETRY_DELAY_MS),
+            f"tool_call {tool_call_id}: the database failed before the tool ran",
+            "the call", "the call")
 
     try:
         _guarded(ctx, run, f"tool_call {tool_call_id}", fail=fail,
@@ -345,6 +325,25 @@ def run_tool_call(state: SolidLoopState, call: ToolCall, loop: Loop, execution_t
     finally:
         tool_lease.release()
     return ctx.adopted
+
+
+def _hand_back(session: SessionLike, exc: BaseException, hand_back: Callable[[], bool], what: str,
+               step: str, row: str) -> None:
+    """A step the database failed under before it did anything: ``hand_back``
+    queues it again, a little later (False: ``row`` moved on meanwhile). If
+    that fails too, the step's lease lapses and the reaper takes it over."""
+    try:
+        handed = hand_back()
+    except Exception as again:
+        store.recover(session)
+        if not is_transient(again):
+            raise
+        logger.warning("%s (%s), and so did handing %s back; its lease lapses and the "
+                       "reaper takes it over", what, storable.error_text(exc), step)
+        return
+    logger.warning("%s (%s); %s", what, storable.error_text(exc),
+                   f"queued again in {DATABASE_RETRY_DELAY_MS / 1000:g}s" if handed
+                   else f"{row} moved on meanwhile")
 
 
 def wait_timeout_job(state: SolidLoopState, tool_call_id: int) -> None:

@@ -21,12 +21,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, select, text
+from sqlalchemy import func, select
 
 from flask_solidloop.models import Job, Loop
 
-from ..support.support_app import LLAMA_URL_ENV, LlamaAgent, notifications, notify_staff
+from ..support.support_app import LLAMA_URL_ENV, LlamaAgent
 from .test_e2e_workers import kill_group, spawn_workers
+from .test_provider_outage_workers import assert_no_thread_waits
 
 pytestmark = pytest.mark.e2e
 
@@ -97,18 +98,7 @@ def test_ten_loops_ride_out_a_real_llama_cpp_server_stopped_for_a_minute(
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.1)
         session.rollback()
-        # No thread waits for the provider: a host job runs at once, and no
-        # turn job stays running.
-        notifications.enqueue(notify_staff, "llama outage")
-        deadline = time.monotonic() + 10
-        while not effects("notify:llama outage", "notify"):
-            assert time.monotonic() < deadline, "a host job could not get a thread"
-            time.sleep(0.05)
-        longest = session.scalar(text(
-            "SELECT coalesce(max(extract(epoch FROM now() - started_at)), 0) "
-            "FROM solidloop_jobs WHERE state = 'running' AND actor_name = 'solidloop.llm_turn'"))
-        session.rollback()
-        assert longest < 5, longest
+        assert_no_thread_waits(session, effects, "llama outage")
         time.sleep(max(0.0, OUTAGE - (time.monotonic() - down_at)))
         server = serve(model, port, server_log)
         deadline = time.monotonic() + 180

@@ -40,6 +40,21 @@ def answer(body):
     return {"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]}
 
 
+def assert_no_thread_waits(session, effects, label: str) -> None:
+    """While the provider is out, no worker thread waits for it: a host job
+    runs at once, and no LLM turn job stays running."""
+    notifications.enqueue(notify_staff, label)
+    deadline = time.monotonic() + 10
+    while not effects(f"notify:{label}", "notify"):
+        assert time.monotonic() < deadline, "a host job could not get a thread"
+        time.sleep(0.05)
+    longest = session.scalar(text(
+        "SELECT coalesce(max(extract(epoch FROM now() - started_at)), 0) "
+        "FROM solidloop_jobs WHERE state = 'running' AND actor_name = 'solidloop.llm_turn'"))
+    session.rollback()
+    assert longest < 5, longest
+
+
 def test_ten_loops_ride_out_a_provider_outage_with_no_thread_waiting(
         app, session, monkeypatch, tmp_path, effects):
     port = free_port()
@@ -77,17 +92,7 @@ def test_ten_loops_ride_out_a_provider_outage_with_no_thread_waiting(
         assert waiting >= 1
         # While it waits, no worker thread is held: a host job runs at once,
         # and no turn job stays running.
-        effects("notify:outage")
-        notifications.enqueue(notify_staff, "outage")
-        deadline = time.monotonic() + 10
-        while not effects("notify:outage", "notify"):
-            assert time.monotonic() < deadline, "a host job could not get a thread"
-            time.sleep(0.05)
-        longest = session.scalar(text(
-            "SELECT coalesce(max(extract(epoch FROM now() - started_at)), 0) "
-            "FROM solidloop_jobs WHERE state = 'running' AND actor_name = 'solidloop.llm_turn'"))
-        session.rollback()
-        assert longest < 5, longest
+        assert_no_thread_waits(session, effects, "outage")
         time.sleep(max(0.0, OUTAGE - (time.monotonic() - down_at)))
         provider = LLMEmulator(port=port).start()
         provider.script(lambda body: True, answer)
