@@ -26,13 +26,14 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ._typing import SessionLike
-from .errors import AgentDefinitionError, InvalidArgumentError
+from .errors import AgentDefinitionError, InvalidArgumentError, LoopFailedError
 from .llm.types import ProviderSettings
 from .loops import control, queries, store
 from .loops.store import Decision, WaitRequest
 from .mcp.registry import validate_entry
 from .mcp.toolset import CallContext
 from .models import RESUMABLE_STATUSES, Loop, Message, ToolCall
+from .models.loop import LoopStatus
 from .state import get_state
 
 if TYPE_CHECKING:
@@ -261,6 +262,13 @@ class Agent:
         savepoint: if it raises, its writes are undone, the error is logged,
         and the call waits all the same."""
 
+    def mcp_principal(self) -> Any:
+        """The principal this agent's tool calls carry: ``ctx.principal`` of an
+        in-process tool's CallContext, and of the context a remote server's
+        call is made with (an HTTP transport puts identity in its headers
+        instead). ``self.loop`` is the loop being served. None by default."""
+        return None
+
     # -- lifecycle ----------------------------------------------------------------
 
     @classmethod
@@ -457,6 +465,24 @@ class Agent:
         as :meth:`approve` does."""
         return control.complete_call(get_state(), tool_call_id, result, is_error=is_error,
                                      by=by, loop_id=self._require_loop(), session=session)
+
+    def result(self) -> str | None:
+        """The loop's final answer: the text of its last assistant message once
+        it completed. None while it has not finished (queued, running,
+        waiting, paused), the way RQ's ``job.return_value()`` answers for a
+        job still running. Raises :class:`LoopFailedError` (with the loop's
+        error message) for a loop that failed or was stopped."""
+        loop_id = self._require_loop()
+        session = get_state().db.session
+        loop = queries.get_loop(session, loop_id)
+        if loop is None:
+            raise InvalidArgumentError(f"loop {loop_id} does not exist")
+        session.refresh(loop)
+        if loop.status == LoopStatus.FAILED:
+            raise LoopFailedError(loop_id, loop.error_message)
+        if loop.status != LoopStatus.COMPLETED:
+            return None
+        return queries.final_answer(session, loop_id)
 
     def history(self, *, include_hidden: bool = False) -> list[Message]:
         return queries.messages(get_state().db.session, self._require_loop(),

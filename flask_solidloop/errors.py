@@ -251,6 +251,16 @@ class LimitExceededError(SolidLoopError):
     """The agent reached max_steps or max_duration; the loop is paused."""
 
 
+class LoopFailedError(SolidLoopError):
+    """``Agent(loop).result()`` of a loop that failed (or was stopped): the
+    loop's id and its error message are on the exception."""
+
+    def __init__(self, loop_id: int, error_message: str | None) -> None:
+        super().__init__(f"loop {loop_id} failed: {error_message or 'no error recorded'}")
+        self.loop_id = loop_id
+        self.error_message = error_message
+
+
 class LostLeaseError(SolidLoopError):
     """This worker's generation no longer owns the loop; it must write nothing."""
 

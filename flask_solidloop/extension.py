@@ -10,7 +10,7 @@ global middleware hooks.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from dramatiq.middleware import Retries
 from flask import Blueprint, Flask
@@ -19,10 +19,11 @@ from sqlalchemy.engine import make_url
 
 from .agent import Agent
 from .config import Config
-from .errors import AgentDefinitionError, ConfigurationError, SetupError
+from .errors import AgentDefinitionError, ConfigurationError, InvalidArgumentError, SetupError
 from .jobs import JobRegistry, Queue
 from .leases import RenewerSlot
 from .loops import control
+from .loops.store import LoopEndHook
 from .maintenance.janitor import JANITOR_INTERVAL, prune, runs_in_workers
 from .maintenance.reaper import reap
 from .mcp.toolset import Toolset
@@ -62,6 +63,8 @@ class SolidLoop:
         self.agents: dict[str, type[Agent]] = {}
         self.llm_middleware_hooks: list[StackHook] = []
         self.tool_middleware_hooks: list[StackHook] = []
+        #: ``(agent name or None, hook)``: run in the transaction that ends a loop.
+        self.loop_end_hooks: list[tuple[str | None, LoopEndHook]] = []
         if configure_llm_middlewares:
             self.llm_middleware_hooks.append(configure_llm_middlewares)
         if configure_tool_middlewares:
@@ -104,6 +107,53 @@ class SolidLoop:
         """Register a hook that edits the tool stack of every agent (decorator)."""
         self.tool_middleware_hooks.append(hook)
         return hook
+
+    @overload
+    def on_loop_end(self, agent: LoopEndHook) -> LoopEndHook: ...
+
+    @overload
+    def on_loop_end(self, agent: str | type[Agent] | None = None
+                    ) -> Callable[[LoopEndHook], LoopEndHook]: ...
+
+    def on_loop_end(self, agent: str | type[Agent] | LoopEndHook | None = None) -> Any:
+        """Register ``hook(loop, session)``, called inside the transaction that
+        ends a loop (completed, failed, stopped), for the loops of ``agent`` (a
+        registered name or Agent class; None: every agent's). What it writes
+        through ``session`` (a job enqueued with ``session=session``, a row)
+        commits with the ending or not at all; an ending that a newer
+        generation pre-empted runs no hook. It runs in a savepoint: if it
+        raises, its writes are undone, the error is logged, and the loop ends
+        all the same. Use as ``@solidloop.on_loop_end`` or
+        ``@solidloop.on_loop_end(agent="triage")``."""
+        if callable(agent) and not isinstance(agent, type):
+            self.loop_end_hooks.append((None, agent))
+            return agent
+        name = self._agent_name_of(agent)
+
+        def register(hook: LoopEndHook) -> LoopEndHook:
+            if not callable(hook):
+                raise InvalidArgumentError(
+                    f"@solidloop.on_loop_end must decorate a function hook(loop, session), "
+                    f"got {hook!r}")
+            self.loop_end_hooks.append((name, hook))
+            return hook
+
+        return register
+
+    @staticmethod
+    def _agent_name_of(agent: str | type[Agent] | None) -> str | None:
+        if agent is None or isinstance(agent, str):
+            return agent
+        if isinstance(agent, type) and issubclass(agent, Agent):
+            name = getattr(agent, "agent_name", None)
+            if isinstance(name, str):
+                return name
+            raise InvalidArgumentError(
+                f"{agent.__qualname__} is not registered: decorate it with "
+                "@solidloop.agent(name) before naming it in on_loop_end(agent=...)")
+        raise InvalidArgumentError(
+            f"on_loop_end(agent=...) takes an agent's registered name or its class, "
+            f"got {agent!r}")
 
     # -- the host's jobs ----------------------------------------------------------------
 

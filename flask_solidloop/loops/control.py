@@ -38,7 +38,8 @@ def pause(state: SolidLoopState, loop_id: int, *, session: SessionLike | None = 
 def stop(state: SolidLoopState, loop_id: int, *, reason: str,
          session: SessionLike | None = None) -> bool:
     """Fail a live, paused or init loop with ``reason``."""
-    return store.stop(_session(state, session), loop_id, reason=reason)
+    return store.stop(_session(state, session), loop_id, reason=reason,
+                      ends=store.loop_ends(state))
 
 
 def force_stop(state: SolidLoopState, loop_id: int, *, reason: str,
@@ -48,7 +49,8 @@ def force_stop(state: SolidLoopState, loop_id: int, *, reason: str,
     In-flight work of the old generation finds the fence closed and writes
     nothing; its external effects may still complete (at-least-once).
     """
-    return store.force_stop(state, _session(state, session), loop_id, reason=reason)
+    return store.force_stop(state, _session(state, session), loop_id, reason=reason,
+                            ends=store.loop_ends(state))
 
 
 def freeze(state: SolidLoopState, loop_id: int, *, session: SessionLike | None = None) -> bool:

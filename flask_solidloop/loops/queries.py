@@ -176,6 +176,15 @@ def messages(session: SessionLike, loop_id: int, *,
     return list(session.scalars(query.order_by(Message.id)))
 
 
+def final_answer(session: SessionLike, loop_id: int) -> str | None:
+    """The text of the loop's last visible, completed assistant message."""
+    return session.scalars(
+        select(Message.content).where(Message.loop_id == loop_id, Message.role == "assistant",
+                                      Message.is_hidden.is_(False),
+                                      Message.status == "completed")
+        .order_by(Message.id.desc()).limit(1)).first()
+
+
 def tool_calls(session: SessionLike, loop_id: int) -> list[ToolCall]:
     return list(session.scalars(
         select(ToolCall).where(ToolCall.loop_id == loop_id).order_by(ToolCall.id)))

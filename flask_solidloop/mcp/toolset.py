@@ -129,13 +129,20 @@ _MAX_REPR = 120
 class CallContext:
     """What a tool learns about the call it is serving.
 
-    Inside a loop, ``agent`` and ``loop`` are set and ``principal`` is None.
-    For an external MCP caller, ``principal`` identifies the caller and the other
-    two are None. ``idempotency_key`` (``"solidloop:tool_call:<id>"``) is stable
-    across retries of the same tool call; pass it to side-effecting APIs.
-    An approval policy sees the call before it has a row: ``server_name`` and
+    Inside a loop, ``agent`` and ``loop`` are set and ``principal`` is what the
+    agent's ``mcp_principal()`` names (None by default). For an external MCP
+    caller, ``principal`` identifies the caller and the other two are None.
+    ``idempotency_key`` (``"solidloop:tool_call:<id>"``) is stable across
+    retries of the same tool call; pass it to side-effecting APIs. An approval
+    policy sees the call before it has a row: ``server_name`` and
     ``tool_name`` then say which server's tool it is (the model calls it by its
     advertised name), and ``idempotency_key`` is None.
+
+    ``session`` is the database session an in-process tool writes through (it
+    is also what ``db.session`` gives on the tool's thread): what the tool
+    writes there and does not commit commits with the call's result, in one
+    transaction, exactly once (docs/guides/tools.md). If the tool raises, its
+    writes are rolled back. None for remote and stdio servers' tools.
     """
 
     agent: Any = None
@@ -144,6 +151,7 @@ class CallContext:
     idempotency_key: str | None = None
     server_name: str | None = None
     tool_name: str | None = None
+    session: Any = None
 
 
 @dataclass
@@ -471,7 +479,10 @@ class Toolset:
 
         Tool-level failures (unknown tool, bad arguments, handler exceptions)
         come back as ``ToolResult(is_error=True)``; only
-        :class:`~flask_solidloop.errors.LostLeaseError` propagates.
+        :class:`~flask_solidloop.errors.LostLeaseError` propagates. With a
+        ``ctx.session``, what the tool wrote there is flushed once it returns
+        (a write the database refuses is the tool's error), and rolled back
+        when it raised.
         """
         if not isinstance(name, str) or name not in self._tools:
             return ToolResult.error(self._unknown_message(name))
@@ -498,9 +509,13 @@ class Toolset:
             value = definition.handler(**kwargs)
             if inspect.isawaitable(value):
                 value = _run_awaitable(value)
+            if ctx.session is not None:
+                ctx.session.flush()
         except LostLeaseError:
+            _undo(ctx)
             raise
         except Exception as exc:
+            _undo(ctx)
             logger.warning(
                 "tool %r in toolset %r raised %s",
                 name,
@@ -515,6 +530,7 @@ class Toolset:
         try:
             return _to_result(value)
         except Exception as exc:  # a result we could not convert is the tool's fault
+            _undo(ctx)
             logger.warning(
                 "tool %r in toolset %r returned an unconvertible %s",
                 name,
@@ -523,6 +539,16 @@ class Toolset:
                 exc_info=True,
             )
             return ToolResult.error(f"{type(exc).__name__}: {exc}")
+
+
+def _undo(ctx: CallContext) -> None:
+    """Roll back what a tool that failed wrote through ``ctx.session``: a tool
+    error is a transaction that raised."""
+    if ctx.session is not None:
+        try:
+            ctx.session.rollback()
+        except Exception:
+            logger.exception("rolling back the writes of a tool that failed raised")
 
 
 # --------------------------------------------------------------------------- definition

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._typing import SessionLike
 from ..loops.queries import get_loop
-from ..loops.store import fenced_transition
+from ..loops.store import fenced_transition, loop_ends
 
 if TYPE_CHECKING:
     from ..leases import RenewerHandle
@@ -69,7 +69,8 @@ class TurnContext:
         if lease is not None and lease.lost():
             return False
         return fenced_transition(self.session, self.loop_id, self.execution_token,
-                                 from_=from_, to=to, **changes)
+                                 from_=from_, to=to,
+                                 ends=loop_ends(self.state, self.agent.agent_name), **changes)
 
 
 @dataclass
@@ -144,3 +145,6 @@ class ToolContext(TurnContext):
     #: Set by ToolExecution once the tool has run (its effect may have happened):
     #: from then on the step is never handed back for the tool to run again.
     tool_ran: bool = False
+    #: Set by ToolExecution when an in-process tool left its session's
+    #: transaction open: the outcome commits in it, with the tool's writes.
+    joined: bool = False

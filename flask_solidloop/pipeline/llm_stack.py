@@ -152,7 +152,8 @@ def _end_turn(ctx: LlmContext, *, to: str, error_message: str) -> None:
             lambda: store.end_turn(ctx.session, ctx.loop_id, ctx.execution_token, to=to,
                                    error_message=error_message, shell_id=ctx.shell_id,
                                    wire=ctx.wire, body_limit=ctx.state.config.event_body_limit,
-                                   repeat_history=ctx.state.config.event_repeat_history),
+                                   repeat_history=ctx.state.config.event_repeat_history,
+                                   ends=store.loop_ends(ctx.state, ctx.agent.agent_name)),
             session=ctx.session, seconds=ctx.state.config.database_retry_seconds,
             still_ours=ctx.still_ours, what=f"loop {ctx.loop_id}: the turn's end")
     except Exception as exc:
@@ -522,7 +523,8 @@ class ResponseParsing:
                 shell_id=shell_id, response=response, meta=meta, turn_cost=turn_cost,
                 calls=calls, wire=ctx.wire,
                 sequential=bool(ctx.agent.option("sequential_tool_calls")),
-                adopt=ctx.adopt_next, on_wait=ctx.agent.on_wait),
+                adopt=ctx.adopt_next, on_wait=ctx.agent.on_wait,
+                ends=store.loop_ends(ctx.state, ctx.agent.agent_name)),
             session=ctx.session, seconds=ctx.state.config.database_retry_seconds,
             still_ours=ctx.still_ours, what=f"loop {ctx.loop_id}: the turn's end")
         ctx.message, ctx.adopted = finished.message, finished.adopted

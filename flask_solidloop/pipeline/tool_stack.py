@@ -26,12 +26,13 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from .._typing import real_session
 from ..dbapi import is_transient
 from ..loops import queries, store
 from ..mcp.registry import ToolRegistry, call_on_server
 from ..mcp.toolset import CallContext, ToolResult
 from ..models import ToolCall
-from . import tool_threads
+from . import tool_session, tool_threads
 from .builder import Handler
 from .context import ToolContext, UnrecordedResult
 
@@ -105,16 +106,24 @@ class ToolExecution:
             # End the read transaction: a tool may run for minutes and must not
             # hold a snapshot or a connection's transaction open meanwhile.
             store.end_transaction(ctx.session)
-            call_ctx = CallContext(agent=ctx.agent, loop=loop, idempotency_key=key)
+            principal = ctx.agent.mcp_principal()
+            in_process = _in_process_timeout(ctx, entries, server_name, tool_name)
+            returned = False
             try:
                 # The route was resolved when the model's answer was parsed: call that
                 # server directly, without listing any server again.
                 ctx.tool_ran = True
-                in_process = _in_process_timeout(ctx, entries, server_name, tool_name)
                 if in_process is not None and server_name and tool_name:
+                    # The tool writes through the worker's session: what it leaves
+                    # uncommitted commits with the call's outcome (pipeline/tool_session).
+                    call_ctx = CallContext(agent=ctx.agent, loop=loop, idempotency_key=key,
+                                           principal=principal,
+                                           session=real_session(ctx.session))
                     routed = _run_in_process(ctx, call, in_process, lambda: call_on_server(
                         entries, server_name, tool_name, arguments, call_ctx, None))
                 else:
+                    call_ctx = CallContext(agent=ctx.agent, loop=loop, idempotency_key=key,
+                                           principal=principal)
                     routed = (call_on_server(entries, server_name, tool_name, arguments,
                                              call_ctx, stored_state)
                               if server_name and tool_name else None)
@@ -126,11 +135,17 @@ class ToolExecution:
                     if new_state is not None and stored_state is not None \
                             and new_state != stored_state:
                         _keep_session_state(ctx, server_name, new_state)
+                returned = True
             finally:
-                # A tool that used db.session without committing (or left it failed)
-                # must not leak into our checkpoint: its uncommitted writes are
-                # discarded here. Tools that want their writes kept commit them.
-                store.recover(ctx.session)
+                if returned and in_process is not None:
+                    # What the tool left in the session's transaction is its
+                    # database effect: it commits with the outcome (never
+                    # retried in place, since a rollback would lose it).
+                    ctx.joined = tool_session.joins_outcome(ctx.session)
+                else:
+                    # Nothing of a remote tool's, or of a run that raised, may
+                    # leak into the outcome's transaction.
+                    store.recover(ctx.session)
         return result, (time.monotonic() - started) * 1000
 
 
@@ -155,9 +170,14 @@ def _run_in_process(ctx: ToolContext, call: ToolCall, timeout: float,
     seconds: past it, the model gets a ``timeout`` error, the worker thread
     goes on, and the tool's thread stays quarantined (pipeline/tool_threads.py)."""
     threads = tool_threads.pool()
+    db, lent = ctx.state.db, real_session(ctx.session)
     try:
-        return threads.run(run, timeout=timeout, app=ctx.state.app)
+        return threads.run(tool_session.lent_to_tool(db, lent, call.name, run),
+                           timeout=timeout, app=ctx.state.app,
+                           on_abandoned_return=tool_session.discard(lent, call.name))
     except tool_threads.ToolTimeoutError as exc:
+        # The abandoned tool keeps the lent session: the worker takes a new one.
+        tool_session.take_back_after_timeout(db)
         logger.error(
             "tool_call %s: %r did not return within its %gs timeout; it is abandoned in a "
             "quarantined thread (%d in this process; past %d the worker restarts) and the "
@@ -188,7 +208,11 @@ def _keep_session_state(ctx: ToolContext, server_name: str | None,
 def _retried(ctx: ToolContext, write: Callable[[], T], what: str) -> T:
     """A tool outcome's write, retried in place on a transient database error while
     the call's lease holds (store.with_database_retry): the tool's effect has
-    happened, and a lost result would run it again."""
+    happened, and a lost result would run it again. Not when the write joins
+    the tool's own writes (``ctx.joined``): its rollback undid them, so the
+    call is left to its lease, and runs again on a clean database."""
+    if ctx.joined:
+        return write()
     return store.with_database_retry(
         write, session=ctx.session, seconds=ctx.state.config.database_retry_seconds,
         still_ours=ctx.still_ours, what=f"tool_call {ctx.tool_call_id}: {what}")

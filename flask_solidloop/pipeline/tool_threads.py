@@ -50,9 +50,11 @@ class ToolTimeoutError(SolidLoopError):  # an internal signal: the tool stack an
 class _Call:
     """One call handed to a tool thread, and its outcome."""
 
-    def __init__(self, fn: Callable[[], Any], app: Flask | None) -> None:
+    def __init__(self, fn: Callable[[], Any], app: Flask | None,
+                 on_abandoned_return: Callable[[], None] | None = None) -> None:
         self.fn = fn
         self.app = app
+        self.on_abandoned_return = on_abandoned_return
         #: Held until the call has run: a bare lock is the cheapest hand-off back
         #: (an Event is a Condition over one, several times the cost per call).
         self.finished = threading.Lock()
@@ -91,11 +93,14 @@ class ToolThreads:
         self.on_limit: Callable[[int], None] | None = None
         self._limit_reported = False
 
-    def run(self, fn: Callable[[], T], *, timeout: float, app: Flask | None = None) -> T:
+    def run(self, fn: Callable[[], T], *, timeout: float, app: Flask | None = None,
+            on_abandoned_return: Callable[[], None] | None = None) -> T:
         """``fn()`` on a tool thread, its value or its exception; ToolTimeoutError
         when it has not returned after ``timeout`` seconds (the thread is then
-        quarantined, and ``fn`` goes on running there unobserved)."""
-        call = _Call(fn, app)
+        quarantined, and ``fn`` goes on running there unobserved; should it
+        ever return, ``on_abandoned_return`` runs there: what it held is
+        nobody's now)."""
+        call = _Call(fn, app, on_abandoned_return)
         report, quarantined = False, 0
         inbox = self._take()
         inbox.put(call)
@@ -149,6 +154,8 @@ class ToolThreads:
                     continue
                 # Its caller gave up on it: the thread leaves the pool.
                 self.quarantined -= 1
+            if call.on_abandoned_return is not None:
+                call.on_abandoned_return()
             logger.warning("an abandoned tool returned at last on %s; the thread leaves "
                            "quarantine (%d still quarantined in this process)",
                            threading.current_thread().name, self.quarantined)

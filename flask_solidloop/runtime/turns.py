@@ -127,12 +127,13 @@ def run_llm_turn(state: SolidLoopState, loop: Loop, *, adopt: bool = False,
         # Fail visibly, before any claim: an unregistered agent or a broken
         # definition will not heal by retrying, and the loop must not sit queued.
         logger.error("llm_turn: loop %s cannot run: %s", loop_id, exc)
+        ends = store.loop_ends(state, loop.agent_name)
         if adopted is None:
-            store.fail_unclaimed(session, loop_id, storable.error_text(exc))
+            store.fail_unclaimed(session, loop_id, storable.error_text(exc), ends=ends)
         else:
             session.rollback()
             store.end_turn(session, loop_id, adopted.claim.token, to=LoopStatus.FAILED,
-                           error_message=storable.error_text(exc))
+                           error_message=storable.error_text(exc), ends=ends)
         return None
 
     # The claim commits here, and only here, before the stack runs.
@@ -170,7 +171,7 @@ def run_llm_turn(state: SolidLoopState, loop: Loop, *, adopt: bool = False,
 
     def fail(error: str) -> bool:
         return store.end_turn(session, loop_id, token, to=LoopStatus.FAILED,
-                              error_message=error)
+                              error_message=error, ends=store.loop_ends(state, agent.agent_name))
 
     try:
         _guarded(ctx, lambda: plan.llm_handler()(ctx), f"llm_turn: loop {loop_id}",
@@ -295,7 +296,8 @@ def run_tool_call(state: SolidLoopState, call: ToolCall, loop: Loop, execution_t
     def fail(error: str) -> bool:
         return store.end_turn(session, loop_id, token, to=LoopStatus.FAILED,
                               error_message=f"tool call {tool_call_id}: {error}",
-                              call_id=tool_call_id, lease=ctx.lease_token)
+                              call_id=tool_call_id, lease=ctx.lease_token,
+                              ends=store.loop_ends(state, loop.agent_name))
 
     def database_failed(exc: BaseException) -> None:
         # Nothing of the call is ours yet (the claim did not commit, or cannot

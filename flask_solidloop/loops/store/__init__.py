@@ -10,9 +10,10 @@ host commands and heals return False or an empty list instead.
 
 One module per concern: ``llm_turn``, ``tool_turn``, ``commands`` (creation and
 the host's commands), ``heals`` (the reaper's repairs), ``wirelog`` (what the
-events keep), ``adopted`` (what a commit claimed for its thread) and
-``transaction``. Lease *renewal* is the one write elsewhere: leases.py, on the
-renewer's own connection.
+events keep), ``adopted`` (what a commit claimed for its thread), ``ending``
+(the host's hooks, run in the transaction that ends a loop) and
+``transaction``. Lease *renewal* is the one write elsewhere: leases.py, on
+the renewer's own connection.
 """
 
 from .adopted import Adopted, AdoptedLlmTurn, AdoptedToolCall, LlmClaim
@@ -28,6 +29,7 @@ from .commands import (
     stop,
     unfreeze,
 )
+from .ending import NO_HOOKS, LoopEndHook, LoopEnds, loop_ends
 from .heals import (
     heal_dropped_tools,
     heal_expired_llm,
@@ -68,7 +70,7 @@ from .tool_turn import (
     release_tool_call,
     store_mcp_session_state,
 )
-from .transaction import end_transaction, recover, with_database_retry
+from .transaction import end_transaction, holds_nothing, recover, with_database_retry
 from .waits import (
     APPROVAL,
     APPROVED,
@@ -90,6 +92,7 @@ __all__ = [
     "APPROVED",
     "COMPLETED",
     "DENIED",
+    "NO_HOOKS",
     "RESULT",
     "Adopted",
     "AdoptedLlmTurn",
@@ -101,6 +104,8 @@ __all__ = [
     "DueWait",
     "FinishedTurn",
     "LlmClaim",
+    "LoopEndHook",
+    "LoopEnds",
     "NewLoop",
     "NewToolCall",
     "NextTurn",
@@ -134,6 +139,8 @@ __all__ = [
     "heal_stalled_tools",
     "heal_stuck_queued",
     "heal_stuck_tool_phase",
+    "holds_nothing",
+    "loop_ends",
     "open_shell",
     "pause",
     "record_partial",

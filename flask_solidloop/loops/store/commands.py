@@ -23,6 +23,7 @@ from ...mcp.toolset import ToolResult
 from ...models import Loop, Message, ToolCall
 from ...models.loop import LoopStatus
 from .. import queries, sql, storable
+from .ending import LoopEnds, run_loop_end_hooks
 from .transaction import alone, commits, execute, fetch_row, fetch_rows, joins, run_alone
 
 if TYPE_CHECKING:
@@ -134,10 +135,15 @@ def pause(session: SessionLike, loop_id: int) -> bool:
 
 
 @commits
-def stop(session: SessionLike, loop_id: int, *, reason: str) -> bool:
-    """Fail a live, paused or init loop with ``reason``."""
-    if not _done(session, _leave(session, loop_id, from_=_STOPPABLE, to=LoopStatus.FAILED,
-                                 error_message=reason)):
+def stop(session: SessionLike, loop_id: int, *, reason: str,
+         ends: LoopEnds | None = None) -> bool:
+    """Fail a live, paused or init loop with ``reason``, with the host's
+    ``on_loop_end`` hooks (``ends``) in the same commit."""
+    left = _leave(session, loop_id, from_=_STOPPABLE, to=LoopStatus.FAILED,
+                  error_message=reason)
+    if left:
+        run_loop_end_hooks(session, loop_id, ends)
+    if not _done(session, left):
         return False
     signals.send(signals.loop_failed, loop_id=loop_id, error=storable.text(reason)[0])
     return True
@@ -145,14 +151,16 @@ def stop(session: SessionLike, loop_id: int, *, reason: str) -> bool:
 
 @commits
 def force_stop(state: SolidLoopState, session: SessionLike, loop_id: int, *,
-               reason: str) -> bool:
-    """Fail the loop, revoke its tool leases and cancel its queued jobs, at once."""
+               reason: str, ends: LoopEnds | None = None) -> bool:
+    """Fail the loop, revoke its tool leases and cancel its queued jobs, at once,
+    with the host's ``on_loop_end`` hooks (``ends``) in the same commit."""
     error = f"force stopped: {reason}"
     if not _leave(session, loop_id, from_=_STOPPABLE, to=LoopStatus.FAILED,
                   error_message=error, revoke_leases=True):
         session.rollback()
         return False
     state.broker.cancel_loop_jobs(session, loop_id, reason="cancelled by force stop")
+    run_loop_end_hooks(session, loop_id, ends)
     session.commit()
     signals.send(signals.loop_failed, loop_id=loop_id, error=storable.text(error)[0])
     return True

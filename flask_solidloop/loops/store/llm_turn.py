@@ -31,6 +31,7 @@ from ...models.loop import LoopStatus
 from ...queue.current_job import current_job_done_params, note_current_job_done
 from .. import queries, sql, storable
 from .adopted import AdoptedToolCall, LlmClaim
+from .ending import LoopEnds, run_loop_end_hooks
 from .transaction import (
     alone,
     commit_unless,
@@ -246,7 +247,7 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
                     calls: Sequence[NewToolCall], wire: WireRecord | None,
                     sequential: bool, adopt: bool,
                     on_wait: Callable[[WaitRequest, SessionLike], None] | None = None,
-                    ) -> FinishedTurn:
+                    ends: LoopEnds | None = None) -> FinishedTurn:
     """The LLM turn's canonical write, one statement under the row lock and the
     fence (loops/sql.FINISH_TURN): the shell finalized with its usage and cost,
     the wire event, the tool calls; the loop completed, or in its tool phase
@@ -258,9 +259,11 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     line waits), the loop waits. ``on_wait`` runs for each call that waits,
     in the same transaction (a savepoint: what it writes, a notification job
     say, commits with the wait; if it raises, its writes are undone, the error
-    logged, and the turn's end commits without them). A turn end with nothing
-    else to commit (a final answer, or an adopted call with no job beside it)
-    runs in autocommit."""
+    logged, and the turn's end commits without them). A final answer runs the
+    host's ``on_loop_end`` hooks (``ends``) in the same transaction
+    (store/ending.py). A turn end with nothing else to commit (a final answer
+    with no hook, or an adopted call with no job beside it) runs in
+    autocommit."""
     usage = response.usage
     content, content_altered = storable.text(response.content)
     reasoning, reasoning_altered = storable.text(response.reasoning)
@@ -308,8 +311,10 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
                       lease_position=runnable[0] + 1 if lease is not None else None)
     waiting = [n for n, call in enumerate(calls) if call.wait is not None]
     hooked = on_wait is not None and bool(waiting)
+    ended = not calls and bool(ends)
     # Nothing else joins this commit when no job is enqueued with it.
-    sole = len(runnable) - (1 if lease is not None else 0) + len(timed) == 0 and not hooked
+    sole = (len(runnable) - (1 if lease is not None else 0) + len(timed) == 0 and not hooked
+            and not ended)
     fenced, committed = run_alone(session, sql.FINISH_TURN[bool(calls)], params, sole=sole)
     if fenced is None:
         if not committed:
@@ -336,6 +341,8 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
             assert on_wait is not None
             for n in waiting:
                 _run_wait_hook(on_wait, session, _wait_request(calls[n], call_ids[n], loop_id))
+    elif ended:
+        run_loop_end_hooks(session, loop_id, ends)
     # The shell as the session knows it (no SELECT now; it loads on first use).
     shell = real_session(session).identity_map.get(identity_key(Message, shell_id))
     commit_unless(committed, session)
@@ -379,18 +386,22 @@ def _run_wait_hook(on_wait: Callable[[WaitRequest, SessionLike], None], session:
 def end_turn(session: SessionLike, loop_id: int, token: uuid.UUID, *, to: str,
              error_message: str, wire: WireRecord | None = None, shell_id: int | None = None,
              body_limit: int = 0, repeat_history: bool = False, call_id: int | None = None,
-             lease: uuid.UUID | None = None) -> bool:
+             lease: uuid.UUID | None = None, ends: LoopEnds | None = None) -> bool:
     """A turn's own exit from ``running`` on its generation (loops/sql.END_TURN):
     a limit pauses the loop, an error fails it (``to``); its shells are failed
     and hidden, the turn's wire record kept. A tool turn passes its call and
     lease: the call must still be that lease's. False, with nothing written,
-    when the loop is no longer the turn's."""
+    when the loop is no longer the turn's. An end that fails the loop runs the
+    host's ``on_loop_end`` hooks (``ends``) before its commit."""
     error = storable.text(error_message)[0]
     params = {"loop_id": loop_id, "token": token, "to": to, "error_message": error,
               "shell_id": shell_id, "call_id": call_id, "lease": lease,
               **llm_event(wire, body_limit=body_limit, error=error,
                           repeat_history=repeat_history)}
-    row, committed = run_alone(session, sql.END_TURN, params, sole=True)
+    hooked = ends is not None and ends.apply_to(to)
+    row, committed = run_alone(session, sql.END_TURN, params, sole=not hooked)
+    if row is not None and hooked:
+        run_loop_end_hooks(session, loop_id, ends)
     commit_unless(committed, session)
     if row is None:
         return False
@@ -399,10 +410,12 @@ def end_turn(session: SessionLike, loop_id: int, token: uuid.UUID, *, to: str,
 
 
 @commits
-def fail_unclaimed(session: SessionLike, loop_id: int, error_message: str) -> None:
+def fail_unclaimed(session: SessionLike, loop_id: int, error_message: str, *,
+                   ends: LoopEnds | None = None) -> None:
     """Fail a queued loop that cannot run at all (an unregistered agent, a broken
-    definition), marking its job done, so it never sits queued forever. Rolls
-    back what the session holds first."""
+    definition), marking its job done, so it never sits queued forever, with
+    the host's ``on_loop_end`` hooks (``ends``). Rolls back what the session
+    holds first."""
     session.rollback()
     error = storable.text(error_message)[0]
     left = fetch_row(session, sql.LEAVE, {
@@ -411,6 +424,7 @@ def fail_unclaimed(session: SessionLike, loop_id: int, error_message: str) -> No
     if left is None:
         session.commit()
         return
+    run_loop_end_hooks(session, loop_id, ends)
     commit_with_job_done(session)
     signals.send(signals.loop_failed, loop_id=loop_id, error=error)
 
@@ -486,11 +500,13 @@ def defer_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int,
 
 @commits
 def fenced_transition(session: SessionLike, loop_id: int, token: uuid.UUID, *,
-                      from_: str | tuple[str, ...], to: str, **changes: Any) -> bool:
+                      from_: str | tuple[str, ...], to: str, ends: LoopEnds | None = None,
+                      **changes: Any) -> bool:
     """A middleware's own transition on its turn's generation (``ctx.transition``),
     committed now: from one of ``from_`` to ``to`` (loops/sql.TRANSITION), then
-    the other ``changes`` (columns of the loop). False, with nothing written,
-    when the loop is no longer that generation's or not in ``from_``."""
+    the other ``changes`` (columns of the loop), and for an ending the host's
+    ``on_loop_end`` hooks (``ends``). False, with nothing written, when the
+    loop is no longer that generation's or not in ``from_``."""
     allowed = (from_,) if isinstance(from_, str) else tuple(from_)
     for status in (*allowed, to):
         LoopStatus.check(status)
@@ -506,6 +522,8 @@ def fenced_transition(session: SessionLike, loop_id: int, token: uuid.UUID, *,
         return False
     if changes:
         session.execute(update(Loop).where(Loop.id == loop_id).values(**changes))
+    if ends is not None and ends.apply_to(to):
+        run_loop_end_hooks(session, loop_id, ends)
     session.commit()
     signals.send_status(to, loop_id=loop_id, error=changes.get("error_message"))
     return True
