@@ -13,10 +13,13 @@ import pytest
 from sqlalchemy import event, select, text
 
 from flask_solidloop.loops import store
+from flask_solidloop.maintenance.reaper import reap
 from flask_solidloop.mcp_server import store as inbound
 from flask_solidloop.models import Loop, Message
+from flask_solidloop.testing import drain as run
 
 from ..support.support_app import Assistant, solidloop
+from .loop_states import running_loop
 
 SAME = {"Sec-Fetch-Site": "same-origin"}
 XSS = "<script>alert('pwned')</script>"
@@ -124,6 +127,38 @@ def test_script_in_messages_results_and_subjects_is_text(app, session, llm, drai
 @pytest.mark.parametrize(("url", "clickable"), [
     ("javascript:alert(1)", False), ("//evil.example/x", False), ("/users/7", True),
     ("https://crm.example/u/7", True)])
+def _timeline(html: str) -> str:
+    return html.split('<section id="timeline">')[1].split("</section>")[0]
+
+
+def test_the_timeline_shows_a_turn_a_killed_worker_interrupted(app, state, session, llm,
+                                                               client, pg):
+    # A worker claimed the turn and streamed part of an answer into its shell, then
+    # died: its lease lapses, the reaper hides the shell and queues the turn again.
+    loop_id, _ = running_loop(session)
+    session.add(Message(loop_id=loop_id, role="assistant", status="processing",
+                        is_hidden=True, content="Let me che"))
+    session.commit()
+    pg.execute("UPDATE solidloop_loops SET lease_expires_at = now() - interval '1 second' "
+               "WHERE id = %s", (loop_id,))
+    assert reap(state).expired_llm == [loop_id]
+    llm.script("hello there", {"content": "Checked: all good."})
+    run(app)
+    session.expire_all()
+    assert session.get(Loop, loop_id).status == "completed"
+    interrupted, answered = session.scalars(select(Message.id).where(
+        Message.loop_id == loop_id, Message.role == "assistant").order_by(Message.id)).all()
+
+    timeline = _timeline(client.get(f"/admin/loops/{loop_id}").get_data(as_text=True))
+    turns = re.findall(r'<li class="turn turn-(\w+)" data-turn="(\d+)">', timeline)
+    assert turns == [("failed", str(interrupted)), ("completed", str(answered))]
+    killed = timeline.split(f'data-turn="{interrupted}"')[1].split("</li>")[0]
+    assert ">interrupted</span>" in killed and "10 characters of partial output" in killed
+    # `status` shows the same turn: both read the same rows.
+    status = app.test_cli_runner().invoke(args=["solidloop", "status", str(loop_id)]).output
+    assert f"[{interrupted}] assistant (failed, hidden)" in status
+
+
 def test_subject_links_only_for_relative_or_http_urls(session, client, url, clickable):
     loop = Assistant.start(message="hi", subject=("User", "7"), state={"subject_url": url})
     html = client.get(f"/admin/loops/{loop.id}").get_data(as_text=True)
