@@ -12,13 +12,15 @@ import re
 import pytest
 from sqlalchemy import event, select, text
 
+from flask_solidloop import Agent
 from flask_solidloop.loops import store
 from flask_solidloop.maintenance.reaper import reap
 from flask_solidloop.mcp_server import store as inbound
-from flask_solidloop.models import Loop, Message
+from flask_solidloop.models import Loop, McpSession, Message
 from flask_solidloop.testing import drain as run
+from flask_solidloop.testing.mcp_emulator import MCPEmulator
 
-from ..support.support_app import Assistant, solidloop
+from ..support.support_app import Assistant, llm_settings, solidloop
 from .loop_states import running_loop
 
 SAME = {"Sec-Fetch-Site": "same-origin"}
@@ -157,6 +159,38 @@ def test_the_timeline_shows_a_turn_a_killed_worker_interrupted(app, state, sessi
     # `status` shows the same turn: both read the same rows.
     status = app.test_cli_runner().invoke(args=["solidloop", "status", str(loop_id)]).output
     assert f"[{interrupted}] assistant (failed, hidden)" in status
+
+
+def test_the_loop_page_shows_its_mcp_sessions_and_their_tool_snapshots(app, session, llm,
+                                                                      client):
+    with MCPEmulator() as server:
+        server.tool("find_ticket", description="Find a ticket " + XSS, result="ticket 7")
+        server.tool("close_ticket", description="Close a ticket", result="closed")
+
+        @solidloop.agent("admin_remote_desk")
+        class RemoteDesk(Agent):
+            system_prompt = "You use remote tools."
+            mcps = [{"name": "desk", "url": server.url}]
+
+            def llm(self):
+                return llm_settings()
+
+        llm.script("find", {"tool_calls": [{"name": "find_ticket", "arguments": {}}]})
+        llm.script(lambda body: body["messages"][-1]["role"] == "tool", {"content": "found"})
+        loop = RemoteDesk.start(message="find ticket 7")
+        run(app)
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "completed"
+    (stored,) = session.scalars(select(McpSession).where(McpSession.loop_id == loop.id)).all()
+
+    html = client.get(f"/admin/loops/{loop.id}").get_data(as_text=True)
+    section = html.split('<section id="mcp-sessions">')[1].split("</section>")[0]
+    assert "desk: 2 tool(s)" in section and "none (in-process" not in section
+    assert re.findall(r"<li><code>(\w+)</code>", section) == ["find_ticket", "close_ticket"]
+    # A remote server's descriptions are text, never markup.
+    assert XSS not in section and "Find a ticket &lt;script&gt;" in section
+    keys = ", ".join(stored.session_state)
+    assert keys and f"session state keys: {keys}</p>" in section, stored.session_state
 
 
 def test_subject_links_only_for_relative_or_http_urls(session, client, url, clickable):
