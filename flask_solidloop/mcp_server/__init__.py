@@ -27,7 +27,9 @@ from .agents import ExposedAgent, agent_toolset
 from .http import Auth, McpEndpoint
 from .protocol import ServerSpec, report_progress
 
-__all__ = ["ExposedAgent", "build_blueprint", "report_progress"]
+#: What a host imports from here (docs/index.md, "The public API"); the blueprint
+#: itself comes from ``SolidLoop.mcp_blueprint``, which calls :func:`build_blueprint`.
+__all__ = ["ExposedAgent", "report_progress"]
 
 _BLUEPRINT_NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 

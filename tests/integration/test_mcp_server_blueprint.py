@@ -11,8 +11,8 @@ from flask_solidloop import CallContext, ConfigurationError, Toolset
 from flask_solidloop.errors import AgentDefinitionError
 from flask_solidloop.maintenance.janitor import prune
 from flask_solidloop.mcp_server import ExposedAgent
-from flask_solidloop.mcp_server.agents import agent_toolset
 from flask_solidloop.mcp_server import store as inbound
+from flask_solidloop.mcp_server.agents import agent_toolset
 from flask_solidloop.models import Event, Loop, McpInboundSession
 from flask_solidloop.state import get_state
 
