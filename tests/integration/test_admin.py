@@ -126,9 +126,6 @@ def test_script_in_messages_results_and_subjects_is_text(app, session, llm, drai
     assert "<script>alert" not in listing and "label &lt;script&gt;" in listing
 
 
-@pytest.mark.parametrize(("url", "clickable"), [
-    ("javascript:alert(1)", False), ("//evil.example/x", False), ("/users/7", True),
-    ("https://crm.example/u/7", True)])
 def _timeline(html: str) -> str:
     return html.split('<section id="timeline">')[1].split("</section>")[0]
 
@@ -193,6 +190,9 @@ def test_the_loop_page_shows_its_mcp_sessions_and_their_tool_snapshots(app, sess
     assert keys and f"session state keys: {keys}</p>" in section, stored.session_state
 
 
+@pytest.mark.parametrize(("url", "clickable"), [
+    ("javascript:alert(1)", False), ("//evil.example/x", False), ("/users/7", True),
+    ("https://crm.example/u/7", True)])
 def test_subject_links_only_for_relative_or_http_urls(session, client, url, clickable):
     loop = Assistant.start(message="hi", subject=("User", "7"), state={"subject_url": url})
     html = client.get(f"/admin/loops/{loop.id}").get_data(as_text=True)
