@@ -287,15 +287,20 @@ def workers_command(recent: float) -> None:
     if not rows:
         click.echo("no workers registered; start one with `flask solidloop worker`")
         return
-    click.echo(f"{'worker':<28} {'state':<8} {'threads':>7} {'started':>8} {'seen':>6}  "
-               f"{'queues':<40} holds")
+    # Columns as wide as their longest value: a worker identity or a queue name
+    # cut short could not be passed on to `flask solidloop worker -Q` or grep.
+    who = max(len("worker"), *(len(row.identity) for row in rows))
+    queues = {row.identity: ",".join(row.queues) for row in rows}
+    wide = max(len("queues"), *(len(q) for q in queues.values()))
+    click.echo(f"{'worker':<{who}} {'state':<8} {'threads':>7} {'started':>8} {'seen':>6}  "
+               f"{'queues':<{wide}} holds")
     for row in rows:
         holds = "  ".join(x for x in (_ids("loops", row.loops),
                                       _ids("tool calls", row.tool_calls)) if x) or "-"
         started = _seconds((row.last_seen_at - row.started_at).total_seconds() + row.silent_for)
-        click.echo(f"{row.identity[:28]:<28} {row.state(interval):<8} {row.threads:>7} "
+        click.echo(f"{row.identity:<{who}} {row.state(interval):<8} {row.threads:>7} "
                    f"{started + ' ago':>8} {_seconds(row.silent_for) + ' ago':>6}  "
-                   f"{','.join(row.queues)[:40]:<40} {holds}")
+                   f"{queues[row.identity]:<{wide}} {holds}")
 
 
 # -- host jobs ------------------------------------------------------------------

@@ -10,7 +10,7 @@ global middleware hooks.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from dramatiq.middleware import Retries
 from flask import Blueprint, Flask
@@ -41,6 +41,9 @@ from .queue.middleware import (
 from .runtime.actors import declare_actors
 from .state import EXTENSION_KEY, SolidLoopState
 from .urls import install_log_redaction, libpq_url, redact_url
+
+if TYPE_CHECKING:
+    from .mcp_server import ExposedAgent
 
 A = TypeVar("A", bound=type[Agent])
 StackHook = Callable[[Builder], None]
@@ -208,7 +211,7 @@ class SolidLoop:
         name: str | None = None,
         allowed_hosts: Iterable[str] | None = None,
         allowed_origins: Iterable[str] | None = None,
-        agents: Iterable[type[Agent]] = (),
+        agents: Iterable[type[Agent] | ExposedAgent] = (),
         principal_label: Callable[[Any], str] | None = None,
         instructions: str | None = None,
     ) -> Blueprint:
@@ -221,16 +224,21 @@ class SolidLoop:
         ``auth(token, request)`` is required (fail closed): it returns the caller's
         principal, or None for a 401. Handlers then see ``ctx.principal``. Only the
         toolsets passed are exposed; ``agents=[Support]`` adds ``start_support`` /
-        ``status_support`` tools. ``allowed_hosts`` / ``allowed_origins`` default to
+        ``status_support`` tools; ``ExposedAgent(Support, arguments=...,
+        on_start=...)`` lets the host map the caller's principal and arguments
+        to the loop's subject and state. ``allowed_hosts`` / ``allowed_origins`` default to
         localhost (any port) plus the app's ``SERVER_NAME``. See
         docs/guides/mcp_server.md.
         """
-        from .mcp_server import build_blueprint
+        from .mcp_server import ExposedAgent, build_blueprint
 
-        for agent_cls in agents:
+        agents = list(agents)
+        for entry in agents:
+            agent_cls = entry.agent if isinstance(entry, ExposedAgent) else entry
             if not (isinstance(agent_cls, type) and issubclass(agent_cls, Agent)):
                 raise AgentDefinitionError(
-                    f"mcp_blueprint(agents=...) takes Agent subclasses, got {agent_cls!r}")
+                    "mcp_blueprint(agents=...) takes Agent subclasses (or ExposedAgent("
+                    f"Agent, ...) entries), got {agent_cls!r}")
             if agent_cls._extension is not self:
                 raise AgentDefinitionError(
                     f"{agent_cls.__name__} is not registered on this SolidLoop; decorate it "

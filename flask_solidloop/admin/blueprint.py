@@ -432,7 +432,10 @@ def _loop_regions(session: Any, loop_id: int) -> dict[str, Any]:
     by_message: dict[int, list[Any]] = {}
     for call in calls:
         by_message.setdefault(call.message_id, []).append(call)
-    turns = [m for m in messages if m.role == "assistant" and m.status == "completed"]
+    # Every LLM turn, the unfinished ones too: a turn a killed worker (or a pause,
+    # a stop, a failed request) interrupted is a hidden ``failed`` shell, and an
+    # operator reading the timeline must see that the loop paid for it.
+    turns = [m for m in messages if m.role == "assistant"]
     return {
         "messages": messages,
         "visible": [m for m in messages if not m.is_hidden],

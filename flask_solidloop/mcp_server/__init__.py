@@ -5,7 +5,8 @@ flask_solidloop/mcp/: :func:`build_blueprint` (what
 ``SolidLoop.mcp_blueprint(...)`` returns), the methods it answers
 (:mod:`.protocol`), the Streamable HTTP glue in a Flask view (:mod:`.http`),
 Host/Origin rules and redaction (:mod:`.security`), and the start/status tools
-of agents exposed as tools (:mod:`.agents`). Sessions and wire-log events are
+of agents exposed as tools (:mod:`.agents`, with :class:`ExposedAgent`, the
+host's say over an agent's start tool). Sessions and wire-log events are
 written by :mod:`.store`; loops are started through the Agent API and
 read through loops.queries. See docs/guides/mcp_server.md and
 docs/decisions/0011-mcp-server-blueprint.md.
@@ -22,11 +23,13 @@ from flask import Blueprint
 from ..errors import ConfigurationError
 from ..mcp.toolset import Toolset
 from . import security
-from .agents import agent_toolset
+from .agents import ExposedAgent, agent_toolset
 from .http import Auth, McpEndpoint
 from .protocol import ServerSpec, report_progress
 
-__all__ = ["build_blueprint", "report_progress"]
+#: What a host imports from here (docs/index.md, "The public API"); the blueprint
+#: itself comes from ``SolidLoop.mcp_blueprint``, which calls :func:`build_blueprint`.
+__all__ = ["ExposedAgent", "report_progress"]
 
 _BLUEPRINT_NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 
@@ -38,7 +41,7 @@ def build_blueprint(
     name: str | None = None,
     allowed_hosts: Iterable[str] | None = None,
     allowed_origins: Iterable[str] | None = None,
-    agents: Iterable[Any] = (),
+    agents: Iterable[Any] = (),  # Agent subclasses or ExposedAgent entries
     principal_label: Callable[[Any], str] | None = None,
     instructions: str | None = None,
 ) -> Blueprint:

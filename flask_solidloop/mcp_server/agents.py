@@ -1,31 +1,130 @@
 """Agents as tools: ``start_<agent>``, ``status_<agent>``, ``approve_<agent>`` and
 ``deny_<agent>`` per agent.
 
-This module owns the toolset the blueprint builds for ``agents=[...]``. The
-start tool starts a durable loop through the Agent API (``Agent.start``; the
-caller's principal label becomes the loop's subject, ``("mcp_principal",
-label)``, and is kept in its state), and returns the loop id at once: the loop
-runs on the workers, so a client that disconnects loses nothing. The status
-tool reads the loop through loops.queries, with the tool calls that await a
-decision or a result; approve and deny decide a call that awaits an approval
-through the Agent API (``by`` is ``mcp:<principal>``). Each answers only the
-principal who started the loop.
+This module owns the toolset the blueprint builds for ``agents=[...]``, and
+:class:`ExposedAgent`, the entry that lets the host shape an agent's start
+tool. The start tool starts a durable loop through the Agent API
+(``Agent.start``) and returns the loop id at once: the loop runs on the
+workers, so a client that disconnects loses nothing. By default the caller's
+principal label becomes the loop's subject, ``("mcp_principal", label)``; an
+``ExposedAgent`` adds arguments to the tool's input schema and maps the
+caller's principal and arguments to the loop's subject, state and message
+(``on_start``). Either way the label is kept in the loop's state
+(``mcp_principal``), and that is what binds the loop to its caller: the
+status tool reads the loop through loops.queries, with the tool calls that
+await a decision or a result; approve and deny decide a call that awaits an
+approval through the Agent API (``by`` is ``mcp:<principal>``). Each answers
+only the principal who started the loop.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import InvalidArgumentError
+from jsonschema import exceptions as schema_errors
+from jsonschema.validators import Draft202012Validator
+
+from ..agent import Agent
+from ..errors import ConfigurationError, InvalidArgumentError
 from ..loops import pending, queries
 from ..mcp.toolset import CallContext, Toolset
 from ..state import get_state
 
-__all__ = ["PRINCIPAL_SUBJECT_TYPE", "agent_toolset", "tool_suffix"]
+__all__ = [
+    "PRINCIPAL_STATE_KEY",
+    "PRINCIPAL_SUBJECT_TYPE",
+    "ExposedAgent",
+    "agent_toolset",
+    "tool_suffix",
+]
 
-#: The loop's ``subject_type`` for loops started by an outside MCP client.
+#: The loop's ``subject_type`` for loops started by an outside MCP client, unless
+#: the host's ``on_start`` names another subject.
 PRINCIPAL_SUBJECT_TYPE = "mcp_principal"
+#: The loop-state key holding the label of the principal who started the loop:
+#: the status, approve and deny tools answer only that principal.
+PRINCIPAL_STATE_KEY = "mcp_principal"
+
+_MESSAGE_SCHEMA = {"type": "string", "minLength": 1,
+                   "description": "The task, as a message to the agent."}
+_START_KEYS = ("subject", "state", "message")
+_ARGUMENT_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
+
+#: ``on_start(principal, arguments)``: the caller's principal (what ``auth``
+#: returned) and the start tool's arguments, ``message`` included; returns a
+#: mapping with any of ``subject``, ``state`` and ``message``, or None.
+StartHook = Callable[[Any, dict[str, Any]], Mapping[str, Any] | None]
+
+
+@dataclass(frozen=True)
+class ExposedAgent:
+    """An agent for ``mcp_blueprint(agents=[...])`` whose start tool the host shapes.
+
+    ``arguments`` adds properties to ``start_<agent>``'s input schema, beside
+    ``message`` (name -> JSON Schema); ``required`` names those the caller must
+    pass. A call's arguments are checked against the whole schema (an unknown
+    or ill-typed argument is a tool error naming it) before ``on_start`` sees
+    them. ``on_start(principal, arguments)`` returns the loop's ``subject``
+    (a model instance or a ``(type, id)`` tuple), its ``state`` and its
+    ``message`` (each optional: the defaults are the principal's label as
+    subject, an empty state and the caller's message), or raises to refuse
+    the start (the client reads the exception's message). It runs in the
+    request's app context, before the loop is written; what it adds to
+    ``db.session`` commits with the loop.
+    """
+
+    agent: type[Agent]
+    arguments: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    required: Sequence[str] = ()
+    on_start: StartHook | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.arguments, Mapping):
+            raise ConfigurationError(
+                "arguments", self.arguments,
+                "must be a dict of argument name -> JSON Schema, e.g. "
+                "{'ticket_id': {'type': 'integer'}}")
+        for name, schema in self.arguments.items():
+            if not isinstance(name, str) or not _ARGUMENT_NAME.match(name) or name == "message":
+                raise ConfigurationError(
+                    "arguments", name,
+                    "argument names match ^[A-Za-z][A-Za-z0-9_]{0,63}$ and 'message' is "
+                    "the start tool's own")
+            if not isinstance(schema, Mapping):
+                raise ConfigurationError(
+                    f"arguments[{name!r}]", schema,
+                    "must be a JSON Schema dict, e.g. {'type': 'integer'}")
+        if isinstance(self.required, str) or not all(
+                isinstance(name, str) for name in self.required):
+            raise ConfigurationError("required", self.required,
+                                     "must be a list of argument names")
+        unknown = [name for name in self.required if name not in self.arguments]
+        if unknown:
+            raise ConfigurationError(
+                "required", list(self.required),
+                f"names {unknown} that arguments= does not declare; declare them there")
+        if self.on_start is not None and not callable(self.on_start):
+            raise ConfigurationError(
+                "on_start", self.on_start,
+                "must be a callable on_start(principal, arguments) returning a dict with "
+                "any of 'subject', 'state', 'message'")
+        try:
+            Draft202012Validator.check_schema(self.input_schema())
+        except schema_errors.SchemaError as exc:
+            raise ConfigurationError(
+                "arguments", dict(self.arguments),
+                f"is not valid JSON Schema: {exc.message}") from None
+
+    def input_schema(self) -> dict[str, Any]:
+        """The start tool's input schema: ``message`` and the host's arguments."""
+        return {"type": "object",
+                "properties": {"message": dict(_MESSAGE_SCHEMA),
+                               **{name: dict(schema) for name, schema in self.arguments.items()}},
+                "required": ["message", *self.required],
+                "additionalProperties": False}
 
 
 def tool_suffix(agent_name: str) -> str:
@@ -33,29 +132,44 @@ def tool_suffix(agent_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", agent_name)[:100]
 
 
-def agent_toolset(name: str, agents: list[Any], label_of: Any) -> Toolset:
-    """One toolset with the start and status tools of each agent class."""
+def agent_toolset(name: str, agents: list[type[Agent] | ExposedAgent],
+                  label_of: Callable[[Any], str]) -> Toolset:
+    """One toolset with the start, status, approve and deny tools of each agent."""
     toolset = Toolset(f"{name}-agents")
-    for agent_cls in agents:
-        _add_agent(toolset, agent_cls, label_of)
+    for entry in agents:
+        _add_agent(toolset, entry if isinstance(entry, ExposedAgent) else ExposedAgent(entry),
+                   label_of)
     return toolset
 
 
-def _add_agent(toolset: Toolset, agent_cls: Any, label_of: Any) -> None:
+def _add_agent(toolset: Toolset, exposed: ExposedAgent,
+               label_of: Callable[[Any], str]) -> None:
+    agent_cls = exposed.agent
+    validator = Draft202012Validator(exposed.input_schema())
     agent_name = agent_cls._registered_name()
     suffix = tool_suffix(agent_name)
     summary = (agent_cls.__doc__ or "").strip().split("\n\n")[0].strip()
     about = f" {summary}" if summary else ""
 
-    def start(message: str, ctx: CallContext) -> dict[str, Any]:
-        """Start a loop.
-
-        Args:
-            message: The task, as a message to the agent.
-        """
-        label = label_of(ctx.principal)
-        loop = agent_cls.start(message=message, subject=(PRINCIPAL_SUBJECT_TYPE, label),
-                               state={"mcp_principal": label})
+    def start(call: CallContext, **arguments: Any) -> dict[str, Any]:
+        """Start a loop."""
+        problem = schema_errors.best_match(validator.iter_errors(arguments))
+        if problem is not None:
+            where = ".".join(str(part) for part in problem.absolute_path)
+            raise InvalidArgumentError(
+                f"invalid arguments for tool 'start_{suffix}': "
+                f"{where + ': ' if where else ''}{problem.message}")
+        label = label_of(call.principal)
+        chosen = _run_on_start(exposed, call.principal, arguments)
+        if PRINCIPAL_STATE_KEY in chosen.get("state", {}):
+            raise ConfigurationError(
+                "on_start", f"state[{PRINCIPAL_STATE_KEY!r}]",
+                "is set by the blueprint (the caller's principal label, which binds the "
+                "loop to its caller); store yours under another key")
+        loop = agent_cls.start(
+            message=chosen.get("message", arguments["message"]),
+            subject=chosen.get("subject", (PRINCIPAL_SUBJECT_TYPE, label)),
+            state={**chosen.get("state", {}), PRINCIPAL_STATE_KEY: label})
         return {"loop_id": loop.id, "status": loop.status,
                 "next": f"call status_{suffix} with this loop_id to follow it"}
 
@@ -64,7 +178,7 @@ def _add_agent(toolset: Toolset, agent_cls: Any, label_of: Any) -> None:
         label = label_of(ctx.principal)
         loop = queries.get_loop(get_state().db.session, loop_id)
         if (loop is None or loop.agent_name != agent_name
-                or loop.subject_type != PRINCIPAL_SUBJECT_TYPE or loop.subject_id != label):
+                or (loop.state or {}).get(PRINCIPAL_STATE_KEY) != label):
             raise InvalidArgumentError(f"no {agent_name} loop {loop_id} started by you; pass the "
                                        f"loop_id that start_{suffix} returned")
         return loop, label
@@ -128,7 +242,8 @@ def _add_agent(toolset: Toolset, agent_cls: Any, label_of: Any) -> None:
         decided = agent_cls(loop).deny(tool_call_id, reason, by=f"mcp:{label}")
         return {"tool_call_id": tool_call_id, "decision": decided.decision}
 
-    toolset.add_tool(start, name=f"start_{suffix}", description=(
+    toolset.add_tool(start, name=f"start_{suffix}", input_schema=exposed.input_schema(),
+                     description=(
         f"Start the {agent_name} agent on a task; returns the id of its durable loop at "
         f"once (the work goes on in the background).{about}"))
     toolset.add_tool(status, name=f"status_{suffix}", description=(
@@ -147,3 +262,23 @@ def _pending(call: Any) -> dict[str, Any]:
     return {"tool_call_id": call.id, "tool": call.name, "arguments": call.arguments,
             "since": call.created_at.isoformat(),
             "times_out_at": call.wait_deadline.isoformat() if call.wait_deadline else None}
+
+
+def _run_on_start(exposed: ExposedAgent, principal: Any,
+                  arguments: dict[str, Any]) -> dict[str, Any]:
+    """What the host's ``on_start`` chose for the loop, checked; {} without a hook."""
+    if exposed.on_start is None:
+        return {}
+    chosen = exposed.on_start(principal, dict(arguments))
+    if chosen is None:
+        return {}
+    if not isinstance(chosen, Mapping) or set(chosen) - set(_START_KEYS):
+        # The keys or the type, never the values: this error reaches the client.
+        shape = sorted(map(str, chosen)) if isinstance(chosen, Mapping) else type(chosen).__name__
+        raise ConfigurationError(
+            "on_start", shape,
+            "must return None or a dict with any of 'subject', 'state', 'message'")
+    if "state" in chosen and not isinstance(chosen["state"], Mapping):
+        raise ConfigurationError("on_start", type(chosen["state"]).__name__,
+                                 "'state' must be a dict")
+    return {key: (dict(value) if key == "state" else value) for key, value in chosen.items()}

@@ -15,12 +15,12 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from sqlalchemy import select
 
-from flask_solidloop.models import Event, Loop, ToolCall
+from flask_solidloop.models import Event, Loop, Message, ToolCall
 from flask_solidloop.urls import libpq_url
 
 from ..support import mcp_server_app
 from ..support.mcp_gunicorn import eventually
-from ..support.mcp_server_app import REMOTE_URL_ENV, RemoteCalcAgent
+from ..support.mcp_server_app import REMOTE_URL_ENV, TICKET_ARGUMENTS, RemoteCalcAgent
 
 
 def test_an_agent_of_ours_uses_the_blueprint_through_its_url_entry(
@@ -63,6 +63,61 @@ async def _call(url: str, who: str, name: str, arguments: dict) -> dict:
         result = await client.call_tool(name, arguments)
         return {"error": result.is_error, "data": result.structured_content,
                 "text": result.content[0].text if result.content else ""}
+
+
+async def _start_schema(url: str, who: str) -> dict:
+    headers = {"Authorization": f"Bearer token-{who}"}
+    async with httpx2.AsyncClient(headers=headers, timeout=30) as http, \
+            Client(streamable_http_client(url, http_client=http), mode="auto") as client:
+        listed = await client.list_tools()
+        return next(t.input_schema for t in listed.tools if t.name == "start_assistant")
+
+
+def test_the_host_maps_the_callers_principal_and_arguments_to_the_loops_subject_and_state(
+        app, session, llm, drain, mcp_gunicorn):
+    url = f"{mcp_gunicorn}/mcp/tickets"
+    schema = asyncio.run(_start_schema(url, "erin"))
+    assert schema["required"] == ["message", "ticket_id"]
+    assert schema["properties"]["ticket_id"] == TICKET_ARGUMENTS["ticket_id"]
+    assert schema["properties"]["priority"]["enum"] == ["low", "normal", "high"]
+    assert schema["additionalProperties"] is False
+
+    llm.script("Ticket 42: the printer is on fire", {"content": "extinguished"})
+    started = asyncio.run(_call(url, "erin", "start_assistant", {
+        "message": "the printer is on fire", "ticket_id": 42, "priority": "high"}))
+    assert not started["error"], started
+    loop = session.get(Loop, started["data"]["loop_id"])
+    # on_start chose the subject, the state and the message; the blueprint added the
+    # caller's label, which binds the loop to its caller.
+    assert (loop.subject_type, loop.subject_id) == ("Ticket", "42")
+    assert loop.state == {"ticket_id": 42, "priority": "high", "mcp_principal": "erin"}
+    first = session.scalars(select(Message).where(Message.loop_id == loop.id,
+                                                  Message.role == "user")).one()
+    assert first.content == "Ticket 42: the printer is on fire"
+    drain()
+    done = asyncio.run(_call(url, "erin", "status_assistant", {"loop_id": loop.id}))
+    assert done["data"]["status"] == "completed" and done["data"]["answer"] == "extinguished"
+    other = asyncio.run(_call(url, "frank", "status_assistant", {"loop_id": loop.id}))
+    assert other["error"] and "started by you" in other["text"]
+
+    # Bad arguments are checked against the schema before on_start runs: each is a tool
+    # error naming the argument, and no loop is written; on_start may refuse the caller.
+    loops_before = session.query(Loop).count()
+    for who, arguments, named in [
+        ("erin", {"message": "hi"}, "'start_assistant': ticket_id: Field required"),
+        ("erin", {"message": "hi", "ticket_id": 0}, "ticket_id: 0 is less than the minimum"),
+        ("erin", {"message": "hi", "ticket_id": 7, "priority": "urgent"},
+         "priority: 'urgent' is not one of"),
+        ("erin", {"message": "hi", "ticket_id": 7, "colour": "red"},
+         "('colour' was unexpected)"),
+        ("erin", {"message": "", "ticket_id": 7}, "message: '' should be non-empty"),
+        ("mallory", {"message": "hi", "ticket_id": 7},
+         "PermissionError: mallory may not open tickets"),
+    ]:
+        refused = asyncio.run(_call(url, who, "start_assistant", arguments))
+        assert refused["error"] and named in refused["text"], (arguments, refused)
+    session.expire_all()
+    assert session.query(Loop).count() == loops_before
 
 
 def test_agents_as_tools_start_durable_loops_and_report_their_answer(

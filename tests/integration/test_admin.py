@@ -12,11 +12,16 @@ import re
 import pytest
 from sqlalchemy import event, select, text
 
+from flask_solidloop import Agent
 from flask_solidloop.loops import store
+from flask_solidloop.maintenance.reaper import reap
 from flask_solidloop.mcp_server import store as inbound
-from flask_solidloop.models import Loop, Message
+from flask_solidloop.models import Loop, McpSession, Message
+from flask_solidloop.testing import drain as run
+from flask_solidloop.testing.mcp_emulator import MCPEmulator
 
-from ..support.support_app import Assistant, solidloop
+from ..support.support_app import Assistant, llm_settings, solidloop
+from .loop_states import running_loop
 
 SAME = {"Sec-Fetch-Site": "same-origin"}
 XSS = "<script>alert('pwned')</script>"
@@ -119,6 +124,70 @@ def test_script_in_messages_results_and_subjects_is_text(app, session, llm, drai
     assert "&lt;script&gt;alert(&#39;pwned&#39;)&lt;/script&gt;" in html
     listing = client.get("/admin/loops").get_data(as_text=True)
     assert "<script>alert" not in listing and "label &lt;script&gt;" in listing
+
+
+def _timeline(html: str) -> str:
+    return html.split('<section id="timeline">')[1].split("</section>")[0]
+
+
+def test_the_timeline_shows_a_turn_a_killed_worker_interrupted(app, state, session, llm,
+                                                               client, pg):
+    # A worker claimed the turn and streamed part of an answer into its shell, then
+    # died: its lease lapses, the reaper hides the shell and queues the turn again.
+    loop_id, _ = running_loop(session)
+    session.add(Message(loop_id=loop_id, role="assistant", status="processing",
+                        is_hidden=True, content="Let me che"))
+    session.commit()
+    pg.execute("UPDATE solidloop_loops SET lease_expires_at = now() - interval '1 second' "
+               "WHERE id = %s", (loop_id,))
+    assert reap(state).expired_llm == [loop_id]
+    llm.script("hello there", {"content": "Checked: all good."})
+    run(app)
+    session.expire_all()
+    assert session.get(Loop, loop_id).status == "completed"
+    interrupted, answered = session.scalars(select(Message.id).where(
+        Message.loop_id == loop_id, Message.role == "assistant").order_by(Message.id)).all()
+
+    timeline = _timeline(client.get(f"/admin/loops/{loop_id}").get_data(as_text=True))
+    turns = re.findall(r'<li class="turn turn-(\w+)" data-turn="(\d+)">', timeline)
+    assert turns == [("failed", str(interrupted)), ("completed", str(answered))]
+    killed = timeline.split(f'data-turn="{interrupted}"')[1].split("</li>")[0]
+    assert ">interrupted</span>" in killed and "10 characters of partial output" in killed
+    # `status` shows the same turn: both read the same rows.
+    status = app.test_cli_runner().invoke(args=["solidloop", "status", str(loop_id)]).output
+    assert f"[{interrupted}] assistant (failed, hidden)" in status
+
+
+def test_the_loop_page_shows_its_mcp_sessions_and_their_tool_snapshots(app, session, llm,
+                                                                      client):
+    with MCPEmulator() as server:
+        server.tool("find_ticket", description="Find a ticket " + XSS, result="ticket 7")
+        server.tool("close_ticket", description="Close a ticket", result="closed")
+
+        @solidloop.agent("admin_remote_desk")
+        class RemoteDesk(Agent):
+            system_prompt = "You use remote tools."
+            mcps = [{"name": "desk", "url": server.url}]
+
+            def llm(self):
+                return llm_settings()
+
+        llm.script("find", {"tool_calls": [{"name": "find_ticket", "arguments": {}}]})
+        llm.script(lambda body: body["messages"][-1]["role"] == "tool", {"content": "found"})
+        loop = RemoteDesk.start(message="find ticket 7")
+        run(app)
+    session.expire_all()
+    assert session.get(Loop, loop.id).status == "completed"
+    (stored,) = session.scalars(select(McpSession).where(McpSession.loop_id == loop.id)).all()
+
+    html = client.get(f"/admin/loops/{loop.id}").get_data(as_text=True)
+    section = html.split('<section id="mcp-sessions">')[1].split("</section>")[0]
+    assert "desk: 2 tool(s)" in section and "none (in-process" not in section
+    assert re.findall(r"<li><code>(\w+)</code>", section) == ["find_ticket", "close_ticket"]
+    # A remote server's descriptions are text, never markup.
+    assert XSS not in section and "Find a ticket &lt;script&gt;" in section
+    keys = ", ".join(stored.session_state)
+    assert keys and f"session state keys: {keys}</p>" in section, stored.session_state
 
 
 @pytest.mark.parametrize(("url", "clickable"), [

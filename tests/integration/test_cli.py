@@ -191,3 +191,23 @@ def test_list_finds_loops_by_status_agent_age_and_shows_why_they_failed(
     bad = runner.invoke(args=["solidloop", "list", "--since", "yesterday"])
     assert bad.exit_code == 2 and "neither a duration (30m, 2h, 7d) nor an ISO date" in bad.output
     assert parse_since("2025-01-31").tzinfo is not None
+
+
+def test_workers_lists_whole_identities_and_queue_names(runner, session):
+    from flask_solidloop.models import Worker
+
+    long_host = "helpdesk-worker-07.eu-west-1.compute.internal"
+    queues = ["solidloop_llm", "solidloop_tool", "solidloop_maintenance",
+              "helpdesk_nightly_ticket_rollup"]
+    session.add_all([Worker(identity=f"{long_host}:4242", host=long_host, pid=4242,
+                            threads=8, queues=queues),
+                     Worker(identity="w:1", host="w", pid=1, threads=1, queues=["solidloop_llm"])])
+    session.commit()
+    result = runner.invoke(args=["solidloop", "workers"])
+    assert result.exit_code == 0, result.output
+    header, *lines = result.output.splitlines()
+    row = next(line for line in lines if line.startswith(f"{long_host}:4242 "))
+    assert f" {','.join(queues)} " in row, row
+    # The columns still line up: each row's queues start under the header's.
+    short = next(line for line in lines if line.startswith("w:1 "))
+    assert row.index("solidloop_llm") == short.index("solidloop_llm") == header.index("queues")

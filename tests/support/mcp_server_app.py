@@ -8,6 +8,9 @@ extension (so its agents and workers are the same):
   ``<name>``);
 * ``/mcp/agents``: the ``assistant`` and ``shop`` agents as start/status (and
   approve/deny) tools, same tokens;
+* ``/mcp/tickets``: the ``assistant`` agent again, as an ``ExposedAgent`` whose
+  start tool takes a ticket and whose ``on_start`` makes it the loop's subject
+  (principal ``mallory`` is refused);
 * ``/mcp/conformance``: the fixture tools of the official conformance suite,
   open to any caller (the suite sends no token).
 """
@@ -21,7 +24,7 @@ import time
 from flask import Flask
 
 from flask_solidloop import Agent, CallContext, ToolResult, Toolset
-from flask_solidloop.mcp_server import report_progress
+from flask_solidloop.mcp_server import ExposedAgent, report_progress
 
 from .support_app import Assistant, ShopAgent, calc, llm_settings, solidloop
 from .support_app import create_app as create_support_app
@@ -180,9 +183,28 @@ class RemoteCalcAgent(Agent):
         return llm_settings()
 
 
+def start_on_ticket(principal: str, arguments: dict) -> dict:
+    """The tickets blueprint's on_start: the ticket is the loop's subject."""
+    if principal == "mallory":
+        raise PermissionError(f"{principal} may not open tickets")
+    ticket = arguments["ticket_id"]
+    return {"subject": ("Ticket", ticket),
+            "state": {"ticket_id": ticket, "priority": arguments.get("priority", "normal")},
+            "message": f"Ticket {ticket}: {arguments['message']}"}
+
+
+TICKET_ARGUMENTS = {
+    "ticket_id": {"type": "integer", "minimum": 1, "description": "The ticket to work on."},
+    "priority": {"type": "string", "enum": ["low", "normal", "high"]},
+}
+
 calc_blueprint = solidloop.mcp_blueprint(calc, probe, auth=check_token, name="mcp_calc")
 agents_blueprint = solidloop.mcp_blueprint(auth=check_token, agents=[Assistant, ShopAgent],
                                            name="mcp_agents")
+tickets_blueprint = solidloop.mcp_blueprint(
+    auth=check_token, name="mcp_tickets",
+    agents=[ExposedAgent(Assistant, arguments=TICKET_ARGUMENTS, required=["ticket_id"],
+                         on_start=start_on_ticket)])
 conformance_blueprint = solidloop.mcp_blueprint(conformance, auth=anyone, name="conformance")
 
 
@@ -190,5 +212,6 @@ def create_app(**config) -> Flask:
     app = create_support_app(**config)
     app.register_blueprint(calc_blueprint, url_prefix="/mcp/calc")
     app.register_blueprint(agents_blueprint, url_prefix="/mcp/agents")
+    app.register_blueprint(tickets_blueprint, url_prefix="/mcp/tickets")
     app.register_blueprint(conformance_blueprint, url_prefix="/mcp/conformance")
     return app
