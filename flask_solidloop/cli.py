@@ -209,8 +209,9 @@ def _queue_names(ctx: click.Context, param: click.Parameter,
 @click.option("-p", "--processes", default=2, show_default=True, help="Worker processes.")
 @click.option("-t", "--threads", default=4, show_default=True, help="Threads per process.")
 @click.option("-Q", "--queue", "queues", multiple=True, callback=_queue_names,
-              help="Consume only these queues (repeatable). Default: solidloop's three "
-                   "and every queue the app's actors and solidloop.queue() declared.")
+              help="Consume only these queues (repeatable). Default: solidloop's three, "
+                   "'default', and every queue the app's actors and solidloop.queue() "
+                   "declared.")
 @click.option("-m", "--module", "modules", multiple=True, metavar="MODULE",
               help="Also import this module in each worker process (repeatable): task "
                    "modules the app itself does not import.")
@@ -317,7 +318,10 @@ def _job_error(exc: Exception) -> click.ClickException:
 @with_appcontext
 def jobs_group(ctx: click.Context, states: tuple[str, ...], queues: tuple[str, ...],
                limit: int) -> None:
-    """List jobs (newest first); `jobs retry` and `jobs cancel` act on one."""
+    """List jobs (newest first); `jobs retry` and `jobs cancel` act on one.
+
+    A `*` after a queued job's queue: no live worker consumes that queue.
+    """
     if ctx.invoked_subcommand is not None:
         return
     from .errors import JobError

@@ -139,7 +139,8 @@ class Queue:
     """An RQ-style queue of plain functions (and lazy actors) on the Postgres broker.
 
     Declared once, usually at import: ``q = solidloop.queue("reports")``.
-    Workers consume it by default (``flask solidloop worker``).
+    Workers consume it by default (``flask solidloop worker``) when they import
+    the module that declares it; ``default`` they consume always.
     """
 
     def __init__(self, registry: JobRegistry, name: str) -> None:

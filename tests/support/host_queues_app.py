@@ -14,6 +14,7 @@ next, so the chain outlives the loops it starts beside.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -59,11 +60,10 @@ def countdown(chain: str, left: int, pause: float) -> None:
     time.sleep(pause)
     record(f"{chain}:{left}")
     if left > 0:
-        try:
+        # A taken id: this link ran before its worker died, and the next one exists.
+        with contextlib.suppress(InvalidJobError):
             support_solidloop.queue("default").enqueue(
                 countdown, chain, left - 1, pause, job_id=f"{chain}-{left - 1}")
-        except InvalidJobError:
-            pass  # this link ran before its worker died: the next one exists
 
 
 def create_app() -> Flask:
