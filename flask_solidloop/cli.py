@@ -15,6 +15,7 @@ import json
 import os
 import shlex
 import sys
+from collections import Counter
 from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn
 
@@ -208,8 +209,9 @@ def _queue_names(ctx: click.Context, param: click.Parameter,
 @click.option("-p", "--processes", default=2, show_default=True, help="Worker processes.")
 @click.option("-t", "--threads", default=4, show_default=True, help="Threads per process.")
 @click.option("-Q", "--queue", "queues", multiple=True, callback=_queue_names,
-              help="Consume only these queues (repeatable). Default: solidloop's three "
-                   "and every queue the app's actors and solidloop.queue() declared.")
+              help="Consume only these queues (repeatable). Default: solidloop's three, "
+                   "'default', and every queue the app's actors and solidloop.queue() "
+                   "declared.")
 @click.option("-m", "--module", "modules", multiple=True, metavar="MODULE",
               help="Also import this module in each worker process (repeatable): task "
                    "modules the app itself does not import.")
@@ -321,7 +323,10 @@ def _job_error(exc: Exception) -> click.ClickException:
 @with_appcontext
 def jobs_group(ctx: click.Context, states: tuple[str, ...], queues: tuple[str, ...],
                limit: int) -> None:
-    """List jobs (newest first); `jobs retry` and `jobs cancel` act on one."""
+    """List jobs (newest first); `jobs retry` and `jobs cancel` act on one.
+
+    A `*` after a queued job's queue: no live worker consumes that queue.
+    """
     if ctx.invoked_subcommand is not None:
         return
     from .errors import JobError
@@ -334,13 +339,39 @@ def jobs_group(ctx: click.Context, states: tuple[str, ...], queues: tuple[str, .
     if not rows:
         click.echo("no jobs")
         return
+    unconsumed = _unconsumed_queues({row.queue_name for row in rows if row.state == "queued"})
     click.echo(f"{'row':>8}  {'queue':<22} {'state':<8} {'tries':>5}  {'what':<40} job id")
     for row in rows:
         what = row.func_name or row.actor_name
-        click.echo(f"{row.id:>8}  {row.queue_name:<22} {row.state:<8} {row.attempts:>5}  "
+        flag = "*" if row.state == "queued" and row.queue_name in unconsumed else ""
+        queue = row.queue_name[:22 - len(flag)] + flag
+        click.echo(f"{row.id:>8}  {queue:<22} {row.state:<8} {row.attempts:>5}  "
                    f"{what[:40]:<40} {row.host_job_id or ''}")
         if row.state == "dead" and row.last_error:
             click.echo(f"{'':>10}{row.last_error.strip().splitlines()[-1][:110]}")
+    if unconsumed:
+        waiting = Counter(row.queue_name for row in rows
+                          if row.state == "queued" and row.queue_name in unconsumed)
+        names = ", ".join(f"{queue} ({count})" for queue, count in sorted(waiting.items()))
+        click.echo(f"* waiting on a queue no live worker consumes: {names}. Start "
+                   "`flask solidloop worker` (it consumes 'default' and every queue declared "
+                   f"at import), or add -Q {' -Q '.join(sorted(waiting))}")
+
+
+def _unconsumed_queues(queues: set[str]) -> set[str]:
+    """Of ``queues``, those no live worker consumes (per the worker registry)."""
+    if not queues:
+        return set()
+    from .queue.middleware.worker_registry import live_queues
+
+    state = _state()
+    session = state.db.session
+    try:
+        consumed = live_queues(session.connection().connection,
+                               interval=state.config.worker_heartbeat)
+    finally:
+        session.rollback()
+    return queues - consumed
 
 
 @jobs_group.command("retry")

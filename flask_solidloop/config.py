@@ -19,6 +19,12 @@ QUEUE_LLM = "solidloop_llm"
 QUEUE_TOOL = "solidloop_tool"
 QUEUE_MAINTENANCE = "solidloop_maintenance"
 QUEUES = (QUEUE_LLM, QUEUE_TOOL, QUEUE_MAINTENANCE)
+#: The host's queue that every app's broker declares, so every worker consumes it
+#: and ``drain()`` runs it even when nothing declared it at import: RQ's and
+#: dramatiq's default name (docs/decisions/0020-host-queues-by-default.md).
+QUEUE_DEFAULT = "default"
+#: Queue names starting with this belong to flask-solidloop; a host's may not.
+RESERVED_QUEUE_PREFIX = "solidloop_"
 
 
 def _integer(key: str, value: Any, *, minimum: int) -> int:

@@ -21,11 +21,12 @@ from dramatiq.middleware import Retries
 from dramatiq.results import Results
 from flask import Flask, current_app, has_app_context
 
-from ..config import QUEUE_MAINTENANCE
+from ..config import QUEUE_DEFAULT, QUEUE_MAINTENANCE
 from ..errors import InvalidJobError, JobImportError, NotInitializedError
 from ..queue import sql as jobs_sql
 from ..queue.broker import PostgresBroker
 from ..queue.middleware.host_jobs import HostJobMiddleware
+from ..queue.middleware.queue_consumers import UnconsumedQueueWarningMiddleware
 from ..queue.middleware.scheduler import SchedulerMiddleware
 from ..queue.results import PostgresResultBackend
 from ..state import EXTENSION_KEY, SolidLoopState
@@ -53,11 +54,11 @@ class JobRegistry:
 
     @overload
     def actor(self, fn: None = None, *, actor_name: str | None = None,
-              queue_name: str = "default", priority: int = 0,
+              queue_name: str = QUEUE_DEFAULT, priority: int = 0,
               **options: Any) -> Callable[[F], LazyActor]: ...
 
     def actor(self, fn: Any = None, *, actor_name: str | None = None,
-              queue_name: str = "default", priority: int = 0, **options: Any) -> Any:
+              queue_name: str = QUEUE_DEFAULT, priority: int = 0, **options: Any) -> Any:
         """Declare a lazy dramatiq actor (bare, or with dramatiq's actor options)."""
         check_host_queue_name(queue_name)
         check_options(options, default_actor_options(), where="@solidloop.actor")
@@ -87,7 +88,7 @@ class JobRegistry:
 
         return declare(fn) if fn is not None else declare
 
-    def queue(self, name: str = "default") -> Queue:
+    def queue(self, name: str = QUEUE_DEFAULT) -> Queue:
         """The RQ-style queue ``name``, declared on every app's broker."""
         check_host_queue_name(name)
         queue = self.queues.get(name)
@@ -106,7 +107,7 @@ class JobRegistry:
         def register(func: F) -> F:
             func_name = import_path_of(func)
             target = queue_name or (func.queue_name if isinstance(func, LazyActor)
-                                    else "default")
+                                    else QUEUE_DEFAULT)
             self.queue(target)
             schedule = Schedule(name=name or func_name, func_name=func_name,
                                 queue_name=target, cron=cron, every=every_seconds(every),
@@ -125,12 +126,18 @@ class JobRegistry:
         # Retries' decision (retry or fail) when it records the outcome.
         broker.add_middleware(HostJobMiddleware(), before=Retries)
         broker.add_middleware(Results(backend=PostgresResultBackend(broker)))
+        broker.add_middleware(UnconsumedQueueWarningMiddleware(
+            heartbeat=state.config.worker_heartbeat))
         # Every RQ-style job runs as this actor. Its own queue is never used (each
         # message names the queue it was enqueued on); the maintenance queue is
         # already declared, so naming it costs no extra consumer.
         dramatiq.Actor(run_job, broker=broker, actor_name=jobs_sql.HOST_JOB_ACTOR,
                        queue_name=QUEUE_MAINTENANCE, priority=0,
                        options={"max_retries": 0, "throws": (JobImportError,)})
+        # "default" whether or not anything declared it at import: a queue first
+        # named inside a view (`solidloop.queue("default")` in a request) is never
+        # declared in a worker process, and `rq worker` consumes it with no flags.
+        broker.declare_queue(QUEUE_DEFAULT)
         for name in self.queues:
             broker.declare_queue(name)
         for lazy in self.actors.values():

@@ -29,6 +29,7 @@ import dramatiq
 from dramatiq.encoder import JSONEncoder
 from dramatiq.message import Message
 
+from ..config import RESERVED_QUEUE_PREFIX
 from ..errors import InvalidJobError, NoSuchJobError
 from ..queue import sql as jobs_sql
 from ..queue.broker import PostgresBroker, check_queue_name
@@ -138,7 +139,8 @@ class Queue:
     """An RQ-style queue of plain functions (and lazy actors) on the Postgres broker.
 
     Declared once, usually at import: ``q = solidloop.queue("reports")``.
-    Workers consume it by default (``flask solidloop worker``).
+    Workers consume it by default (``flask solidloop worker``) when they import
+    the module that declares it; ``default`` they consume always.
     """
 
     def __init__(self, registry: JobRegistry, name: str) -> None:
@@ -457,7 +459,7 @@ class FailedJobRegistry:
 def check_host_queue_name(name: Any) -> str:
     """Queue names of host jobs: dramatiq's rule, and not our reserved prefix."""
     check_queue_name(name)
-    if name.startswith("solidloop_"):
+    if name.startswith(RESERVED_QUEUE_PREFIX):
         raise InvalidJobError(
             f"queue name {name!r} is reserved: names starting with 'solidloop_' belong to "
             "flask-solidloop's own queues; pick another name (e.g. 'default')")

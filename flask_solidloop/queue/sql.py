@@ -313,6 +313,12 @@ WORKER_PRUNE = (
     "DELETE FROM solidloop_workers "
     "WHERE coalesce(stopped_at, last_seen_at) < now() - make_interval(secs => %(age)s)"
 )
+#: The queues that live workers consume: registered, not stopped, and heard
+#: from within ``%(silent)s`` seconds (WorkerRow.state's "live").
+WORKER_LIVE_QUEUES = (
+    "SELECT DISTINCT queue FROM solidloop_workers, jsonb_array_elements_text(queues) AS queue "
+    "WHERE stopped_at IS NULL AND last_seen_at >= now() - make_interval(secs => %(silent)s)"
+)
 #: Live workers and those gone within ``%(recent)s`` seconds, with what each holds
 #: now: running LLM turns and leased, unanswered tool calls naming it as holder.
 WORKER_LIST = """

@@ -5,7 +5,10 @@ real dramatiq worker subprocesses, and check the durability contract.
 (``FLASK_APP=app_import``), calls ``start_loops()`` (in your test, inside your
 app context) to start the loops, SIGKILLs a random fleet every
 ``kill_min``..``kill_max`` seconds and starts a replacement, waits for every
-loop to end, then checks (:func:`verify_contract`):
+loop to end and then for the host's own jobs (those on queues other than
+``solidloop_*`` enqueued during the run: a tool's ``session=`` enqueue, a job
+``start_loops`` sent) to be done, so the workers are stopped only when nothing
+of the run is left to do, then checks (:func:`verify_contract`):
 
 * every loop completed;
 * every tool call is answered by exactly one tool message;
@@ -13,7 +16,8 @@ loop to end, then checks (:func:`verify_contract`):
 * no job of those loops is left queued, running or dead-lettered.
 
 The wait follows progress, not the clock: it fails only when nothing (a loop
-finishing, an answer, an assistant turn) has happened for ``stall_seconds``,
+finishing, an answer, an assistant turn, a host job ending) has happened for
+``stall_seconds``,
 so a loaded machine is slower, never red. Recovery after a kill takes one
 liveness TTL: with ``app.config.from_prefixed_env()`` in your factory, the
 ``FLASK_SOLIDLOOP_*`` variables set here shorten it to ``liveness_ttl``.
@@ -134,6 +138,31 @@ class ProgressWatch:
         return time.monotonic() - self.since
 
 
+# Host jobs of the run: on the host's queues, written after the run began. A job
+# is left to do while it runs or is due; one scheduled for later is not waited for.
+_HOST_JOBS = """
+SELECT count(*) FILTER (WHERE state = 'running' OR (state = 'queued' AND eta <= now())),
+       count(*) FILTER (WHERE state IN ('done', 'dead'))
+  FROM solidloop_jobs WHERE id > %(after)s AND queue_name NOT LIKE 'solidloop\\_%%'
+"""
+_HOST_JOB_STATES = """
+SELECT state, count(*) FROM solidloop_jobs
+ WHERE id > %(after)s AND queue_name NOT LIKE 'solidloop\\_%%' GROUP BY 1
+"""
+
+
+def last_job_id(conn: psycopg.Connection) -> int:
+    """The newest job row's id: the run's host jobs are those written after it."""
+    row = conn.execute("SELECT coalesce(max(id), 0) FROM solidloop_jobs").fetchone()
+    return int(row[0]) if row else 0
+
+
+def host_jobs_marker(conn: psycopg.Connection, after: int) -> tuple[int, int]:
+    """(host jobs left to do, host jobs ended) among those written after job ``after``."""
+    row = conn.execute(_HOST_JOBS, {"after": after}).fetchone()
+    return (int(row[0]), int(row[1])) if row else (0, 0)
+
+
 def verify_contract(database_url: str, loop_ids: Sequence[int]) -> list[str]:
     """What the durability contract forbids, found among ``loop_ids`` (empty: kept)."""
     problems: list[str] = []
@@ -184,6 +213,8 @@ class ChaosReport:
     kills: int = 0
     wall_time: float = 0.0
     statuses: Counter = field(default_factory=Counter)
+    #: States of the host's jobs written during the run (``done``, ``dead``, ...).
+    host_jobs: Counter = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
 
 
@@ -227,6 +258,8 @@ def run_user_chaos(app_import: str, start_loops: Callable[[], Sequence[int]], *,
     started = time.monotonic()
     watch = ProgressWatch(stall_seconds)
     thread = threading.Thread(target=killer, daemon=True, name="solidloop-chaos-killer")
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+        before = last_job_id(conn)
     try:
         fleet.start_all()
         report.loops = list(start_loops())
@@ -243,6 +276,19 @@ def run_user_chaos(app_import: str, start_loops: Callable[[], Sequence[int]], *,
                         f"{len(report.loops)} loops finished); worker logs in {log_dir}")
                     break
                 time.sleep(0.3)
+            # The loops are done; the host jobs they (or start_loops) enqueued may
+            # not be. Stopping the workers now would leave them queued.
+            while not report.problems:
+                left, ended = host_jobs_marker(conn, before)
+                watch.update((marker, ended))
+                if not left:
+                    break
+                if watch.stalled:
+                    report.problems.append(
+                        f"no host job ended for {watch.silent_for:.0f}s ({left} still queued "
+                        f"or running); worker logs in {log_dir}")
+                    break
+                time.sleep(0.3)
     finally:
         stop.set()
         thread.join(timeout=30)
@@ -253,5 +299,7 @@ def run_user_chaos(app_import: str, start_loops: Callable[[], Sequence[int]], *,
         report.statuses.update(dict(conn.execute(
             "SELECT status, count(*) FROM solidloop_loops WHERE id = ANY(%s) GROUP BY 1",
             (report.loops,)).fetchall()))
+        report.host_jobs.update(dict(conn.execute(_HOST_JOB_STATES, {"after": before})
+                                     .fetchall()))
     assert not report.problems, "durability contract broken:\n  " + "\n  ".join(report.problems)
     return report

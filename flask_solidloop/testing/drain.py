@@ -4,7 +4,9 @@
 (same claim SQL, same leases, same broker middleware: one app context per
 message, the current job published for transactional completion) and runs
 them one at a time until none is due. It is the in-process twin of a real
-``dramatiq`` worker, not a mock of it.
+``dramatiq`` worker, not a mock of it, and like a worker started without
+``-Q`` it runs every queue the app's broker declares: solidloop's three,
+``default``, and every queue of the host's actors and ``solidloop.queue()``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from typing import Any
 from dramatiq.message import Message
 from flask import Flask
 
-from ..config import QUEUES
 from ..errors import SolidLoopError
 from ..queue import sql as jobs_sql
 from ..queue.broker import PostgresMessageProxy
@@ -27,8 +28,11 @@ class DrainError(SolidLoopError, AssertionError):
     """A drained job raised; the original exception is chained."""
 
 
-def _claim_one(broker: Any, conn: Any, queues: tuple[str, ...]) -> PostgresMessageProxy | None:
-    for queue in queues:
+def _claim_one(broker: Any, conn: Any,
+               queues: tuple[str, ...] | None) -> PostgresMessageProxy | None:
+    # Read the declared queues before each claim, not once: a job may declare a
+    # queue (``solidloop.queue("reports")`` in its body) and enqueue on it.
+    for queue in queues if queues is not None else tuple(broker.queues):
         rows = conn.execute(jobs_sql.CLAIM, {"lease": broker.job_lease, "queue": queue, "limit": 1})
         row = rows.fetchone()
         if row:
@@ -42,13 +46,16 @@ def _claim_one(broker: Any, conn: Any, queues: tuple[str, ...]) -> PostgresMessa
 def drain(
     app: Flask,
     *,
-    queues: tuple[str, ...] = QUEUES,
+    queues: tuple[str, ...] | None = None,
     max_jobs: int = 1000,
     raise_errors: bool = True,
     timeout: float = 60.0,
 ) -> int:
     """Process due jobs until none is left; return how many ran.
 
+    ``queues`` None (the default) means every queue the app's broker declares,
+    in declaration order: solidloop's three first, then ``default`` and the
+    host's. Name queues to stop at a phase boundary, e.g. ``("solidloop_llm",)``.
     With ``raise_errors`` an actor exception is re-raised (as DrainError) after
     the broker middleware has handled it, so a test sees the real failure.
     """
@@ -62,7 +69,7 @@ def drain(
         state.stop_renewer()
 
 
-def _drain(broker: Any, queues: tuple[str, ...], max_jobs: int, raise_errors: bool,
+def _drain(broker: Any, queues: tuple[str, ...] | None, max_jobs: int, raise_errors: bool,
            timeout: float) -> int:
     processed = 0
     deadline = time.monotonic() + timeout

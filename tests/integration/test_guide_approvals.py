@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select, text
 
+from flask_solidloop.config import QUEUES
 from flask_solidloop.models import Loop, ToolCall
 from flask_solidloop.testing import drain
 
@@ -62,7 +63,8 @@ def test_the_guides_refund_example_runs_as_written(guide, llm):
     big = client.post("/support", data={"message": "refund 120 on A1 please"}).json["loop"]
     small = client.post("/support", data={"message": "refund 20 on B2 please"}).json["loop"]
     huge = client.post("/support", data={"message": "refund 300 on C3 please"}).json["loop"]
-    drain(app)
+    # solidloop's queues only: the host's notification jobs are drained last, below.
+    drain(app, queues=QUEUES)
     # Step 1: the small refund ran on its own; the others wait, with their
     # notification jobs committed beside them.
     assert session.get(Loop, small).status == "completed"
@@ -95,7 +97,7 @@ def test_the_guides_refund_example_runs_as_written(guide, llm):
 
     # Step 3: the approved refund runs with the edited amount; the model reads
     # the denial's reason.
-    drain(app)
+    drain(app, queues=QUEUES)
     assert session.get(Loop, big).status == "completed"
     assert session.get(Loop, huge).status == "completed"
     assert [r[:2] for r in module.REFUNDS] == [("B2", 20.0), ("A1", 90.0)]

@@ -6,6 +6,7 @@ from .host_jobs import HostJobMiddleware
 from .lease_renewer import LeaseRenewerMiddleware
 from .log_redaction import LogRedactionMiddleware
 from .periodic import PeriodicTaskMiddleware
+from .queue_consumers import UnconsumedQueueWarningMiddleware
 from .scheduler import SchedulerMiddleware
 from .worker_registry import WorkerRegistryMiddleware
 
@@ -17,5 +18,6 @@ __all__ = [
     "LogRedactionMiddleware",
     "PeriodicTaskMiddleware",
     "SchedulerMiddleware",
+    "UnconsumedQueueWarningMiddleware",
     "WorkerRegistryMiddleware",
 ]

@@ -9,7 +9,9 @@ needs), and a clean shutdown stamps ``stopped_at``. A row whose heartbeat went
 silent names a worker that died. The same thread deletes rows gone longer than
 ``SOLIDLOOP_WORKER_RETENTION``, so the table stays small with no janitor
 configured. Every statement is in queue/sql.py; :func:`list_workers` is the
-read that ``flask solidloop workers``, ``status`` and the admin share.
+read that ``flask solidloop workers``, ``status`` and the admin share, and
+:func:`live_queues` the one that ``flask solidloop jobs`` and the enqueue-time
+warning about unconsumed queues share (queue/middleware/queue_consumers.py).
 
 Staleness is measured on the database clock (``now()``), never a worker's.
 """
@@ -153,5 +155,19 @@ def list_workers(connection: Any, *, recent: float, identities: list[str] | None
     try:
         cursor.execute(sql.WORKER_LIST, {"recent": recent, "identities": identities or []})
         return [WorkerRow(*row) for row in cursor.fetchall()]
+    finally:
+        cursor.close()
+
+
+def live_queues(connection: Any, *, interval: float) -> set[str]:
+    """Every queue some live worker consumes (live: not stopped, and heard from
+    within ``MISSED_BEATS`` heartbeats of ``interval`` seconds).
+
+    ``connection``: a psycopg connection, or a SQLAlchemy session's DBAPI one.
+    """
+    cursor = connection.cursor()
+    try:
+        cursor.execute(sql.WORKER_LIVE_QUEUES, {"silent": interval * MISSED_BEATS})
+        return {row[0] for row in cursor.fetchall()}
     finally:
         cursor.close()
