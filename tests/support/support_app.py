@@ -16,7 +16,7 @@ from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import select
 
 from flask_solidloop import Agent, CallContext, SolidLoop, Toolset
-from flask_solidloop.models import Message, ToolCall
+from flask_solidloop.models import Loop, Message, ToolCall
 
 DATABASE_URL_ENV = "SOLIDLOOP_TEST_DATABASE_URL"
 #: In a worker subprocess: drop the connection under statements matching this.
@@ -508,6 +508,93 @@ class PolicyShopAgent(ShopAgent):
         if arguments.get("order") == "crash":
             raise RuntimeError("policy bug")
         return tool_name == "lookup_order" and str(arguments.get("order", "")).startswith("vip")
+
+
+# -- exactly-once host writes: tickets closed by a tool the test kills ---------------
+
+ticket_tools = Toolset("tickets")
+TICKETS_DDL = (
+    "CREATE TABLE IF NOT EXISTS chaos_tickets (id integer PRIMARY KEY, "
+    "touches integer NOT NULL DEFAULT 0);"
+    "CREATE TABLE IF NOT EXISTS chaos_ticket_runs (key text NOT NULL, pid integer, "
+    "at timestamptz DEFAULT clock_timestamp());"
+    "CREATE TABLE IF NOT EXISTS chaos_ticket_kills (id bigserial PRIMARY KEY, key text, "
+    "pid integer, handled boolean NOT NULL DEFAULT false);"
+    "CREATE TABLE IF NOT EXISTS chaos_ticket_closed (loop_id bigint PRIMARY KEY, "
+    "runs integer NOT NULL DEFAULT 1)"
+)
+
+
+def _ticket_run_then_maybe_die(key: str | None) -> None:
+    """Record this run outside every transaction of ours; on a call's first run,
+    ask the test to SIGKILL this worker (the tool's body is done, its commit not
+    yet) and wait for it."""
+    import time
+
+    import psycopg
+
+    from flask_solidloop.urls import libpq_url
+
+    url = libpq_url(os.environ.get(DATABASE_URL_ENV, DEFAULT_DATABASE_URL))
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("INSERT INTO chaos_ticket_runs (key, pid) VALUES (%s, %s)",
+                     (key, os.getpid()))
+        (runs,) = conn.execute("SELECT count(*) FROM chaos_ticket_runs WHERE key = %s",
+                               (key,)).fetchone()
+        if runs > 1:
+            return
+        conn.execute("INSERT INTO chaos_ticket_kills (key, pid) VALUES (%s, %s)",
+                     (key, os.getpid()))
+    time.sleep(60)  # the test kills this process meanwhile
+
+
+@ticket_tools.tool(timeout=90)
+def close_ticket(ticket: int, ctx: CallContext) -> str:
+    """Close a ticket through the lent session: it commits with the result."""
+    from sqlalchemy import text
+
+    ctx.session.execute(text("UPDATE chaos_tickets SET touches = touches + 1 WHERE id = :id"),
+                        {"id": ticket})
+    _ticket_run_then_maybe_die(ctx.idempotency_key)
+    return f"ticket {ticket} closed"
+
+
+@ticket_tools.tool(timeout=90)
+def close_ticket_committing(ticket: int, ctx: CallContext) -> str:
+    """The same, committed by the tool itself: at least once."""
+    from sqlalchemy import text
+
+    ctx.session.execute(text("UPDATE chaos_tickets SET touches = touches + 1 WHERE id = :id"),
+                        {"id": ticket})
+    ctx.session.commit()
+    _ticket_run_then_maybe_die(ctx.idempotency_key)
+    return f"ticket {ticket} closed"
+
+
+@solidloop.actor(queue_name="ticket_notices")
+def ticket_closed_notice(loop_id: int) -> None:
+    """The host's notification job, enqueued by the loop's end."""
+    from sqlalchemy import text
+
+    db.session.execute(text(
+        "INSERT INTO chaos_ticket_closed (loop_id) VALUES (:id) "
+        "ON CONFLICT (loop_id) DO UPDATE SET runs = chaos_ticket_closed.runs + 1"),
+        {"id": loop_id})
+    db.session.commit()
+
+
+@solidloop.agent("tickets")
+class TicketAgent(Agent):
+    system_prompt = "You close tickets."
+    mcps = [{"name": "tickets", "toolset": ticket_tools}]
+
+    def llm(self) -> dict:
+        return llm_settings()
+
+
+@solidloop.on_loop_end(agent="tickets")
+def notify_ticket_closed(loop: Loop, session) -> None:
+    ticket_closed_notice.send_with_options(args=(loop.id,), session=session)
 
 
 def create_app(**config) -> Flask:
