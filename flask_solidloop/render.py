@@ -86,7 +86,10 @@ def _timing(message: Message) -> str | None:
         pieces.append(f"{'~' if estimated else ''}{metrics['output_tokens']} output tokens"
                       + (" (estimate: the server sent no usage)" if estimated else ""))
     if metrics.get("output_tokens_per_s"):
-        pieces.append(f"{metrics['output_tokens_per_s']} tokens/s")
+        # Over the whole turn when no text streamed early enough to time the
+        # generation alone (an answer that only called tools): a lower bound.
+        whole = " over the whole turn" if metrics.get("output_tokens_per_s_whole_turn") else ""
+        pieces.append(f"{metrics['output_tokens_per_s']} tokens/s{whole}")
     return f"    timing: {', '.join(pieces)}" if pieces else None
 
 
@@ -131,12 +134,15 @@ def format_message(
         flags.append(message.status)
     if message.is_hidden:
         flags.append("hidden")
+    meta = message.meta or {}
+    if meta.get("refusal"):
+        flags.append("refusal")
     head = f"[{message.id}] {message.role}" + (f" ({', '.join(flags)})" if flags else "")
     parts = [head]
     if message.content:
         parts.append(_indent(message.content))
-    meta = message.meta or {}
-    if meta.get("refusal"):
+    if meta.get("refusal") and meta["refusal"] != message.content:
+        # Anthropic: the text that came before the classifier stopped the answer.
         parts.append(f"    refusal: {meta['refusal']}")
     if meta.get("usage_missing"):
         estimate = meta.get("usage_estimate") or {}

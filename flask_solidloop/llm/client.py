@@ -50,6 +50,7 @@ from ..errors import (
 )
 from ..urls import redact_url, redact_urls_in
 from ..wire import WireRecord
+from .dialect import CUT_STREAM_HINT
 from .redact import redact_headers, redact_secrets
 
 T = TypeVar("T")
@@ -414,7 +415,8 @@ def map_exceptions(send: Send, attempt: Attempt) -> Iterator[None]:
         if attempt.stream:
             _broken_stream(send, attempt, exc)
             raise ProviderConnectionLostError(
-                f"the stream from {send.shown_url} broke after {attempt.events} events: {exc}"
+                f"the stream from {send.shown_url} broke after {attempt.events} events: "
+                f"{exc}; if the server is llama-cpp-python: {CUT_STREAM_HINT}"
             ) from exc
         # The connection dropped while the request or response was in flight: the
         # provider may have served it, so it is not repeated; the loop fails with

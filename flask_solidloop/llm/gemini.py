@@ -1,6 +1,7 @@
 """The Gemini ``generateContent`` dialect: render a request, parse a response, stream.
 
-Pure, no I/O. Speaks ``POST /v1beta/models/{model}:generateContent`` and, for
+Pure, no I/O. Speaks ``POST /v1beta/models/{model}:generateContent`` (the
+agent's ``url_model`` in place of ``models/{model}`` when set) and, for
 streams, ``:streamGenerateContent?alt=sse`` (every SSE event is one
 GenerateContentResponse chunk; there is no ``[DONE]``: a chunk carrying a
 ``finishReason`` ends the response).
@@ -187,13 +188,23 @@ def render_request(settings: ProviderSettings, messages: list[ChatMessage],
     if generation:
         payload["generationConfig"] = generation
 
-    model = settings.model.removeprefix("models/")
     method = "streamGenerateContent" if options.stream else "generateContent"
     return RenderedRequest(
-        path=f"/{API_VERSION}/models/{model}:{method}",
+        path=f"/{API_VERSION}/{model_resource(settings)}:{method}",
         payload=options.merge_llm_params(payload),
         params={"alt": "sse"} if options.stream else {},
     )
+
+
+def model_resource(settings: ProviderSettings) -> str:
+    """The model's resource path in the URL. ``url_model`` wins over ``model``
+    and, when it holds a ``/``, is the whole path (``tunedModels/my-model``);
+    otherwise the name goes under ``models/`` (a ``models/`` it already has is
+    not doubled)."""
+    if settings.url_model and "/" in settings.url_model:
+        return settings.url_model
+    name = (settings.url_model or settings.model).removeprefix("models/")
+    return f"models/{name}"
 
 
 def _model_parts(message: ChatMessage, strategies: list[str] | None) -> list[dict[str, Any]]:

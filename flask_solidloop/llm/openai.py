@@ -24,7 +24,14 @@ from typing import Any
 
 from ..errors import ProviderAnswerError, ProviderResponseError
 from . import reasoning as _reasoning
-from .dialect import RenderedRequest, RenderOptions, SSEEvent, StreamDelta, input_schema
+from .dialect import (
+    CUT_STREAM_HINT,
+    RenderedRequest,
+    RenderOptions,
+    SSEEvent,
+    StreamDelta,
+    input_schema,
+)
 from .dialect import deep_merge as deep_merge  # moved to .dialect; still importable here
 from .types import AssistantTurn, ChatMessage, ProviderSettings, ToolCallRequest, Usage
 
@@ -438,16 +445,25 @@ class OpenAIAggregator:
     def result(self) -> AssistantTurn:
         if self._turn is not None:
             return self._turn
-        # A stream is complete when it saw [DONE]. OpenAI always sends it, but some
-        # compatible servers close the connection right after the chunk carrying
-        # finish_reason; that chunk already says the generation ended, so only a
-        # stream with neither marker is treated as cut short. (With include_usage a
-        # stream cut between finish_reason and the usage chunk passes, without usage.)
-        if not self._done and self._finish_reason is None:
+        # The chunk carrying finish_reason says the generation ended. Some
+        # compatible servers close the connection right after it, without [DONE],
+        # so that chunk alone completes a stream. (With include_usage a stream cut
+        # between finish_reason and the usage chunk passes, without usage.) A
+        # [DONE] without it is a stream cut short: llama-cpp-python ends an
+        # interrupted stream so.
+        if self._finish_reason is None:
+            received = (f"{len(self._content)} content pieces and {len(self._calls)} "
+                        "tool call(s) received")
+            if self._done:
+                raise ProviderResponseError(
+                    "the stream ended with [DONE] before its final chunk (no "
+                    f"finish_reason): the response was cut short ({received}); "
+                    f"likely cause: {CUT_STREAM_HINT}"
+                )
             raise ProviderResponseError(
                 "stream ended without [DONE] and without a finish_reason: the response "
-                f"was cut short ({len(self._content)} content pieces and "
-                f"{len(self._calls)} tool call(s) received)"
+                f"was cut short ({received}); if the server is llama-cpp-python: "
+                f"{CUT_STREAM_HINT}"
             )
         if self._splitter is not None:
             tail_content, tail_thought = self._splitter.flush()

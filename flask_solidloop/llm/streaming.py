@@ -53,9 +53,10 @@ def post_stream(
     limits: TurnLimits | None = None,
 ) -> tuple[AssistantTurn, WireRecord, dict[str, Any]]:
     """Stream one response; return the assembled turn, the wire record and metrics
-    (``ttft_ms``, ``thinking_ms``, ``duration_ms``, ``output_tokens`` (labelled
-    ``output_tokens_estimated`` when the server sent no usage), ``output_tokens_per_s``
-    of the attempt that answered)."""
+    (``ttft_ms`` (absent when no text streamed), ``thinking_ms``, ``duration_ms``,
+    ``output_tokens`` (labelled ``output_tokens_estimated`` when the server sent
+    no usage), ``output_tokens_per_s`` (see :func:`output_rate`) of the attempt
+    that answered)."""
     send = Send(url, payload, headers=headers, params=params, read_timeout=read_timeout,
                 connect_timeout=connect_timeout, policy=policy, secrets=secrets,
                 should_abort=should_abort, client=client,
@@ -63,6 +64,39 @@ def post_stream(
     turn, metrics = send.run(
         lambda attempt: _stream_attempt(send, attempt, make_aggregator(), on_delta))
     return turn, send.record, metrics
+
+
+#: The shortest stretch between the first streamed text and the end of the
+#: stream that a token rate is measured over. A shorter one (the whole answer in
+#: the last chunk or two) would divide by next to nothing: the rate is then
+#: taken over the attempt's whole duration instead, and says so.
+MIN_RATE_WINDOW_SECONDS = 0.05
+
+
+def output_rate(output_tokens: int, duration: float,
+                ttft: float | None) -> dict[str, Any]:
+    """``ttft_ms`` and ``output_tokens_per_s`` of one streamed attempt.
+
+    ``ttft`` is the time to the first streamed text or reasoning, None when none
+    came (an answer that only called tools: its calls stream as no text). The
+    rate is counted from the first text to the end; without text, or when that
+    stretch is under :data:`MIN_RATE_WINDOW_SECONDS`, it is counted over the
+    whole attempt (prompt processing included, so a lower bound) and
+    ``output_tokens_per_s_whole_turn`` says so. ``ttft_ms`` is absent without text.
+    """
+    metrics: dict[str, Any] = {}
+    window = None
+    if ttft is not None:
+        metrics["ttft_ms"] = round(ttft * 1000, 1)
+        if duration - ttft >= MIN_RATE_WINDOW_SECONDS:
+            window = duration - ttft
+    if window is None:
+        window = duration
+        if output_tokens:
+            metrics["output_tokens_per_s_whole_turn"] = True
+    metrics["output_tokens_per_s"] = (
+        round(output_tokens / window, 1) if output_tokens and window > 0 else 0.0)
+    return metrics
 
 
 def output_chars(turn: AssistantTurn) -> int:
@@ -173,18 +207,16 @@ def _stream_attempt(
             _end_at_limit(send, attempt, received, total, "max_output_chars")
             raise TurnLimitError("max_output_chars", limits.length_message(total))
     duration = time.monotonic() - attempt.started
-    ttft = (first_delta_at - attempt.started) if first_delta_at else duration
     output = turn.usage.output_tokens if turn.usage else 0
     estimated = not output
     if estimated:
         # No usage from the server (llama-cpp-python ignores include_usage): the
         # same characters / 4 estimate the turn's usage_estimate uses, labelled.
         output = estimate_output_tokens(turn)
-    generation = max(duration - ttft, 1e-6)
-    metrics: dict[str, Any] = {
-        "ttft_ms": round(ttft * 1000, 1), "duration_ms": round(duration * 1000, 1),
-        "output_tokens": output,
-        "output_tokens_per_s": round(output / generation, 1) if output else 0.0}
+    metrics: dict[str, Any] = {"duration_ms": round(duration * 1000, 1),
+                               "output_tokens": output}
+    metrics.update(output_rate(output, duration, first_delta_at - attempt.started
+                               if first_delta_at is not None else None))
     if estimated:
         metrics["output_tokens_estimated"] = True
     if first_reasoning_at is not None:

@@ -11,7 +11,9 @@ from ..errors import AgentDefinitionError, ConfigurationError
 PROVIDER_KEYS = {
     "dialect": "wire format: 'openai' (any OpenAI-compatible server), 'anthropic' or 'gemini'",
     "base_url": "origin of the server, e.g. https://api.openai.com (no /v1)",
-    "model": "model name sent in the payload",
+    "model": "model name sent in the payload (openai, anthropic) or the URL (gemini)",
+    "url_model": "gemini only: the model put in the request URL instead of model "
+                 "(a name, or a resource path such as tunedModels/my-model)",
     "api_key": "the key itself (prefer api_key_env; never stored)",
     "api_key_env": "name of the environment variable holding the key, read at run time",
     "read_timeout": "seconds of silence allowed between reads",
@@ -39,6 +41,10 @@ class ProviderSettings:
     headers: dict[str, str] = field(default_factory=dict)
     max_tokens_param: str = "max_tokens"
     anthropic_version: str = DEFAULT_ANTHROPIC_VERSION
+    #: Gemini only: the model named in the request URL when it differs from
+    #: ``model`` (a gateway's deployment name, a tuned model's resource path);
+    #: ``model`` stays the name recorded on messages and priced.
+    url_model: str | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, agent: str) -> ProviderSettings:
@@ -92,6 +98,7 @@ class ProviderSettings:
                 f"agent {agent!r}: llm max_tokens_param must be 'max_tokens' or "
                 f"'max_completion_tokens', got {param!r}"
             )
+        url_model = _url_model(data.get("url_model"), dialect, agent)
         return cls(
             dialect=dialect,
             base_url=base_url,
@@ -103,6 +110,7 @@ class ProviderSettings:
             headers=dict(data.get("headers") or {}),
             max_tokens_param=param,
             anthropic_version=str(data.get("anthropic_version") or DEFAULT_ANTHROPIC_VERSION),
+            url_model=url_model,
         )
 
     def resolve_api_key(self) -> str | None:
@@ -133,6 +141,26 @@ class ProviderSettings:
                 "secret is written (the value is not shown)",
             )
         return value
+
+
+def _url_model(value: Any, dialect: str, agent: str) -> str | None:
+    """The validated ``url_model``: a model name or resource path for Gemini's URL."""
+    if value is None:
+        return None
+    if dialect != "gemini":
+        raise AgentDefinitionError(
+            f"agent {agent!r}: llm url_model is read by the gemini dialect only (the "
+            f"{dialect} dialect sends model in the payload); remove it or set "
+            "dialect='gemini'"
+        )
+    if not isinstance(value, str) or not value.strip() or value != value.strip() \
+            or value.startswith("/") or ":" in value or any(ch.isspace() for ch in value):
+        raise AgentDefinitionError(
+            f"agent {agent!r}: llm url_model must be a model name or resource path "
+            f"without spaces, a leading '/' or ':' (e.g. 'gemini-2.5-flash' or "
+            f"'tunedModels/my-model'), got {value!r}"
+        )
+    return value
 
 
 @dataclass

@@ -98,7 +98,8 @@ class LlmContext(TurnContext):
     requested: bool = False
     response: AssistantTurn | None = None
     wire: WireRecord | None = None
-    #: ttft_ms, thinking_ms, output_tokens (+ output_tokens_estimated) when streaming;
+    #: ttft_ms (when text streamed), thinking_ms, output_tokens (+
+    #: output_tokens_estimated, output_tokens_per_s_whole_turn) when streaming;
     #: duration_ms, output_tokens_per_s of the answering attempt.
     metrics: dict[str, Any] = field(default_factory=dict)
     #: What this request spent on earlier reasoning (see llm/reasoning.py).

@@ -24,6 +24,7 @@ the durability guarantees.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -490,8 +491,12 @@ class ResponseParsing:
             meta["reasoning_strategies"] = ctx.reasoning_strategies
         if response.refusal:
             # The model declined: its words are the turn's outcome (finish_reason
-            # "refusal"), kept apart from the (usually empty) content.
+            # "refusal"), flagged in the metadata, and the answer where a reader
+            # (and the next request) looks for one: OpenAI leaves content empty.
             meta["refusal"] = response.refusal
+            if not response.content:
+                response = ctx.response = dataclasses.replace(
+                    response, content=response.refusal)
         if response.usage is None:
             # The server sent no counts (llama-cpp-python ignores include_usage):
             # say so rather than record zero tokens and zero cost.

@@ -158,8 +158,12 @@ def test_a_refusal_is_the_turns_outcome_and_status_shows_it(
     answer = visible(session, loop.id)[-1]
     assert answer.finish_reason == "refusal"
     assert answer.meta["refusal"] == "I can't help with that."
+    # Shown where the answer would be (OpenAI leaves content empty), flagged.
+    assert answer.content == "I can't help with that."
     assert "outcome: refusal" in format_loop(row) and "I can't help" in format_loop(row)
-    assert "refusal: I can't help with that." in format_message(answer, {})
+    shown = format_message(answer, {})
+    assert shown.startswith(f"[{answer.id}] assistant (refusal)\n    I can't help with that.")
+    assert shown.count("I can't help with that.") == 1
 
 
 @pytest.mark.parametrize(("dialect", "streaming"), [("openai", True), ("openai", False),

@@ -117,6 +117,34 @@ def test_non_streaming_path_has_no_params_and_model_prefix_is_dropped():
     assert request.payload == {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]}
 
 
+@pytest.mark.parametrize(("url_model", "path"), [
+    ("gemini-2.5-flash-001", "/v1beta/models/gemini-2.5-flash-001:generateContent"),
+    ("models/gemini-2.5-flash-001", "/v1beta/models/gemini-2.5-flash-001:generateContent"),
+    ("tunedModels/support-v2", "/v1beta/tunedModels/support-v2:generateContent"),
+])
+def test_url_model_names_the_model_in_the_path_and_model_stays_out_of_it(url_model, path):
+    settings = ProviderSettings.from_dict(
+        {"dialect": "gemini", "base_url": "https://x", "model": "priced-name",
+         "url_model": url_model}, agent="a")
+    request = DIALECT.render(settings, [ChatMessage(role="user", content="hi")], [])
+    assert request.path == path
+    assert "priced-name" not in json.dumps(request.payload)
+
+
+@pytest.mark.parametrize(("data", "named"), [
+    ({"dialect": "openai", "url_model": "gpt"}, r"url_model is read by the gemini dialect only"),
+    ({"dialect": "gemini", "url_model": "models/x:generateContent"}, r"without spaces"),
+    ({"dialect": "gemini", "url_model": "/models/x"}, r"a leading '/'"),
+    ({"dialect": "gemini", "url_model": ""}, r"url_model must be a model name"),
+    ({"dialect": "gemini", "url_model": 7}, r"got 7"),
+])
+def test_a_bad_url_model_is_refused_naming_the_fix(data, named):
+    from flask_solidloop.errors import AgentDefinitionError
+
+    with pytest.raises(AgentDefinitionError, match=named):
+        ProviderSettings.from_dict({"base_url": "https://x", "model": "m", **data}, agent="a")
+
+
 def test_consecutive_tool_results_become_one_user_turn_with_names_and_errors():
     messages = [
         ChatMessage(role="user", content="go"),

@@ -51,6 +51,7 @@ status) are consumed one per chat request, in the order queued, whatever the dia
     llm.fault_next("slow_prefill", seconds=0.5)               # silence before the first byte
     llm.fault_next("slow_stream", seconds=0.2)                # silence between chunks
     llm.fault_next("disconnect_mid_stream", after=3)          # 3 events, then a closed socket
+    llm.fault_next("interrupted_stream", after=3)             # 3 events, then [DONE] (openai)
     llm.fault_next("error_mid_stream", after=3)               # the dialect's in-stream error
     llm.fault_next("malformed_chunk", after=1)                # a data line that is not JSON
     llm.fault_next("no_usage", times=2)                       # no usage anywhere

@@ -31,6 +31,7 @@ FAULT_OPTIONS: dict[str, dict[str, Any]] = {
     "slow_stream": {"seconds": 0.2},
     "endless_stream": {"seconds": 0.05},
     "disconnect_mid_stream": {"after": None, "torn": False},
+    "interrupted_stream": {"after": None},
     "error_mid_stream": {"after": None, "message": None, "body": None},
     "malformed_chunk": {"after": 1, "data": None},
     "no_usage": {},
@@ -219,6 +220,16 @@ def deliver(rendered: Rendered, fault: Fault | None, dialect: str) -> Response:
         at = _position(opts["after"], total, max(1, min(total - 1, total // 2)))
         name = "error" if dialect == ANTHROPIC else None
         events = [*events[:at], Event(stream_error_data(dialect, opts), name)]
+    elif kind == "interrupted_stream":
+        # llama-cpp-python with interrupt_requests=True when another request
+        # waits: [DONE] straight after the last chunk sent, no finish_reason.
+        if dialect != OPENAI:
+            raise InvalidArgumentError(
+                "fault 'interrupted_stream' is written for the openai dialect")
+        at = _position(opts["after"], total, max(1, total // 2))
+        kept = [e for e in events[:at]
+                if not (isinstance(e.data, dict) and _finishes(e.data))]
+        events = [*kept, Event(Raw("[DONE]"))]
     elif kind == "malformed_chunk":
         at = _position(opts["after"], total, 1)
         data = opts["data"] if opts["data"] is not None else _MALFORMED_DEFAULT
@@ -239,6 +250,15 @@ def deliver(rendered: Rendered, fault: Fault | None, dialect: str) -> Response:
         response.pieces = _endless(events, pieces, rendered.framing, dialect)
         response.delay, response.chunked = float(opts["seconds"]), True
     return response
+
+
+def _finishes(chunk: dict[str, Any]) -> bool:
+    """Whether an OpenAI stream chunk carries a finish_reason (or is the usage chunk
+    that follows it)."""
+    choices = chunk.get("choices")
+    if not choices:
+        return "usage" in chunk
+    return any(c.get("finish_reason") for c in choices if isinstance(c, dict))
 
 
 def _endless(events: list[Event], pieces: list[bytes], framing: str,
