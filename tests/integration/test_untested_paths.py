@@ -161,10 +161,6 @@ class AuditedBefore(Agent):
         builder.insert_before(ToolExecution, AuditBetween)  # an authorization's spot
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "store.end_turn (loops/sql END_TURN) fails the loop but keeps the tool call's "
-    "lease: a resume's claim is refused until that lease lapses, and the loop then "
-    "waits, running, for the reaper's stalled_tools heal"))
 def test_a_tool_turn_failing_before_its_tool_ran_can_be_resumed_at_once(
         app, session, llm, drain, audit):
     script_one_add(llm)

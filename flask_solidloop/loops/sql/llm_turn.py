@@ -160,6 +160,11 @@ END_TURN = (
     f"error_message = %(error_message)s, {EXIT_SET} WHERE id = %(loop_id)s AND {OWNED} "
     "AND (%(lease)s::uuid IS NULL OR EXISTS (SELECT 1 FROM solidloop_tool_calls "
     "WHERE id = %(call_id)s AND lease_token = %(lease)s)) RETURNING id), "
+    # A tool turn's call gives its lease up with the loop: a resume claims it
+    # at once, rather than wait for the lease to lapse.
+    "released AS (UPDATE solidloop_tool_calls SET lease_token = NULL, leased_until = NULL, "
+    "lease_holder = NULL, updated_at = now() WHERE id = %(call_id)s "
+    "AND lease_token = %(lease)s AND EXISTS (SELECT 1 FROM ended)), "
     f"hidden AS ({hide_shells('SELECT id FROM ended')}), "
     f"event AS ({llm_event('ended')}) "
     "SELECT id FROM ended")
