@@ -37,6 +37,7 @@ from .queue.middleware import (
     PeriodicTaskMiddleware,
     WorkerRegistryMiddleware,
 )
+from .queue.middleware.periodic import JanitorTaskMiddleware, ReaperTaskMiddleware
 from .runtime.actors import declare_actors
 from .state import EXTENSION_KEY, SolidLoopState
 from .urls import install_log_redaction, libpq_url, redact_url
@@ -273,11 +274,11 @@ def _maintenance_in_workers(state: SolidLoopState) -> list[PeriodicTaskMiddlewar
     conninfo = libpq_url(state.broker.url)
     tasks = []
     if config.reaper_interval > 0:
-        tasks.append(PeriodicTaskMiddleware("reaper", config.reaper_interval,
-                                            in_app_context(reap), conninfo=conninfo))
+        tasks.append(ReaperTaskMiddleware("reaper", config.reaper_interval,
+                                          in_app_context(reap), conninfo=conninfo))
     if runs_in_workers(config):
-        tasks.append(PeriodicTaskMiddleware("janitor", config.janitor_interval,
-                                            in_app_context(prune_if_due), conninfo=conninfo))
+        tasks.append(JanitorTaskMiddleware("janitor", config.janitor_interval,
+                                           in_app_context(prune_if_due), conninfo=conninfo))
     return tasks
 
 

@@ -44,6 +44,7 @@ from datetime import timedelta
 from sqlalchemy import text
 
 from ..config import Config
+from ..models.loop import TERMINAL_STATUSES
 from ..queue import sql
 from ..state import SolidLoopState
 from . import runs
@@ -55,12 +56,11 @@ logger = logging.getLogger("flask_solidloop.janitor")
 #: interval, and each skip costs one indexed read.
 _DUE_SHARE = 0.9
 
-#: Loop statuses after which a loop's events and jobs may be deleted. Every
-#: other status (init, queued, running, waiting, paused) is a loop that may
-#: still be written to or read back by the engine or an operator.
-ENDED_LOOP_STATUSES = ("completed", "failed")
-
-_ENDED = ", ".join(f"'{status}'" for status in ENDED_LOOP_STATUSES)
+# A loop's events and jobs may go only once it is in a terminal status
+# (completed, failed). Every other status (init, queued, running, waiting,
+# paused) is a loop that may still be written to, or read back by the engine
+# or an operator.
+_ENDED = ", ".join(f"'{status}'" for status in TERMINAL_STATUSES)
 
 
 def _loop_not_ended(alias: str) -> str:
@@ -77,20 +77,35 @@ def runs_in_workers(config: Config) -> bool:
     return config.janitor_interval > 0
 
 
+def _cutoff(seconds: int) -> str:
+    """``now()`` less ``seconds``, written into the statement rather than passed
+    as a parameter: a generic plan (what a statement psycopg has prepared may
+    get) cannot see a parameter's value, and would walk the events' primary key
+    from its first row to learn that nothing is old enough, at every sweep. The
+    seconds are a validated Config integer, never input."""
+    return f"now() - make_interval(secs => {int(seconds)})"
+
+
 # The rows each rule would delete, without a limit. A sweep deletes them in
 # batches by key (``_delete``); a preview counts them (``_count``).
 #
 # ``key = ANY(ARRAY(...))``, not ``key IN (...)``: the batch's keys are
-# computed first and deleted by primary key. With ``IN``, a generic plan (what
-# a statement psycopg has prepared may get) hash-joins the batch against a
-# sequential scan of the whole table, once per batch.
-_OLD_EVENTS = f"""
+# computed first and deleted by primary key. With ``IN``, a generic plan
+# hash-joins the batch against a sequential scan of the whole table, once per
+# batch.
+def _old_events(seconds: int) -> str:
+    return f"""
     SELECT e.id FROM solidloop_events AS e
-    WHERE e.created_at < now() - :age AND NOT {_loop_not_ended("e")}"""
-_OLD_DONE_JOBS = f"""
+    WHERE e.created_at < {_cutoff(seconds)} AND NOT {_loop_not_ended("e")}"""
+
+
+def _old_done_jobs(seconds: int) -> str:
+    return f"""
     SELECT j.id FROM solidloop_jobs AS j
-    WHERE j.state = 'done' AND j.finished_at < now() - :age
+    WHERE j.state = 'done' AND j.finished_at < {_cutoff(seconds)}
       AND NOT {_loop_not_ended("j")}"""
+
+
 # ``expires_at`` is set when a job ends; the status guard keeps a job that was
 # requeued (or is otherwise live again) whatever a stale expiry says.
 _EXPIRED_HOST_JOBS = """
@@ -112,8 +127,16 @@ def _count(candidates: str) -> str:
     return f"SELECT count(*) FROM ({candidates}) AS candidates"
 
 
-_PRUNE_EVENTS = _delete("solidloop_events", "id", _OLD_EVENTS)
-_PRUNE_JOBS = _delete("solidloop_jobs", "id", _OLD_DONE_JOBS)
+def prune_events_sql(seconds: int) -> str:
+    """One batch of the events rule (tests read its plan)."""
+    return _delete("solidloop_events", "id", _old_events(seconds))
+
+
+def prune_jobs_sql(seconds: int) -> str:
+    """One batch of the done-jobs rule (tests read its plan)."""
+    return _delete("solidloop_jobs", "id", _old_done_jobs(seconds))
+
+
 _PRUNE_HOST_JOBS = _delete("solidloop_host_jobs", "id", _EXPIRED_HOST_JOBS)
 _PRUNE_RESULTS = _delete("solidloop_results", "key", _EXPIRED_RESULTS)
 
@@ -242,9 +265,9 @@ def prune(state: SolidLoopState) -> PruneReport:
     config = state.config
     try:
         if config.event_retention is not None:
-            report.events = _prune(state, _PRUNE_EVENTS, _age(config.event_retention))
+            report.events = _prune(state, prune_events_sql(config.event_retention), {})
         if config.finished_job_retention is not None:
-            report.jobs = _prune(state, _PRUNE_JOBS, _age(config.finished_job_retention))
+            report.jobs = _prune(state, prune_jobs_sql(config.finished_job_retention), {})
         report.host_jobs = _prune(state, _PRUNE_HOST_JOBS, {})
         report.results = _prune(state, _PRUNE_RESULTS, {})
         if config.mcp_inbound_session_retention is not None:
@@ -282,9 +305,9 @@ def preview(state: SolidLoopState) -> PruneReport:
     report = PruneReport()
     try:
         if config.event_retention is not None:
-            report.events = count(_OLD_EVENTS, _age(config.event_retention))
+            report.events = count(_old_events(config.event_retention), {})
         if config.finished_job_retention is not None:
-            report.jobs = count(_OLD_DONE_JOBS, _age(config.finished_job_retention))
+            report.jobs = count(_old_done_jobs(config.finished_job_retention), {})
         report.host_jobs = count(_EXPIRED_HOST_JOBS, {})
         report.results = count(_EXPIRED_RESULTS, {})
         if config.mcp_inbound_session_retention is not None:
