@@ -272,7 +272,7 @@ def _maintenance_in_workers(state: SolidLoopState) -> list[PeriodicTaskMiddlewar
 
     config = state.config
     conninfo = libpq_url(state.broker.url)
-    tasks = []
+    tasks: list[PeriodicTaskMiddleware] = []
     if config.reaper_interval > 0:
         tasks.append(ReaperTaskMiddleware("reaper", config.reaper_interval,
                                           in_app_context(reap), conninfo=conninfo))
