@@ -25,7 +25,8 @@ Never deleted, whatever their age: the events and jobs of a loop that has not
 ended (any status but ``completed`` and ``failed``: a loop waiting weeks for an
 approval keeps its wire log), queued and running jobs, dead-lettered jobs
 (someone has to look at them), and RQ-style jobs that have not ended or whose
-TTL has not passed. Those rules are in the statements themselves, so no sweep
+TTL has not passed, with their deliveries in ``solidloop_jobs`` (the record
+reads its args from them). Those rules are in the statements themselves, so no sweep
 can race the engine into deleting what a live loop may still read.
 
 Each sweep, successful or not, ends with one upsert of the ``prune`` row of
@@ -99,18 +100,30 @@ def _old_events(seconds: int) -> str:
     WHERE e.created_at < {_cutoff(seconds)} AND NOT {_loop_not_ended("e")}"""
 
 
+# An RQ-style job record past its TTL. ``expires_at`` is set when a job ends;
+# the status guard keeps a job that was requeued (or is otherwise live again)
+# whatever a stale expiry says. Never NULL (NULL expires_at: kept forever), so
+# it can be negated.
+_HOST_JOB_EXPIRED = ("h.expires_at IS NOT NULL AND h.expires_at < now() "
+                     "AND h.status IN ('finished', 'failed', 'canceled')")
+
+
 def _old_done_jobs(seconds: int) -> str:
+    # A delivery of an RQ-style job whose record is kept stays too: the record
+    # reads its args, attempts and start time from it (jobs/rq.py). A record
+    # that this sweep deletes (past its TTL) does not hold its delivery back,
+    # so a preview counts what one sweep deletes.
     return f"""
     SELECT j.id FROM solidloop_jobs AS j
     WHERE j.state = 'done' AND j.finished_at < {_cutoff(seconds)}
-      AND NOT {_loop_not_ended("j")}"""
+      AND NOT {_loop_not_ended("j")}
+      AND (j.actor_name <> '{sql.HOST_JOB_ACTOR}' OR NOT EXISTS (
+          SELECT 1 FROM solidloop_host_jobs AS h
+          WHERE h.message_id = j.message_id AND NOT ({_HOST_JOB_EXPIRED})))"""
 
 
-# ``expires_at`` is set when a job ends; the status guard keeps a job that was
-# requeued (or is otherwise live again) whatever a stale expiry says.
-_EXPIRED_HOST_JOBS = """
-    SELECT h.id FROM solidloop_host_jobs AS h
-    WHERE h.expires_at < now() AND h.status IN ('finished', 'failed', 'canceled')"""
+_EXPIRED_HOST_JOBS = f"""
+    SELECT h.id FROM solidloop_host_jobs AS h WHERE {_HOST_JOB_EXPIRED}"""
 _EXPIRED_RESULTS = """
     SELECT r.key FROM solidloop_results AS r WHERE r.expires_at < now()"""
 _OLD_INBOUND_SESSIONS = """
@@ -199,23 +212,24 @@ def _days(seconds: float) -> str:
 
 def rules(config: Config) -> list[Rule]:
     """Each table's rule under ``config``, in the report's order."""
-    def older(key: str, seconds: int | None, what: str) -> str:
+    def kept(key: str, seconds: int | None, goes: str) -> str:
         if seconds is None:
             return f"none: {key} is None (kept forever)"
-        return f"{what} older than {_days(seconds)} ({key})"
+        return goes.format(age=_days(seconds)) + f" ({key})"
 
     return [
-        Rule("events", older("SOLIDLOOP_EVENT_RETENTION", config.event_retention,
-                             "wire-log events of ended loops or of none,")),
-        Rule("jobs", older("SOLIDLOOP_FINISHED_JOB_RETENTION", config.finished_job_retention,
-                           "done jobs of ended loops or of none, finished")),
+        Rule("events", kept("SOLIDLOOP_EVENT_RETENTION", config.event_retention,
+                            "wire-log events older than {age}, of ended loops or of none")),
+        Rule("jobs", kept("SOLIDLOOP_FINISHED_JOB_RETENTION", config.finished_job_retention,
+                          "done jobs finished more than {age} ago, of ended loops or of none")),
         Rule("host_jobs", "RQ-style jobs that ended and are past their result_ttl / "
                           "failure_ttl"),
         Rule("results", "dramatiq results past their expiry"),
-        Rule("inbound_sessions", older("SOLIDLOOP_MCP_INBOUND_SESSION_RETENTION",
-                                       config.mcp_inbound_session_retention,
-                                       "inbound MCP sessions (with their events) created")),
-        Rule("workers", f"worker rows stopped or silent for longer than "
+        Rule("inbound_sessions", kept("SOLIDLOOP_MCP_INBOUND_SESSION_RETENTION",
+                                      config.mcp_inbound_session_retention,
+                                      "inbound MCP sessions created more than {age} ago, "
+                                      "with their events")),
+        Rule("workers", f"worker rows stopped or silent for more than "
                         f"{_days(config.worker_retention)} (SOLIDLOOP_WORKER_RETENTION)"),
     ]
 
@@ -223,7 +237,7 @@ def rules(config: Config) -> list[Rule]:
 #: What no sweep deletes, whatever the settings (``prune --dry-run`` says it).
 NEVER_DELETED = ("events and jobs of loops not yet ended (init, queued, running, waiting, "
                  "paused), queued and running jobs, dead-lettered jobs, RQ-style jobs "
-                 "not yet ended or inside their TTL")
+                 "not yet ended or inside their TTL, and their deliveries")
 
 
 def _age(seconds: int) -> dict[str, object]:

@@ -198,6 +198,22 @@ def test_a_failed_job_inside_its_retention_is_never_deleted(japp, pg):
     assert count(pg, "SELECT count(*) FROM solidloop_jobs WHERE state = 'dead'") == 2
 
 
+def test_the_delivery_of_a_kept_rq_job_stays_with_it(japp, pg):
+    """A job record read its args, attempts and start time from its delivery: a
+    record kept for ever keeps its done delivery however old; an expired one
+    takes its delivery with it in the same sweep."""
+    kept = default.enqueue(jobs_app.record, "kept", 1, result_ttl=-1)
+    gone = default.enqueue(jobs_app.record, "gone", 2, result_ttl=0)
+    run(japp, queues=HOST_QUEUES)
+    pg.execute("UPDATE solidloop_jobs SET finished_at = now() - interval '400 days'")
+    report = prune(get_state(japp))
+    assert (report.host_jobs, report.jobs) == (1, 1)
+    assert kept.get_status() == "finished" and kept.args == ["kept", 1]
+    assert kept.started_at is not None and kept.attempts == 1
+    assert count(pg, "SELECT count(*) FROM solidloop_jobs WHERE message->'options'->>"
+                     "'solidloop_job' = %s", gone.id) == 0
+
+
 # -- flask solidloop prune --dry-run --------------------------------------------------
 
 DRY_RUN = re.compile(r"^  (\w+) +(\d+)  (.+)$")
@@ -222,16 +238,16 @@ def test_prune_dry_run_on_a_seeded_database_prints_what_would_go(app, state, ses
     assert lines[0] == (f"prune --dry-run: nothing deleted; a sweep now would delete "
                         f"{total} row(s):")
     assert lines[1:7] == [
-        "  events                  4  wire-log events of ended loops or of none, older than "
-        "30 days (SOLIDLOOP_EVENT_RETENTION)",
-        f"  jobs             {seeded['done_jobs']:>8}  done jobs of ended loops or of none, "
-        "finished older than 7 days (SOLIDLOOP_FINISHED_JOB_RETENTION)",
+        "  events                  4  wire-log events older than 30 days, of ended loops or "
+        "of none (SOLIDLOOP_EVENT_RETENTION)",
+        f"  jobs             {seeded['done_jobs']:>8}  done jobs finished more than 7 days ago, "
+        "of ended loops or of none (SOLIDLOOP_FINISHED_JOB_RETENTION)",
         "  host_jobs               0  RQ-style jobs that ended and are past their result_ttl "
         "/ failure_ttl",
         "  results                 1  dramatiq results past their expiry",
-        "  inbound_sessions        1  inbound MCP sessions (with their events) created older "
-        "than 1 day (SOLIDLOOP_MCP_INBOUND_SESSION_RETENTION)",
-        "  workers                 0  worker rows stopped or silent for longer than 1 day "
+        "  inbound_sessions        1  inbound MCP sessions created more than 1 day ago, with "
+        "their events (SOLIDLOOP_MCP_INBOUND_SESSION_RETENTION)",
+        "  workers                 0  worker rows stopped or silent for more than 1 day "
         "(SOLIDLOOP_WORKER_RETENTION)"]
     assert lines[7].startswith("never deleted: events and jobs of loops not yet ended")
     assert len(lines) == 8
