@@ -130,8 +130,8 @@ _OLD_INBOUND_SESSIONS = """
     SELECT s.id FROM solidloop_mcp_inbound_sessions AS s WHERE s.created_at < now() - :age"""
 
 
-def _delete(table: str, key: str, candidates: str) -> str:
-    alias = candidates.split(" AS ", 1)[1].split()[0]
+def _delete(table: str, alias: str, key: str, candidates: str) -> str:
+    """One batch of ``candidates`` (selecting ``alias.key`` from ``table``) deleted."""
     return (f"DELETE FROM {table} WHERE {key} = ANY(ARRAY({candidates}\n"
             f"    ORDER BY {alias}.{key} LIMIT :batch FOR UPDATE OF {alias} SKIP LOCKED))")
 
@@ -142,16 +142,16 @@ def _count(candidates: str) -> str:
 
 def prune_events_sql(seconds: int) -> str:
     """One batch of the events rule (tests read its plan)."""
-    return _delete("solidloop_events", "id", _old_events(seconds))
+    return _delete("solidloop_events", "e", "id", _old_events(seconds))
 
 
 def prune_jobs_sql(seconds: int) -> str:
     """One batch of the done-jobs rule (tests read its plan)."""
-    return _delete("solidloop_jobs", "id", _old_done_jobs(seconds))
+    return _delete("solidloop_jobs", "j", "id", _old_done_jobs(seconds))
 
 
-_PRUNE_HOST_JOBS = _delete("solidloop_host_jobs", "id", _EXPIRED_HOST_JOBS)
-_PRUNE_RESULTS = _delete("solidloop_results", "key", _EXPIRED_RESULTS)
+_PRUNE_HOST_JOBS = _delete("solidloop_host_jobs", "h", "id", _EXPIRED_HOST_JOBS)
+_PRUNE_RESULTS = _delete("solidloop_results", "r", "key", _EXPIRED_RESULTS)
 
 # One batch of old inbound sessions and, in the same statement, the wire-log
 # events that name them (their session id is in the payload).
