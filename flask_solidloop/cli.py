@@ -757,19 +757,21 @@ def reap_command(every: float | None) -> None:
 @solidloop_cli.command("prune")
 @click.option("--every", type=float, default=None, metavar="SECONDS",
               help="Repeat every SECONDS instead of running once.")
+@click.option("--dry-run", is_flag=True, default=False,
+              help="Print what a sweep would delete now, per table, and delete nothing.")
 @with_appcontext
-def prune_command(every: float | None) -> None:
-    """Delete rows past their retention: expired host job records and results
-    (their result_ttl / failure_ttl) and old worker rows always; events, finished
-    jobs and inbound MCP sessions only once their SOLIDLOOP_*_RETENTION is set."""
-    from .maintenance.janitor import prune, runs_in_workers
+def prune_command(every: float | None, dry_run: bool) -> None:
+    """Delete rows past their retention: wire-log events, done jobs, expired
+    RQ-style jobs and results, old inbound MCP sessions and worker rows (the
+    SOLIDLOOP_*_RETENTION settings and the jobs' TTLs; None keeps forever).
+    Rows of loops not yet ended, unfinished jobs and dead-lettered jobs stay."""
+    from .maintenance.janitor import prune
 
-    if not runs_in_workers(_state().config):
-        click.echo("events, finished jobs and inbound MCP sessions are kept: set "
-                   "SOLIDLOOP_EVENT_RETENTION (seconds to keep wire events), "
-                   "SOLIDLOOP_FINISHED_JOB_RETENTION (seconds to keep finished jobs) or "
-                   "SOLIDLOOP_MCP_INBOUND_SESSION_RETENTION (seconds to keep inbound MCP "
-                   "sessions) to prune them; workers do not prune until one is set")
+    if dry_run:
+        if every is not None:
+            raise click.UsageError("--dry-run prints once: drop --every")
+        _print_prune_preview()
+        return
 
     def run() -> str:
         report = prune(_state())
@@ -778,6 +780,22 @@ def prune_command(every: float | None) -> None:
                 f"workers={report.workers} ({report.duration_ms:.1f} ms)")
 
     _every(every, run, "prune")
+
+
+def _print_prune_preview() -> None:
+    from .maintenance.janitor import NEVER_DELETED, preview, rules
+
+    state = _state()
+    try:
+        report = preview(state)
+    finally:
+        state.db.session.remove()
+    counts = report.counts()
+    click.echo(f"prune --dry-run: nothing deleted; a sweep now would delete "
+               f"{report.pruned} row(s):")
+    for rule in rules(state.config):
+        click.echo(f"  {rule.name:<17}{counts[rule.name]:>8}  {rule.goes}")
+    click.echo(f"never deleted: {NEVER_DELETED}")
 
 
 @solidloop_cli.command("force-stop")

@@ -127,11 +127,44 @@ def _optional_positive_float(key: str, value: Any) -> float | None:
     return _positive_float(key, value)
 
 
+#: Seconds in a day, the unit of the retention defaults.
+DAY = 24 * 3600
+
+#: How a retention or TTL setting is told to keep rows forever from a string
+#: (an environment variable): Python's None is accepted as is.
+FOREVER_WORDS = ("none", "forever")
+
+
+def _keeps_forever(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and value.strip().lower() in FOREVER_WORDS)
+
+
+def _retention(key: str, value: Any) -> int | None:
+    """Seconds to keep rows, or None to keep them forever."""
+    if _keeps_forever(value):
+        return None
+    rule = ('must be seconds > 0, or None to keep forever (from an environment '
+            'variable: "none", or null through app.config.from_prefixed_env)')
+    if isinstance(value, bool) or value == "":
+        raise ConfigurationError(key, value, rule)
+    try:
+        return _positive_int(key, value)
+    except ConfigurationError:
+        raise ConfigurationError(key, value, rule) from None
+
+
 def _ttl_seconds(key: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise ConfigurationError(key, value, "must be seconds >= 0, or -1 (keep forever)")
-    number = _integer(key, value, minimum=-1)
-    return number
+    """Seconds, or -1 to keep forever (RQ's spelling; None means the same)."""
+    if _keeps_forever(value):
+        return -1
+    rule = ('must be seconds >= 0, or -1 or None to keep forever (from an environment '
+            'variable: "none", or null through app.config.from_prefixed_env)')
+    if isinstance(value, bool) or value == "":
+        raise ConfigurationError(key, value, rule)
+    try:
+        return _integer(key, value, minimum=-1)
+    except ConfigurationError:
+        raise ConfigurationError(key, value, rule) from None
 
 
 def _status_list(key: str, value: Any) -> tuple[int, ...]:
@@ -253,13 +286,18 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds a consumer waits for a NOTIFY before polling the job table anyway."),
     Setting("SOLIDLOOP_DATABASE_URL", None, lambda _k, v: v,
             "Database for loops and jobs; defaults to SQLALCHEMY_DATABASE_URI."),
-    Setting("SOLIDLOOP_EVENT_RETENTION", None, _optional_positive_int,
-            "Seconds to keep wire-log events; unset (the default) keeps them forever."),
-    Setting("SOLIDLOOP_FINISHED_JOB_RETENTION", None, _optional_positive_int,
-            "Seconds to keep done jobs in the job table; unset keeps them forever. "
-            "Dead-lettered jobs are never pruned."),
+    Setting("SOLIDLOOP_EVENT_RETENTION", 30 * DAY, _retention,
+            "Seconds to keep wire-log events (30 days); events of a loop that has not "
+            "ended are kept whatever their age. None keeps every event forever."),
+    Setting("SOLIDLOOP_FINISHED_JOB_RETENTION", 7 * DAY, _retention,
+            "Seconds to keep done jobs in the job table (7 days); None keeps them forever. "
+            "Queued, running and dead-lettered jobs, and the jobs of a loop that has not "
+            "ended, are never pruned."),
     Setting("SOLIDLOOP_JANITOR_BATCH_SIZE", 1000, _positive_int,
             "Rows the janitor deletes per statement, so no sweep holds a long lock."),
+    Setting("SOLIDLOOP_JANITOR_INTERVAL", 300.0, _non_negative_float,
+            "Seconds between janitor sweeps run inside worker processes (one sweep per "
+            "interval across all workers); 0 turns the in-worker janitor off."),
     Setting("SOLIDLOOP_STREAM_UPDATE_INTERVAL", 2.0, _positive_float,
             "Seconds between writes of a streaming turn's partial text to its hidden shell."),
     Setting("SOLIDLOOP_OBSERVED_STREAM_UPDATE_INTERVAL", 0.25, _positive_float,
@@ -290,10 +328,10 @@ SETTINGS: tuple[Setting, ...] = (
             "event keeps the conversation from the model's last answer on, and the count "
             "and SHA-256 of the earlier part (which earlier events and the loop's messages "
             "hold)."),
-    Setting("SOLIDLOOP_MCP_INBOUND_SESSION_RETENTION", None, _optional_positive_int,
+    Setting("SOLIDLOOP_MCP_INBOUND_SESSION_RETENTION", DAY, _retention,
             "Seconds to keep the sessions outside MCP clients opened with an MCP server "
-            "blueprint, counted from their creation, with their wire-log events; unset (the "
-            "default) keeps them forever."),
+            "blueprint (a day), counted from their creation, with their wire-log events; "
+            "None keeps them forever."),
     Setting("SOLIDLOOP_MCP_MAX_REQUEST_BODY", 4 * 1024 * 1024, _positive_int,
             "Largest request body (bytes) an MCP server blueprint accepts; a larger one is "
             "answered 413 before it is read."),
@@ -355,6 +393,7 @@ class Config:
     event_retention: int | None
     finished_job_retention: int | None
     janitor_batch_size: int
+    janitor_interval: float
     stream_update_interval: float
     observed_stream_update_interval: float
     admin_stream_seconds: float

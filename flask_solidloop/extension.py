@@ -24,7 +24,7 @@ from .jobs import JobRegistry, Queue
 from .leases import RenewerSlot
 from .loops import control
 from .loops.store import LoopEndHook
-from .maintenance.janitor import JANITOR_INTERVAL, prune, runs_in_workers
+from .maintenance.janitor import prune_if_due, runs_in_workers
 from .maintenance.reaper import reap
 from .mcp.toolset import Toolset
 from .models import ToolCall
@@ -38,6 +38,7 @@ from .queue.middleware import (
     PeriodicTaskMiddleware,
     WorkerRegistryMiddleware,
 )
+from .queue.middleware.periodic import JanitorTaskMiddleware, ReaperTaskMiddleware
 from .runtime.actors import declare_actors
 from .state import EXTENSION_KEY, SolidLoopState
 from .urls import install_log_redaction, libpq_url, redact_url
@@ -315,9 +316,9 @@ class SolidLoop:
 
 
 def _maintenance_in_workers(state: SolidLoopState) -> list[PeriodicTaskMiddleware]:
-    """The reaper (every SOLIDLOOP_REAPER_INTERVAL seconds) and, when a retention
-    is set, the janitor, run by worker processes themselves: recovery needs
-    nothing but workers."""
+    """The reaper (every SOLIDLOOP_REAPER_INTERVAL seconds) and the janitor
+    (every SOLIDLOOP_JANITOR_INTERVAL seconds), run by worker processes
+    themselves: recovery and retention need nothing but workers."""
     def in_app_context(task: Callable[[SolidLoopState], Any]) -> Callable[[], Any]:
         def run() -> Any:
             with state.app.app_context():
@@ -329,13 +330,13 @@ def _maintenance_in_workers(state: SolidLoopState) -> list[PeriodicTaskMiddlewar
 
     config = state.config
     conninfo = libpq_url(state.broker.url)
-    tasks = []
+    tasks: list[PeriodicTaskMiddleware] = []
     if config.reaper_interval > 0:
-        tasks.append(PeriodicTaskMiddleware("reaper", config.reaper_interval,
-                                            in_app_context(reap), conninfo=conninfo))
+        tasks.append(ReaperTaskMiddleware("reaper", config.reaper_interval,
+                                          in_app_context(reap), conninfo=conninfo))
     if runs_in_workers(config):
-        tasks.append(PeriodicTaskMiddleware("janitor", JANITOR_INTERVAL,
-                                            in_app_context(prune), conninfo=conninfo))
+        tasks.append(JanitorTaskMiddleware("janitor", config.janitor_interval,
+                                           in_app_context(prune_if_due), conninfo=conninfo))
     return tasks
 
 

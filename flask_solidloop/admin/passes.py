@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from ..config import Config
-from ..maintenance.janitor import JANITOR_INTERVAL, runs_in_workers
+from ..maintenance.janitor import runs_in_workers
 from ..models import MaintenanceRun
 from .format import span
 
@@ -91,13 +91,15 @@ def reap_status(run: MaintenanceRun | None, now: datetime, config: Config) -> Pa
 def prune_status(run: MaintenanceRun | None, now: datetime, config: Config) -> PassStatus:
     age = _age(run, now)
     warning = note = None
+    interval = config.janitor_interval
     if not runs_in_workers(config):
-        note = "workers do not prune: no SOLIDLOOP_*_RETENTION setting is on"
+        note = ("workers do not prune: SOLIDLOOP_JANITOR_INTERVAL=0 (run 'flask solidloop "
+                "prune --every 3600' or schedule the maintenance actor)")
     elif age is None:
-        note = f"workers prune every {span(JANITOR_INTERVAL)}"
-    elif age > STALE_INTERVALS * JANITOR_INTERVAL:
+        note = f"workers prune every {span(interval)}"
+    elif age > STALE_INTERVALS * interval:
         warning = (f"no worker has pruned for {span(age)} (they prune every "
-                   f"{span(JANITOR_INTERVAL)}): is any worker running?")
+                   f"{span(interval)}): is any worker running?")
     return PassStatus("prune", run, age, warning, note)
 
 

@@ -8,7 +8,8 @@ rolled back) its own work. Recording is best effort: a pass that worked is
 never turned into a failure because its record could not be written (say the
 host has not run migration 0008 yet), and a failed pass's exception is
 re-raised as it was, whatever happens to its record. :func:`last_runs` reads
-the rows for the admin dashboard.
+the rows for the admin dashboard, :func:`finished_within` for the workers'
+janitor deciding whether a sweep is due.
 """
 
 from __future__ import annotations
@@ -99,6 +100,32 @@ def record(state: SolidLoopState, task: str, *, duration_ms: float, total: int,
         return False
     _warned.discard(task)
     return True
+
+
+_FINISHED_WITHIN = text("""
+SELECT EXISTS (SELECT 1 FROM solidloop_maintenance_runs
+               WHERE task = :task AND last_ok
+                 AND last_finished_at > statement_timestamp() - make_interval(secs => :seconds))
+""")
+
+
+def finished_within(state: SolidLoopState, task: str, seconds: float) -> bool:
+    """Whether some process finished a successful ``task`` pass in the last
+    ``seconds`` (database clock). False when that cannot be read (say migration
+    0008 has not run), so a caller deciding whether to run a pass runs it."""
+    session = state.db.session
+    try:
+        recent = bool(session.execute(_FINISHED_WITHIN,
+                                      {"task": task, "seconds": float(seconds)}).scalar_one())
+        session.rollback()
+    except Exception:
+        try:
+            session.rollback()
+        except Exception:
+            logger.debug("rollback after a failed %s read failed too", task, exc_info=True)
+        logger.debug("could not read the last %s pass", task, exc_info=True)
+        return False
+    return recent
 
 
 def last_runs(session: SessionLike) -> dict[str, MaintenanceRun]:

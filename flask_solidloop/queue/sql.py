@@ -309,10 +309,10 @@ WORKER_STOPPED = (
     "WHERE identity = %(identity)s"
 )
 #: Rows of workers that stopped, or went silent, longer than ``%(age)s`` seconds ago.
-WORKER_PRUNE = (
-    "DELETE FROM solidloop_workers "
-    "WHERE coalesce(stopped_at, last_seen_at) < now() - make_interval(secs => %(age)s)"
-)
+_WORKERS_GONE = "coalesce(stopped_at, last_seen_at) < now() - make_interval(secs => %(age)s)"
+WORKER_PRUNE = "DELETE FROM solidloop_workers WHERE " + _WORKERS_GONE
+#: How many rows WORKER_PRUNE would delete (``flask solidloop prune --dry-run``).
+WORKER_PRUNE_COUNT = "SELECT count(*) FROM solidloop_workers WHERE " + _WORKERS_GONE
 #: The queues that live workers consume: registered, not stopped, and heard
 #: from within ``%(silent)s`` seconds (WorkerRow.state's "live").
 WORKER_LIVE_QUEUES = (

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
@@ -86,8 +84,6 @@ def test_unreachable_database_names_the_url():
 
 
 def test_reap_and_prune_commands(app, runner, session):
-    state = app.extensions["solidloop"]
-    state.config = dataclasses.replace(state.config, event_retention=3600)
     result = runner.invoke(args=["solidloop", "reap"])
     assert result.exit_code == 0, result.output
     assert "reap: expired_llm=0" in result.output

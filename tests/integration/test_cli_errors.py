@@ -1,7 +1,7 @@
 """The errors a newcomer meets on the command line are one line each, naming what
 was wrong and the command that fixes it (issue 13): a never-migrated, outdated,
-unreachable or missing database, a configuration error (exit 2), prune with no
-retention, and a worker command that can be copied."""
+unreachable or missing database, a configuration error (exit 2), and a worker
+command that can be copied. (Retention and ``prune --dry-run``: test_retention.py.)"""
 
 from __future__ import annotations
 
@@ -164,17 +164,6 @@ def test_configuration_error_through_flask_cli_entry_point(tmp_path):
     lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
     assert len(lines) == 1, done.stderr
     assert "postgresql+psycopg://" in lines[0] and "Traceback" not in done.stderr
-
-
-def test_prune_without_retention_keeps_events_and_says_so(app):
-    """Expired host jobs and results and old worker rows go anyway: their TTLs are
-    the retention the host asked for."""
-    result = app.test_cli_runner().invoke(args=["solidloop", "prune"])
-    assert result.exit_code == 0, result.output
-    assert "events, finished jobs and inbound MCP sessions are kept" in result.output
-    assert "SOLIDLOOP_EVENT_RETENTION" in result.output
-    assert "SOLIDLOOP_FINISHED_JOB_RETENTION" in result.output
-    assert "prune: events=0 jobs=0 host_jobs=0 results=0 inbound_sessions=0" in result.output
 
 
 def test_worker_prints_a_command_that_can_be_copied(database_url, tmp_path):

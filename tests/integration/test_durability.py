@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import psycopg
 import pytest
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select, text, update
 
 from flask_solidloop.leases import APPLICATION_NAME, LeaseRenewer
 from flask_solidloop.maintenance.janitor import prune
@@ -258,14 +258,20 @@ def test_a_renewer_blip_mid_request_costs_nothing(app, state, session, llm, pg):
 # -- the janitor ------------------------------------------------------------------------
 
 
-def test_janitor_is_off_by_default(state, session, llm):
+def test_janitor_keeps_everything_when_each_retention_is_none(state, session, llm):
+    """``None`` keeps forever: with every retention None, 999-day-old events and
+    done jobs of a completed loop stay. (The defaults: test_retention.py.)"""
     llm.script("keep", {"content": "kept"})
     Assistant.start(message="keep")
     run(state.app)
     session.execute(update(Event).values(created_at=func.now() - timedelta(days=999)))
+    session.execute(text("UPDATE solidloop_jobs SET finished_at = now() - interval '999 days'"))
     session.commit()
+    state.config = dataclasses.replace(state.config, event_retention=None,
+                                       finished_job_retention=None)
     report = prune(state)
     assert (report.events, report.jobs) == (0, 0)
+    assert session.scalar(select(func.count()).select_from(Event)) > 0
     assert state.last_pruned_at is not None
 
 
@@ -276,6 +282,7 @@ def test_janitor_prunes_in_batches(app, session, pg):
                        SOLIDLOOP_JANITOR_BATCH_SIZE=7)
     other_state = other.extensions["solidloop"]
     loop_id, _ = running_loop(session)
+    pg.execute("UPDATE solidloop_loops SET status = 'completed' WHERE id = %s", (loop_id,))
     pg.execute("INSERT INTO solidloop_events (loop_id, kind, payload, created_at) "
                "SELECT %s, 'llm_request', '{}', now() - interval '2 hours' "
                "FROM generate_series(1, 30)", (loop_id,))

@@ -306,10 +306,38 @@ def test_the_janitors_event_retention_reads_by_index_with_a_brin_created_at(pg):
         "SELECT am.amname FROM pg_class c JOIN pg_am am ON am.oid = c.relam"
         " WHERE c.relname = 'ix_solidloop_events_created_at'").fetchone()
     assert method == "brin"
-    statement = (janitor._PRUNE_EVENTS.replace(":age", "%(age)s::interval")
-                 .replace(":batch", "%(batch)s"))
-    custom, generic = plans(pg, statement, {"age": "199000 seconds", "batch": 500})
+    statement = janitor.prune_events_sql(199000).replace(":batch", "%(batch)s")
+    custom, generic = plans(pg, statement, {"batch": 500})
     assert_uses(custom, "ix_solidloop_events_created_at", "solidloop_events")
-    # Generic: the batch walks the primary key from the oldest event (append-only:
-    # the oldest ids first), and the delete probes it by id.
+    # Generic (the batch size unknown): it may walk the primary key from the
+    # oldest event instead (append-only: the oldest ids first, so old rows are
+    # met at once); the delete probes it by id. When nothing is old enough, the
+    # age written into the statement keeps it on the BRIN (the next test).
     assert_uses(generic, "pk_solidloop_events", "solidloop_events")
+
+
+def test_the_default_janitor_finds_old_events_and_done_jobs_through_their_indexes(session, pg):
+    """Workers sweep every five minutes by default, mostly to find nothing: the
+    sweep's statements read the created_at BRIN of the events and the partial
+    index of done jobs, never the whole table, loop guard included."""
+    pg.execute("INSERT INTO solidloop_loops (agent_name, status) SELECT 'a', "
+               "CASE WHEN i % 2 = 0 THEN 'completed' ELSE 'running' END "
+               "FROM generate_series(1, 200) AS i")
+    pg.execute("INSERT INTO solidloop_events (loop_id, kind, payload) SELECT "
+               "(SELECT min(id) FROM solidloop_loops) + i % 200, 'llm_request', '{}' "
+               "FROM generate_series(1, 30000) AS i")
+    pg.execute("INSERT INTO solidloop_jobs (queue_name, actor_name, message_id, message, state,"
+               " loop_id, finished_at) SELECT 'solidloop_llm', 'x', gen_random_uuid(), '{}', "
+               "CASE WHEN i % 50 = 0 THEN 'queued' ELSE 'done' END, "
+               "(SELECT min(id) FROM solidloop_loops) + i % 200, "
+               "CASE WHEN i % 50 = 0 THEN NULL ELSE now() END FROM generate_series(1, 20000) AS i")
+    for table in ("solidloop_loops", "solidloop_events", "solidloop_jobs"):
+        pg.execute(f"VACUUM ANALYZE {table}")
+
+    params = {"batch": 1000}
+    for plan in plans(pg, janitor.prune_events_sql(30 * 86400).replace(":batch", "%(batch)s"),
+                      params):
+        assert_uses(plan, "ix_solidloop_events_created_at", "solidloop_events")
+    for plan in plans(pg, janitor.prune_jobs_sql(7 * 86400).replace(":batch", "%(batch)s"),
+                      params):
+        assert_uses(plan, "ix_solidloop_jobs_finished", "solidloop_jobs")

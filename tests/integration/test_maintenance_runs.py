@@ -56,10 +56,11 @@ def test_a_reap_and_a_prune_pass_each_upsert_their_row(app, state, session, pg):
     assert second["last_finished_at"] > first["last_finished_at"]
     assert second["updated_at"] > first["updated_at"]
 
-    # The janitor: 3 old events past a one-hour retention.
+    # The janitor: 3 old events past a one-hour retention (of no loop: the
+    # reaped loop is live again, and its events are kept).
     pg.execute("INSERT INTO solidloop_events (loop_id, kind, payload, created_at) "
-               "SELECT %s, 'llm_request', '{}', now() - interval '2 hours' "
-               "FROM generate_series(1, 3)", (loop_id,))
+               "SELECT NULL, 'mcp_inbound', '{}', now() - interval '2 hours' "
+               "FROM generate_series(1, 3)")
     state.config = dataclasses.replace(state.config, event_retention=3600)
     assert prune(state).events == 3
     assert prune(state).events == 0
@@ -74,6 +75,7 @@ def test_a_reap_and_a_prune_pass_each_upsert_their_row(app, state, session, pg):
 
 def test_the_first_prune_records_what_it_deleted(app, state, session, pg):
     loop_id, _ = running_loop(session)
+    pg.execute("UPDATE solidloop_loops SET status = 'completed' WHERE id = %s", (loop_id,))
     pg.execute("INSERT INTO solidloop_events (loop_id, kind, payload, created_at) "
                "SELECT %s, 'llm_request', '{}', now() - interval '2 hours' "
                "FROM generate_series(1, 4)", (loop_id,))

@@ -112,7 +112,7 @@ def test_janitor_prunes_inbound_sessions_by_creation_age_with_their_events(app, 
                          "interval '2 hours', last_seen_at = now() WHERE id LIKE 'old-%'"))
     session.commit()
 
-    assert prune(state).inbound_sessions == 0  # off by default
+    assert prune(state).inbound_sessions == 0  # two hours old: inside the default day
     state.config = dataclasses.replace(state.config, mcp_inbound_session_retention=3600,
                                        janitor_batch_size=1)
     report = prune(state)

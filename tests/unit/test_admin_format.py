@@ -84,11 +84,15 @@ def test_a_reap_is_stale_after_five_reaper_intervals_and_never_sooner_than_ten_s
     assert passes.reap_status(run(200), now, off).note is not None
     assert "SOLIDLOOP_REAPER_INTERVAL=0" in passes.reap_status(run(400), now, off).warning
     assert "SOLIDLOOP_REAPER_INTERVAL=0" in passes.reap_status(None, now, off).warning
-    # The janitor only runs in workers with a retention set; stale after 5 x 5 min.
-    kept = Config.from_mapping({"SOLIDLOOP_EVENT_RETENTION": 3600})
+    # Workers run the janitor by default, every 5 min: stale after 5 x 5 min. With
+    # SOLIDLOOP_JANITOR_INTERVAL=0 someone else prunes, on a schedule we cannot know.
+    no_janitor = Config.from_mapping({"SOLIDLOOP_JANITOR_INTERVAL": 0})
+    every_minute = Config.from_mapping({"SOLIDLOOP_JANITOR_INTERVAL": 60})
     prune = run(26 * 60)
     prune.task = "prune"
-    assert passes.prune_status(prune, now, every_2).warning is None
-    assert "RETENTION" in passes.prune_status(prune, now, every_2).note
-    assert "26 min" in passes.prune_status(prune, now, kept).warning
-    assert passes.prune_status(None, now, kept).warning is None
+    assert passes.prune_status(prune, now, no_janitor).warning is None
+    assert "SOLIDLOOP_JANITOR_INTERVAL=0" in passes.prune_status(prune, now, no_janitor).note
+    assert "26 min" in passes.prune_status(prune, now, every_2).warning
+    assert passes.prune_status(run(24 * 60), now, every_2).warning is None
+    assert "6 min" in passes.prune_status(run(6 * 60), now, every_minute).warning
+    assert passes.prune_status(None, now, every_2).warning is None

@@ -66,6 +66,60 @@ def test_strings_from_the_environment_are_accepted():
     assert config.lease_margin == 30 and config.llm_retry_statuses == (429, 503)
 
 
+RETENTIONS = ("SOLIDLOOP_EVENT_RETENTION", "SOLIDLOOP_FINISHED_JOB_RETENTION",
+              "SOLIDLOOP_MCP_INBOUND_SESSION_RETENTION")
+
+
+def test_retention_is_on_by_default_and_none_keeps_forever():
+    """Issue 27: events 30 days, done jobs 7 days, inbound MCP sessions a day, the
+    janitor in workers every 5 min; RQ-style TTLs stay RQ's."""
+    config = Config.from_mapping({})
+    assert config.event_retention == 30 * 86400
+    assert config.finished_job_retention == 7 * 86400
+    assert config.mcp_inbound_session_retention == 86400
+    assert config.janitor_interval == 300.0
+    assert (config.job_result_ttl, config.job_failure_ttl) == (500, 365 * 86400)
+    # None keeps forever: Python's None in app.config, "none" from an environment
+    # variable (what from_prefixed_env reads as a string), null through from_prefixed_env.
+    for spelling in (None, "none", " None ", "forever"):
+        kept = Config.from_mapping({key: spelling for key in RETENTIONS}
+                                   | {"SOLIDLOOP_JOB_RESULT_TTL": spelling,
+                                      "SOLIDLOOP_JOB_FAILURE_TTL": spelling})
+        assert (kept.event_retention, kept.finished_job_retention,
+                kept.mcp_inbound_session_retention) == (None, None, None)
+        assert (kept.job_result_ttl, kept.job_failure_ttl) == (-1, -1)
+    set_ = Config.from_mapping({key: "3600" for key in RETENTIONS})
+    assert set_.event_retention == set_.finished_job_retention == 3600
+    assert Config.from_mapping({"SOLIDLOOP_JANITOR_INTERVAL": 0}).janitor_interval == 0.0
+
+
+def test_null_from_the_environment_keeps_forever(monkeypatch):
+    app = Flask("retention_env")
+    monkeypatch.setenv("FLASK_SOLIDLOOP_EVENT_RETENTION", "null")
+    monkeypatch.setenv("FLASK_SOLIDLOOP_FINISHED_JOB_RETENTION", "86400")
+    app.config.from_prefixed_env()
+    config = Config.from_mapping(app.config)
+    assert config.event_retention is None and config.finished_job_retention == 86400
+
+
+@pytest.mark.parametrize("key", RETENTIONS)
+@pytest.mark.parametrize("value", [0, -1, "", "a week", 1.5, True])
+def test_a_bad_retention_names_the_key_and_how_to_keep_forever(key, value):
+    with pytest.raises(ConfigurationError) as info:
+        Config.from_mapping({key: value})
+    message = str(info.value)
+    assert info.value.key == key and "\n" not in message
+    assert message.startswith(f"{key}={value!r} is invalid: must be seconds > 0, or None to "
+                              f"keep forever"), message
+    assert '"none"' in message
+
+
+@pytest.mark.parametrize("value", [-2, "", "soon", True])
+def test_a_bad_ttl_names_minus_one_and_none(value):
+    with pytest.raises(ConfigurationError, match=r"-1 or None to keep forever"):
+        Config.from_mapping({"SOLIDLOOP_JOB_RESULT_TTL": value})
+
+
 def test_the_job_lease_follows_the_liveness_ttl_unless_set():
     assert Config.from_mapping({}).job_lease_seconds == 20.0
     assert Config.from_mapping({"SOLIDLOOP_LIVENESS_TTL": 4}).job_lease_seconds == 4.0

@@ -101,3 +101,15 @@ class PeriodicTaskMiddleware(dramatiq.Middleware):
             return True
         finally:
             conn.execute("SELECT pg_advisory_unlock(%s)", (self.key,))
+
+
+# A class per task, because every worker runs both and dramatiq warns ("a
+# middleware of the same type twice") when two middlewares share a class.
+
+
+class ReaperTaskMiddleware(PeriodicTaskMiddleware):
+    """The in-worker reaper's periodic thread."""
+
+
+class JanitorTaskMiddleware(PeriodicTaskMiddleware):
+    """The in-worker janitor's periodic thread."""
