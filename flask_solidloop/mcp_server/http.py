@@ -45,6 +45,7 @@ from mcp_types.jsonrpc import (
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, MODERN_PROTOCOL_VERSIONS
 from pydantic import ValidationError
 
+from .._typing import real_session
 from ..state import get_state
 from . import security, wirelog
 from . import store as inbound
@@ -241,7 +242,7 @@ class McpEndpoint:
         if not is_request:
             return Response(status=202)
         served = dispatch(self.spec, req.method, req.params, version=version,
-                          request_id=req.id, principal=principal)
+                          request_id=req.id, principal=principal, session=real_session(session))
         ex.tool = served.tool
         if served.error is not None:
             return _jsonrpc_error(req.id, served.error, 200)
@@ -298,7 +299,8 @@ class McpEndpoint:
                 if mismatch is not None:
                     return _rejection(req.id, mismatch, ex)
         served = dispatch(self.spec, req.method, req.params, version=verdict.protocol_version,
-                          request_id=req.id, principal=principal)
+                          request_id=req.id, principal=principal,
+                          session=real_session(get_state().db.session))
         ex.tool = served.tool
         if served.error is not None:
             ex.error = served.error.message

@@ -160,8 +160,11 @@ def negotiate(requested: Any) -> str:
 
 
 def dispatch(spec: ServerSpec, method: str, params: Mapping[str, Any] | None, *,
-             version: str, request_id: Any, principal: Any) -> Served:
-    """Answer one request at ``version`` (the session's, or the envelope's)."""
+             version: str, request_id: Any, principal: Any, session: Any = None) -> Served:
+    """Answer one request at ``version`` (the session's, or the envelope's).
+    ``session``: the database session a called tool writes through
+    (``ctx.session``); what the tool leaves there is committed once it
+    returned, before the response."""
     modern = version in MODERN_PROTOCOL_VERSIONS
     served_methods = MODERN_METHODS if modern else HANDSHAKE_METHODS
     try:
@@ -189,7 +192,7 @@ def dispatch(spec: ServerSpec, method: str, params: Mapping[str, Any] | None, *,
         elif method == "subscriptions/listen":
             served = _listen(params, request_id)
         else:
-            served = _call_tool(spec, params, principal)
+            served = _call_tool(spec, params, principal, session)
     except McpError as exc:
         return Served(error=exc)
     if served.result is not None:
@@ -236,7 +239,8 @@ def _listen(params: dict[str, Any], request_id: Any) -> Served:
     )
 
 
-def _call_tool(spec: ServerSpec, params: dict[str, Any], principal: Any) -> Served:
+def _call_tool(spec: ServerSpec, params: dict[str, Any], principal: Any,
+               session: Any = None) -> Served:
     name = params.get("name")
     entry = spec.tools.get(name) if isinstance(name, str) else None
     if entry is None:
@@ -246,10 +250,15 @@ def _call_tool(spec: ServerSpec, params: dict[str, Any], principal: Any) -> Serv
     raw_meta = params.get("_meta")
     meta: dict[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
     key = meta.get(IDEMPOTENCY_META_KEY)
-    ctx = CallContext(principal=principal, idempotency_key=key if isinstance(key, str) else None)
+    ctx = CallContext(principal=principal, idempotency_key=key if isinstance(key, str) else None,
+                      session=session)
     notifications: list[dict[str, Any]] = []
     with _collect_progress(meta.get("progressToken"), notifications):
         result = toolset.call(tool_name, params.get("arguments"), ctx)
+    if session is not None:
+        # What the tool wrote through ctx.session (a tool that raised had its
+        # writes rolled back by the toolset) lands before the caller hears of it.
+        session.commit()
     return Served(result=result.to_mcp(), notifications=notifications, tool=name,
                   tool_error=result.is_error)
 

@@ -184,6 +184,21 @@ def test_stateless_requests_carry_result_type_and_cache_hints(mcp, db):
     assert db("SELECT count(*) FROM solidloop_mcp_inbound_sessions") == [(0,)]
 
 
+def test_a_tools_writes_through_ctx_session_commit_before_the_answer(mcp, db, database_url):
+    """Served to an outside client, a tool's uncommitted writes through
+    ctx.session commit once it returned (rolled back if it raised)."""
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS probe_notes (note text)")
+        conn.execute("DELETE FROM probe_notes")
+    kept = mcp.modern("tools/call", {"name": "remember",
+                                     "arguments": {"note": "kept", "fail": False}})
+    assert kept.json()["result"]["content"][0]["text"] == "noted"
+    failed = mcp.modern("tools/call", {"name": "remember",
+                                       "arguments": {"note": "undone", "fail": True}})
+    assert failed.json()["result"]["isError"] is True
+    assert db("SELECT note FROM probe_notes") == [("kept",)]
+
+
 def test_subscriptions_listen_is_acknowledged_then_closed(mcp):
     reply = mcp.modern("subscriptions/listen", {"notifications": {"toolsListChanged": True}})
     assert reply.status_code == 200

@@ -62,6 +62,17 @@ def echo(text: str) -> str:
 
 
 @probe.tool
+def remember(note: str, fail: bool, ctx: CallContext) -> str:
+    """Keep a note through ctx.session, uncommitted (then fail, if asked)."""
+    from sqlalchemy import text
+
+    ctx.session.execute(text("INSERT INTO probe_notes (note) VALUES (:note)"), {"note": note})
+    if fail:
+        raise RuntimeError("failed after writing")
+    return "noted"
+
+
+@probe.tool
 def nap(seconds: float) -> str:
     """Sleep a little (at most 2 s), then answer."""
     time.sleep(min(max(seconds, 0.0), 2.0))
