@@ -85,6 +85,8 @@ def _listen() -> None:
     flush marks the session written, its commit clean. Off a watched tool
     thread a listener costs one thread-local lookup."""
     global _listening
+    if _listening:
+        return
     with _listening_lock:
         if _listening:
             return
