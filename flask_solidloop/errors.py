@@ -26,6 +26,7 @@ so a host can catch the whole family in one clause::
     ├── McpTransportError         an MCP server could not be reached or answered badly
     ├── LimitExceededError        max_steps / max_duration reached (the loop pauses)
     ├── HistoryTooLargeError      a history past SOLIDLOOP_MAX_HISTORY_BYTES (the loop fails)
+    ├── LoopFailedError           Agent(loop).result() of a loop that failed or was stopped
     ├── LostLeaseError            this worker no longer owns the turn; write nothing
     ├── DecisionConflictError     a waiting tool call was decided already (who, when)
     ├── WaitTimeoutError          a bounded wait ran out before the work it waited on finished
@@ -67,6 +68,7 @@ __all__ = [
     "JobError",
     "JobImportError",
     "LimitExceededError",
+    "LoopFailedError",
     "LostLeaseError",
     "McpTransportError",
     "NoSuchJobError",

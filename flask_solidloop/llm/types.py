@@ -149,7 +149,7 @@ def _url_model(value: Any, dialect: str, agent: str) -> str | None:
         return None
     if dialect != "gemini":
         raise AgentDefinitionError(
-            f"agent {agent!r}: llm url_model is read by the gemini dialect only (the "
+            f"agent {agent!r}: llm url_model is read only when dialect='gemini' (the "
             f"{dialect} dialect sends model in the payload); remove it or set "
             "dialect='gemini'"
         )

@@ -132,7 +132,7 @@ def test_url_model_names_the_model_in_the_path_and_model_stays_out_of_it(url_mod
 
 
 @pytest.mark.parametrize(("data", "named"), [
-    ({"dialect": "openai", "url_model": "gpt"}, r"url_model is read by the gemini dialect only"),
+    ({"dialect": "openai", "url_model": "gpt"}, r"url_model is read only when dialect='gemini'"),
     ({"dialect": "gemini", "url_model": "models/x:generateContent"}, r"without spaces"),
     ({"dialect": "gemini", "url_model": "/models/x"}, r"a leading '/'"),
     ({"dialect": "gemini", "url_model": ""}, r"url_model must be a model name"),
