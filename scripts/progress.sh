@@ -19,8 +19,10 @@ with_progress() {
     sleep 0.5
     if [ $((SECONDS - last)) -ge "$PROGRESS_EVERY" ]; then
       last=$SECONDS
-      # The log's last non-blank line, cut short: what the command is doing now.
-      latest=$(grep -v '^[[:space:]]*$' "$log" 2>/dev/null | tail -n 1 | cut -c 1-70 || true)
+      # The log's last line that is neither blank nor a warning, cut short: what
+      # the command is doing now.
+      latest=$(grep -Eiv '^[[:space:]]*$|^(npm )?warn' "$log" 2>/dev/null | tail -n 1 |
+               cut -c 1-70 || true)
       echo "$prefix:       still $what ($((SECONDS - began))s)${latest:+: $latest}" >&2
     fi
   done
