@@ -39,6 +39,11 @@ from .state import get_state
 
 OFFLINE_URL_ENV = "SOLIDLOOP_OFFLINE_LLM_URL"
 
+#: Seconds without output after which the demo says what it is waiting for, so
+#: the workers' start or a slow model never looks like a hang (a first run
+#: prints something at least every 5 s).
+QUIET_SECONDS = 3.0
+
 
 def _database_name(url: str) -> str:
     return url.rsplit("/", 1)[-1].split("?", 1)[0]
@@ -57,10 +62,11 @@ def _pick_agent(app: Flask, name: str | None) -> str:
 
 def run_demo(app: Flask, import_path: str | None, *, agent: str | None, message: str,
              timeout: float, processes: int = 1, threads: int = 4) -> int:
-    from .testing.llm_emulator import LLMEmulator
-
     state = get_state(app)
     url = state.database_url
+    click.echo(f"preparing database {_database_name(url)}")
+    from .testing.llm_emulator import LLMEmulator
+
     try:
         if ensure_database(url):
             click.echo(f"created database {url.rsplit('/', 1)[-1]}")
@@ -107,6 +113,7 @@ def _follow(app: Flask, loop_id: int, timeout: float, workers: subprocess.Popen,
     session = state.db.session
     printed: set[int] = set()
     deadline = time.monotonic() + timeout
+    started = last_output = time.monotonic()
     while True:
         session.expire_all()
         loop = queries.get_loop(session, loop_id)
@@ -119,6 +126,7 @@ def _follow(app: Flask, loop_id: int, timeout: float, workers: subprocess.Popen,
             if message.id not in printed and message.role != "system":
                 printed.add(message.id)
                 click.echo(format_message(message, calls))
+                last_output = time.monotonic()
         status = loop.status
         used_tool = any(c.executed_at for c in calls.values())
         session.rollback()
@@ -158,6 +166,11 @@ def _follow(app: Flask, loop_id: int, timeout: float, workers: subprocess.Popen,
             click.echo(f"demo failed: timed out (exit 1); raise --timeout for a slow model, or "
                        f"read the workers' log: {log_path}", err=True)
             return 1
+        if time.monotonic() - last_output >= QUIET_SECONDS:
+            last_output = time.monotonic()
+            answered = any(m.role == "assistant" for m in messages)
+            click.echo(f"    ... waiting for {'the next' if answered else 'the first'} turn "
+                       f"(loop {loop_id} {status}, {last_output - started:.0f}s)")
         time.sleep(0.2)
 
 

@@ -9,11 +9,12 @@
 # Node 22 comes from the npm package node@22: the machine's Node 20 is too old
 # for the MCP tooling. Versions are pinned; idempotent: what is installed at its
 # pinned version is left alone, so a re-run costs a few hundred milliseconds.
-# scripts/setup.sh calls it; it can also run alone:  bash scripts/mcp_conformance.sh
+# `scripts/setup.sh --tests` calls it; it can also run alone:  bash scripts/mcp_conformance.sh
 set -euo pipefail
 here="${BASH_SOURCE[0]%/*}"
 [ "$here" = "${BASH_SOURCE[0]}" ] && here=.
 cd "$here/.."
+source scripts/progress.sh
 
 NODE_SPEC="node@22.23.3"
 CONFORMANCE_OLD="0.1.16"
@@ -32,16 +33,11 @@ installed_version() {  # $1 prefix, $2 package: prints its installed version, or
 }
 
 npm_install() {  # $1 prefix, $2 spec
-  local log
-  log=$(mktemp)
   mkdir -p "$1"
-  if ! PATH="$PWD/$PREFIX/node/node_modules/node/bin:$PATH" npm install --prefix "$1" \
-      --no-audit --no-fund --save-exact --loglevel=error "$2" >"$log" 2>&1; then
-    cat "$log" >&2
-    rm -f "$log"
+  PATH="$PWD/$PREFIX/node/node_modules/node/bin:$PATH" with_progress mcp_conformance \
+      "installing $2" npm install --prefix "$1" --no-audit --no-fund --save-exact \
+      --loglevel=error "$2" ||
     fail "npm install $2 into $1 failed (output above); is the npm registry reachable?"
-  fi
-  rm -f "$log"
 }
 
 node_version="${NODE_SPEC##*@}"

@@ -10,13 +10,14 @@
 # against. Idempotent: a peer already installed at its pinned version is left
 # alone, so running it again costs a few hundred milliseconds.
 #
-# scripts/setup.sh calls this after it has created .venv;
+# `scripts/setup.sh --tests` calls this after it has created .venv;
 # it can also be run on its own from any directory:  bash scripts/mcp_peers.sh
 # Needs node >= 18 with npm, and the project virtualenv in .venv.
 set -euo pipefail
 here="${BASH_SOURCE[0]%/*}"
 [ "$here" = "${BASH_SOURCE[0]}" ] && here=.
 cd "$here/.."
+source scripts/progress.sh
 
 FILESYSTEM_VERSION="2026.8.31"
 EVERYTHING_VERSION="2026.8.31"
@@ -51,14 +52,9 @@ done
 if [ "${#wanted[@]}" -gt 0 ]; then
   say "installing ${wanted[*]} into $PREFIX (npm)"
   mkdir -p "$PREFIX"
-  log=$(mktemp)
-  if ! npm install --prefix "$PREFIX" --no-audit --no-fund --save-exact \
-      --loglevel=error "${wanted[@]}" >"$log" 2>&1; then
-    cat "$log" >&2
-    rm -f "$log"
+  with_progress mcp_peers "installing into $PREFIX" npm install --prefix "$PREFIX" \
+      --no-audit --no-fund --save-exact --loglevel=error "${wanted[@]}" ||
     fail "npm install into $PREFIX failed (output above); is the npm registry reachable?"
-  fi
-  rm -f "$log"
 fi
 for bin in mcp-server-filesystem mcp-server-everything; do
   [ -x "$PREFIX/node_modules/.bin/$bin" ] || fail "$PREFIX/node_modules/.bin/$bin is missing after install"
@@ -67,7 +63,7 @@ done
 # -- PyPI peer --------------------------------------------------------------------
 
 PY=.venv/bin/python
-[ -x "$PY" ] || fail ".venv/bin/python not found; run scripts/setup.sh first (it creates .venv)"
+[ -x "$PY" ] || fail ".venv/bin/python not found; run bash scripts/setup.sh first (it creates .venv)"
 
 py_installed_version() {  # prints the installed version of distribution $1, or nothing
   "$PY" - "$1" <<'PY'
@@ -88,13 +84,9 @@ else
   sdk_version=$(py_installed_version mcp)
   if [ -n "$sdk_version" ]; then pins+=("mcp==$sdk_version"); fi
   say "installing ${pins[0]} into .venv (pip)"
-  log=$(mktemp)
-  if ! "$PY" -m pip install -q --disable-pip-version-check "${pins[@]}" >"$log" 2>&1; then
-    cat "$log" >&2
-    rm -f "$log"
+  with_progress mcp_peers "installing into .venv" "$PY" -m pip install --no-compile \
+      --progress-bar off --disable-pip-version-check "${pins[@]}" ||
     fail "pip install ${pins[*]} failed (output above); is PyPI reachable?"
-  fi
-  rm -f "$log"
   [ -x .venv/bin/mcp-server-time ] || fail ".venv/bin/mcp-server-time is missing after install"
 fi
 

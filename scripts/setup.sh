@@ -1,33 +1,36 @@
 #!/usr/bin/env bash
-# One-time (idempotent) setup for a fresh machine: a PostgreSQL that answers on
-# 127.0.0.1:5432, a virtualenv in .venv with flask-solidloop and its test
-# extras installed. Safe to run again; it only does what is missing: a re-run
-# with nothing to do takes a few seconds (the install is skipped while
-# pyproject.toml is unchanged; SETUP_FORCE=1 reinstalls anyway).
+# One-time (idempotent) set-up for a fresh machine, in two sizes:
+#
+#   bash scripts/setup.sh           what the demo needs: a PostgreSQL answering on
+#                                   127.0.0.1:5432 and a virtualenv in .venv with
+#                                   flask-solidloop and its runtime dependencies
+#   bash scripts/setup.sh --tests   the same, plus what the test suite needs: the
+#                                   test extras, Debian's chromium, the MCP peers,
+#                                   Node 22 and the MCP conformance suites
+#
+# With CI set (CI=true), --tests is implied: CI installs everything, so no test
+# skips for want of a tool. Safe to run again; it only does what is missing: a
+# re-run with nothing to do takes a few seconds (the install is skipped while
+# pyproject.toml is unchanged; SETUP_FORCE=1 reinstalls anyway). Progress goes
+# to stderr at least every few seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/progress.sh
+
+tests=""
+for arg in "$@"; do
+  case "$arg" in
+    --tests) tests=1 ;;
+    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "setup: unknown option '$arg'; use: bash scripts/setup.sh [--tests]" >&2; exit 2 ;;
+  esac
+done
+in_ci=""
+case "${CI:-}" in ""|0|false|False|FALSE) ;; *) in_ci=1 tests=1 ;; esac
 
 started=$SECONDS
-step() { echo "setup: [$1/4] $2 ($((SECONDS - started))s)" >&2; }
-
-# Run "$@" with its output in a log, printing a line every 10 s so a long
-# first install never looks hung; the log is shown if it fails.
-with_progress() {
-  local what=$1; shift
-  local log; log=$(mktemp)
-  "$@" >"$log" 2>&1 &
-  local pid=$! waited=0
-  while kill -0 "$pid" 2>/dev/null; do
-    sleep 1; waited=$((waited + 1))
-    if [ $((waited % 10)) -eq 0 ]; then echo "setup:       still $what (${waited}s)" >&2; fi
-  done
-  if ! wait "$pid"; then
-    cat "$log" >&2; rm -f "$log"
-    echo "setup: $what failed (output above)" >&2
-    return 1
-  fi
-  rm -f "$log"
-}
+if [ -n "$tests" ]; then steps=6; else steps=3; fi
+step() { echo "setup: [$1/$steps] $2 ($((SECONDS - started))s)" >&2; }
 
 PG_PORT="${PGPORT:-5432}"
 
@@ -71,47 +74,90 @@ start_postgres() {
 step 1 "PostgreSQL on 127.0.0.1:$PG_PORT"
 pg_answers || start_postgres
 
+# A virtualenv without pip, given pip by the interpreter's own pip (>= 22.3 can
+# install into another interpreter), is made in a few seconds; `python3 -m venv`
+# with ensurepip takes 5-15 s and brings a pip that resolves our dependencies
+# slower than a current one does.
+make_venv() {
+  if python3 -m pip --version 2>/dev/null | python3 -c '
+import re, sys
+m = re.match(r"pip (\d+)\.(\d+)", sys.stdin.read())
+sys.exit(0 if m and (int(m[1]), int(m[2])) >= (22, 3) else 1)'; then
+    python3 -m venv --without-pip .venv &&
+      python3 -m pip --python .venv/bin/python install --no-compile --progress-bar off --upgrade pip
+  else
+    python3 -m venv .venv && .venv/bin/python -m pip install --progress-bar off --upgrade pip
+  fi
+}
+
 step 2 "virtualenv in .venv"
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
-  .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+  rm -rf .venv
+  with_progress setup "creating .venv" make_venv
 fi
 
 # The install is redone only when what it depends on changed: pyproject.toml,
-# the interpreter, or an install that no longer imports from this tree.
+# the interpreter, the extras asked for, or an install that no longer imports
+# from this tree. The stamp names what was installed: "runtime" (the demo's
+# set-up) or "test" (which includes the runtime).
 stamp=.venv/.solidloop-setup-stamp
 want="$(cat pyproject.toml .venv/pyvenv.cfg | cksum)"
-installed_here() {
-  .venv/bin/python - "$PWD" <<'PY' 2>/dev/null
+installed_here() {  # $1: also need pytest (1) or not (empty)
+  .venv/bin/python - "$PWD" "$1" <<'PY' 2>/dev/null
 import importlib.util, os, sys
 spec = importlib.util.find_spec("flask_solidloop")  # found, not imported: fast
 ok = spec and spec.origin and spec.origin.startswith(sys.argv[1] + os.sep)
-sys.exit(0 if ok and importlib.util.find_spec("pytest") else 1)
+sys.exit(0 if ok and (not sys.argv[2] or importlib.util.find_spec("pytest")) else 1)
 PY
 }
-if [ -z "${SETUP_FORCE:-}" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && installed_here; then
-  step 3 "flask-solidloop and its test extras: already installed, pyproject.toml unchanged"
+have=$(cat "$stamp" 2>/dev/null || true)
+if [ -n "$tests" ]; then
+  extras="test" spec=".[test]" what="flask-solidloop and its test extras"
+  up_to_date=$([ "$have" = "$want test" ] && echo 1 || true)
 else
-  step 3 "installing flask-solidloop and its test extras into .venv (the first time takes a minute or two)"
-  with_progress "installing into .venv" .venv/bin/python -m pip install -q -e '.[test]'
-  echo "$want" >"$stamp"
+  extras="runtime" spec="." what="flask-solidloop and its runtime dependencies"
+  up_to_date=$([ "$have" = "$want test" ] || [ "$have" = "$want runtime" ] && echo 1 || true)
 fi
+if [ -z "${SETUP_FORCE:-}" ] && [ -n "$up_to_date" ] && installed_here "$tests"; then
+  step 3 "$what: already installed, pyproject.toml unchanged"
+else
+  step 3 "installing $what into .venv"
+  # --no-compile: byte-compiling every file of every wheel costs seconds; Python
+  # compiles the modules a run imports, once, on first import.
+  with_progress setup "installing into .venv" .venv/bin/python -m pip install \
+    --no-compile --progress-bar off -e "$spec"
+  echo "$want $extras" >"$stamp"
+fi
+
+if [ -z "$tests" ]; then
+  echo "setup: ready for the demo in $((SECONDS - started))s (PostgreSQL on 127.0.0.1:$PG_PORT," \
+       "virtualenv in .venv); for the tests: bash scripts/setup.sh --tests" >&2
+  exit 0
+fi
+
 # -- admin browser tests (issue 15): Debian's chromium, driven by Playwright from
 # PyPI with executable_path (never `playwright install`, which downloads).
-if ! command -v chromium >/dev/null 2>&1; then
-  echo "setup: installing Debian's chromium for the admin's browser tests" >&2
-  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive \
-      apt-get install -y -qq chromium >/dev/null
-  else
-    echo "setup: cannot apt-get install chromium here; the browser tests will skip" >&2
-  fi
+step 4 "Debian's chromium for the admin's browser tests"
+if command -v chromium >/dev/null 2>&1; then
+  echo "setup:       chromium already installed" >&2
+elif [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+  with_progress setup "installing chromium (apt-get)" sh -c \
+    'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium'
+elif [ -n "$in_ci" ]; then
+  echo "setup: cannot apt-get install chromium here (needs root and apt-get); CI runs" \
+       "the browser tests, so install Debian's chromium first" >&2
+  exit 1
+else
+  echo "setup: cannot apt-get install chromium here (needs root and apt-get);" \
+       "the browser tests will skip" >&2
 fi
 # -- end admin browser tests
 
 # The real MCP servers the tests talk to (npm and PyPI packages, pinned).
-step 4 "MCP peers for the stdio tests"
+step 5 "MCP peers for the stdio tests"
 bash scripts/mcp_peers.sh >&2
 # Node 22 and the official MCP conformance suite (both versions), pinned.
+step 6 "Node 22 and the MCP conformance suites"
 bash scripts/mcp_conformance.sh >&2
-echo "setup: ready in $((SECONDS - started))s (PostgreSQL on 127.0.0.1:$PG_PORT, virtualenv in .venv, MCP peers)" >&2
+echo "setup: ready for the tests in $((SECONDS - started))s (PostgreSQL on 127.0.0.1:$PG_PORT," \
+     "virtualenv in .venv with the test extras, chromium, MCP peers, conformance suites)" >&2

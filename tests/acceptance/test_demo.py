@@ -69,3 +69,32 @@ def test_demo_says_why_it_exits_non_zero(database_url):
         assert "flask solidloop status" in last and "solidloop-demo-workers-" in last
     finally:
         drop_database(url)
+
+
+def test_demo_says_what_it_waits_for_while_the_model_is_slow(database_url):
+    """Issue 27, item 5: a first turn that takes seconds (a slow model, or workers
+    still starting) prints `... waiting for the first turn` lines instead of
+    silence, before the conversation goes on as usual."""
+    from flask_solidloop.testing import LLMEmulator
+
+    emulator = LLMEmulator(offline_model=True).start()
+    emulator.fault_next("slow_prefill", seconds=7)
+    url = database_url + "_demo_slow"
+    drop_database(url)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DEMO_LLM_", "SOLIDLOOP_"))}
+    env.update(DATABASE_URL=url, DEMO_LLM_BASE_URL=emulator.base_url,
+               DEMO_LLM_MODEL="solidloop-offline")
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "flask", "--app", "example_app", "solidloop", "demo"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        out = result.stdout
+        assert out.startswith(f"preparing database {url.rsplit('/', 1)[-1]}\n"), out
+        waiting = out.find("    ... waiting for the first turn (loop 1 ")
+        assert 0 < waiting < out.index("] assistant\n"), out
+        assert "completed in 2 LLM turns, 1 tool call(s)" in out
+    finally:
+        emulator.stop()
+        drop_database(url)

@@ -2,7 +2,7 @@
 
 ``@modelcontextprotocol/conformance`` 0.1.16 (handshake era) and 0.2.0-alpha.12
 (adds 2026-07-28), run by Node 22, both installed by scripts/mcp_conformance.sh
-(scripts/setup.sh runs it). The server is tests/support/mcp_server_app.py's
+(scripts/setup.sh --tests runs it). The server is tests/support/mcp_server_app.py's
 ``/mcp/conformance`` blueprint, whose toolset implements the suite's fixture
 tools, under ``gunicorn -w 4 -k gthread``. The suite's exit code is the
 verdict: a failure not in the baseline (tests/acceptance/conformance/) fails
@@ -35,7 +35,7 @@ def conformance(suite: str) -> Path:
     binary = PREFIX / suite / "node_modules" / ".bin" / "conformance"
     if not binary.exists() or not (NODE_BIN / "node").exists():
         pytest.fail(f"{binary} or Node 22 is missing: run bash scripts/mcp_conformance.sh "
-                    "(scripts/setup.sh runs it)")
+                    "(scripts/setup.sh --tests runs it)")
     return binary
 
 
