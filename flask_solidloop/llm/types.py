@@ -14,6 +14,7 @@ PROVIDER_KEYS = {
     "model": "model name sent in the payload (openai, anthropic) or the URL (gemini)",
     "url_model": "gemini only: the model put in the request URL instead of model "
                  "(a name, or a resource path such as tunedModels/my-model)",
+    "llm_model_name": "another name for url_model",
     "api_key": "the key itself (prefer api_key_env; never stored)",
     "api_key_env": "name of the environment variable holding the key, read at run time",
     "read_timeout": "seconds of silence allowed between reads",
@@ -98,7 +99,12 @@ class ProviderSettings:
                 f"agent {agent!r}: llm max_tokens_param must be 'max_tokens' or "
                 f"'max_completion_tokens', got {param!r}"
             )
-        url_model = _url_model(data.get("url_model"), dialect, agent)
+        if data.get("url_model") is not None and data.get("llm_model_name") is not None:
+            raise AgentDefinitionError(
+                f"agent {agent!r}: llm url_model and llm_model_name are one setting; "
+                "keep url_model")
+        url_model = _url_model(data.get("url_model", data.get("llm_model_name")), dialect,
+                               agent)
         return cls(
             dialect=dialect,
             base_url=base_url,

@@ -137,12 +137,21 @@ def test_url_model_names_the_model_in_the_path_and_model_stays_out_of_it(url_mod
     ({"dialect": "gemini", "url_model": "/models/x"}, r"a leading '/'"),
     ({"dialect": "gemini", "url_model": ""}, r"url_model must be a model name"),
     ({"dialect": "gemini", "url_model": 7}, r"got 7"),
+    ({"dialect": "gemini", "url_model": "a", "llm_model_name": "b"}, r"are one setting"),
 ])
 def test_a_bad_url_model_is_refused_naming_the_fix(data, named):
     from flask_solidloop.errors import AgentDefinitionError
 
     with pytest.raises(AgentDefinitionError, match=named):
         ProviderSettings.from_dict({"base_url": "https://x", "model": "m", **data}, agent="a")
+
+
+def test_llm_model_name_is_another_name_for_url_model():
+    settings = ProviderSettings.from_dict(
+        {"dialect": "gemini", "base_url": "https://x", "model": "priced-name",
+         "llm_model_name": "tunedModels/support-v2"}, agent="a")
+    request = DIALECT.render(settings, [ChatMessage(role="user", content="hi")], [])
+    assert request.path == "/v1beta/tunedModels/support-v2:generateContent"
 
 
 def test_consecutive_tool_results_become_one_user_turn_with_names_and_errors():
