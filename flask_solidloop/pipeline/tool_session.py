@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from psycopg.pq import TransactionStatus
-from sqlalchemy import event
+from sqlalchemy import event, text
 from sqlalchemy.orm import Session, scoped_session
 
 from .._typing import SessionLike, real_session
@@ -160,10 +160,19 @@ def _roll_back_if_failed(lent: Session, tool: str) -> None:
 
 
 def joins_outcome(session: SessionLike) -> bool:
-    """Whether the tool left a transaction open on the lent session: its writes
-    (or reads) then commit with the call's outcome, which must not be retried
-    in place, since a rollback would lose them."""
-    return not holds_nothing(session)
+    """Whether the tool left writes in the lent session's transaction: they then
+    commit with the call's outcome, which must not be retried in place, since
+    a rollback would lose them. A transaction that only read (PostgreSQL gave
+    it no transaction id) is ended here: the outcome then runs as it would
+    have without it, alone, and is retried in place on a database error."""
+    if holds_nothing(session):
+        return False
+    real = real_session(session)
+    wrote = real.execute(text("SELECT pg_current_xact_id_if_assigned() IS NOT NULL")).scalar()
+    if wrote:
+        return True
+    real.commit()
+    return False
 
 
 def take_back_after_timeout(db: Any) -> None:

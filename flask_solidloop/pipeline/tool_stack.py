@@ -119,7 +119,7 @@ class ToolExecution:
                     call_ctx = CallContext(agent=ctx.agent, loop=loop, idempotency_key=key,
                                            principal=principal,
                                            session=real_session(ctx.session))
-                    routed = _run_in_process(ctx, call, in_process, lambda: call_on_server(
+                    routed = _run_in_process(ctx, name, in_process, lambda: call_on_server(
                         entries, server_name, tool_name, arguments, call_ctx, None))
                 else:
                     call_ctx = CallContext(agent=ctx.agent, loop=loop, idempotency_key=key,
@@ -164,7 +164,7 @@ def _in_process_timeout(ctx: ToolContext, entries: list[dict[str, Any]],
     return None
 
 
-def _run_in_process(ctx: ToolContext, call: ToolCall, timeout: float,
+def _run_in_process(ctx: ToolContext, name: str, timeout: float,
                     run: Callable[[], T]) -> T | tuple[ToolResult, None]:
     """``run`` (the call to an in-process tool) on a tool thread, at most ``timeout``
     seconds: past it, the model gets a ``timeout`` error, the worker thread
@@ -172,19 +172,19 @@ def _run_in_process(ctx: ToolContext, call: ToolCall, timeout: float,
     threads = tool_threads.pool()
     db, lent = ctx.state.db, real_session(ctx.session)
     try:
-        return threads.run(tool_session.lent_to_tool(db, lent, call.name, run),
+        return threads.run(tool_session.lent_to_tool(db, lent, name, run),
                            timeout=timeout, app=ctx.state.app,
-                           on_abandoned_return=tool_session.discard(lent, call.name))
+                           on_abandoned_return=tool_session.discard(lent, name))
     except tool_threads.ToolTimeoutError as exc:
         # The abandoned tool keeps the lent session: the worker takes a new one.
         tool_session.take_back_after_timeout(db)
         logger.error(
             "tool_call %s: %r did not return within its %gs timeout; it is abandoned in a "
             "quarantined thread (%d in this process; past %d the worker restarts) and the "
-            "model is told it timed out", ctx.tool_call_id, call.name, timeout,
+            "model is told it timed out", ctx.tool_call_id, name, timeout,
             exc.quarantined, threads.quarantine_limit)
         result = ToolResult.error(
-            f"the tool {call.name!r} did not finish within its {timeout:g}s timeout and was "
+            f"the tool {name!r} did not finish within its {timeout:g}s timeout and was "
             "abandoned; it may still complete its work. Do not assume it succeeded; check "
             "before calling it again")
         result.error_kind = "timeout"

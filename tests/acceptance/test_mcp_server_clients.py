@@ -54,7 +54,7 @@ def test_twenty_concurrent_sdk_clients_each_get_their_own_result(mcp_gunicorn, d
     pids = set()
     for n, result in enumerate(results):
         who = f"{mode}-{n}"
-        assert result["tools"] == ["add", "echo", "explode", "lookup", "nap", "whoami"]
+        assert result["tools"] == ["add", "echo", "explode", "lookup", "nap", "remember", "whoami"]
         text, _, pid = result["echo"].rpartition(" from ")
         assert text == f"hello {who}"
         pids.add(pid)

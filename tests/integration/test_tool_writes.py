@@ -105,6 +105,13 @@ def touch_then_hang(ticket: int) -> str:
 
 
 @desk.tool
+def peek(ticket: int) -> str:
+    """Read a ticket through db.session, writing nothing."""
+    SEEN["peeks"] = int(SEEN.get("peeks", 0)) + 1
+    return db.session.get(Ticket, ticket).status
+
+
+@desk.tool
 def whoami(ctx: CallContext) -> str:
     return f"principal={ctx.principal}"
 
@@ -297,3 +304,13 @@ def test_an_outcome_that_fails_to_commit_leaves_neither_and_the_rerun_applies_it
     assert ticket(pg)[1] == 1  # the tool ran twice; its write landed once
     _, _, xmin = ticket(pg)
     assert xmin == outcome_xmin(pg, loop.id)
+
+
+def test_a_tool_that_only_read_leaves_its_outcome_retried_in_place(
+        app, session, llm, drain, pg, outcome_fails_once, caplog):
+    """Reads are not writes: the outcome of a tool that only read through the
+    session is retried in place on a database error, never the tool."""
+    _, call = run_tool(llm, drain, session, "peek")
+    assert call.result["content"][0]["text"] == "new"
+    assert SEEN["peeks"] == 1
+    assert "the result and its answer: the database failed" in caplog.text

@@ -60,7 +60,24 @@ def request_event(session, loop_id):
 
 
 def test_a_stream_that_never_ends_stops_at_turn_timeout_with_one_request(
-        app, session, llm, drain):
+        app, session, llm, drain, monkeypatch):
+    from flask_solidloop.llm import client
+
+    # The turn's deadline and the attempt's start, as the send path saw them.
+    seen: dict = {}
+    starting_now = client.TurnLimits.starting_now.__func__
+    post_init = client.Attempt.__post_init__
+
+    def limits(cls, *args):
+        seen["limits"] = starting_now(cls, *args)
+        return seen["limits"]
+
+    def attempt(self):
+        post_init(self)
+        seen["attempt_started"] = self.started
+
+    monkeypatch.setattr(client.TurnLimits, "starting_now", classmethod(limits))
+    monkeypatch.setattr(client.Attempt, "__post_init__", attempt)
     llm.script("go on", {"content": "and on "})
     llm.fault_next("endless_stream", seconds=0.02)
     loop = LimitedStream.start(message="go on")
@@ -74,7 +91,9 @@ def test_a_stream_that_never_ends_stops_at_turn_timeout_with_one_request(
     event = request_event(session, loop.id)
     (attempt,) = event.payload["attempts"]
     assert attempt["error"].startswith("turn_timeout: ended after ") and attempt["events"] > 5
-    assert attempt["duration_ms"] >= 1450  # ended at the deadline, not before
+    # Ended at the deadline (less the send path's 50 ms margin), not before.
+    ended = seen["attempt_started"] + attempt["duration_ms"] / 1000
+    assert ended >= seen["limits"].deadline - 0.05 - 0.001
     summary = event.payload["response"]["body"]["stream_summary"]
     assert summary["ended_by"] == "turn_timeout" and summary["output_chars"] > 0
     shell = session.scalars(select(Message).where(Message.loop_id == loop.id,
