@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
 
 import dramatiq
 from flask import Flask
@@ -63,7 +64,7 @@ def load_worker_app() -> tuple[Flask, PostgresBroker]:
                            "initialise flask-solidloop (SolidLoop(app, db) or init_app)")
     state = get_state(app)
     try:
-        check_schema(state.database_url)
+        wait_for_database(state.database_url)
     except DatabaseUnavailableError as exc:
         # Refuse to start: a worker on a never-migrated database would only log
         # UndefinedTable tracebacks. One line, and dramatiq's "broker connection
@@ -76,6 +77,42 @@ def load_worker_app() -> tuple[Flask, PostgresBroker]:
     threads.quarantine_limit = state.config.tool_quarantine_limit
     threads.on_limit = restart_worker_processes
     return app, broker
+
+
+#: How long a worker waits at boot for a PostgreSQL that is not answering yet
+#: (restarting, recovering, starting with the fleet) before it refuses to start.
+BOOT_WAIT_SECONDS = 60.0
+#: What a server says while it cannot take connections for now: it may come back.
+_NOT_YET = ("connection refused", "starting up", "shutting down", "in recovery",
+            "not yet accepting connections", "server closed the connection",
+            "terminating connection", "timeout expired", "could not receive data",
+            "no such file or directory", "could not connect to server")
+
+
+def wait_for_database(url: str, *, wait: float = BOOT_WAIT_SECONDS) -> None:
+    """``check_schema(url)``, waiting up to ``wait`` seconds while the server
+    cannot take connections for now (a restart, a crash recovery, a fleet
+    that boots with its database): a worker started in such a moment would
+    otherwise exit, and no loop fault that passes may cost the fleet a
+    worker. A database that refuses for good (wrong credentials, a missing
+    or unmigrated database) raises at once."""
+    log = logging.getLogger("flask_solidloop.worker")
+    deadline = time.monotonic() + wait
+    noted = 0.0
+    while True:
+        try:
+            check_schema(url)
+            return
+        except DatabaseUnavailableError as exc:
+            reason = str(exc.__cause__ or "").lower()
+            if exc.__cause__ is None or not any(sign in reason for sign in _NOT_YET) \
+                    or time.monotonic() >= deadline:
+                raise
+            if time.monotonic() >= noted:
+                log.warning("PostgreSQL is not taking connections yet (%s); the worker waits "
+                            "up to %gs for it", exc, wait)
+                noted = time.monotonic() + 5
+            time.sleep(0.5)
 
 
 def restart_worker_processes(quarantined: int) -> None:

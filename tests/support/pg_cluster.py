@@ -68,10 +68,18 @@ class ThrowawayCluster:
             shutil.chown(self.root, "postgres", "postgres")
         self._run(str(_bin("initdb")), "-D", str(self.data), "-A", "trust", "-U", "postgres",
                   "--no-sync", "-E", "UTF8")
+        self.start_server()
+        return self
+
+    def start_server(self) -> None:
+        """Start the (initialised) server: again after ``stop_server``."""
         options = (f"-p {self.port} -c listen_addresses=127.0.0.1 "
                    f"-c unix_socket_directories={self.root} -c max_connections=100")
         self._pg_ctl("start", "-o", options)
-        return self
+
+    def stop_server(self) -> None:
+        """Stop the server, keeping its data (``start_server`` brings it back)."""
+        self._pg_ctl("stop", "-m", "fast")
 
     def _pg_ctl(self, action: str, *extra: str) -> None:
         self._run(str(_bin("pg_ctl")), action, "-D", str(self.data), "-l", str(self.log),
