@@ -241,7 +241,10 @@ class ResponseCreation:
                 duration_ms=unrecorded.duration_ms,
                 body_limit=ctx.state.config.event_body_limit,
                 answer_text=lambda stored: answer_text(stored, limit), sequential=sequential,
-                adopt=ctx.adopt_next, next_turn=next_turn, sole_call=ctx.sole_call),
+                adopt=ctx.adopt_next, next_turn=next_turn,
+                # The lock-free statement may roll back and start over, which
+                # would drop the tool's writes: not when it joins them.
+                sole_call=ctx.sole_call and not ctx.joined),
                 "the result and its answer")
             ctx.tool_call, ctx.result = outcome.call, outcome.result
         else:
