@@ -151,7 +151,7 @@ def test_the_chaos_fixture_waits_for_the_hosts_jobs(solidloop_chaos, llm, app):
         conn.execute(EFFECTS_DDL)
         conn.execute("TRUNCATE host_queue_effects")
     llm.script("host chaos", {"content": "done"})
-    links = 12
+    links = 6  # 2.4 s of work at least: it outlives the one-turn loops
 
     def start_loops() -> list[int]:
         solidloop.queue("default").enqueue(host_queues_app.countdown, "chain", links, 0.4,
