@@ -136,3 +136,24 @@ def effects(database_url):
                 "ORDER BY id", (key, phase))]
 
     return runs
+
+
+@pytest.fixture
+def japp(database_url):
+    """The host-jobs app (tests/support/jobs_app.py), its tables empty."""
+    from sqlalchemy import text
+
+    from flask_solidloop.state import get_state
+
+    from .support import jobs_app
+
+    app = jobs_app.create_app()
+    with app.app_context():
+        jobs_app.db.create_all()
+        jobs_app.db.session.execute(text("TRUNCATE " + ", ".join(jobs_app.HOST_TABLES)))
+        jobs_app.db.session.commit()
+        yield app
+        jobs_app.db.session.remove()
+        for engine in jobs_app.db.engines.values():
+            engine.dispose()
+    get_state(app).broker.close()

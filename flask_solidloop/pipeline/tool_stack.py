@@ -106,24 +106,23 @@ class ToolExecution:
             # End the read transaction: a tool may run for minutes and must not
             # hold a snapshot or a connection's transaction open meanwhile.
             store.end_transaction(ctx.session)
-            principal = ctx.agent.mcp_principal()
             in_process = _in_process_timeout(ctx, entries, server_name, tool_name)
+            local = in_process is not None and bool(server_name and tool_name)
+            # An in-process tool writes through the worker's session: what it leaves
+            # uncommitted commits with the call's outcome (pipeline/tool_session).
+            call_ctx = CallContext(agent=ctx.agent, loop=loop, idempotency_key=key,
+                                   principal=ctx.agent.mcp_principal(),
+                                   session=real_session(ctx.session) if local else None)
             returned = False
             try:
                 # The route was resolved when the model's answer was parsed: call that
                 # server directly, without listing any server again.
                 ctx.tool_ran = True
-                if in_process is not None and server_name and tool_name:
-                    # The tool writes through the worker's session: what it leaves
-                    # uncommitted commits with the call's outcome (pipeline/tool_session).
-                    call_ctx = CallContext(agent=ctx.agent, loop=loop, idempotency_key=key,
-                                           principal=principal,
-                                           session=real_session(ctx.session))
+                if local:
+                    assert in_process is not None and server_name and tool_name
                     routed = _run_in_process(ctx, name, in_process, lambda: call_on_server(
                         entries, server_name, tool_name, arguments, call_ctx, None))
                 else:
-                    call_ctx = CallContext(agent=ctx.agent, loop=loop, idempotency_key=key,
-                                           principal=principal)
                     routed = (call_on_server(entries, server_name, tool_name, arguments,
                                              call_ctx, stored_state)
                               if server_name and tool_name else None)
@@ -137,7 +136,7 @@ class ToolExecution:
                         _keep_session_state(ctx, server_name, new_state)
                 returned = True
             finally:
-                if returned and in_process is not None:
+                if returned and local:
                     # What the tool left in the session's transaction is its
                     # database effect: it commits with the outcome (never
                     # retried in place, since a rollback would lose it).

@@ -25,10 +25,9 @@ import pytest
 from sqlalchemy import text
 
 from flask_solidloop import Job, Retry
-from flask_solidloop.state import get_state
 
 from ..support import jobs_app
-from ..support.jobs_app import HOST_TABLES, default
+from ..support.jobs_app import default
 from ..support.support_app import DATABASE_URL_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,20 +72,6 @@ def wait_until(check, *, timeout: float, proc: subprocess.Popen, log: Path, what
         if time.monotonic() > deadline:
             pytest.fail(f"{what}: not after {timeout}s\n{log.read_text()[-4000:]}")
         time.sleep(0.1)
-
-
-@pytest.fixture
-def japp(database_url):
-    app = jobs_app.create_app()
-    with app.app_context():
-        jobs_app.db.create_all()
-        jobs_app.db.session.execute(text("TRUNCATE " + ", ".join(HOST_TABLES)))
-        jobs_app.db.session.commit()
-        yield app
-        jobs_app.db.session.remove()
-        for engine in jobs_app.db.engines.values():
-            engine.dispose()
-    get_state(app).broker.close()
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ import logging
 import uuid
 
 import pytest
-from sqlalchemy import text
 
 from flask_solidloop import SolidLoop
 from flask_solidloop.config import QUEUE_DEFAULT, QUEUE_MAINTENANCE, QUEUES
@@ -28,23 +27,9 @@ from flask_solidloop.state import get_state
 from flask_solidloop.testing import drain
 
 from ..support import jobs_app
-from ..support.jobs_app import HOST_TABLES, default, reports
+from ..support.jobs_app import default, reports
 
 WARNING = "no live worker consumes queue"
-
-
-@pytest.fixture
-def japp(database_url):
-    app = jobs_app.create_app()
-    with app.app_context():
-        jobs_app.db.create_all()
-        jobs_app.db.session.execute(text("TRUNCATE " + ", ".join(HOST_TABLES)))
-        jobs_app.db.session.commit()
-        yield app
-        jobs_app.db.session.remove()
-        for engine in jobs_app.db.engines.values():
-            engine.dispose()
-    get_state(app).broker.close()
 
 
 @pytest.fixture

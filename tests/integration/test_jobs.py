@@ -14,7 +14,7 @@ import pytest
 from dramatiq.encoder import JSONEncoder, PickleEncoder
 from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
 from flask_solidloop import (
@@ -33,23 +33,9 @@ from flask_solidloop.state import get_state
 from flask_solidloop.testing import drain as run_drain
 
 from ..support import jobs_app
-from ..support.jobs_app import HOST_TABLES, default, reports
+from ..support.jobs_app import default, reports
 
 QUEUES = ("default", "reports", "host_jobs")
-
-
-@pytest.fixture
-def japp(database_url):
-    app = jobs_app.create_app()
-    with app.app_context():
-        jobs_app.db.create_all()
-        jobs_app.db.session.execute(text("TRUNCATE " + ", ".join(HOST_TABLES)))
-        jobs_app.db.session.commit()
-        yield app
-        jobs_app.db.session.remove()
-        for engine in jobs_app.db.engines.values():
-            engine.dispose()
-    get_state(app).broker.close()
 
 
 def drain(app, **kw):

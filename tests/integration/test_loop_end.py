@@ -81,23 +81,15 @@ def completion_commit_fails_once(pg, session):
     """The first COMMIT that completes a loop fails (a deferred trigger raises a
     serialization failure at COMMIT, after the hook wrote): all of that
     transaction is undone. The sequence's count survives the rollback."""
-    pg.execute("CREATE SEQUENCE IF NOT EXISTS loop_end_fault")
-    pg.execute("SELECT setval('loop_end_fault', 1, false)")
-    pg.execute("""
-        CREATE OR REPLACE FUNCTION loop_end_fail_once() RETURNS trigger AS $$
-        BEGIN
-          IF NEW.status = 'completed' AND nextval('loop_end_fault') = 1 THEN
-            RAISE EXCEPTION 'injected: the completion did not commit'
-              USING ERRCODE = 'serialization_failure';
-          END IF;
-          RETURN NEW;
-        END $$ LANGUAGE plpgsql""")
-    pg.execute("CREATE CONSTRAINT TRIGGER loop_end_fail_once AFTER UPDATE ON solidloop_loops "
-               "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW "
-               "EXECUTE FUNCTION loop_end_fail_once()")
-    yield
-    session.rollback()  # its read locks would hold the DROP up
-    pg.execute("DROP TRIGGER IF EXISTS loop_end_fail_once ON solidloop_loops")
+    from ..support.db_faults import failing_once
+
+    with failing_once(pg, "loop_end_fail_once", table="solidloop_loops",
+                      when="NEW.status = 'completed'",
+                      trigger="CREATE CONSTRAINT TRIGGER {name} AFTER UPDATE ON {table} "
+                              "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW "
+                              "EXECUTE FUNCTION {name}()"):
+        yield
+        session.rollback()  # its read locks would hold the DROP up
 
 
 def test_the_hooks_job_commits_with_the_ending_or_not_at_all(

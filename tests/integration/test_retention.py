@@ -12,14 +12,13 @@ import re
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import text
 
 from flask_solidloop.maintenance.janitor import prune, prune_if_due
 from flask_solidloop.state import get_state
 from flask_solidloop.testing import drain as run
 
 from ..support import jobs_app
-from ..support.jobs_app import HOST_TABLES, default
+from ..support.jobs_app import default
 from ..support.support_app import Assistant
 from .loop_states import running_loop
 
@@ -135,21 +134,6 @@ def test_rows_of_a_loop_not_ended_are_never_deleted(status, app, state, session,
     pg.execute("UPDATE solidloop_loops SET status = 'completed' WHERE id = %s", (loop_id,))
     report = prune(state)
     assert (report.events, report.jobs) == (3, jobs)
-
-
-@pytest.fixture
-def japp(database_url):
-    """The host-jobs app (tests/support/jobs_app.py), its tables empty."""
-    app = jobs_app.create_app()
-    with app.app_context():
-        jobs_app.db.create_all()
-        jobs_app.db.session.execute(text("TRUNCATE " + ", ".join(HOST_TABLES)))
-        jobs_app.db.session.commit()
-        yield app
-        jobs_app.db.session.remove()
-        for engine in jobs_app.db.engines.values():
-            engine.dispose()
-    get_state(app).broker.close()
 
 
 HOST_QUEUES = ("default", "reports", "host_jobs")

@@ -263,22 +263,14 @@ def outcome_fails_once(pg, session):
     """The first tool answer's statement fails as a lost transaction would
     (a serialization failure: transient); the sequence's count survives the
     rollback that undoes everything else."""
-    pg.execute("CREATE SEQUENCE IF NOT EXISTS tool_writes_fault")
-    pg.execute("SELECT setval('tool_writes_fault', 1, false)")
-    pg.execute("""
-        CREATE OR REPLACE FUNCTION tool_writes_fail_once() RETURNS trigger AS $$
-        BEGIN
-          IF NEW.role = 'tool' AND nextval('tool_writes_fault') = 1 THEN
-            RAISE EXCEPTION 'injected: the outcome did not commit'
-              USING ERRCODE = 'serialization_failure';
-          END IF;
-          RETURN NEW;
-        END $$ LANGUAGE plpgsql""")
-    pg.execute("CREATE TRIGGER tool_writes_fail_once BEFORE INSERT ON solidloop_messages "
-               "FOR EACH ROW EXECUTE FUNCTION tool_writes_fail_once()")
-    yield
-    session.rollback()  # its read locks would hold the DROP up
-    pg.execute("DROP TRIGGER IF EXISTS tool_writes_fail_once ON solidloop_messages")
+    from ..support.db_faults import failing_once
+
+    with failing_once(pg, "tool_writes_fail_once", table="solidloop_messages",
+                      when="NEW.role = 'tool'",
+                      trigger="CREATE TRIGGER {name} BEFORE INSERT ON {table} "
+                              "FOR EACH ROW EXECUTE FUNCTION {name}()"):
+        yield
+        session.rollback()  # its read locks would hold the DROP up
 
 
 def test_an_outcome_that_fails_to_commit_leaves_neither_and_the_rerun_applies_it_once(

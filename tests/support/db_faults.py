@@ -111,3 +111,30 @@ def install_dropper(database_url: str, pattern: str, *, times: int = 1,
         psycopg.Cursor.execute = execute  # type: ignore[method-assign]
         _installed.arm(pattern, times=times, after=after)
     return _installed
+
+
+@contextmanager
+def failing_once(pg: psycopg.Connection, name: str, *, table: str, when: str,
+                 trigger: str) -> Iterator[None]:
+    """The first row of ``table`` matching ``when`` (a condition on NEW) makes
+    its statement, or with a deferred ``trigger`` its COMMIT, fail with a
+    serialization failure (transient); later ones pass. The count is a
+    sequence's, so it survives the rollback that undoes everything else.
+    ``trigger``: its CREATE TRIGGER statement, with ``{name}`` and ``{table}``
+    to fill in (a BEFORE INSERT trigger fails the statement; a deferred
+    constraint trigger fails the COMMIT)."""
+    pg.execute(f"CREATE SEQUENCE IF NOT EXISTS {name}")
+    pg.execute(f"SELECT setval('{name}', 1, false)")
+    pg.execute(f"""
+        CREATE OR REPLACE FUNCTION {name}() RETURNS trigger AS $$
+        BEGIN
+          IF {when} AND nextval('{name}') = 1 THEN
+            RAISE EXCEPTION 'injected: {name}' USING ERRCODE = 'serialization_failure';
+          END IF;
+          RETURN NEW;
+        END $$ LANGUAGE plpgsql""")
+    pg.execute(trigger.format(name=name, table=table))
+    try:
+        yield
+    finally:
+        pg.execute(f"DROP TRIGGER IF EXISTS {name} ON {table}")
