@@ -10,6 +10,7 @@ from .base import Base, metadata
 from .event import Event
 from .host_job import HOST_JOB_STATUSES, HostJob, JobResult, PeriodicRun
 from .job import Job
+from .limits import RateBucket, Spend
 from .loop import RESUMABLE_STATUSES, TERMINAL_STATUSES, Loop, LoopStatus
 from .maintenance_run import MaintenanceRun
 from .mcp_inbound import McpInboundSession
@@ -34,6 +35,8 @@ __all__ = [
     "McpSession",
     "Message",
     "PeriodicRun",
+    "RateBucket",
+    "Spend",
     "ToolCall",
     "Worker",
     "metadata",
