@@ -48,6 +48,12 @@ OPTIONS: dict[str, str] = {
     "llm_params": "dict deep-merged over the request payload last",
     "max_steps": "int: LLM turns before the loop pauses",
     "max_duration": "int seconds: wall time before the loop pauses",
+    "budget": "dict of limits on the loop's spend (cost_usd, tokens, llm_turns, tool_calls); "
+              "reaching one pauses the loop (docs/guides/limits.md)",
+    "budget_warning": "float share of a budget limit (default 0.8) past which the model "
+                      "is told in its request what is left",
+    "rate_limit_key": "str naming this agent's provider quota in SOLIDLOOP_RATE_LIMITS in "
+                      "place of the provider's origin (a separate API key)",
     "sequential_tool_calls": "bool: run a turn's tool calls one after another",
     "reasoning_effort": "str passed to the provider, or None",
     "max_tokens": "int output cap, or None for the provider default",
@@ -116,6 +122,9 @@ class Agent:
     llm_params: Any = None
     max_steps: Any = 50
     max_duration: Any = None
+    budget: Any = None
+    budget_warning: Any = 0.8
+    rate_limit_key: Any = None
     sequential_tool_calls: Any = False
     reasoning_effort: Any = None
     max_tokens: Any = None
@@ -230,6 +239,26 @@ class Agent:
         params = self.option("llm_params")
         if params is not None and not isinstance(params, dict):
             raise AgentDefinitionError(f"agent {name!r}: llm_params must be a dict or None")
+        self.budget_limits()
+        warning = self.option("budget_warning")
+        if isinstance(warning, bool) or not isinstance(warning, int | float) \
+                or not 0 < warning <= 1:
+            raise AgentDefinitionError(
+                f"agent {name!r}: budget_warning must be a share of the budget in (0, 1], "
+                f"e.g. 0.8, got {warning!r}")
+        key = self.option("rate_limit_key")
+        if key is not None and (not isinstance(key, str) or not key.strip()):
+            raise AgentDefinitionError(
+                f"agent {name!r}: rate_limit_key must be a non-empty str or None")
+
+    def budget_limits(self) -> dict[str, float]:
+        """This agent's ``budget`` option, checked (AgentDefinitionError names a bad one)."""
+        from .limit_spec import parse_budget
+
+        try:
+            return parse_budget(self.option("budget"), where=f"agent {self.agent_name!r}")
+        except InvalidArgumentError as exc:
+            raise AgentDefinitionError(str(exc)) from None
 
     def render_system_prompt(self) -> str:
         return str(self.option("system_prompt") or "")
@@ -280,15 +309,18 @@ class Agent:
         session: SessionLike | None = None,
         commit: bool = True,
         state: dict[str, Any] | None = None,
+        budget: Mapping[str, float] | None = None,
     ) -> Loop:
         """Create a queued loop with its system and user messages and its first job.
 
         Everything is written in one transaction on ``session`` (the app's
         ``db.session`` by default). With ``commit=False`` the caller commits,
         so the loop can start atomically with the caller's own writes.
+        ``budget`` (any of ``cost_usd``, ``tokens``, ``llm_turns``,
+        ``tool_calls``) updates the agent's ``budget`` for this loop.
         """
         return cls._create(message=message, subject=subject, session=session, commit=commit,
-                           state=state, enqueue=True)
+                           state=state, enqueue=True, budget=budget)
 
     @classmethod
     def start_many(
@@ -342,7 +374,11 @@ class Agent:
 
     @classmethod
     def _create(cls, *, message: str, subject: Any, session: SessionLike | None, commit: bool,
-                state: dict[str, Any] | None, enqueue: bool) -> Loop:
+                state: dict[str, Any] | None, enqueue: bool,
+                budget: Mapping[str, float] | None = None) -> Loop:
+        from .limit_spec import parse_budget
+
+        limits = parse_budget(budget, where="start(budget=...)")
         ext_state = get_state()
         name = cls._registered_name()
         agent = cls()
@@ -355,7 +391,7 @@ class Agent:
         loop = store.create_loop(
             ext_state, session, agent_name=name, subject_type=subject_type,
             subject_id=subject_id, system_prompt=agent.render_system_prompt(),
-            message=message, loop_state=dict(state or {}), enqueue=enqueue,
+            message=message, loop_state=dict(state or {}), enqueue=enqueue, budget=limits,
         )
         if commit:
             session.commit()
@@ -418,6 +454,7 @@ class Agent:
         from_: Iterable[str] = RESUMABLE_STATUSES,
         message: str | None = None,
         session: SessionLike | None = None,
+        budget: Mapping[str, float] | None = None,
     ) -> bool:
         """Re-enter the loop when its status is in ``from_``.
 
@@ -425,10 +462,12 @@ class Agent:
         narrow it (``from_=("paused", "failed")``) where a finished loop has
         already reported its result. A status that can never be resumed
         (queued, running) raises ValueError. ``message`` appends a user message
-        first. Returns False when the loop's status is not in ``from_``.
+        first. ``budget`` raises the loop's limits (a loop paused by its
+        budget goes on) and releases it from its subject's budget. Returns
+        False when the loop's status is not in ``from_``.
         """
         return control.resume(get_state(), self._require_loop(), from_=from_, message=message,
-                              session=session)
+                              session=session, budget=budget)
 
     def pending_approvals(self) -> list[ToolCall]:
         """The loop's tool calls that await an approval, in order."""

@@ -92,6 +92,18 @@ def _prices(key: str, value: Any) -> dict[str, Any]:
     return parse_prices(key, value)
 
 
+def _subject_budget(key: str, value: Any) -> Any:
+    from .limit_spec import subject_budget_setting
+
+    return subject_budget_setting(key, value)
+
+
+def _rate_limits(key: str, value: Any) -> Any:
+    from .limit_spec import rate_limits_setting
+
+    return rate_limits_setting(key, value)
+
+
 def _bool(key: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -317,6 +329,20 @@ SETTINGS: tuple[Setting, ...] = (
             "Most loops one bulk admin action may act on; a larger set must be narrowed."),
     Setting("SOLIDLOOP_PRICES", None, _prices,
             "Price table: model -> {input, cached_input, output} per million tokens."),
+    Setting("SOLIDLOOP_SUBJECT_BUDGET", None, _subject_budget,
+            "Every subject's budget over a rolling window: {\"cost_usd\": 5.0, \"window\": "
+            "86400} (any of cost_usd, tokens, llm_turns, tool_calls; window in seconds, "
+            "default a day); a subject_budget hook replaces it. None: no subject budget."),
+    Setting("SOLIDLOOP_RATE_LIMITS", None, _rate_limits,
+            "Rate limits shared by every worker: {\"<origin> [<model>]\": {\"rpm\": ..., "
+            "\"tpm\": ..., \"rps\": ...}, \"tool:<name>\": {\"per_second\": ..., "
+            "\"per_minute\": ...}}; a key with {} only shares the provider's Retry-After."),
+    Setting("SOLIDLOOP_RATE_LIMIT_INLINE_WAIT", 0.5, _non_negative_float,
+            "Longest wait for rate-limit capacity a turn sleeps through on its thread; a "
+            "longer one defers the turn (its job due at its slot, holding nothing)."),
+    Setting("SOLIDLOOP_DEFAULT_OUTPUT_ESTIMATE", 1024, _positive_int,
+            "Output tokens a budget or rate limit reserves for a request that names no "
+            "max_tokens (the estimate is settled to the real usage after the answer)."),
     Setting("SOLIDLOOP_TOOL_OUTPUT_LIMIT", 20000, _positive_int,
             "Characters of a tool result shown to the model; the full result is kept."),
     Setting("SOLIDLOOP_EVENT_BODY_LIMIT", 65536, _positive_int,
@@ -402,6 +428,10 @@ class Config:
     admin_bulk_batch: int
     admin_bulk_limit: int
     prices: dict[str, Any]
+    subject_budget: Any
+    rate_limits: dict[str, Any]
+    rate_limit_inline_wait: float
+    default_output_estimate: int
     tool_output_limit: int
     event_body_limit: int
     event_repeat_history: bool

@@ -25,6 +25,7 @@ so a host can catch the whole family in one clause::
     ├── UnknownToolError          a toolset was asked for a tool it does not declare
     ├── McpTransportError         an MCP server could not be reached or answered badly
     ├── LimitExceededError        max_steps / max_duration reached (the loop pauses)
+    │   └── BudgetExceededError   ... or a loop's or its subject's budget is spent
     ├── HistoryTooLargeError      a history past SOLIDLOOP_MAX_HISTORY_BYTES (the loop fails)
     ├── LoopFailedError           Agent(loop).result() of a loop that failed or was stopped
     ├── LostLeaseError            this worker no longer owns the turn; write nothing
@@ -58,6 +59,7 @@ __all__ = [
     "AgentError",
     "BrokerError",
     "BrokerUnavailableError",
+    "BudgetExceededError",
     "ConfigurationError",
     "DatabaseUnavailableError",
     "DecisionConflictError",
@@ -168,10 +170,14 @@ class ProviderError(SolidLoopError):
 class ProviderHTTPError(ProviderError):
     """The provider answered with a non-2xx status."""
 
-    def __init__(self, status: int, body: str, url: str) -> None:
+    def __init__(self, status: int, body: str, url: str, *,
+                 retry_after: float | None = None) -> None:
         self.status = status
         self.body = body
         self.url = url
+        #: The server's wait, when the request was refused with one that the
+        #: turn defers to rather than sleeps through (RetryPolicy.defer_after).
+        self.retry_after = retry_after
         excerpt = body if len(body) <= 500 else body[:500] + "..."
         super().__init__(f"HTTP {status} from {url}: {excerpt}")
 
@@ -251,6 +257,12 @@ class McpTransportError(SolidLoopError):
 
 class LimitExceededError(SolidLoopError):
     """The agent reached max_steps or max_duration; the loop is paused."""
+
+
+class BudgetExceededError(LimitExceededError):
+    """A loop's or its subject's budget is spent; the loop is paused, and its
+    message (``BudgetExceededError: ...``) names the limit and the spend.
+    ``resume(budget=...)`` raises the loop's limits and continues."""
 
 
 class LoopFailedError(SolidLoopError):

@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 
 A = TypeVar("A", bound=type[Agent])
 StackHook = Callable[[Builder], None]
+#: ``hook(subject_type, subject_id)``: the subject's budget dict, or None.
+SubjectBudgetHook = Callable[[str | None, str | None], Any]
 
 __all__ = ["SolidLoop", "SolidLoopState"]
 
@@ -69,6 +71,8 @@ class SolidLoop:
         self.tool_middleware_hooks: list[StackHook] = []
         #: ``(agent name or None, hook)``: run in the transaction that ends a loop.
         self.loop_end_hooks: list[tuple[str | None, LoopEndHook]] = []
+        #: The host's ``subject_budget(subject_type, subject_id)``, if it set one.
+        self.subject_budget_hook: SubjectBudgetHook | None = None
         if configure_llm_middlewares:
             self.llm_middleware_hooks.append(configure_llm_middlewares)
         if configure_tool_middlewares:
@@ -110,6 +114,20 @@ class SolidLoop:
     def configure_tool_middlewares(self, hook: StackHook) -> StackHook:
         """Register a hook that edits the tool stack of every agent (decorator)."""
         self.tool_middleware_hooks.append(hook)
+        return hook
+
+    def subject_budget(self, hook: SubjectBudgetHook) -> SubjectBudgetHook:
+        """Register ``hook(subject_type, subject_id)`` returning the subject's budget
+        (``{"cost_usd": 5.0, "window": 86400}``, any of ``cost_usd``, ``tokens``,
+        ``llm_turns``, ``tool_calls``) or None for none: it replaces
+        SOLIDLOOP_SUBJECT_BUDGET. Called by workers before each LLM request of a
+        loop with a subject, so keep it quick (a dict lookup, a cached row).
+        Use as ``@solidloop.subject_budget``."""
+        if not callable(hook):
+            raise InvalidArgumentError(
+                f"@solidloop.subject_budget must decorate a function "
+                f"hook(subject_type, subject_id), got {hook!r}")
+        self.subject_budget_hook = hook
         return hook
 
     @overload

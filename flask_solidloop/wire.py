@@ -23,6 +23,9 @@ class WireRecord:
     response_body: Any = None
     duration_ms: float | None = None
     error: str | None = None
+    #: The provider's rate-limit headers on the last response (limits/ reads
+    #: them); not part of the stored payload.
+    rate_headers: dict[str, str] = field(default_factory=dict)
 
     def to_payload(self) -> dict[str, Any]:
         return {

@@ -27,6 +27,7 @@ import email.utils
 import json
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -66,6 +67,22 @@ class RetryPolicy:
     statuses: tuple[int, ...] = (408, 409, 429, 500, 502, 503, 504, 529)
     #: Draws the jitter; give a seeded ``random.Random`` to get the same waits each run.
     rng: random.Random = field(default_factory=random.Random, repr=False, compare=False)
+    #: A 429/503/529 whose server wait (Retry-After) is longer than this is not
+    #: slept through: the request fails with the wait on its error
+    #: (``ProviderHTTPError.retry_after``) for the turn to be deferred. None: the
+    #: wait is slept like any other (up to ``max_delay``).
+    defer_after: float | None = None
+
+
+#: A refusal whose wait a rate-limited turn defers instead of sleeping.
+DEFERRABLE_STATUSES = (429, 503, 529)
+#: The response headers that tell a provider's rate limits (kept on the wire record).
+RATE_HEADER = re.compile(r"^(x-ratelimit-|anthropic-ratelimit-|retry-after)", re.I)
+
+
+def rate_headers(headers: Any) -> dict[str, str]:
+    """The rate-limit headers of a response, their names lower-cased."""
+    return {k.lower(): v for k, v in headers.items() if RATE_HEADER.match(k)}
 
 
 def retry_after_seconds(response: httpx.Response) -> float | None:
@@ -142,13 +159,20 @@ def retry_delay(response: httpx.Response, body_text: str, attempt: int, policy: 
     status = response.status_code
     if status in NEVER_RETRY or status not in policy.statuses or attempt > policy.retries:
         return None
-    server_wait = retry_after_seconds(response)
-    if server_wait is None and retry_after_from_body is not None:
+    return jittered(policy, attempt, server_wait(response, body_text, retry_after_from_body))
+
+
+def server_wait(response: httpx.Response, body_text: str,
+                retry_after_from_body: Callable[[Any], float | None] | None) -> float | None:
+    """The wait the server asked for: Retry-After, retry-after-ms, or one in the
+    error body (Gemini's RetryInfo); None when it named none."""
+    wait = retry_after_seconds(response)
+    if wait is None and retry_after_from_body is not None:
         try:
-            server_wait = retry_after_from_body(json.loads(body_text))
+            wait = retry_after_from_body(json.loads(body_text))
         except (ValueError, TypeError):
-            server_wait = None
-    return jittered(policy, attempt, server_wait)
+            wait = None
+    return wait
 
 
 def _sleep(seconds: float, should_abort: Callable[[], bool] | None) -> None:
@@ -347,6 +371,15 @@ class Send:
     def reject(self, response: httpx.Response, body_text: str, attempt: Attempt) -> NoReturn:
         """A non-2xx response: repeated when :func:`retry_delay` allows it, else the
         turn fails with ProviderHTTPError (its body redacted)."""
+        self.record.rate_headers = rate_headers(response.headers)
+        if self.policy.defer_after is not None \
+                and response.status_code in DEFERRABLE_STATUSES:
+            wait = server_wait(response, body_text, self.retry_after_from_body)
+            if wait is not None and wait > self.policy.defer_after:
+                self.record.status = response.status_code
+                self.record.response_body = self.redact(body_text[:20000])
+                raise ProviderHTTPError(response.status_code, self.redact(body_text),
+                                        self.shown_url, retry_after=wait)
         delay = retry_delay(response, body_text, attempt.number, self.policy,
                             self.retry_after_from_body)
         if delay is not None:
@@ -483,6 +516,7 @@ def _json_attempt(send: Send, attempt: Attempt) -> Any:
     if status >= 400:
         send.reject(response, response.text, attempt)
     send.record.status = status
+    send.record.rate_headers = rate_headers(response.headers)
     try:
         body = response.json()
     except (json.JSONDecodeError, ValueError) as exc:

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from ..errors import AbortedError, ProviderAnswerError, TurnLimitError
-from .client import Attempt, RetryPolicy, Send, TurnLimits, WireRecord
+from .client import Attempt, RetryPolicy, Send, TurnLimits, WireRecord, rate_headers
 from .dialect import StreamAggregator, StreamDelta
 from .sse import SSEParser
 from .types import AssistantTurn
@@ -166,6 +166,7 @@ def _stream_attempt(
             attempt.log(body=send.redact(body_text[:2000]))
             send.reject(response, body_text, attempt)
         send.record.status = response.status_code
+        send.record.rate_headers = rate_headers(response.headers)
         parser = SSEParser()
         next_check = time.monotonic() + ABORT_CHECK_SECONDS
         for raw in response.iter_bytes():

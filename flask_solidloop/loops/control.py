@@ -14,7 +14,7 @@ and the job it implies).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .. import signals
@@ -85,9 +85,14 @@ def check_resumable(from_: str | Iterable[str]) -> tuple[str, ...]:
 
 def resume(state: SolidLoopState, loop_id: int, *,
            from_: str | Iterable[str] = RESUMABLE_STATUSES, message: str | None = None,
-           session: SessionLike | None = None) -> bool:
-    """Re-enter the loop when its status is in ``from_`` (see store.resume)."""
+           session: SessionLike | None = None,
+           budget: Mapping[str, float] | None = None) -> bool:
+    """Re-enter the loop when its status is in ``from_`` (see store.resume);
+    ``budget`` raises its limits first."""
+    from ..limit_spec import parse_budget
+
     allowed = check_resumable(from_)
+    limits = parse_budget(budget, where="resume(budget=...)")
 
     def sequential(loop_id: int) -> bool:
         loop = queries.get_loop(_session(state, session), loop_id)
@@ -95,7 +100,7 @@ def resume(state: SolidLoopState, loop_id: int, *,
         return bool(state.agent_for(loop.agent_name, loop).option("sequential_tool_calls"))
 
     return store.resume(state, _session(state, session), loop_id, allowed, message=message,
-                        sequential=sequential)
+                        sequential=sequential, budget=limits)
 
 
 # -- decisions on waiting tool calls ----------------------------------------------------

@@ -42,6 +42,13 @@ def owns(loop: Loop | None, execution_token: uuid.UUID | None) -> bool:
             and execution_token is not None and loop.execution_token == execution_token)
 
 
+def tool_call_count(session: SessionLike, loop_id: int) -> int:
+    """The tool calls the loop's model has made (a budget's ``tool_calls``)."""
+    return int(session.execute(
+        select(func.count()).select_from(ToolCall).where(ToolCall.loop_id == loop_id)
+    ).scalar_one())
+
+
 def get_loop(session: SessionLike, loop_id: int, *, alone: bool = False) -> Loop | None:
     """The loop, as ``session.get`` gives it. A loop the session does not hold
     (the usual case: a job's first read) is read with a plain ``SELECT *`` and
@@ -327,6 +334,7 @@ FAILURE_CLASSES: tuple[tuple[str, str], ...] = (
               r"InvalidArgumentError|SetupError|NotInitializedError|UnknownToolError|"
               r"UnknownMiddlewareError):"),
     ("operator", r"^(force stopped|stopped|frozen)|by (an )?operator"),
+    ("budget_exceeded", r"^BudgetExceededError"),
     ("limit", r"^LimitExceededError"),
     ("infra:http", r"^ProviderHTTPError|HTTP [1-5][0-9][0-9]"),
     ("infra:timeout", r"timeout|timed out"),

@@ -137,10 +137,10 @@ class Loop(Timestamps, Base):
     # Budgets and rate limits (limits/): the loop's own limits over its agent's,
     # the turns a rate limit deferred, and the reservation a deferred turn
     # holds for its LLM step.
-    budget: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    budget: Mapped[dict[str, Any] | None] = mapped_column(JSONB(none_as_null=True))
     capacity_deferrals: Mapped[int] = mapped_column(
         Integer, nullable=False, default=0, server_default="0")
-    capacity_slot: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    capacity_slot: Mapped[dict[str, Any] | None] = mapped_column(JSONB(none_as_null=True))
 
     messages: Mapped[list[Message]] = relationship(
         back_populates="loop", order_by="Message.id", lazy="select", passive_deletes=True

@@ -17,6 +17,7 @@ from ..loops.store import fenced_transition, loop_ends
 
 if TYPE_CHECKING:
     from ..leases import RenewerHandle
+    from ..limits.admission import Admitted
     from ..llm.client import WireRecord
     from ..llm.types import AssistantTurn, ChatMessage
     from ..loops.store import Adopted, CallFacts, LlmClaim
@@ -112,6 +113,9 @@ class LlmContext(TurnContext):
     #: The streaming turn's partial-text writer (NetworkCalling).
     partial: PartialWriter | None = None
     message: Message | None = None
+    #: The request's budget and rate-limit reservations (limits/admission.py),
+    #: settled after its answer; None when no limit applies.
+    admitted: Admitted | None = None
 
 
 @dataclass

@@ -34,6 +34,7 @@ from typing import Any
 from ..dbapi import is_transient
 from ..errors import (
     AbortedError,
+    BudgetExceededError,
     HistoryTooLargeError,
     LimitExceededError,
     LostLeaseError,
@@ -43,12 +44,14 @@ from ..errors import (
     TurnLimitError,
     is_provider_outage,
 )
+from ..limits import admission, rates
 from ..llm import pricing, reasoning, tool_text
 from ..llm.client import RetryPolicy, TurnLimits, post_json
 from ..llm.dialect import RenderOptions, StreamDelta
 from ..llm.redact import is_secret_header, redact_secrets
 from ..llm.registry import get_dialect
 from ..llm.streaming import output_chars, post_stream
+from ..llm.types import ChatMessage
 from ..loops import queries, store
 from ..mcp.registry import ToolRegistry
 from ..urls import redact_urls_in
@@ -70,7 +73,11 @@ class ErrorHandling:
             raise
         except LimitExceededError as exc:
             ctx.session.rollback()
-            _end_turn(ctx, to="paused", error_message=str(exc))
+            message = f"BudgetExceededError: {exc}" \
+                if isinstance(exc, BudgetExceededError) else str(exc)
+            if isinstance(exc, BudgetExceededError):
+                logger.info("loop %s: %s", ctx.loop_id, message)
+            _end_turn(ctx, to="paused", error_message=message)
         except HistoryTooLargeError as exc:
             ctx.session.rollback()
             logger.warning("loop %s: %s", ctx.loop_id, exc)
@@ -83,6 +90,12 @@ class ErrorHandling:
             # Exception text can quote a request (and so a key): scrub it first.
             message = redact_urls_in(redact_secrets(f"{type(exc).__name__}: {exc}",
                                                     ctx.secrets))
+            if ctx.admitted is not None and ctx.admitted.wait > 0 \
+                    and getattr(exc, "retry_after", None) is not None:
+                # A rate-limited key refused with a wait: every worker is off
+                # the key until then, and this turn goes at the block's end.
+                _defer_to(ctx, ctx.admitted, ctx.admitted.wait)
+                return None
             if is_provider_outage(exc) and _defer(
                     ctx, message, max_attempts=BROKEN_RESPONSE_DEFERRALS
                     if isinstance(exc, ProviderConnectionLostError) else None):
@@ -248,6 +261,13 @@ class NetworkCalling:
         if ctx.shell_id is None:  # the claim wrote it, unless a step runs in between
             ctx.shell_id = store.open_shell(ctx.session, ctx.loop_id, ctx.execution_token)
 
+        # The loop's budget, before anything is rendered: a reached limit pauses
+        # the loop here; near one, the model reads a note in this request.
+        limits = admission.limits_for(ctx.state, ctx.agent, ctx.loop, settings)
+        note = admission.check_loop(ctx.session, limits, ctx.loop) \
+            if limits is not None else None
+        store.end_transaction(ctx.session, keep_objects=True)
+
         dialect = get_dialect(settings.dialect)
         # None means the default for this server (no reasoning field on OpenAI-
         # compatible servers but DeepSeek's); the resolved list is stored on the
@@ -263,18 +283,23 @@ class NetworkCalling:
             ctx.history, ctx.tools.definitions() if ctx.tools else [], prompting=prompting,
             result_format=tool_text.result_format(ctx.agent.option("tool_result_format"),
                                                   prompting))
-        rendered = dialect.render(
-            settings,
-            history,
-            tools,
-            RenderOptions(
-                stream=streaming,
-                llm_params=ctx.agent.option("llm_params"),
-                reasoning_effort=ctx.agent.option("reasoning_effort"),
-                max_tokens=ctx.agent.option("max_tokens"),
-                reasoning_strategies=strategies,
-            ),
+        options = RenderOptions(
+            stream=streaming,
+            llm_params=ctx.agent.option("llm_params"),
+            reasoning_effort=ctx.agent.option("reasoning_effort"),
+            max_tokens=ctx.agent.option("max_tokens"),
+            reasoning_strategies=strategies,
         )
+        rendered = dialect.render(settings, with_note(history, note), tools, options)
+        if limits is not None:
+            # The subject's ledger and the rate buckets reserve the estimate.
+            admitted = ctx.admitted = admission.admit(
+                ctx.state, ctx.session, limits, ctx.loop, rendered.payload, settings.model)
+            if admitted.note is not None and note is None:
+                rendered = dialect.render(settings, with_note(history, admitted.note), tools,
+                                          options)
+            if not _capacity_now(ctx, admitted):
+                return None
         ctx.reasoning_carried = reasoning.carried(history, {
             index: reasoning.plan(message, strategies, dialect.name)
             for index, message in enumerate(history) if message.role == "assistant"
@@ -286,6 +311,9 @@ class NetworkCalling:
         policy = RetryPolicy(
             retries=config.llm_retries, base_delay=config.llm_retry_base_delay,
             max_delay=config.llm_retry_max_delay, statuses=config.llm_retry_statuses,
+            # A rate-limited key's refusal with a long wait defers the turn.
+            defer_after=config.rate_limit_inline_wait
+            if ctx.admitted is not None and ctx.admitted.reservation is not None else None,
         )
         common: dict[str, Any] = dict(
             headers=headers, params=rendered.params or None,
@@ -325,12 +353,94 @@ class NetworkCalling:
             # Keep the record we have: a 2xx whose body would not parse is exactly
             # the response someone will want to look at.
             ctx.wire = exc.wire or ctx.wire
+            if ctx.admitted is not None:
+                _settle_failed(ctx, exc)
             raise
+        if ctx.admitted is not None:
+            _settle(ctx, settings.model)
         if not streaming and ctx.response.usage and ctx.response.usage.output_tokens:
             seconds = max(time.monotonic() - started, 1e-6)
             ctx.metrics["output_tokens_per_s"] = round(
                 ctx.response.usage.output_tokens / seconds, 1)
         return self.next_step(ctx)
+
+
+def with_note(history: list[Any], note: str | None) -> list[Any]:
+    """The history as sent: ``note`` (a budget's soft warning) at the end of the
+    system prompt, in this request only; the stored history is untouched."""
+    if note is None:
+        return history
+    for index, message in enumerate(history):
+        if message.role == "system":
+            content = f"{message.content}\n\n{note}" if message.content else note
+            return [*history[:index], dataclasses.replace(message, content=content),
+                    *history[index + 1:]]
+    return [ChatMessage(role="system", content=note), *history]
+
+
+def _capacity_now(ctx: LlmContext, admitted: admission.Admitted) -> bool:
+    """Whether the request goes now: a wait for rate-limit capacity up to
+    SOLIDLOOP_RATE_LIMIT_INLINE_WAIT is slept here; a longer one defers the
+    turn to its slot (the loop queued again, its job due then, the
+    reservation kept), and False."""
+    wait = admitted.wait
+    if wait <= 0:
+        return True
+    if wait <= ctx.state.config.rate_limit_inline_wait:
+        time.sleep(wait)
+        return True
+    _defer_to(ctx, admitted, wait)
+    return False
+
+
+def _defer_to(ctx: LlmContext, admitted: admission.Admitted, wait: float) -> None:
+    if ctx.lease is not None and ctx.lease.lost():
+        return
+    deferred = store.defer_for_capacity(ctx.state, ctx.session, ctx.loop_id,
+                                        ctx.execution_token, delay_seconds=wait,
+                                        slot=admitted.slot(ctx.loop.step_count))
+    if deferred:
+        logger.info("loop %s: no rate-limit capacity on %s; deferred %.1fs to its slot",
+                    ctx.loop_id, ", ".join(admitted.reservation.keys)
+                    if admitted.reservation else "its keys", wait)
+
+
+def _settle(ctx: LlmContext, model: str | None) -> None:
+    """The answer's real usage replaces its estimate in the ledger and the
+    buckets. The answer is paid for: a failure here is logged and the turn goes
+    on (the estimate stays counted, which errs on the safe side)."""
+    assert ctx.admitted is not None and ctx.response is not None
+    try:
+        admission.settle(ctx.session, ctx.admitted, usage=ctx.response.usage,
+                         prices=ctx.state.config.prices.get(model or ""),
+                         tool_calls=len(ctx.response.tool_calls),
+                         headers=ctx.wire.rate_headers if ctx.wire is not None else None)
+    except Exception:
+        store.recover(ctx.session)
+        logger.warning("loop %s: could not settle the turn's reservation; its estimate "
+                       "stays counted", ctx.loop_id, exc_info=True)
+
+
+def _settle_failed(ctx: LlmContext, exc: ProviderError) -> None:
+    """A request that failed: its reservation is given back (a refusal bills
+    nothing). A 429/503 with a Retry-After on a rate-limited key blocks the key
+    for every worker until then; a wait past the inline wait defers the turn
+    (ErrorHandling) instead of failing or sleeping."""
+    admitted = ctx.admitted
+    assert admitted is not None
+    reservation = admitted.reservation
+    wait = getattr(exc, "retry_after", None)
+    if reservation is not None and wait is not None:
+        rates.block(ctx.session, reservation.keys, wait)
+        admitted.wait = wait
+        return  # the reservation is kept for the retry at the block's end
+    try:
+        admission.release(ctx.session, admitted)
+    except Exception:
+        store.recover(ctx.session)
+        logger.warning("loop %s: could not give back a failed request's reservation",
+                       ctx.loop_id, exc_info=True)
+    ctx.admitted = None
 
 
 #: Follow-up requests one turn may make for answers the server continues

@@ -22,13 +22,16 @@ NAME = "flask_solidloop"
 #: Bottom first. Units of one rank may import each other (never in a cycle).
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "config", "models", "migrations", "urls", "wire", "_typing", "_version", "dbapi",
-     "jsontext"),
+     "jsontext", "limit_spec"),
     ("llm", "mcp", "queue", "leases"),
     # signals: blinker notifications sent by loops.store after its commits.
     ("state", "database", "signals"),
     # Host jobs sit beside loops: they need the broker and the state, and the
     # runtime, maintenance and the extension above use them (decision 0010).
     ("loops", "jobs"),
+    # Budgets and rate limits write tables of their own through the store's
+    # transaction helpers, and read loops; the pipeline asks them before a request.
+    ("limits",),
     ("pipeline",),
     ("runtime", "maintenance"),
     # The top: the public face, the CLI and what ships for users' tests. The

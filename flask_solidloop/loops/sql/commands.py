@@ -60,6 +60,10 @@ HIDE_SHELLS = hide_shells("%(loop_id)s")
 #: What a resume resets: limits apply per run, and the next claim starts the clock.
 _RESUME_SET = ("error_message = NULL, finished_at = NULL, run_started_at = NULL, "
                f"run_step_base = step_count, {PROVIDER_WAIT_CLEARED}")
+#: A resume that raises the loop's budget: its own limits updated by the given
+#: ones (a locked loop; limits/budgets.py reads them).
+RAISE_BUDGET = ("UPDATE solidloop_loops SET budget = CASE WHEN jsonb_typeof(budget) = 'object' "
+                "THEN budget ELSE '{}'::jsonb END || %(budget)s WHERE id = %(loop_id)s")
 #: A resumed loop queued for its next LLM turn (the caller enqueues its job).
 RESUME_TO_TURN = f"UPDATE solidloop_loops SET {REQUEUE_SET}, {_RESUME_SET} WHERE id = %(loop_id)s"
 #: A resumed loop back in its tool phase under a new generation: ``running``

@@ -178,6 +178,17 @@ REQUEUE_TURN = (
     f"hidden AS ({hide_shells('SELECT id FROM requeued')}) "
     "SELECT id FROM requeued")
 
+#: A turn a rate limit deferred to its slot, if the generation is still the
+#: writer's: queued again (its job is the caller's, due at the slot), its shells
+#: hidden, the deferral counted, and the reservation it holds kept for its LLM
+#: step (``slot``: limits/admission.py). No row when the fence failed.
+DEFER_FOR_CAPACITY = (
+    f"WITH deferred AS (UPDATE solidloop_loops SET {REQUEUE_SET}, "
+    "capacity_deferrals = capacity_deferrals + 1, capacity_slot = %(slot)s "
+    f"WHERE id = %(loop_id)s AND {OWNED} RETURNING id), "
+    f"hidden AS ({hide_shells('SELECT id FROM deferred')}) "
+    "SELECT id FROM deferred")
+
 #: A turn whose provider is out (unreachable, or answering 429/502/503/504
 #: after the request's own retries) deferred, if the generation is still the
 #: writer's and the outage began less than ``max_wait`` seconds ago: queued

@@ -46,13 +46,14 @@ def new_message(loop_id: int, role: str, content: str, **fields: Any) -> Message
 @joins
 def create_loop(state: SolidLoopState, session: SessionLike, *, agent_name: str,
                 subject_type: str | None, subject_id: str | None, system_prompt: str,
-                message: str, loop_state: dict[str, Any], enqueue: bool) -> Loop:
+                message: str, loop_state: dict[str, Any], enqueue: bool,
+                budget: dict[str, float] | None = None) -> Loop:
     """Insert a loop (queued, or init), its system and user messages and, when
     ``enqueue``, its first llm_turn job. The caller commits, and may add its
-    own writes to the same transaction."""
+    own writes to the same transaction. ``budget``: the loop's own limits."""
     loop = Loop(agent_name=agent_name, subject_type=subject_type, subject_id=subject_id,
                 status=LoopStatus.QUEUED if enqueue else LoopStatus.INIT,
-                state=dict(loop_state))
+                state=dict(loop_state), budget=budget or None)
     session.add(loop)
     session.flush()
     if system_prompt:
@@ -230,7 +231,8 @@ def _answer_cancelled(session: SessionLike, loop_id: int, calls: list[ToolCall],
 
 @commits
 def resume(state: SolidLoopState, session: SessionLike, loop_id: int, allowed: Iterable[str],
-           *, message: str | None, sequential: Callable[[int], bool]) -> bool:
+           *, message: str | None, sequential: Callable[[int], bool],
+           budget: dict[str, float] | None = None) -> bool:
     """Re-enter a loop whose status is in ``allowed``, in one locked transaction.
 
     If the newest assistant turn still has unanswered tool calls, the loop
@@ -252,6 +254,11 @@ def resume(state: SolidLoopState, session: SessionLike, loop_id: int, allowed: I
         session.rollback()
         return False
     execute(session, sql.HIDE_SHELLS, {"loop_id": loop_id})
+    if budget:
+        # Raised limits; a loop resumed with a budget has its spend decided by
+        # the operator: its subject's budget no longer stops it.
+        execute(session, sql.RAISE_BUDGET, {
+            "loop_id": loop_id, "budget": Jsonb({**budget, "over_subject": True})})
     pending = queries.unresolved_tool_calls(session, loop_id)
     if message:
         if pending:

@@ -446,6 +446,24 @@ def requeue_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int,
     return True
 
 
+@commits
+def defer_for_capacity(state: SolidLoopState, session: SessionLike, loop_id: int,
+                       token: uuid.UUID, *, delay_seconds: float, slot: dict[str, Any]) -> bool:
+    """A turn a rate limit deferred (loops/sql.DEFER_FOR_CAPACITY): queued again
+    with its job due in ``delay_seconds``, at its slot, holding no thread,
+    lease or connection; the reservation it holds kept on the loop (``slot``).
+    False, with nothing written, when the generation moved on. Rolls back what
+    the session holds first."""
+    session.rollback()
+    if fetch_row(session, sql.DEFER_FOR_CAPACITY, {
+            "loop_id": loop_id, "token": token, "slot": Jsonb(slot)}) is None:
+        session.rollback()
+        return False
+    state.dispatch.llm_turn(session, loop_id, delay_ms=max(int(delay_seconds * 1000), 0))
+    session.commit()
+    return True
+
+
 #: A deferred turn's first wait, and the longest (seconds); each deferral
 #: doubles the last, with jitter.
 DEFER_FIRST_WAIT = 5.0

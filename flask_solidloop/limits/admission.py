@@ -1,0 +1,199 @@
+"""A turn's admission: the budgets and rate limits that apply to one LLM request,
+checked before it is sent and settled after its answer.
+
+The pipeline asks, in order: :func:`limits_for` (in memory: what applies to
+this loop; None when nothing does, and then nothing below runs), then
+:func:`check_loop` before rendering (the loop's own budget: a reached limit
+pauses the loop; near it, the note the model reads), then :func:`admit` with
+the rendered payload (the subject's ledger and the rate buckets reserve the
+estimate; the wait says when the turn's slot is), and :func:`settle` or
+:func:`release` once the answer (or its failure) is known. A turn deferred to
+its slot keeps its reservation on the loop (``capacity_slot``), valid for its
+LLM step, and goes without reserving again when its job comes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+from .._typing import SessionLike
+from ..errors import BudgetExceededError
+from ..limit_spec import SubjectBudget, parse_subject_budget
+from ..llm import pricing
+from ..llm.estimate import Estimate, estimate
+from ..llm.types import Usage
+from ..loops import queries
+from ..state import SolidLoopState
+from . import budgets, rates
+
+#: A held slot is used when its job comes no earlier than this before it (the
+#: queue's clock and ours differ by milliseconds) and no later than
+#: :data:`SLOT_VALID_AFTER` past it (a loop paused and resumed long after
+#: reserves again: its old slot's capacity has drained away).
+SLOT_EARLY = 0.25
+SLOT_VALID_AFTER = 30.0
+
+_RESUME_HINT = "resume(budget=...) raises it and continues"
+
+
+@dataclass
+class TurnLimits:
+    """What limits one loop's LLM requests."""
+
+    loop_limits: dict[str, float]
+    warning: float
+    subject: str | None
+    subject_budget: SubjectBudget | None
+    #: An operator released the loop from its subject's budget (resume(budget=)).
+    exempt: bool
+    rate_keys: tuple[str, ...]
+
+
+@dataclass
+class Admitted:
+    """A request's reservations, to settle after its answer."""
+
+    estimate: Estimate
+    estimated_cost: Decimal
+    reservation: rates.Reservation | None = None
+    spend_id: int | None = None
+    #: Seconds until the request may go (0: now).
+    wait: float = 0.0
+    #: The subject's soft warning, when its window is nearly spent.
+    note: str | None = None
+    #: The reservation came from a deferred turn's slot.
+    held: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def slot(self, step: int) -> dict[str, Any]:
+        """What the loop keeps while the turn is deferred to its slot."""
+        return {"step": step, "due": time.time() + self.wait, "spend_id": self.spend_id,
+                **(self.reservation.to_json() if self.reservation else {})}
+
+
+def subject_budget(state: SolidLoopState, subject_type: str | None,
+                   subject_id: str | None) -> SubjectBudget | None:
+    """The subject's budget: the host's hook, else SOLIDLOOP_SUBJECT_BUDGET."""
+    hook = state.extension.subject_budget_hook
+    if hook is None:
+        return state.config.subject_budget  # type: ignore[no-any-return]
+    return parse_subject_budget(hook(subject_type, subject_id),
+                                where=f"subject_budget({subject_type!r}, {subject_id!r})")
+
+
+def limits_for(state: SolidLoopState, agent: Any, loop: Any, settings: Any) -> TurnLimits | None:
+    """What applies to this loop's next request, or None when nothing does."""
+    loop_limits = budgets.effective(agent.budget_limits(), loop.budget)
+    subject = budgets.subject_name(loop.subject_type, loop.subject_id)
+    by_subject = subject_budget(state, loop.subject_type, loop.subject_id) \
+        if subject is not None else None
+    keys = rates.llm_keys(state.config.rate_limits, settings.base_url, settings.model,
+                          agent.option("rate_limit_key"))
+    if not loop_limits and by_subject is None and not keys:
+        return None
+    exempt = bool((loop.budget or {}).get("over_subject"))
+    return TurnLimits(loop_limits, float(agent.option("budget_warning")), subject,
+                      by_subject, exempt, keys)
+
+
+def check_loop(session: SessionLike, limits: TurnLimits, loop: Any) -> str | None:
+    """The loop's own budget before its request: BudgetExceededError when a limit
+    is reached, else the note the model reads when one is nearly spent."""
+    if not limits.loop_limits:
+        return None
+    calls = queries.tool_call_count(session, loop.id) \
+        if "tool_calls" in limits.loop_limits else None
+    spent = budgets.loop_spend(loop, calls)
+    share = budgets.check(limits.loop_limits, spent, whose="the loop's", hint=_RESUME_HINT)
+    if share >= limits.warning:
+        return budgets.note(limits.loop_limits, spent, whose="this task's")
+    return None
+
+
+def _held(loop: Any) -> dict[str, Any] | None:
+    slot = loop.capacity_slot
+    if not slot or slot.get("step") != loop.step_count:
+        return None
+    now = time.time()
+    due = float(slot.get("due") or 0)
+    return slot if due - SLOT_EARLY <= now <= due + SLOT_VALID_AFTER else None
+
+
+def admit(state: SolidLoopState, session: SessionLike, limits: TurnLimits, loop: Any,
+          payload: dict[str, Any], model: str | None) -> Admitted:
+    """Reserve the request's estimate on the subject's ledger and the rate buckets
+    (or take the reservation a deferred turn holds). BudgetExceededError when
+    the subject's budget is reached; ``wait`` > 0 when the rate limits want the
+    request later."""
+    config = state.config
+    guess = estimate(payload, default_output=config.default_output_estimate)
+    admitted = Admitted(guess, guess.cost(config.prices.get(model or "")))
+    held = _held(loop)
+    if held is not None:
+        admitted.held = True
+        admitted.spend_id = held.get("spend_id")
+        keys = tuple(k for k in held.get("keys", ()) if k in config.rate_limits)
+        if keys:
+            table = config.rate_limits
+            buckets = tuple(b for key in keys for b in (*table[key], rates._key_row(key)))
+            amounts = tuple(float(a) for a in held.get("amounts", ()))
+            if len(amounts) == len(buckets):
+                admitted.reservation = rates.Reservation(buckets, amounts, 0.0, keys)
+        return admitted
+    if limits.subject is not None and limits.subject_budget is not None:
+        hold = budgets.reserve_subject(
+            session, limits.subject, limits.subject_budget, loop_id=loop.id,
+            cost=admitted.estimated_cost, tokens=guess.tokens, exempt=limits.exempt)
+        budget = limits.subject_budget
+        if hold.spend_id is None:
+            window = f"{budget.window / 3600:g} h" if budget.window >= 3600 \
+                else f"{budget.window:g} s"
+            budgets.check(budget.limits, hold.spent,
+                          whose=f"subject {limits.subject}'s {window}",
+                          hint="resume(budget=...) lets this loop go on past it")
+            raise BudgetExceededError(f"subject {limits.subject}'s budget is spent; "
+                                      f"{_RESUME_HINT}")
+        admitted.spend_id = hold.spend_id
+        share = max((hold.spent.get(k, 0.0) / v for k, v in budget.limits.items()),
+                    default=0.0)
+        if share >= limits.warning and not limits.exempt:
+            admitted.note = budgets.note(budget.limits, hold.spent, whose="your account's")
+    if limits.rate_keys:
+        admitted.reservation = rates.reserve(
+            session, config.rate_limits, limits.rate_keys, tokens=float(guess.tokens),
+            inline_wait=config.rate_limit_inline_wait)
+        admitted.wait = admitted.reservation.wait
+    return admitted
+
+
+def settle(session: SessionLike, admitted: Admitted, *, usage: Usage | None,
+           prices: Mapping[str, Decimal] | None, tool_calls: int,
+           headers: Mapping[str, str] | None) -> None:
+    """The answer came: the reservations hold the real usage from now on (the
+    estimate stays where the provider reported none)."""
+    tokens = float(usage.input_tokens + usage.output_tokens) if usage is not None else None
+    if admitted.reservation is not None:
+        rates.settle(session, admitted.reservation,
+                     tokens=tokens if tokens is not None else float(admitted.estimate.tokens),
+                     headers=headers)
+    if admitted.spend_id is not None:
+        cost = pricing.cost(usage, dict(prices) if prices is not None else None)
+        budgets.settle_subject(
+            session, admitted.spend_id,
+            cost=cost if usage is not None else admitted.estimated_cost,
+            tokens=int(tokens) if tokens is not None else admitted.estimate.tokens,
+            tool_calls=tool_calls)
+
+
+def release(session: SessionLike, admitted: Admitted) -> None:
+    """The request was refused or failed before the provider billed it: the tokens
+    reserved go back (the request stays counted), the ledger row to zero."""
+    if admitted.reservation is not None:
+        rates.settle(session, admitted.reservation, tokens=0.0)
+    if admitted.spend_id is not None:
+        budgets.settle_subject(session, admitted.spend_id, cost=None, tokens=0, tool_calls=0,
+                               billed=False)

@@ -1,0 +1,270 @@
+"""Budgets and shared rate limits through real turns: the emulator over HTTP,
+the jobs drained in-process, every reservation in PostgreSQL."""
+
+from __future__ import annotations
+
+import time
+from decimal import Decimal
+
+import pytest
+from sqlalchemy import select, text
+
+from flask_solidloop import Agent
+from flask_solidloop.limits.rates import origin_of
+from flask_solidloop.loops.queries import classify_failure
+from flask_solidloop.models import Loop, RateBucket, Spend
+from flask_solidloop.testing import drain
+
+from ..support.support_app import calc, create_app, solidloop
+
+MODEL = "limits-model"
+PRICES = {MODEL: {"input": 1000.0, "output": 2000.0}}  # per million: a turn costs cents
+
+
+def agent_for(name, llm, **options):
+    class LimitedAgent(Agent):
+        system_prompt = "You add numbers."
+        mcps = [{"name": "calc", "toolset": calc}]
+        llm = {"dialect": "openai", "base_url": "", "model": MODEL,
+               "api_key_env": "SOLIDLOOP_TEST_API_KEY", "read_timeout": 5}
+
+    LimitedAgent.llm = {**LimitedAgent.llm, "base_url": llm.base_url}
+    for key, value in options.items():
+        setattr(LimitedAgent, key, value)
+    return solidloop.agent(name)(LimitedAgent)
+
+
+@pytest.fixture
+def configured(database_url, llm):
+    """An app made with the test's settings; closed after it."""
+    made = []
+
+    def make(**config):
+        llm.reset()
+        app = create_app(**config)
+        made.append(app)
+        return app
+
+    yield make
+    for app in made:
+        with app.app_context():
+            app.extensions["sqlalchemy"].session.remove()
+            for engine in app.extensions["sqlalchemy"].engines.values():
+                engine.dispose()
+        app.extensions["solidloop"].stop_renewer()
+        app.extensions["solidloop"].broker.close()
+
+
+def loop_of(app, loop_id):
+    session = app.extensions["sqlalchemy"].session
+    session.expire_all()
+    return session.get(Loop, loop_id)
+
+
+def run_until_settled(app, loop_ids, *, timeout=60.0):
+    """Drain due jobs until no loop is queued or running (deferred jobs come due)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        drain(app)
+        loops = [loop_of(app, loop_id) for loop_id in loop_ids]
+        if all(loop.status not in ("queued", "running") for loop in loops):
+            return loops
+        assert time.monotonic() < deadline, [(loop.id, loop.status) for loop in loops]
+        time.sleep(0.05)
+
+
+def script_adding(llm, turns):
+    """Each request asks for one more addition, up to ``turns`` LLM turns."""
+    # Scripts match newest first: the last turn's answer is checked before the call.
+    llm.script(lambda req: True, {"tool_calls": [{"name": "add",
+                                                  "arguments": {"a": 1, "b": 2}}]})
+    llm.script(lambda req: sum(1 for m in req.get("messages", []) if m.get("role") == "tool")
+               >= turns - 1, {"content": "done"})
+
+
+# -- a loop's budget ------------------------------------------------------------------
+
+
+def test_a_loop_pauses_at_its_budget_and_resume_raises_it(configured, llm):
+    app = configured()
+    with app.app_context():
+        agent = agent_for("budget_turns", llm, budget={"llm_turns": 2})
+        script_adding(llm, 5)
+        loop_id = agent.start(message="add").id
+        [loop] = run_until_settled(app, [loop_id])
+        assert loop.status == "paused"
+        assert loop.error_message.startswith("BudgetExceededError: the loop's budget llm_turns "
+                                             "is spent: 2 LLM turns of 2 LLM turns")
+        assert classify_failure(loop.error_message) == "budget_exceeded"
+        assert len(llm.requests) == 2  # the third request was never sent
+        assert agent(loop_id).resume(budget={"llm_turns": 10})
+        [loop] = run_until_settled(app, [loop_id])
+        assert loop.status == "completed"
+        assert loop.budget["llm_turns"] == 10
+        assert loop.step_count == 5
+
+
+def test_start_budget_overrides_the_agents_and_bad_budgets_are_refused(configured, llm):
+    from flask_solidloop.errors import InvalidArgumentError
+
+    app = configured()
+    with app.app_context():
+        agent = agent_for("budget_override", llm, budget={"llm_turns": 1})
+        script_adding(llm, 3)
+        with pytest.raises(InvalidArgumentError, match="unknown budget limit 'dollars'"):
+            agent.start(message="add", budget={"dollars": 1})
+        with pytest.raises(InvalidArgumentError, match="budget tokens must be a number > 0"):
+            agent.start(message="add", budget={"tokens": -5})
+        loop_id = agent.start(message="add", budget={"llm_turns": 5}).id
+        [loop] = run_until_settled(app, [loop_id])
+        assert loop.status == "completed", loop.error_message
+
+
+def test_the_soft_warning_is_in_the_request_the_model_receives(configured, llm):
+    app = configured()
+    with app.app_context():
+        agent = agent_for("budget_warning", llm, budget={"llm_turns": 4}, budget_warning=0.5)
+        script_adding(llm, 4)
+        loop_id = agent.start(message="add").id
+        [loop] = run_until_settled(app, [loop_id])
+        assert loop.status == "completed"
+        systems = [req.json["messages"][0]["content"] for req in llm.requests]
+        assert len(systems) == 4
+        # Turns 1 and 2 were sent at 0 and 1 of 4 turns spent; 3 and 4 at half or more.
+        assert ["Budget notice" in s for s in systems] == [False, False, True, True]
+        assert "2 LLM turns of 4 LLM turns used, 2 LLM turns left" in systems[2]
+        # The note is in the request only, never in the stored history.
+        session = app.extensions["sqlalchemy"].session
+        stored = session.execute(text(
+            "SELECT content FROM solidloop_messages WHERE loop_id = :id AND role = 'system'"),
+            {"id": loop_id}).scalar_one()
+        assert "Budget notice" not in stored
+
+
+def test_a_cost_budget_counts_priced_turns(configured, llm):
+    app = configured(SOLIDLOOP_PRICES=PRICES)
+    with app.app_context():
+        agent = agent_for("budget_cost", llm, budget={"cost_usd": 0.5})
+        script_adding(llm, 50)
+        loop_id = agent.start(message="add").id
+        [loop] = run_until_settled(app, [loop_id])
+        assert loop.status == "paused"
+        assert "cost_usd is spent" in loop.error_message
+        # At most one turn's estimate past the limit (each turn costs cents).
+        assert Decimal("0.5") <= loop.cost < Decimal("0.5") + Decimal("0.2")
+
+
+# -- a subject's budget ----------------------------------------------------------------
+
+
+def test_a_subjects_loops_together_stop_at_its_budget(configured, llm):
+    app = configured(SOLIDLOOP_PRICES=PRICES,
+                     SOLIDLOOP_SUBJECT_BUDGET={"cost_usd": 0.3, "window": 3600})
+    with app.app_context():
+        agent = agent_for("budget_subject", llm)
+        script_adding(llm, 50)
+        ids = [agent.start(message="add", subject=("Tenant", "acme")).id for _ in range(3)]
+        other = agent.start(message="add", subject=("Tenant", "globex"),
+                            budget={"llm_turns": 2}).id
+        loops = run_until_settled(app, [*ids, other])
+        for loop in loops[:3]:
+            assert loop.status == "paused"
+            assert loop.error_message.startswith(
+                "BudgetExceededError: subject Tenant:acme's 1 h budget cost_usd is spent")
+        # Another subject is not stopped by acme's spend (its own loop budget stops it).
+        assert "the loop's budget llm_turns" in loops[3].error_message
+        session = app.extensions["sqlalchemy"].session
+        rows = session.scalars(select(Spend).where(Spend.subject == "Tenant:acme")).all()
+        assert rows and all(row.settled for row in rows)
+        total = sum(row.cost for row in rows)
+        assert total == sum(loop.cost for loop in loops[:3])
+        assert Decimal("0.3") <= total < Decimal("0.3") + Decimal("0.2")
+        # A resume with a budget releases the loop from the subject's budget.
+        agent(ids[0]).resume(budget={"llm_turns": 60})
+        [loop] = run_until_settled(app, [ids[0]])
+        assert loop.status == "completed"
+
+
+def test_a_subject_budget_hook_replaces_the_setting(configured, llm):
+    app = configured(SOLIDLOOP_PRICES=PRICES)
+    seen = []
+
+    @solidloop.subject_budget
+    def budget_of(subject_type, subject_id):
+        seen.append((subject_type, subject_id))
+        return {"llm_turns": 2} if subject_id == "small" else None
+
+    try:
+        with app.app_context():
+            agent = agent_for("budget_hook", llm)
+            script_adding(llm, 4)
+            small = agent.start(message="add", subject=("Tenant", "small")).id
+            large = agent.start(message="add", subject=("Tenant", "large")).id
+            loops = run_until_settled(app, [small, large])
+            assert [loop.status for loop in loops] == ["paused", "completed"]
+            assert ("Tenant", "small") in seen and ("Tenant", "large") in seen
+    finally:
+        solidloop.subject_budget_hook = None
+
+
+# -- shared rate limits ------------------------------------------------------------------
+
+
+def test_a_rate_limited_key_defers_turns_to_their_slots(configured, llm):
+    key = f"{origin_of(llm.base_url)} {MODEL}"
+    app = configured(SOLIDLOOP_RATE_LIMITS={key: {"rps": 4}},
+                     SOLIDLOOP_RATE_LIMIT_INLINE_WAIT=0.1)
+    with app.app_context():
+        agent = agent_for("rate_rps", llm)
+        times = []
+        llm.script(lambda req: times.append(time.monotonic()) or True, {"content": "hi"})
+        ids = [agent.start(message="hello").id for _ in range(8)]
+        loops = run_until_settled(app, ids)
+        assert all(loop.status == "completed" for loop in loops)
+        # Four burst; the other four reserved slots a quarter second apart and
+        # were deferred to them (each wait was past the inline 0.1 s), once each.
+        assert sum(loop.capacity_deferrals for loop in loops) == 4
+        assert len(times) == 8
+        assert times[-1] - times[0] >= 1.0 - 0.1
+        # Any run of requests fits the bucket: four at once, four more a second
+        # (one more allowed for a deferred job claimed a little late).
+        assert all(j - i + 1 <= 4 + 4 * (times[j] - times[i]) + 1
+                   for i in range(len(times)) for j in range(i, len(times)))
+        session = app.extensions["sqlalchemy"].session
+        assert session.get(RateBucket, (key, "-")).deferrals == 4
+
+
+def test_a_refusal_with_retry_after_blocks_the_key_and_defers_the_turn(configured, llm):
+    key = f"{origin_of(llm.base_url)} {MODEL}"
+    app = configured(SOLIDLOOP_RATE_LIMITS={key: {"rpm": 1000}})
+    with app.app_context():
+        agent = agent_for("rate_block", llm)
+        llm.fault_next("status", status=429, retry_after=2)
+        times = []
+        llm.script(lambda req: times.append(time.monotonic()) or True, {"content": "hi"})
+        loop_id = agent.start(message="hello").id
+        started = time.monotonic()
+        drain(app)
+        # The worker did not sleep through the two seconds: the turn is queued
+        # again, due at the block's end, and the key is blocked for everyone.
+        assert time.monotonic() - started < 1.9
+        loop = loop_of(app, loop_id)
+        assert loop.status == "queued" and loop.capacity_deferrals == 1
+        session = app.extensions["sqlalchemy"].session
+        row = session.get(RateBucket, (key, "-"))
+        assert row.refusals == 1 and row.blocked_until is not None
+        [loop] = run_until_settled(app, [loop_id])
+        assert loop.status == "completed"
+        assert len(llm.requests) == 2 and times[0] - started >= 1.9
+
+
+def test_unlimited_keys_write_nothing(configured, llm):
+    app = configured()
+    with app.app_context():
+        agent = agent_for("rate_none", llm)
+        llm.script(lambda req: True, {"content": "hi"})
+        [loop] = run_until_settled(app, [agent.start(message="hello").id])
+        assert loop.status == "completed"
+        session = app.extensions["sqlalchemy"].session
+        assert session.scalars(select(RateBucket)).all() == []
+        assert session.scalars(select(Spend)).all() == []
