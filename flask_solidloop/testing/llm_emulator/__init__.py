@@ -16,9 +16,9 @@ stack (timeouts, retries, SSE parsing) is exercised. It serves:
   the chunks come as one JSON array). Auth: ``x-goog-api-key`` (or ``?key=``).
 
 Every request is recorded (:attr:`LLMEmulator.requests`). A chat request is resolved in
-this order: auth (when ``api_key`` is set), validation, the next queued fault, scripts
-(newest first), then the offline model (``offline_model=True``) or a 500 naming the
-unmatched last message. Errors are shaped like each provider's.
+this order: auth (when ``api_key`` is set), validation, rate limits, the next queued
+fault, scripts (newest first), then the offline model (``offline_model=True``) or a 500
+naming the unmatched last message. Errors are shaped like each provider's.
 
 Scripts match the text of the LAST message: OpenAI ``content`` (string or text parts);
 Anthropic text blocks, or a ``tool_result``'s content text; Gemini text parts, or a
@@ -73,6 +73,37 @@ for such a model; ``"drop"`` discards those fields before scripts and the offlin
 the request, as llama-cpp-python's chat formats without tool support do (the recorded
 request keeps them).
 
+Rate limits (:meth:`LLMEmulator.rate_limit`, or ``LLMEmulator(rate_limits={"rpm": 120,
+"tpm": 40000})``) are token buckets as providers run them: each holds its per-minute
+amount and refills continuously at amount/60 per second (a full minute may burst at
+start)::
+
+    llm.rate_limit(rpm=60, tpm=40_000)                  # the emulator's (the API key's)
+    llm.rate_limit(rpm=5, model="gpt-small")            # that model's, checked in addition
+    llm.rate_limit(input_tpm=10_000, output_tpm=2_000)  # Anthropic's ITPM / OTPM
+    llm.rate_limit(None)                                # no limits (reset() clears them too)
+
+An admitted chat request is charged 1 request and its prompt's token estimate (the
+usage it will report) + its output cap (OpenAI ``max_tokens`` / ``max_completion_tokens``,
+Anthropic ``max_tokens``, Gemini ``generationConfig.maxOutputTokens``; 0 without one);
+``input_tpm`` / ``output_tpm`` charge the halves apart. The answer settles the charge to
+the real usage (a refund, or a further charge); a stream settles when it ends, so its
+headers show the reservation. An error answer costs its request and no token. A request
+that does not fit every limit that applies gets a 429 and consumes nothing; one larger
+than a bucket's capacity gets a 429 "Request too large" with no ``Retry-After``. The
+refusal and headers are each provider's: OpenAI ``{"error": {..., "type": "requests" |
+"tokens", "code": "rate_limit_exceeded"}}``, ``x-ratelimit-limit-/remaining-/reset-
+requests|tokens`` (resets like ``6m0s``, ``1.5s``, ``20ms``: until the bucket is full) on
+every chat response, ``retry-after`` (whole seconds, rounded up) and ``retry-after-ms``
+on a 429; Anthropic ``rate_limit_error``, ``anthropic-ratelimit-{requests,tokens,
+input-tokens,output-tokens}-{limit,remaining,reset}`` (reset: an RFC 3339 UTC time) and
+``retry-after``; Gemini ``RESOURCE_EXHAUSTED`` with a ``google.rpc.RetryInfo``
+``retryDelay`` ("3s") and no headers. The headers report, per dimension, the most
+restrictive limit that applies. :meth:`LLMEmulator.rate_limit_stats` gives a bench
+every chat answer's ``(time.monotonic(), status)``, each settled answer's ``(time,
+tokens)`` and the count of 429s (``count_429_since(t)``, ``tokens_per_minute(since,
+until)``).
+
 Reply keys for the edge cases: ``refusal`` (OpenAI ``message.refusal`` / ``delta.refusal``;
 Anthropic a text block and ``stop_reason: "refusal"``), ``continuation_token`` (Gemini:
 the candidate's ``continuationToken``, with ``finish_reason: "CONTINUATION"``).
@@ -86,12 +117,13 @@ Modules, mirroring ``flask_solidloop/llm/``: ``server`` (the emulator and each r
 path through it), ``types`` (recorded requests, scripts, faults, the reply format),
 ``dialect`` (what the dialects share), ``openai`` / ``anthropic`` / ``gemini`` (each
 dialect's auth, validation, text and rendering), ``registry`` (dialects by name),
-``offline`` (the offline model), ``faults`` (fault injection and delivery) and
-``strict`` (strict mode). The HTTP plumbing is ``flask_solidloop/testing/_local_server.py``,
-shared with the MCP emulator.
+``offline`` (the offline model), ``faults`` (fault injection and delivery),
+``ratelimit`` (rate limits) and ``strict`` (strict mode). The HTTP plumbing is
+``flask_solidloop/testing/_local_server.py``, shared with the MCP emulator.
 """
 
+from .ratelimit import RateLimitStats
 from .server import LLMEmulator
 from .types import RecordedRequest
 
-__all__ = ["LLMEmulator", "RecordedRequest"]
+__all__ = ["LLMEmulator", "RateLimitStats", "RecordedRequest"]

@@ -114,6 +114,12 @@ def prompt_text(request_json: dict[str, Any]) -> str:
     return "".join(chunks)
 
 
+def output_cap(request_json: dict[str, Any]) -> int:
+    """The request's ``max_tokens`` (required; 0 if it is not a positive int)."""
+    cap = request_json.get("max_tokens")
+    return cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else 0
+
+
 _STOP = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens",
          "content_filter": "refusal"}
 
@@ -182,6 +188,7 @@ def render(
         has_tool = any(b.get("type") == "tool_use" for b in blocks)
         stop_reason = "tool_use" if has_tool else "end_turn"
     usage = _usage(request_json, reply, blocks)
+    cost = (usage["input_tokens"], usage["output_tokens"])
     headers = {"request-id": f"req_{uuid.uuid4().hex[:24]}"}
 
     if not stream:
@@ -196,7 +203,7 @@ def render(
         }
         if with_usage:
             payload["usage"] = usage
-        return Rendered(payload=payload, headers=headers)
+        return Rendered(payload=payload, headers=headers, usage=cost)
 
     events: list[Event] = []
 
@@ -252,4 +259,5 @@ def render(
         events=events,
         content_type="text/event-stream; charset=utf-8",
         headers={**headers, "Cache-Control": "no-cache"},
+        usage=cost,
     )

@@ -121,20 +121,13 @@ def status_fault_response(fault: Fault, dialect: str) -> Response:
         delay = opts["retry_delay"]
         if not isinstance(delay, str):
             delay = f"{_retry_after_value(float(delay))}s"
-        message = opts["message"] or (
-            "Resource has been exhausted (e.g. check quota). "
-            f"Please retry in {delay} (injected by LLMEmulator)."
-        )
-        body: Any = gemini.error_body(status, message)
-        body["error"]["details"] = [
-            {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": delay}
-        ]
-        return json_response(status, body, headers)
+        return json_response(status, gemini.retry_info_body(status, delay, opts["message"]),
+                             headers)
     if opts["retry_after"] is not None:
         headers["Retry-After"] = _retry_after_value(opts["retry_after"])
     if opts["retry_after_ms"] is not None:
         headers["retry-after-ms"] = _retry_after_value(opts["retry_after_ms"])
-    body = opts["body"]
+    body: Any = opts["body"]
     if body is None:
         return json_response(status, _default_fault_body(status, dialect), headers)
     if isinstance(body, dict):

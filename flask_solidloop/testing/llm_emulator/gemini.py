@@ -40,6 +40,17 @@ def error_body(status: int, message: str, status_name: str | None = None) -> dic
     return {"error": {"code": status, "message": message, "status": name}}
 
 
+def retry_info_body(status: int, delay: str, message: str | None = None) -> dict[str, Any]:
+    """Google's error carrying a ``google.rpc.RetryInfo`` detail: wait ``delay`` ("2s")."""
+    body = error_body(status, message or (
+        "Resource has been exhausted (e.g. check quota). "
+        f"Please retry in {delay} (injected by LLMEmulator)."))
+    body["error"]["details"] = [
+        {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": delay}
+    ]
+    return body
+
+
 def error(status: int, message: str, *, headers: dict[str, str] | None = None) -> Response:
     """An error response in Google's shape (the status name follows the code)."""
     return json_response(status, error_body(status, message), headers)
@@ -113,6 +124,13 @@ def prompt_text(request_json: dict[str, Any]) -> str:
             if isinstance(part, dict) and isinstance(part.get("functionCall"), dict):
                 chunks.append(dumps(part["functionCall"]))
     return "".join(chunks)
+
+
+def output_cap(request_json: dict[str, Any]) -> int:
+    """``generationConfig.maxOutputTokens``; 0 when it is not set."""
+    config = request_json.get("generationConfig")
+    cap = config.get("maxOutputTokens") if isinstance(config, dict) else None
+    return cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else 0
 
 
 _FINISH = {"stop": "STOP", "tool_calls": "STOP", "length": "MAX_TOKENS",
@@ -204,6 +222,8 @@ def render(
     finish = _FINISH.get(explicit, explicit) if explicit else "STOP"
     parts = _parts(reply)
     usage = _usage(request_json, reply, parts)
+    cost = (usage["promptTokenCount"],
+            usage["candidatesTokenCount"] + usage.get("thoughtsTokenCount", 0))
 
     def chunk(
         chunk_parts: list[dict[str, Any]], usage_now: dict[str, int] | None, last: bool
@@ -222,7 +242,7 @@ def render(
         return data
 
     if not stream:
-        return Rendered(payload=chunk(parts, usage, last=True))
+        return Rendered(payload=chunk(parts, usage, last=True), usage=cost)
 
     per_chunk: list[list[dict[str, Any]]]
     if reply["gemini_parts"] is not None:
@@ -255,6 +275,6 @@ def render(
         events.append(Event(chunk(chunk_parts, running, last=index == total - 1)))
     if sse:
         return Rendered(events=events, content_type="text/event-stream",
-                        headers={"Cache-Control": "no-cache"})
+                        headers={"Cache-Control": "no-cache"}, usage=cost)
     return Rendered(events=events, framing="json_array",
-                    content_type="application/json; charset=UTF-8")
+                    content_type="application/json; charset=UTF-8", usage=cost)

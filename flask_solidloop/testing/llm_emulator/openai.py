@@ -79,6 +79,17 @@ def prompt_text(request_json: dict[str, Any]) -> str:
     return "".join(chunks)
 
 
+def output_cap(request_json: dict[str, Any]) -> int:
+    """The output tokens the request allows (``max_completion_tokens``, else
+    ``max_tokens``); 0 when it sets none."""
+    return _int_field(request_json.get("max_completion_tokens")) or _int_field(
+        request_json.get("max_tokens"))
+
+
+def _int_field(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
 def _usage(request_json: dict[str, Any], reply: dict[str, Any]) -> dict[str, int]:
     usage = {
         "prompt_tokens": estimate_tokens(prompt_text(request_json)),
@@ -97,6 +108,7 @@ def render(
     created = int(time.time())
     model = request_json.get("model") or "llm-emulator"
     usage = _usage(request_json, reply)
+    cost = (usage["prompt_tokens"], usage["completion_tokens"])
 
     if not stream:
         message: dict[str, Any] = {"role": "assistant", "content": reply["content"]}
@@ -115,7 +127,7 @@ def render(
         }
         if with_usage:
             payload["usage"] = usage
-        return Rendered(payload=payload)
+        return Rendered(payload=payload, usage=cost)
 
     stream_options = request_json.get("stream_options") or {}
     include_usage = with_usage and bool(
@@ -160,4 +172,5 @@ def render(
         events=events,
         content_type="text/event-stream; charset=utf-8",
         headers={"Cache-Control": "no-cache"},
+        usage=cost,
     )

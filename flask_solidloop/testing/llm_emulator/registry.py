@@ -81,3 +81,12 @@ def prompt_text(request_json: dict[str, Any], dialect: str = OPENAI) -> str:
     if dialect == GEMINI:
         return gemini.prompt_text(request_json)
     return openai.prompt_text(request_json)
+
+
+def output_cap(request_json: dict[str, Any], dialect: str = OPENAI) -> int:
+    """The output tokens the request allows (0 when it sets no cap), read the dialect's way."""
+    if dialect == ANTHROPIC:
+        return anthropic.output_cap(request_json)
+    if dialect == GEMINI:
+        return gemini.output_cap(request_json)
+    return openai.output_cap(request_json)

@@ -1,6 +1,7 @@
-"""The HTTP server: :class:`LLMEmulator`, its configuration (scripts, faults) and the
-path of each request through it: record, route, auth, validation, strict mode, tool
-support, the next fault, scripts, then the offline model."""
+"""The HTTP server: :class:`LLMEmulator`, its configuration (scripts, faults, rate
+limits) and the path of each request through it: record, route, auth, validation,
+strict mode, tool support, rate limits, the next fault, scripts, then the offline
+model."""
 
 # Latency, measured on the development machine (200 sequential non-streaming POSTs through
 # one httpx.Client, after warm-up): ~1.8 ms per request on average (streaming: ~1.9 ms);
@@ -24,7 +25,7 @@ from urllib.parse import parse_qs
 from ...errors import InvalidArgumentError
 from .._local_server import LocalServer, Response, parse_json, read_request
 from . import anthropic, gemini, openai, registry
-from .dialect import json_response
+from .dialect import estimate_tokens, json_response
 from .faults import (
     FAULT_OPTIONS,
     STATUS_KINDS,
@@ -35,6 +36,7 @@ from .faults import (
     stream_error_data,
 )
 from .offline import offline_reply, openai_view
+from .ratelimit import RateLimiter, RateLimitStats, check_limits
 from .strict import strict_check
 from .types import (
     ANTHROPIC,
@@ -78,10 +80,11 @@ _TOOL_FIELDS = ("tools", "tool_choice", "toolConfig", "parallel_tool_calls")
 class LLMEmulator(LocalServer[RecordedRequest]):
     """A scriptable fake of the OpenAI, Anthropic and Gemini chat APIs on a real socket.
 
-    Resolution order for each chat request: auth (if ``api_key``), validation, queued
-    faults (:meth:`fault_next`, :meth:`fail_next`), scripts (:meth:`script`, newest first),
-    then the offline model (if ``offline_model=True``) or a 500 error naming the unmatched
-    last message. See the package docstring for the served paths and the reply mapping.
+    Resolution order for each chat request: auth (if ``api_key``), validation, rate
+    limits (:meth:`rate_limit`), queued faults (:meth:`fault_next`, :meth:`fail_next`),
+    scripts (:meth:`script`, newest first), then the offline model (if
+    ``offline_model=True``) or a 500 error naming the unmatched last message. See the
+    package docstring for the served paths, the reply mapping and the rate limits.
     """
 
     FAULT_KINDS = tuple(FAULT_OPTIONS)
@@ -95,6 +98,7 @@ class LLMEmulator(LocalServer[RecordedRequest]):
         offline_model: bool = False,
         strict: bool = False,
         tool_support: str = "native",
+        rate_limits: dict[str, int] | None = None,
     ) -> None:
         super().__init__(host, port)
         self.api_key = api_key
@@ -110,6 +114,9 @@ class LLMEmulator(LocalServer[RecordedRequest]):
         self.tool_support = tool_support
         self._scripts: list[Script] = []
         self._faults: list[Fault] = []
+        self._rate = RateLimiter()
+        if rate_limits is not None:
+            self._rate.set(check_limits(dict(rate_limits)), None)
 
     # ---- configuration ---------------------------------------------------------------
 
@@ -180,12 +187,43 @@ class LLMEmulator(LocalServer[RecordedRequest]):
         with self._lock:
             self._faults.append(fault)
 
+    def rate_limit(
+        self,
+        rpm: int | None = None,
+        tpm: int | None = None,
+        *,
+        input_tpm: int | None = None,
+        output_tpm: int | None = None,
+        model: str | None = None,
+    ) -> None:
+        """Limit chat requests per minute as providers do (see :mod:`.ratelimit`).
+
+        ``model=None`` sets the emulator's own limits (the API key's), replacing them;
+        a model name sets that model's, checked in addition. Each limit is a token
+        bucket that starts full and refills continuously (``rpm=60``: a burst of 60,
+        then one a second). ``tpm`` charges prompt + output cap on admission and
+        settles to the real usage; ``input_tpm`` / ``output_tpm`` (Anthropic's ITPM /
+        OTPM) charge each half. A request that does not fit gets the dialect's 429.
+        No limit at all clears: ``rate_limit(None)`` every limit, ``rate_limit(None,
+        model="m")`` that model's. :meth:`reset` clears them too.
+        """
+        limits = check_limits(
+            {"rpm": rpm, "tpm": tpm, "input_tpm": input_tpm, "output_tpm": output_tpm})
+        self._rate.set(limits, model)
+
+    def rate_limit_stats(self) -> RateLimitStats:
+        """Every chat request's answer status and every answer's real token usage, with
+        their ``time.monotonic()`` times, and the count of 429s (a snapshot)."""
+        return self._rate.stats()
+
     def reset(self) -> None:
-        """Forget all scripts, queued faults and recorded requests."""
+        """Forget all scripts, queued faults, recorded requests, rate limits and their
+        statistics."""
         with self._lock:
             self._scripts.clear()
             self._faults.clear()
             self._requests.clear()
+        self._rate.reset()
 
     # ---- request handling ------------------------------------------------------------
 
@@ -218,6 +256,13 @@ class LLMEmulator(LocalServer[RecordedRequest]):
                     "invalid_request_error", "unknown_url",
                 ),
             )
+        response = self._chat(route, method, path, query, headers, parsed, body, json_error)
+        self._rate.record(response.status)
+        return response
+
+    def _chat(self, route: tuple[str, str | None, str | None], method: str, path: str,
+              query: str, headers: dict[str, str], parsed: Any, body: str,
+              json_error: str | None) -> Response:
         dialect, model, gemini_method = route
         if method != "POST":
             return registry.dialect_error(
@@ -252,17 +297,29 @@ class LLMEmulator(LocalServer[RecordedRequest]):
         else:
             stream, sse = bool(parsed.get("stream")), True
 
+        admitted = self._rate.admit(
+            dialect, model or _model_name(parsed),
+            estimate_tokens(registry.prompt_text(parsed, dialect)),
+            registry.output_cap(parsed, dialect))
+        if isinstance(admitted, Response):
+            return admitted
+        response, usage = self._answer(dialect, model, parsed, stream, sse)
+        return self._rate.finish(admitted, response, usage, stream=stream)
+
+    def _answer(self, dialect: str, model: str | None, parsed: dict[str, Any], stream: bool,
+                sse: bool) -> tuple[Response, tuple[int, int] | None]:
+        """The answer of an admitted request, and the (prompt, output) tokens it cost."""
         fault = self._take_fault()
         kind = fault.kind if fault is not None else None
         if fault is not None and fault.kind in STATUS_KINDS:
-            return status_fault_response(fault, dialect)
+            return status_fault_response(fault, dialect), None
         if fault is not None and fault.kind == "slow_prefill":
             time.sleep(float(fault.options["seconds"]))
         if fault is not None and fault.kind == "context_overflow":
-            return context_overflow(dialect, stream, parsed)
+            return context_overflow(dialect, stream, parsed), None
         if fault is not None and fault.kind == "error_mid_stream" and not stream:
             status = {ANTHROPIC: 529, GEMINI: 503}.get(dialect, 500)
-            return json_response(status, stream_error_data(dialect, fault.options))
+            return json_response(status, stream_error_data(dialect, fault.options)), None
 
         text = registry.last_message_text(parsed, dialect)
         script = self._take_script(parsed, text)
@@ -276,7 +333,7 @@ class LLMEmulator(LocalServer[RecordedRequest]):
                 dialect, 500,
                 f'LLMEmulator: no script matched the request; last message: "{snippet}"',
                 type_="server_error", code="no_script_matched",
-            )
+            ), None
         normalised = normalise_reply(reply)
         with_usage = kind != "no_usage"
         if dialect == ANTHROPIC:
@@ -288,7 +345,7 @@ class LLMEmulator(LocalServer[RecordedRequest]):
             )
         else:
             rendered = openai.render(parsed, normalised, stream=stream, with_usage=with_usage)
-        return deliver(rendered, fault, dialect)
+        return deliver(rendered, fault, dialect), rendered.usage
 
     def _take_fault(self) -> Fault | None:
         with self._lock:
@@ -310,6 +367,11 @@ class LLMEmulator(LocalServer[RecordedRequest]):
                         script.remaining -= 1
                     return script
         return None
+
+
+def _model_name(parsed: dict[str, Any]) -> str | None:
+    model = parsed.get("model")
+    return model if isinstance(model, str) and model else None
 
 
 def _matches(match: Match, text: str, request_json: dict[str, Any]) -> bool:

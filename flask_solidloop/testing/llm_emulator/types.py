@@ -85,6 +85,8 @@ class Rendered:
     framing: str = "sse"  # "sse" | "json_array" (Gemini stream without alt=sse)
     content_type: str = "application/json"
     headers: dict[str, str] = field(default_factory=dict)
+    #: (prompt, output) tokens the answer costs, reported or not (rate limits settle to it).
+    usage: tuple[int, int] | None = None
 
 
 def normalise_reply(reply: Any) -> dict[str, Any]:
