@@ -95,10 +95,14 @@ def _key_row(key: str) -> Bucket:
 
 
 def reserve(session: SessionLike, table: Mapping[str, tuple[Bucket, ...]],
-            keys: tuple[str, ...], *, tokens: float, inline_wait: float) -> Reservation:
+            keys: tuple[str, ...], *, tokens: float, inline_wait: float,
+            hold_slot: bool = True) -> Reservation:
     """Reserve one request (or call) and ``tokens`` on every bucket of ``keys``,
-    in one statement. The reservation always holds: ``wait`` says when its
-    slot is (0 now), the longest of the buckets' drain times and any block."""
+    in one statement. ``wait`` says when its slot is (0 now), the longest of
+    the buckets' drain times and any block. With ``hold_slot`` the reservation
+    holds whatever the wait (an LLM turn keeps it on its loop while it is
+    deferred); without, it holds only when the wait is at most
+    ``inline_wait`` (a tool call deferred past it reserves again when it comes)."""
     buckets = tuple(b for key in keys for b in (*table[key], _key_row(key)))
     amounts = tuple(0.0 if b.dimension == KEY_ROW else (tokens if b.tokens else 1.0)
                     for b in buckets)
@@ -107,11 +111,12 @@ def reserve(session: SessionLike, table: Mapping[str, tuple[Bucket, ...]],
     params = {
         "keys": [b.key for b in buckets], "dimensions": [b.dimension for b in buckets],
         "capacities": [b.capacity for b in buckets], "periods": [b.period for b in buckets],
-        "amounts": list(amounts), "inline_wait": inline_wait, "reserve": True}
+        "amounts": list(amounts), "inline_wait": inline_wait, "reserve": hold_slot}
     row, alone = run_alone(session, sql.RESERVE, params, sole=True)
     if not alone:
         commit_keeping_objects(session)
-    if row is None or row["moved"] < len(buckets):
+    if row is None or (row["moved"] < len(buckets)
+                       and (hold_slot or float(row["wait"]) <= inline_wait)):
         # A row this process created is gone (a table emptied under it): make
         # them again, and reserve on all of them.
         with _ensured_lock:

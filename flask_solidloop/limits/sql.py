@@ -25,8 +25,10 @@ _DRAINED = ("greatest(0, b.level - extract(epoch FROM clock_timestamp() - b.drai
 #: capacities and periods), locked in key order. Returns ``wait``: seconds until
 #: every amount has drained below its capacity and any block has ended (0: go
 #: now). With ``reserve`` the amounts are added whatever the wait (the caller
-#: then holds that slot); a wait past ``inline_wait`` counts a deferral on the
-#: keys' own rows. An amount larger than its capacity waits for an empty bucket.
+#: then holds that slot); without, only when the wait is at most
+#: ``inline_wait`` (the caller sleeps it). A wait past ``inline_wait`` counts a
+#: deferral on the keys' own rows. An amount larger than its capacity waits for
+#: an empty bucket.
 RESERVE = (
     "WITH w AS (SELECT * FROM unnest(%(keys)s::text[], %(dimensions)s::text[], "
     "%(capacities)s::float8[], %(periods)s::float8[], %(amounts)s::float8[]) "
@@ -40,13 +42,15 @@ RESERVE = (
     "THEN (level + least(amount, capacity) - capacity) * period / capacity ELSE 0 END, "
     "coalesce(extract(epoch FROM blocked_until - clock_timestamp()), 0))), 0)::float8 AS wait "
     "FROM locked), "
-    "moved AS (UPDATE solidloop_rate_buckets b SET level = l.level + l.amount, "
-    "drained_at = clock_timestamp(), "
+    "go AS (SELECT %(reserve)s OR wait <= %(inline_wait)s AS go FROM verdict), "
+    "moved AS (UPDATE solidloop_rate_buckets b SET "
+    "level = CASE WHEN g.go THEN l.level + l.amount ELSE b.level END, "
+    "drained_at = CASE WHEN g.go THEN clock_timestamp() ELSE b.drained_at END, "
     "deferrals = b.deferrals + CASE WHEN b.dimension = '-' AND v.wait > %(inline_wait)s "
     "THEN 1 ELSE 0 END "
-    "FROM locked l, verdict v WHERE b.key = l.key AND b.dimension = l.dimension "
-    "AND %(reserve)s RETURNING 1) "
-    "SELECT v.wait, (SELECT count(*) FROM moved) AS moved FROM verdict v"
+    "FROM locked l, verdict v, go g WHERE b.key = l.key AND b.dimension = l.dimension "
+    "RETURNING g.go) "
+    "SELECT v.wait, (SELECT count(*) FROM moved WHERE moved.go) AS moved FROM verdict v"
 )
 
 #: Settle reservations: add each ``delta`` (real use minus the estimate) to its

@@ -21,6 +21,9 @@ ENTRY_KINDS = ("toolset", "url", "command", "transport")
 ENTRY_KEYS = {
     "name", "prefix", "tools", "required_tools", "toolset", "url", "command", "transport",
     "api_token", "api_token_env", "headers", "timeout", "env", "cwd",
+    # The key in SOLIDLOOP_RATE_LIMITS ("tool:<rate_limit>") of every tool of
+    # the entry without one of its own (limits/).
+    "rate_limit",
 }
 
 

@@ -255,6 +255,8 @@ class ToolDefinition:
     #: Seconds a call may run inside a loop before it is answered with a timeout
     #: error; None: the server entry's ``timeout``, else SOLIDLOOP_DEFAULT_TOOL_TIMEOUT.
     timeout: float | None = None
+    #: Its key in SOLIDLOOP_RATE_LIMITS is ``"tool:<rate_limit>"`` (None: unlimited).
+    rate_limit: str | None = None
 
     def to_mcp(self) -> dict:
         """The MCP ``Tool`` JSON: ``name``, ``description``, ``inputSchema``."""
@@ -296,6 +298,7 @@ class Toolset:
         on_timeout: str = "deny",
         result_timeout: float | None = None,
         timeout: float | None = None,
+        rate_limit: str | None = None,
     ) -> ToolDefinition:
         """Add ``fn`` to this toolset as a tool; return the definition it stores.
 
@@ -316,6 +319,9 @@ class Toolset:
         bounds a call's run inside a loop, in seconds (default: the server
         entry's ``timeout``, else SOLIDLOOP_DEFAULT_TOOL_TIMEOUT); past it the
         model gets a timeout error and the tool is abandoned (docs/guides/tools.md).
+        ``rate_limit`` names the tool's key in SOLIDLOOP_RATE_LIMITS
+        (``"tool:<rate_limit>"``): a call that finds no capacity is deferred,
+        its job due when there is (docs/guides/limits.md).
 
         Raises :class:`ToolDefinitionError`, saying what was wrong and what to do,
         and adds nothing, when ``fn`` is not callable (a string, a
@@ -361,6 +367,12 @@ class Toolset:
         )
         definition.wait = wait
         definition.timeout = _timeout(f"{where}, tool {tool_name!r}", "timeout", timeout)
+        if rate_limit is not None and (not isinstance(rate_limit, str)
+                                       or not rate_limit.strip()):
+            raise ToolDefinitionError(
+                f"{where}, tool {tool_name!r}: rate_limit= must be a non-empty string naming "
+                f"its key in SOLIDLOOP_RATE_LIMITS (as 'tool:<name>'), got {rate_limit!r}")
+        definition.rate_limit = rate_limit
         self._tools[tool_name] = definition
         return definition
 
@@ -378,6 +390,7 @@ class Toolset:
         on_timeout: str = "deny",
         result_timeout: float | None = None,
         timeout: float | None = None,
+        rate_limit: str | None = None,
     ) -> F: ...
 
     @typing.overload
@@ -394,6 +407,7 @@ class Toolset:
         on_timeout: str = "deny",
         result_timeout: float | None = None,
         timeout: float | None = None,
+        rate_limit: str | None = None,
     ) -> Callable[[F], F]: ...
 
     def tool(
@@ -409,6 +423,7 @@ class Toolset:
         on_timeout: str = "deny",
         result_timeout: float | None = None,
         timeout: float | None = None,
+        rate_limit: str | None = None,
     ) -> F | Callable[[F], F]:
         """Declare a tool with a decorator: ``@ts.tool`` or ``@ts.tool(name=..., ...)``.
 
@@ -430,7 +445,7 @@ class Toolset:
             name=name, description=description, input_schema=input_schema,
             requires_approval=requires_approval, deferred=deferred,
             approval_timeout=approval_timeout, on_timeout=on_timeout,
-            result_timeout=result_timeout, timeout=timeout)
+            result_timeout=result_timeout, timeout=timeout, rate_limit=rate_limit)
         if fn is not None:
             self.add_tool(fn, **options)
             return fn

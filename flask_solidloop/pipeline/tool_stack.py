@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .._typing import real_session
 from ..dbapi import is_transient
+from ..limits import rates
 from ..loops import queries, store
 from ..mcp.registry import ToolRegistry, call_on_server
 from ..mcp.toolset import CallContext, ToolResult
@@ -52,6 +54,8 @@ class ToolExecution:
             ctx.result = ToolResult.from_mcp(call.result or {"content": []})
             return self.next_step(ctx)
 
+        if not _tool_capacity(ctx, call):
+            return None  # deferred: its job is due when its key has capacity
         # Read now: the tool's run ends the session's transaction (expiring it).
         facts = ctx.facts = store.CallFacts.of(call)
         result, duration_ms = self._run(ctx, call)
@@ -146,6 +150,54 @@ class ToolExecution:
                     # leak into the outcome's transaction.
                     store.recover(ctx.session)
         return result, (time.monotonic() - started) * 1000
+
+
+def _rate_limit_name(entries: list[dict[str, Any]], server_name: str | None,
+                     tool_name: str | None) -> str | None:
+    """The ``rate_limit`` of a call's tool (an in-process tool's own), else of its
+    ``mcps`` entry; None when neither names one."""
+    for entry in entries:
+        if entry.get("name") != server_name:
+            continue
+        toolset = entry.get("toolset")
+        if toolset is not None and tool_name in toolset:
+            own = toolset.get(tool_name).rate_limit
+            if own is not None:
+                return str(own)
+        named = entry.get("rate_limit")
+        return str(named) if named else None
+    return None
+
+
+def _tool_capacity(ctx: ToolContext, call: ToolCall) -> bool:
+    """Whether the call may run now under its tool's rate limit: a wait up to
+    SOLIDLOOP_RATE_LIMIT_INLINE_WAIT is slept here; past it the call is given
+    back to the queue (its lease released), its job due when the key has
+    capacity, and False. True when the tool has no configured key."""
+    config = ctx.state.config
+    if not config.rate_limits or ctx.lease_token is None:
+        return True
+    key = rates.tool_key(config.rate_limits, _rate_limit_name(
+        ctx.agent.tool_entries(), call.server_name, call.tool_name))
+    if key is None:
+        return True
+    reservation = rates.reserve(ctx.session, config.rate_limits, (key,), tokens=0.0,
+                                inline_wait=config.rate_limit_inline_wait, hold_slot=False)
+    if reservation.wait <= 0:
+        return True
+    if reservation.wait <= config.rate_limit_inline_wait:
+        time.sleep(reservation.wait)
+        return True
+    # Spread calls that found the key full together over a tenth of the wait,
+    # so they do not all come back in the same instant.
+    delay = reservation.wait * (1 + random.random() / 10)
+    handed = store.hand_back_tool_call(
+        ctx.state, ctx.session, loop_id=ctx.loop_id, tool_call_id=ctx.tool_call_id,
+        execution_token=ctx.execution_token, lease_token=ctx.lease_token,
+        delay_ms=int(delay * 1000))
+    logger.info("tool_call %s: no capacity on %s; %s in %.1fs", ctx.tool_call_id, key,
+                "deferred" if handed else "not ours any more, dropped", delay)
+    return False
 
 
 def _in_process_timeout(ctx: ToolContext, entries: list[dict[str, Any]],

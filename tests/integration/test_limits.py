@@ -9,7 +9,7 @@ from decimal import Decimal
 import pytest
 from sqlalchemy import select, text
 
-from flask_solidloop import Agent
+from flask_solidloop import Agent, Toolset
 from flask_solidloop.limits.rates import origin_of
 from flask_solidloop.loops.queries import classify_failure
 from flask_solidloop.models import Loop, RateBucket, Spend
@@ -268,3 +268,52 @@ def test_unlimited_keys_write_nothing(configured, llm):
         session = app.extensions["sqlalchemy"].session
         assert session.scalars(select(RateBucket)).all() == []
         assert session.scalars(select(Spend)).all() == []
+
+
+# -- a tool's rate limit -------------------------------------------------------------------
+
+crm = Toolset("crm")
+CRM_CALLS: list[float] = []
+
+
+@crm.tool(rate_limit="crm")
+def lookup(customer: str) -> str:
+    """Look a customer up in the CRM."""
+    CRM_CALLS.append(time.monotonic())
+    return f"{customer}: gold"
+
+
+def test_a_tools_rate_limit_defers_its_calls(configured, llm):
+    app = configured(SOLIDLOOP_RATE_LIMITS={"tool:crm": {"per_second": 2}},
+                     SOLIDLOOP_RATE_LIMIT_INLINE_WAIT=0.1)
+    with app.app_context():
+        agent = agent_for("rate_tool", llm)
+        agent.mcps = [{"name": "crm", "toolset": crm}]
+        CRM_CALLS.clear()
+        llm.script(lambda req: True, {"tool_calls": [
+            {"name": "lookup", "arguments": {"customer": f"c{i}"}} for i in range(6)]})
+        llm.script(lambda req: req["messages"][-1]["role"] == "tool", {"content": "done"})
+        [loop] = run_until_settled(app, [agent.start(message="look them up").id])
+        assert loop.status == "completed", loop.error_message
+        assert len(CRM_CALLS) == 6
+        times = sorted(CRM_CALLS)
+        # Two at once, then two a second: the six took two seconds at least.
+        assert times[-1] - times[0] >= 2.0 - 0.1
+        assert all(j - i + 1 <= 2 + 2 * (times[j] - times[i]) + 1
+                   for i in range(len(times)) for j in range(i, len(times)))
+        session = app.extensions["sqlalchemy"].session
+        assert session.get(RateBucket, ("tool:crm", "-")).deferrals >= 1
+
+
+def test_a_bad_rate_limit_is_refused_with_its_fix():
+    from flask_solidloop.config import Config
+    from flask_solidloop.errors import ConfigurationError, ToolDefinitionError
+
+    with pytest.raises(ConfigurationError, match=r"unknown limit 'rpd'.*takes rpm, tpm, rps"):
+        Config.from_mapping({"SOLIDLOOP_RATE_LIMITS": {"https://api.openai.com": {"rpd": 5}}})
+    with pytest.raises(ConfigurationError, match="a tool key takes per_second, per_minute"):
+        Config.from_mapping({"SOLIDLOOP_RATE_LIMITS": {"tool:crm": {"rpm": 5}}})
+    with pytest.raises(ConfigurationError, match="window must be seconds > 0"):
+        Config.from_mapping({"SOLIDLOOP_SUBJECT_BUDGET": {"cost_usd": 1, "window": 0}})
+    with pytest.raises(ToolDefinitionError, match="rate_limit= must be a non-empty string"):
+        Toolset("bad").tool(lambda: "x", name="x", rate_limit="")
