@@ -154,7 +154,8 @@ def admit(state: SolidLoopState, session: SessionLike, limits: TurnLimits, loop:
                 else f"{budget.window:g} s"
             budgets.check(budget.limits, hold.spent,
                           whose=f"subject {limits.subject}'s {window}",
-                          hint="resume(budget=...) lets this loop go on past it")
+                          hint="resume(budget=...) lets this loop go on past it",
+                          counted=" spent and reserved")
             raise BudgetExceededError(f"subject {limits.subject}'s budget is spent; "
                                       f"{_RESUME_HINT}")
         admitted.spend_id = hold.spend_id

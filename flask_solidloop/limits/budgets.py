@@ -56,9 +56,10 @@ def loop_spend(loop: Any, tool_calls: int | None) -> dict[str, float]:
 
 
 def check(limits: Mapping[str, float], spent: Mapping[str, float], *, whose: str,
-          hint: str) -> float:
+          hint: str, counted: str = "") -> float:
     """Raise BudgetExceededError when any limit is reached; else the largest
-    share of a limit spent (0 to 1), for the soft warning."""
+    share of a limit spent (0 to 1), for the soft warning. ``counted`` says
+    what the amounts count, after them in the message."""
     share = 0.0
     for key, limit in limits.items():
         used = spent.get(key)
@@ -66,8 +67,8 @@ def check(limits: Mapping[str, float], spent: Mapping[str, float], *, whose: str
             continue
         if used >= limit:
             raise BudgetExceededError(
-                f"{whose} budget {key} is spent: {amount(key, used)} of {amount(key, limit)}; "
-                f"{hint}")
+                f"{whose} budget {key} is spent: {amount(key, used)}{counted} of "
+                f"{amount(key, limit)}; {hint}")
         share = max(share, used / limit)
     return share
 

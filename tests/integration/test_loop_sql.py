@@ -1,4 +1,4 @@
-"""Every statement of loops/sql/ prepares on a real PostgreSQL with the
+"""Every statement of loops/sql/ (and of limits/sql.py) prepares on a real PostgreSQL with the
 migrated schema, every parameter's type left for the server to infer (what a
 ``None`` sends): a statement that does not parse, names a column that is not
 there or leaves a parameter's type ambiguous fails here, not in a worker."""
@@ -10,6 +10,7 @@ import re
 import psycopg
 import pytest
 
+from flask_solidloop.limits import sql as limits_sql
 from flask_solidloop.loops import sql
 from flask_solidloop.queue.broker import libpq_url
 
@@ -20,9 +21,14 @@ def conn(database_url):
         yield connection
 
 
-@pytest.mark.parametrize("name", list(sql.STATEMENTS))
+STATEMENTS = {**sql.STATEMENTS, **{
+    f"limits.{name}": value for name, value in vars(limits_sql).items()
+    if name.isupper() and not name.startswith("_") and isinstance(value, str)}}
+
+
+@pytest.mark.parametrize("name", list(STATEMENTS))
 def test_the_statement_prepares_with_untyped_parameters(conn, name):
-    text = sql.STATEMENTS[name]
+    text = STATEMENTS[name]
     # psycopg's named parameters as the server's positional ones, one per name.
     names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", text)))
     positional = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m.group(1)) + 1}", text)
