@@ -777,7 +777,8 @@ def prune_command(every: float | None, dry_run: bool) -> None:
         report = prune(_state())
         return (f"events={report.events} jobs={report.jobs} host_jobs={report.host_jobs} "
                 f"results={report.results} inbound_sessions={report.inbound_sessions} "
-                f"workers={report.workers} ({report.duration_ms:.1f} ms)")
+                f"workers={report.workers} spend={report.spend} "
+                f"({report.duration_ms:.1f} ms)")
 
     _every(every, run, "prune")
 

@@ -333,6 +333,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Every subject's budget over a rolling window: {\"cost_usd\": 5.0, \"window\": "
             "86400} (any of cost_usd, tokens, llm_turns, tool_calls; window in seconds, "
             "default a day); a subject_budget hook replaces it. None: no subject budget."),
+    Setting("SOLIDLOOP_SPEND_RETENTION", 31 * DAY, _positive_int,
+            "Seconds a subject's budget ledger rows are kept by the janitor (at least the "
+            "subject budget's window; longer keeps spend history for reports)."),
     Setting("SOLIDLOOP_RATE_LIMITS", None, _rate_limits,
             "Rate limits shared by every worker: {\"<origin> [<model>]\": {\"rpm\": ..., "
             "\"tpm\": ..., \"rps\": ...}, \"tool:<name>\": {\"per_second\": ..., "
@@ -429,6 +432,7 @@ class Config:
     admin_bulk_limit: int
     prices: dict[str, Any]
     subject_budget: Any
+    spend_retention: int
     rate_limits: dict[str, Any]
     rate_limit_inline_wait: float
     default_output_estimate: int

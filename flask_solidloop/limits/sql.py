@@ -122,9 +122,3 @@ SUBJECT_SPEND = (
     "FROM solidloop_spend WHERE subject = %(subject)s "
     "AND at > clock_timestamp() - make_interval(secs => %(window)s)"
 )
-
-#: The janitor: ledger rows older than every window.
-PRUNE_SPEND = (
-    "DELETE FROM solidloop_spend WHERE id IN (SELECT id FROM solidloop_spend "
-    "WHERE at < clock_timestamp() - make_interval(secs => %(keep)s) LIMIT %(batch)s)"
-)

@@ -126,6 +126,8 @@ _EXPIRED_HOST_JOBS = f"""
     SELECT h.id FROM solidloop_host_jobs AS h WHERE {_HOST_JOB_EXPIRED}"""
 _EXPIRED_RESULTS = """
     SELECT r.key FROM solidloop_results AS r WHERE r.expires_at < now()"""
+_OLD_SPEND = """
+    SELECT s.id FROM solidloop_spend AS s WHERE s.at < now() - :age"""
 _OLD_INBOUND_SESSIONS = """
     SELECT s.id FROM solidloop_mcp_inbound_sessions AS s WHERE s.created_at < now() - :age"""
 
@@ -152,6 +154,14 @@ def prune_jobs_sql(seconds: int) -> str:
 
 _PRUNE_HOST_JOBS = _delete("solidloop_host_jobs", "h", "id", _EXPIRED_HOST_JOBS)
 _PRUNE_RESULTS = _delete("solidloop_results", "r", "key", _EXPIRED_RESULTS)
+_PRUNE_SPEND = _delete("solidloop_spend", "s", "id", _OLD_SPEND)
+
+
+def spend_retention(config: Config) -> int:
+    """How long a subject's ledger rows stay: SOLIDLOOP_SPEND_RETENTION, and
+    never less than the subject budget's window (a row inside it still counts)."""
+    window = config.subject_budget.window if config.subject_budget is not None else 0
+    return int(max(config.spend_retention, window))
 
 # One batch of old inbound sessions and, in the same statement, the wire-log
 # events that name them (their session id is in the payload).
@@ -179,6 +189,7 @@ class PruneReport:
     results: int = 0
     inbound_sessions: int = 0
     workers: int = 0
+    spend: int = 0
     duration_ms: float = 0.0
 
     def counts(self) -> dict[str, int]:
@@ -231,6 +242,8 @@ def rules(config: Config) -> list[Rule]:
                                       "with their events")),
         Rule("workers", f"worker rows stopped or silent for more than "
                         f"{_days(config.worker_retention)} (SOLIDLOOP_WORKER_RETENTION)"),
+        Rule("spend", f"subjects' ledger rows older than {_days(spend_retention(config))} "
+                      "(SOLIDLOOP_SPEND_RETENTION, at least the subject budget's window)"),
     ]
 
 
@@ -289,6 +302,7 @@ def prune(state: SolidLoopState) -> PruneReport:
                 state, _PRUNE_INBOUND_SESSIONS, _age(config.mcp_inbound_session_retention),
                 counted=True)
         report.workers = _prune_workers(state)
+        report.spend = _prune(state, _PRUNE_SPEND, _age(spend_retention(config)))
     except Exception as exc:
         state.db.session.rollback()
         report.duration_ms = (time.perf_counter() - started) * 1000
@@ -300,9 +314,10 @@ def prune(state: SolidLoopState) -> PruneReport:
     runs.record(state, "prune", duration_ms=report.duration_ms, total=report.pruned,
                 counts=report.counts())
     logger.info("janitor pruned %d event(s), %d job(s), %d expired host job(s), %d "
-                "result(s), %d inbound MCP session(s) and %d worker row(s) in %.1f ms",
-                report.events, report.jobs, report.host_jobs, report.results,
-                report.inbound_sessions, report.workers, report.duration_ms)
+                "result(s), %d inbound MCP session(s), %d worker row(s) and %d ledger "
+                "row(s) in %.1f ms", report.events, report.jobs, report.host_jobs,
+                report.results, report.inbound_sessions, report.workers, report.spend,
+                report.duration_ms)
     return report
 
 
@@ -327,6 +342,7 @@ def preview(state: SolidLoopState) -> PruneReport:
         if config.mcp_inbound_session_retention is not None:
             report.inbound_sessions = count(_OLD_INBOUND_SESSIONS,
                                             _age(config.mcp_inbound_session_retention))
+        report.spend = count(_OLD_SPEND, _age(spend_retention(config)))
         cursor = session.connection().connection.cursor()
         try:
             cursor.execute(sql.WORKER_PRUNE_COUNT, {"age": config.worker_retention})

@@ -317,3 +317,24 @@ def test_a_bad_rate_limit_is_refused_with_its_fix():
         Config.from_mapping({"SOLIDLOOP_SUBJECT_BUDGET": {"cost_usd": 1, "window": 0}})
     with pytest.raises(ToolDefinitionError, match="rate_limit= must be a non-empty string"):
         Toolset("bad").tool(lambda: "x", name="x", rate_limit="")
+
+
+def test_the_janitor_prunes_ledger_rows_past_retention_but_never_inside_the_window(
+        configured):
+    from flask_solidloop.maintenance.janitor import prune
+    from flask_solidloop.state import get_state
+
+    app = configured(SOLIDLOOP_SPEND_RETENTION=86400,
+                     SOLIDLOOP_SUBJECT_BUDGET={"cost_usd": 1, "window": 3 * 86400})
+    with app.app_context():
+        session = app.extensions["sqlalchemy"].session
+        for days in (1, 2, 4, 40):
+            session.execute(text("INSERT INTO solidloop_spend (subject, at, cost, settled) "
+                                 "VALUES ('T:a', now() - make_interval(days => :d), 0.1, true)"),
+                            {"d": days})
+        session.commit()
+        report = prune(get_state(app))
+        # The retention is a day, but the window is three: only rows past it go.
+        assert report.spend == 2
+        left = session.execute(text("SELECT count(*) FROM solidloop_spend")).scalar_one()
+        assert left == 2
