@@ -26,16 +26,19 @@ from ..limit_spec import SubjectBudget, parse_subject_budget
 from ..llm import pricing
 from ..llm.estimate import Estimate, estimate
 from ..llm.types import Usage
-from ..loops import queries
+from ..loops import queries, store
 from ..state import SolidLoopState
 from . import budgets, rates
 
-#: A held slot is used when its job comes no earlier than this before it (the
-#: queue's clock and ours differ by milliseconds) and no later than
-#: :data:`SLOT_VALID_AFTER` past it (a loop paused and resumed long after
-#: reserves again: its old slot's capacity has drained away).
+#: A held slot is used when its job comes no later than :data:`SLOT_LATE` past
+#: it. A request sent later than its slot is not covered by it: the buckets
+#: drained its amounts at the slot, so requests whose slots passed while no
+#: worker ran them (a fleet restarting, a loop paused) would all go at once,
+#: past the provider's burst. Such a turn reserves again. A job that comes more
+#: than :data:`SLOT_EARLY` before its slot (the worker's clock behind the
+#: database's) waits out the rest.
 SLOT_EARLY = 0.25
-SLOT_VALID_AFTER = 30.0
+SLOT_LATE = 0.5
 
 _RESUME_HINT = "resume(budget=...) raises it and continues"
 
@@ -69,8 +72,11 @@ class Admitted:
     held: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def slot(self, step: int) -> dict[str, Any]:
-        """What the loop keeps while the turn is deferred to its slot."""
+    def slot(self, step: int) -> dict[str, Any] | None:
+        """What the loop keeps while the turn is deferred to its slot (None when
+        the turn holds no reservation: it reserves when its job comes)."""
+        if self.reservation is None and self.spend_id is None:
+            return None
         return {"step": step, "due": time.time() + self.wait, "spend_id": self.spend_id,
                 **(self.reservation.to_json() if self.reservation else {})}
 
@@ -114,17 +120,29 @@ def check_loop(session: SessionLike, limits: TurnLimits, loop: Any) -> str | Non
     return None
 
 
-def _held(loop: Any) -> dict[str, Any] | None:
-    slot = loop.capacity_slot
+def _held(session: SessionLike, loop: Any, token: Any) -> dict[str, Any] | None:
+    """The reservation a deferred turn of this LLM step holds, taken (once: a
+    turn that dies after taking it reserves again when it runs again). A slot
+    past (the loop was paused, or no worker ran its job in time:
+    :data:`SLOT_LATE`) is dropped: its ledger row goes back to zero (nothing
+    was billed), and the turn reserves again."""
+    if not loop.capacity_slot or loop.capacity_slot.get("step") != loop.step_count:
+        return None
+    slot = store.take_capacity_slot(session, loop.id, token)
     if not slot or slot.get("step") != loop.step_count:
         return None
     now = time.time()
     due = float(slot.get("due") or 0)
-    return slot if due - SLOT_EARLY <= now <= due + SLOT_VALID_AFTER else None
+    if now <= due + SLOT_LATE:
+        return slot  # type: ignore[no-any-return]
+    if slot.get("spend_id") is not None:
+        budgets.settle_subject(session, int(slot["spend_id"]), cost=None, tokens=0,
+                               tool_calls=0, billed=False)
+    return None
 
 
 def admit(state: SolidLoopState, session: SessionLike, limits: TurnLimits, loop: Any,
-          payload: dict[str, Any], model: str | None) -> Admitted:
+          payload: dict[str, Any], model: str | None, token: Any) -> Admitted:
     """Reserve the request's estimate on the subject's ledger and the rate buckets
     (or take the reservation a deferred turn holds). BudgetExceededError when
     the subject's budget is reached; ``wait`` > 0 when the rate limits want the
@@ -132,9 +150,13 @@ def admit(state: SolidLoopState, session: SessionLike, limits: TurnLimits, loop:
     config = state.config
     guess = estimate(payload, default_output=config.default_output_estimate)
     admitted = Admitted(guess, guess.cost(config.prices.get(model or "")))
-    held = _held(loop)
+    held = _held(session, loop, token)
     if held is not None:
         admitted.held = True
+        # Early by more than the clocks may differ (a worker's clock behind the
+        # database's): the turn waits out the rest of its slot.
+        early = float(held.get("due") or 0) - time.time()
+        admitted.wait = early if early > SLOT_EARLY else 0.0
         admitted.spend_id = held.get("spend_id")
         keys = tuple(k for k in held.get("keys", ()) if k in config.rate_limits)
         if keys:

@@ -294,7 +294,8 @@ class NetworkCalling:
         if limits is not None:
             # The subject's ledger and the rate buckets reserve the estimate.
             admitted = ctx.admitted = admission.admit(
-                ctx.state, ctx.session, limits, ctx.loop, rendered.payload, settings.model)
+                ctx.state, ctx.session, limits, ctx.loop, rendered.payload, settings.model,
+                ctx.execution_token)
             if admitted.note is not None and note is None:
                 rendered = dialect.render(settings, with_note(history, admitted.note), tools,
                                           options)
@@ -430,16 +431,19 @@ def _settle_failed(ctx: LlmContext, exc: ProviderError) -> None:
     assert admitted is not None
     reservation = admitted.reservation
     wait = getattr(exc, "retry_after", None)
-    if reservation is not None and wait is not None:
-        rates.block(ctx.session, reservation.keys, wait)
-        admitted.wait = wait
-        return  # the reservation is kept for the retry at the block's end
     try:
+        if reservation is not None and wait is not None:
+            rates.block(ctx.session, reservation.keys, wait)
         admission.release(ctx.session, admitted)
     except Exception:
         store.recover(ctx.session)
         logger.warning("loop %s: could not give back a failed request's reservation",
                        ctx.loop_id, exc_info=True)
+    if reservation is not None and wait is not None:
+        # Deferred to the block's end holding nothing: the turns a block held
+        # back then reserve again, spaced by the buckets, not all at once.
+        admitted.reservation, admitted.spend_id, admitted.wait = None, None, wait
+        return
     ctx.admitted = None
 
 

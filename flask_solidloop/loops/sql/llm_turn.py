@@ -189,6 +189,15 @@ DEFER_FOR_CAPACITY = (
     f"hidden AS ({hide_shells('SELECT id FROM deferred')}) "
     "SELECT id FROM deferred")
 
+#: The reservation a deferred turn holds, taken by the generation that will
+#: send its request: cleared and returned as it was, so it is used once (a turn
+#: that dies after taking it reserves again when it runs again). No row when
+#: the generation moved on.
+TAKE_CAPACITY_SLOT = (
+    "UPDATE solidloop_loops AS l SET capacity_slot = NULL FROM (SELECT id, capacity_slot "
+    "FROM solidloop_loops WHERE id = %(loop_id)s FOR UPDATE) AS held "
+    f"WHERE l.id = held.id AND {OWNED} RETURNING held.capacity_slot")
+
 #: A turn whose provider is out (unreachable, or answering 429/502/503/504
 #: after the request's own retries) deferred, if the generation is still the
 #: writer's and the outage began less than ``max_wait`` seconds ago: queued

@@ -57,6 +57,7 @@ from .llm_turn import (
     record_partial,
     record_tool_snapshots,
     requeue_llm_turn,
+    take_capacity_slot,
 )
 from .tool_turn import (
     CallFacts,
@@ -156,6 +157,7 @@ __all__ = [
     "stop",
     "store_mcp_session_state",
     "supplied",
+    "take_capacity_slot",
     "time_out",
     "unfreeze",
     "with_database_retry",

@@ -34,6 +34,7 @@ from .adopted import AdoptedToolCall, LlmClaim
 from .ending import LoopEnds, run_loop_end_hooks
 from .transaction import (
     alone,
+    commit_keeping_objects,
     commit_unless,
     commit_with_job_done,
     commits,
@@ -448,7 +449,8 @@ def requeue_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int,
 
 @commits
 def defer_for_capacity(state: SolidLoopState, session: SessionLike, loop_id: int,
-                       token: uuid.UUID, *, delay_seconds: float, slot: dict[str, Any]) -> bool:
+                       token: uuid.UUID, *, delay_seconds: float,
+                       slot: dict[str, Any] | None) -> bool:
     """A turn a rate limit deferred (loops/sql.DEFER_FOR_CAPACITY): queued again
     with its job due in ``delay_seconds``, at its slot, holding no thread,
     lease or connection; the reservation it holds kept on the loop (``slot``).
@@ -456,12 +458,26 @@ def defer_for_capacity(state: SolidLoopState, session: SessionLike, loop_id: int
     the session holds first."""
     session.rollback()
     if fetch_row(session, sql.DEFER_FOR_CAPACITY, {
-            "loop_id": loop_id, "token": token, "slot": Jsonb(slot)}) is None:
+            "loop_id": loop_id, "token": token,
+            "slot": Jsonb(slot) if slot is not None else None}) is None:
         session.rollback()
         return False
     state.dispatch.llm_turn(session, loop_id, delay_ms=max(int(delay_seconds * 1000), 0))
     session.commit()
     return True
+
+
+@alone
+def take_capacity_slot(session: SessionLike, loop_id: int, token: uuid.UUID,
+                       ) -> dict[str, Any] | None:
+    """The reservation a deferred turn of this loop holds, cleared as it is taken
+    (loops/sql.TAKE_CAPACITY_SLOT): the generation that sends the request uses
+    it once. None when there is none or the generation moved on."""
+    row, ran_alone = run_alone(session, sql.TAKE_CAPACITY_SLOT,
+                               {"loop_id": loop_id, "token": token}, sole=True)
+    if not ran_alone:
+        commit_keeping_objects(session)
+    return row["capacity_slot"] if row is not None else None
 
 
 #: A deferred turn's first wait, and the longest (seconds); each deferral
