@@ -36,12 +36,31 @@ down_revision: str | Sequence[str] | None = '0015'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
+_WAKE = """
+CREATE OR REPLACE FUNCTION solidloop_wake_held(woken bigint) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    queue text;
+BEGIN
+    -- Woken, not admitted: it keeps its place (held_since) if it is held again.
+    UPDATE solidloop_loops SET held_by = NULL WHERE id = woken;
+    FOR queue IN
+        UPDATE solidloop_jobs
+           SET fair_at = CASE WHEN fair_at IS NULL THEN NULL ELSE now() + (fair_at - eta) END,
+               eta = now()
+         WHERE loop_id = woken AND state = 'queued' AND eta > now()
+        RETURNING queue_name
+    LOOP
+        PERFORM pg_notify('solidloop_q_' || queue, '');
+    END LOOP;
+END
+$$
+"""
 _LEAVE_FLIGHT = """
 CREATE OR REPLACE FUNCTION solidloop_leave_flight() RETURNS trigger
 LANGUAGE plpgsql AS $$
 DECLARE
     woken bigint;
-    queue text;
 BEGIN
     NEW.held_by := NULL;
     NEW.held_since := NULL;
@@ -57,28 +76,23 @@ BEGIN
         PERFORM pg_advisory_xact_lock(hashtextextended(
             'solidloop.cap.subject:' || coalesce(OLD.subject_type, '') || ':' || OLD.subject_id, 0));
     END IF;
-    FOR woken IN
-        (SELECT id FROM solidloop_loops
-          WHERE held_by = 'agent' AND agent_name = OLD.agent_name AND status = 'queued'
-          ORDER BY held_since, id LIMIT 1 FOR UPDATE SKIP LOCKED)
-        UNION ALL
-        (SELECT id FROM solidloop_loops
-          WHERE held_by = 'subject' AND subject_type = OLD.subject_type
-            AND subject_id = OLD.subject_id AND status = 'queued'
-          ORDER BY held_since, id LIMIT 1 FOR UPDATE SKIP LOCKED)
-    LOOP
-        -- Woken, not admitted: it keeps its place (held_since) if it is held again.
-        UPDATE solidloop_loops SET held_by = NULL WHERE id = woken;
-        FOR queue IN
-            UPDATE solidloop_jobs
-               SET fair_at = CASE WHEN fair_at IS NULL THEN NULL ELSE now() + (fair_at - eta) END,
-                   eta = now()
-             WHERE loop_id = woken AND state = 'queued' AND eta > now()
-            RETURNING queue_name
-        LOOP
-            PERFORM pg_notify('solidloop_q_' || queue, '');
-        END LOOP;
-    END LOOP;
+    -- One slot freed per cap: the earliest loop each cap holds. SKIP LOCKED: a
+    -- loop another end is waking is not woken twice.
+    SELECT id INTO woken FROM solidloop_loops
+     WHERE held_by = 'agent' AND agent_name = OLD.agent_name AND status = 'queued'
+     ORDER BY held_since, id LIMIT 1 FOR UPDATE SKIP LOCKED;
+    IF FOUND THEN
+        PERFORM solidloop_wake_held(woken);
+    END IF;
+    IF OLD.subject_id IS NOT NULL THEN
+        SELECT id INTO woken FROM solidloop_loops
+         WHERE held_by = 'subject' AND subject_type = OLD.subject_type
+           AND subject_id = OLD.subject_id AND status = 'queued'
+         ORDER BY held_since, id LIMIT 1 FOR UPDATE SKIP LOCKED;
+        IF FOUND THEN
+            PERFORM solidloop_wake_held(woken);
+        END IF;
+    END IF;
     RETURN NEW;
 END
 $$
@@ -122,6 +136,7 @@ def upgrade() -> None:
     op.create_index('ix_solidloop_jobs_claim', 'solidloop_jobs',
                     ['queue_name', 'tier', sa.text('coalesce(fair_at, eta)'), 'id'],
                     unique=False, postgresql_where=sa.text("state = 'queued'"))
+    op.execute(_WAKE)
     op.execute(_LEAVE_FLIGHT)
     op.execute(_TRIGGER)
 
@@ -130,6 +145,7 @@ def downgrade() -> None:
     """Downgrade schema."""
     op.execute("DROP TRIGGER IF EXISTS solidloop_loops_leave_flight ON solidloop_loops")
     op.execute("DROP FUNCTION IF EXISTS solidloop_leave_flight()")
+    op.execute("DROP FUNCTION IF EXISTS solidloop_wake_held(bigint)")
     op.drop_index('ix_solidloop_jobs_claim', table_name='solidloop_jobs',
                   postgresql_where=sa.text("state = 'queued'"))
     op.create_index('ix_solidloop_jobs_claim', 'solidloop_jobs',
