@@ -65,6 +65,8 @@ OPTIONS: dict[str, str] = {
     "tool_prompting": "'xml': tools described in the system prompt, no tools field; or None",
     "tool_result_format": "'tool' (tool role) or 'user_xml' (<tool_response> in a user "
                           "message); None: 'user_xml' with tool_prompting, else 'tool'",
+    "max_concurrent_loops": "int: loops of this agent in flight at once (a loop past it is "
+                            "held before its first turn until one ends), or None for no cap",
 }
 HOOKS = ("configure_llm_middlewares", "configure_tool_middlewares")
 
@@ -133,6 +135,7 @@ class Agent:
     reasoning_strategies: Any = None
     tool_prompting: Any = None
     tool_result_format: Any = None
+    max_concurrent_loops: Any = None
 
     #: The stable registry name, stored on every loop of this agent.
     agent_name: ClassVar[str | None] = None
@@ -200,7 +203,8 @@ class Agent:
             raise AgentDefinitionError(
                 f"agent {name!r}: turn_timeout must be a positive number of seconds or None, "
                 f"got {timeout!r}")
-        for option in ("max_steps", "max_duration", "max_tokens", "max_output_chars"):
+        for option in ("max_steps", "max_duration", "max_tokens", "max_output_chars",
+                       "max_concurrent_loops"):
             value = self.option(option)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value <= 0):

@@ -285,6 +285,20 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("SOLIDLOOP_FIRST_TURN_MAX_WAIT", 30, _positive_int,
             "Continuation-first's starvation bound: a new loop's first turn (or a host job) "
             "waiting longer than this many seconds is claimed by age with the continuations."),
+    Setting("SOLIDLOOP_FAIR_SHARE_QUANTUM", 0.5, _non_negative_float,
+            "Fair shares: seconds a job's place in the claim order moves back per loop its "
+            "subject had in flight or queued when its loop was created (the loop's fair "
+            "rank), so the loops of a subject with fewer loops go first when workers are "
+            "saturated; a job ranked r waits at most r times this behind jobs enqueued after "
+            "it. 0 turns fairness off (claims by due time alone)."),
+    Setting("SOLIDLOOP_MAX_CONCURRENT_PER_SUBJECT", None, _optional_positive_int,
+            "Loops of one subject in flight at once (started, not ended: running, waiting, or "
+            "queued after their first turn); a loop whose first turn would pass it is held, "
+            "holding no thread, lease or connection, until one of the subject's loops leaves "
+            "flight. Unset (the default): no cap."),
+    Setting("SOLIDLOOP_HELD_LOOP_RECHECK", 15.0, _positive_float,
+            "Seconds after which a loop held by a concurrency cap tries again even if no "
+            "wake-up came (the safety net under the wake-up a leaving loop sends)."),
     Setting("SOLIDLOOP_INLINE_CONTINUATION", True, _bool,
             "The worker thread that commits a loop's turn runs the loop's next step itself "
             "(a tool call, the next LLM turn) instead of waking another consumer: the turn's "
@@ -415,6 +429,9 @@ class Config:
     job_max_deliveries: int
     continuation_first: bool
     first_turn_max_wait: int
+    fair_share_quantum: float
+    max_concurrent_per_subject: int | None
+    held_loop_recheck: float
     inline_continuation: bool
     inline_max_hops: int
     poll_interval: float

@@ -310,6 +310,7 @@ class SolidLoop:
             max_deliveries=config.job_max_deliveries,
             promote_after=(float(config.first_turn_max_wait) if config.continuation_first
                            else None),
+            fair_share_quantum=config.fair_share_quantum,
         )
         broker.add_middleware(CurrentJobMiddleware())
         broker.add_middleware(AppContextMiddleware(app))

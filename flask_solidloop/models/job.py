@@ -34,12 +34,12 @@ class Job(Base):
     __table_args__ = (
         CheckConstraint("state IN ('queued','running','done','dead')", name="state_valid"),
         # The claim query's index: only queued rows, in claim order (tier, then
-        # when they are due).
+        # their fair place: when they are due, moved back by their loop's rank).
         Index(
             "ix_solidloop_jobs_claim",
             "queue_name",
             "tier",
-            "eta",
+            text("coalesce(fair_at, eta)"),
             "id",
             postgresql_where=text("state = 'queued'"),
         ),
@@ -79,6 +79,9 @@ class Job(Base):
     #: waited past SOLIDLOOP_FIRST_TURN_MAX_WAIT is promoted to 0, so nothing starves.
     tier: Mapped[int] = mapped_column(SmallInteger, nullable=False, default=1,
                                       server_default="1")
+    #: The job's place in the claim order when its loop's fair rank moves it back
+    #: (``eta`` + rank x SOLIDLOOP_FAIR_SHARE_QUANTUM); NULL: its due time.
+    fair_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     lease_token: Mapped[uuid.UUID | None] = mapped_column(Uuid)
     lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     loop_id: Mapped[int | None] = mapped_column(BigInteger)

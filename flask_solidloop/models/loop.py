@@ -83,6 +83,21 @@ class Loop(Timestamps, Base):
             "queued_at",
             postgresql_where=text("status = 'queued'"),
         ),
+        # Fair shares and caps (docs/decisions/0023-fair-shares.md): a subject's
+        # live loops (its new loops' rank), the loops admitted under a cap, and
+        # the loops a cap holds. Partial over columns a running loop's updates
+        # never change, so those updates stay HOT.
+        CheckConstraint("held_by IN ('agent','subject')", name="held_by_valid"),
+        Index("ix_solidloop_loops_subject_live", "subject_type", "subject_id",
+              postgresql_where=text("status IN ('queued','running','waiting')")),
+        Index("ix_solidloop_loops_capped_subject", "subject_type", "subject_id",
+              postgresql_where=text("capped_at IS NOT NULL")),
+        Index("ix_solidloop_loops_capped_agent", "agent_name",
+              postgresql_where=text("capped_at IS NOT NULL")),
+        Index("ix_solidloop_loops_held_subject", "subject_type", "subject_id", "held_since",
+              postgresql_where=text("held_by = 'subject'")),
+        Index("ix_solidloop_loops_held_agent", "agent_name", "held_since",
+              postgresql_where=text("held_by = 'agent'")),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
@@ -141,6 +156,15 @@ class Loop(Timestamps, Base):
     capacity_deferrals: Mapped[int] = mapped_column(
         Integer, nullable=False, default=0, server_default="0")
     capacity_slot: Mapped[dict[str, Any] | None] = mapped_column(JSONB(none_as_null=True))
+    # Fair shares and concurrency caps (loops/store/caps.py): the loop's rank in
+    # the claim order (its subject's live loops when it was created); when a cap
+    # admitted it (it counts against the caps until it leaves flight); since when
+    # and by which cap (``agent`` or ``subject``) it is held before its first turn.
+    fair_rank: Mapped[int] = mapped_column(Integer, nullable=False, default=0,
+                                           server_default="0")
+    capped_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    held_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    held_by: Mapped[str | None] = mapped_column(String(10))
 
     messages: Mapped[list[Message]] = relationship(
         back_populates="loop", order_by="Message.id", lazy="select", passive_deletes=True

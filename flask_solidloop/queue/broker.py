@@ -175,9 +175,13 @@ class PostgresBroker(dramatiq.Broker):
         poll_interval: float = 1.0,
         max_deliveries: int = 5,
         promote_after: float | None = None,
+        fair_share_quantum: float = 0.0,
     ) -> None:
         super().__init__(middleware=middleware)
         self.url = url
+        #: Seconds a loop's job moves back in the claim order per unit of its loop's
+        #: fair rank (SOLIDLOOP_FAIR_SHARE_QUANTUM); 0 turns fair shares off.
+        self.fair_share_quantum = float(fair_share_quantum)
         #: Seconds after which a tier-1 job joins tier 0 (continuation-first's
         #: starvation bound); None when every job is tier 1 anyway.
         self.promote_after = promote_after
@@ -316,6 +320,7 @@ class PostgresBroker(dramatiq.Broker):
             "delay": (delay or 0) / 1000.0,
             "eta": eta,
             "loop_id": options.get("solidloop_loop_id"),
+            "quantum": self.fair_share_quantum,
             "tier": 0 if options.get("solidloop_continuation") else 1,
             "channel": jobs_sql.CHANNEL_PREFIX + message.queue_name,
         }
@@ -347,6 +352,7 @@ class PostgresBroker(dramatiq.Broker):
             self.emit_before("enqueue", message, None)
         params = {
             "queue_name": first.queue_name, "actor_name": first.actor_name, "tier": tier,
+            "quantum": self.fair_share_quantum,
             "message_ids": [message.message_id for message in messages],
             "messages": [encode_message(message) for message in messages],
             "loop_ids": [message.options.get("solidloop_loop_id") for message in messages],

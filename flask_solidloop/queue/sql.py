@@ -18,11 +18,19 @@ LISTENER_CHANNEL_PREFIX = "solidloop_listener_"
 #: The channels the current session LISTENs on, as PostgreSQL reports them.
 LISTENING = "SELECT pg_listening_channels()"
 
+#: A job's due time, from an absolute ``eta`` or a ``delay`` in seconds.
+_DUE = "coalesce(%(eta)s::timestamptz, now() + make_interval(secs => %(delay)s))"
+#: A loop's job's place in the claim order (fair shares, decision 0023): its due
+#: time moved back by its loop's fair rank x ``quantum`` seconds; NULL (its due
+#: time) for a job of no loop, and when fairness is off (the rank is not read).
+_FAIR_AT = ("CASE WHEN %(quantum)s::float8 > 0 THEN {due} + make_interval(secs => "
+            "%(quantum)s::float8 * (SELECT l.fair_rank FROM solidloop_loops l "
+            "WHERE l.id = {loop_id})) END")
 INSERT = (
-    "INSERT INTO solidloop_jobs (queue_name, actor_name, message_id, message, eta, loop_id, "
-    "tier) "
-    "VALUES (%(queue_name)s, %(actor_name)s, %(message_id)s, %(message)s, "
-    "coalesce(%(eta)s::timestamptz, now() + make_interval(secs => %(delay)s)), %(loop_id)s, "
+    "INSERT INTO solidloop_jobs (queue_name, actor_name, message_id, message, eta, fair_at, "
+    "loop_id, tier) "
+    "VALUES (%(queue_name)s, %(actor_name)s, %(message_id)s, %(message)s, " + _DUE + ", "
+    + _FAIR_AT.format(due=_DUE, loop_id="%(loop_id)s::bigint") + ", %(loop_id)s, "
     "%(tier)s) "
     "RETURNING id"
 )
@@ -36,12 +44,16 @@ NOTIFY = "SELECT pg_notify(%s, '')"
 #: (a bulk start: one statement and one NOTIFY, not one of each per job).
 INSERT_MANY_AND_NOTIFY = (
     "WITH job AS (INSERT INTO solidloop_jobs (queue_name, actor_name, message_id, message, "
-    "eta, loop_id, tier) SELECT %(queue_name)s, %(actor_name)s, message_id, message::jsonb, "
-    "now(), loop_id, %(tier)s FROM unnest(%(message_ids)s::uuid[], %(messages)s::text[], "
+    "eta, fair_at, loop_id, tier) SELECT %(queue_name)s, %(actor_name)s, message_id, "
+    "message::jsonb, now(), " + _FAIR_AT.format(due="now()", loop_id="t.loop_id") + ", "
+    "loop_id, %(tier)s FROM unnest(%(message_ids)s::uuid[], %(messages)s::text[], "
     "%(loop_ids)s::bigint[]) AS t(message_id, message, loop_id) RETURNING 1) "
     "SELECT count(*), pg_notify(%(channel)s, '') FROM job"
 )
 
+#: Claim order: continuation-first's tier, then the job's fair place (its due
+#: time, moved back by its loop's rank: fair shares), then age. The claim index
+#: (``ix_solidloop_jobs_claim``) is that order over queued rows.
 CLAIM = """
 UPDATE solidloop_jobs AS j
    SET state = 'running', lease_token = gen_random_uuid(),
@@ -49,7 +61,7 @@ UPDATE solidloop_jobs AS j
        attempts = j.attempts + 1, started_at = now()
   FROM (SELECT id FROM solidloop_jobs
          WHERE queue_name = %(queue)s AND state = 'queued' AND eta <= now()
-         ORDER BY tier, eta, id
+         ORDER BY tier, coalesce(fair_at, eta), id
          LIMIT %(limit)s
          FOR UPDATE SKIP LOCKED) AS due
  WHERE j.id = due.id

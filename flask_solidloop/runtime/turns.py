@@ -136,6 +136,13 @@ def run_llm_turn(state: SolidLoopState, loop: Loop, *, adopt: bool = False,
                            error_message=storable.error_text(exc), ends=ends)
         return None
 
+    if adopted is None:
+        # A concurrency cap applies and the loop is not in flight yet (its first
+        # turn, or its first since a resume): admitted, or held and done here.
+        caps = store.caps_for(state, agent, loop)
+        if caps is not None and not store.admit(state, session, loop, caps):
+            return None
+
     # The claim commits here, and only here, before the stack runs.
     claim = adopted.claim if adopted is not None else store.claim_llm_turn(
         session, loop_id, lease_seconds=lease, open_shell=plan.open_shell,

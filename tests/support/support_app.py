@@ -237,6 +237,18 @@ class SlowSequentialAgent(Agent):
         return llm_settings()
 
 
+@solidloop.agent("capped")
+class CappedAgent(Agent):
+    """Slow tools, at most two loops in flight (tests of the concurrency caps)."""
+
+    system_prompt = "You run slow tools, two loops at a time."
+    mcps = [{"name": "slow", "toolset": slow_tools}]
+    max_concurrent_loops = 2
+
+    def llm(self) -> dict:
+        return llm_settings()
+
+
 # -- a real llama-cpp-python server (tests/acceptance/test_provider_outage_llama_cpp.py) --
 
 LLAMA_URL_ENV = "SOLIDLOOP_TEST_LLAMA_URL"

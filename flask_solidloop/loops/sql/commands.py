@@ -27,17 +27,26 @@ LEAVE = (
 NEW_LOOP_IDS = ("SELECT nextval(pg_get_serial_sequence('solidloop_loops', 'id')) "
                 "FROM generate_series(1, %(n)s)")
 
+#: How many live loops (queued, running or waiting) each subject has, in the
+#: order given: a new loop's fair rank (decision 0023) is its subject's count.
+LIVE_PER_SUBJECT = (
+    "SELECT (SELECT count(*) FROM solidloop_loops l WHERE l.subject_type = t.subject_type "
+    "AND l.subject_id = t.subject_id AND l.status IN ('queued', 'running', 'waiting')) "
+    "FROM unnest(%(subject_types)s::text[], %(subject_ids)s::text[]) WITH ORDINALITY "
+    "AS t(subject_type, subject_id, n) ORDER BY t.n")
+
 #: Many loops of one agent at once (Agent.start_many): each with its id, subject,
-#: state and user message (its metadata saying whether the text was changed),
+#: fair rank, state and user message (its metadata saying whether the text was changed),
 #: the agent's system prompt when there is one (system before user, in id
 #: order, as create_loop writes them). The caller writes their first jobs.
 START_MANY = (
     "WITH input AS (SELECT * FROM unnest(%(ids)s::bigint[], %(subject_types)s::text[], "
-    "%(subject_ids)s::text[], %(states)s::text[], %(messages)s::text[], %(metas)s::text[]) "
-    "AS t(id, subject_type, subject_id, state, message, meta)), "
-    "loops AS (INSERT INTO solidloop_loops (id, agent_name, subject_type, subject_id, status, "
-    "state) SELECT id, %(agent_name)s, subject_type, subject_id, %(status)s, state::jsonb "
-    "FROM input RETURNING id), "
+    "%(subject_ids)s::text[], %(fair_ranks)s::int[], %(states)s::text[], "
+    "%(messages)s::text[], %(metas)s::text[]) "
+    "AS t(id, subject_type, subject_id, fair_rank, state, message, meta)), "
+    "loops AS (INSERT INTO solidloop_loops (id, agent_name, subject_type, subject_id, "
+    "fair_rank, status, state) SELECT id, %(agent_name)s, subject_type, subject_id, "
+    "fair_rank, %(status)s, state::jsonb FROM input RETURNING id), "
     "messages AS (INSERT INTO solidloop_messages (loop_id, role, content, metadata) "
     "SELECT loop_id, role, content, meta FROM ("
     "SELECT id AS loop_id, 0 AS rank, 'system' AS role, %(system_prompt)s::text AS content, "

@@ -11,12 +11,13 @@ host commands and heals return False or an empty list instead.
 One module per concern: ``llm_turn``, ``tool_turn``, ``commands`` (creation and
 the host's commands), ``heals`` (the reaper's repairs), ``wirelog`` (what the
 events keep), ``adopted`` (what a commit claimed for its thread), ``ending``
-(the host's hooks, run in the transaction that ends a loop) and
-``transaction``. Lease *renewal* is the one write elsewhere: leases.py, on
-the renewer's own connection.
+(the host's hooks, run in the transaction that ends a loop), ``caps`` (a capped
+loop's admission, a new loop's fair rank) and ``transaction``. Lease *renewal*
+is the one write elsewhere: leases.py, on the renewer's own connection.
 """
 
 from .adopted import Adopted, AdoptedLlmTurn, AdoptedToolCall, LlmClaim
+from .caps import Caps, admit, caps_for, fair_ranks
 from .commands import (
     NewLoop,
     create_loop,
@@ -101,6 +102,7 @@ __all__ = [
     "AdoptedToolCall",
     "CallFacts",
     "CallWait",
+    "Caps",
     "Decision",
     "Deferral",
     "DueWait",
@@ -114,8 +116,10 @@ __all__ = [
     "ToolClaim",
     "ToolOutcome",
     "WaitRequest",
+    "admit",
     "answer_tool_call",
     "calls_to_run",
+    "caps_for",
     "checkpoint_and_answer_tool_call",
     "checkpoint_tool_call",
     "claim_llm_turn",
@@ -130,6 +134,7 @@ __all__ = [
     "end_transaction",
     "end_turn",
     "fail_unclaimed",
+    "fair_ranks",
     "fenced_transition",
     "finish_llm_turn",
     "force_stop",

@@ -23,6 +23,7 @@ from ...mcp.toolset import ToolResult
 from ...models import Loop, Message, ToolCall
 from ...models.loop import LoopStatus
 from .. import queries, sql, storable
+from .caps import fair_ranks
 from .ending import LoopEnds, run_loop_end_hooks
 from .transaction import alone, commits, execute, fetch_row, fetch_rows, joins, run_alone
 
@@ -51,9 +52,10 @@ def create_loop(state: SolidLoopState, session: SessionLike, *, agent_name: str,
     """Insert a loop (queued, or init), its system and user messages and, when
     ``enqueue``, its first llm_turn job. The caller commits, and may add its
     own writes to the same transaction. ``budget``: the loop's own limits."""
+    rank = fair_ranks(state, session, [(subject_type, subject_id)])[0]
     loop = Loop(agent_name=agent_name, subject_type=subject_type, subject_id=subject_id,
                 status=LoopStatus.QUEUED if enqueue else LoopStatus.INIT,
-                state=dict(loop_state), budget=budget or None)
+                state=dict(loop_state), budget=budget or None, fair_rank=rank)
     session.add(loop)
     session.flush()
     if system_prompt:
@@ -94,6 +96,8 @@ def create_loops(state: SolidLoopState, session: SessionLike, *, agent_name: str
         "status": (LoopStatus.QUEUED if enqueue else LoopStatus.INIT).value,
         "subject_types": [loop.subject_type for loop in loops],
         "subject_ids": [loop.subject_id for loop in loops],
+        "fair_ranks": fair_ranks(state, session, [(loop.subject_type, loop.subject_id)
+                                                  for loop in loops]),
         "states": [json.dumps(loop.state) for loop in loops],
         "messages": [content for content, _ in contents],
         "metas": [json.dumps(meta) for _, meta in contents],
