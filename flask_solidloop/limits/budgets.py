@@ -132,5 +132,4 @@ def subject_spend(session: SessionLike, subject: str, window: float) -> dict[str
     """What a subject spent over ``window`` seconds (settled use, unsettled estimates)."""
     row, _ = run_alone(session, sql.SUBJECT_SPEND, {"subject": subject, "window": window},
                            sole=True)
-    values = list(row.values()) if row is not None else [0, 0, 0, 0]
-    return {key: float(value) for key, value in zip(BUDGET_KEYS, values, strict=True)}
+    return {key: float(row[key]) if row is not None else 0.0 for key in BUDGET_KEYS}

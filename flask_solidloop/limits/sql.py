@@ -117,8 +117,10 @@ SETTLE_SPEND = (
 
 #: What a subject spent over a window (status, the admin).
 SUBJECT_SPEND = (
-    "SELECT coalesce(sum(cost), 0)::float8, coalesce(sum(tokens), 0)::float8, "
-    "coalesce(sum(llm_turns), 0)::float8, coalesce(sum(tool_calls), 0)::float8 "
+    "SELECT coalesce(sum(cost), 0)::float8 AS cost_usd, "
+    "coalesce(sum(tokens), 0)::float8 AS tokens, "
+    "coalesce(sum(llm_turns), 0)::float8 AS llm_turns, "
+    "coalesce(sum(tool_calls), 0)::float8 AS tool_calls "
     "FROM solidloop_spend WHERE subject = %(subject)s "
     "AND at > clock_timestamp() - make_interval(secs => %(window)s)"
 )

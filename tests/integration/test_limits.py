@@ -338,3 +338,20 @@ def test_the_janitor_prunes_ledger_rows_past_retention_but_never_inside_the_wind
         assert report.spend == 2
         left = session.execute(text("SELECT count(*) FROM solidloop_spend")).scalar_one()
         assert left == 2
+
+
+def test_a_subjects_spend_sums_its_window(configured):
+    from flask_solidloop.limits.budgets import subject_spend
+
+    app = configured()
+    with app.app_context():
+        session = app.extensions["sqlalchemy"].session
+        for days, cost in ((0, 0.25), (0, 0.5), (3, 9.0)):
+            session.execute(text(
+                "INSERT INTO solidloop_spend (subject, at, cost, tokens, llm_turns, tool_calls, "
+                "settled) VALUES ('T:a', now() - make_interval(days => :d), :c, 100, 1, 2, true)"),
+                {"d": days, "c": cost})
+        session.commit()
+        assert subject_spend(session, "T:a", 86400) == {
+            "cost_usd": 0.75, "tokens": 200.0, "llm_turns": 2.0, "tool_calls": 4.0}
+        assert subject_spend(session, "T:none", 86400)["cost_usd"] == 0.0
