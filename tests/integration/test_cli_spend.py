@@ -11,14 +11,11 @@ from datetime import UTC, datetime, timedelta
 from flask_solidloop.limits.rates import origin_of
 from flask_solidloop.models import RateBucket
 
-from .test_limits import (  # noqa: F401  (configured is a fixture)
-    MODEL,
-    PRICES,
-    agent_for,
-    configured,
-    run_until_settled,
-    script_adding,
-)
+from . import test_limits
+from .test_limits import MODEL, PRICES, agent_for, run_until_settled, script_adding
+
+#: test_limits.py's fixture: an app made with the test's settings.
+configured = test_limits.configured
 
 
 def cli(app, *args):
