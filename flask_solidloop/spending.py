@@ -33,10 +33,11 @@ SHORT = {"cost_usd": "cost", "tokens": "tokens", "llm_turns": "turns", "tool_cal
 
 
 def number(key: str, value: float) -> str:
-    """An amount without its unit: ``0.4213`` (cost under a dollar keeps its
-    sub-cent digits), ``1.50``, ``12,345``."""
+    """An amount without its unit: ``0.4213`` (a cost under a dollar keeps its
+    sub-cent digits), ``0.20``, ``1.50``, ``12,345``."""
     if key == "cost_usd":
-        return f"{value:.4f}" if 0 < abs(value) < 1 else f"{value:,.2f}"
+        whole_cents = round(value, 2) == round(value, 6)
+        return f"{value:.4f}" if 0 < abs(value) < 1 and not whole_cents else f"{value:,.2f}"
     return f"{value:,.0f}"
 
 
