@@ -437,13 +437,16 @@ def start(agent: str, message: str) -> None:
 def status(loop_id: int) -> None:
     """Show a loop, its messages and its tool calls."""
     from .loops import queries
-    from .render import format_loop, format_message
+    from .render import format_budget, format_loop, format_message
+    from .spending import loop_budget
 
     session = _state().db.session
     loop = queries.get_loop(session, loop_id)
     if loop is None:
         raise click.ClickException(f"no loop with id {loop_id}")
     click.echo(format_loop(loop))
+    for line in format_budget(loop_budget(_state(), session, loop)):
+        click.echo(line)
     calls = {c.id: c for c in queries.tool_calls(session, loop_id)}
     states = queries.tool_call_states(session, loop_id)
     holders = sorted({s.holder for s in states.values() if s.holder and s.state == "running"}
@@ -511,8 +514,13 @@ def _short(text: str | None, width: int) -> str:
 @with_appcontext
 def list_command(statuses: tuple[str, ...], agent: str | None, since: str | None,
                  failed: bool, limit: int) -> None:
-    """List loops, newest first: id, agent, status, steps, tokens, cost, age, why it failed."""
+    """List loops, newest first: id, agent, status, steps, tokens, cost, age, why it failed.
+
+    The budget column is the share spent of the loop's tightest budget limit
+    (`status ID` shows each limit).
+    """
     from .loops.queries import LoopFilter, list_loops
+    from .spending import SHORT, AgentLimits, tightest
 
     now = datetime.now(UTC)
     filters = LoopFilter(statuses=statuses, agent=agent, failed_only=failed,
@@ -522,17 +530,69 @@ def list_command(statuses: tuple[str, ...], agent: str | None, since: str | None
         click.echo("no loops match")
         return
     click.echo(f"{'id':>7}  {'agent':<18} {'status':<9} {'steps':>5} {'tokens':>9} "
-               f"{'cost':>10} {'age':>5}  reason")
+               f"{'cost':>10} {'budget':>11} {'age':>5}  reason")
+    agents = AgentLimits(_state())
     for loop in loops:
+        top = tightest(agents.loop_gauges(_state().db.session, loop))
+        budget = f"{top.percent}% {SHORT[top.key]}" if top is not None else "-"
         tokens = (loop.input_tokens or 0) + (loop.output_tokens or 0)
         reason = _short(loop.error_message, 60) if loop.status in ("failed", "paused") else ""
         if not reason and loop.provider_wait_since is not None:
             reason = _short(f"waiting for its provider: {loop.provider_wait_error or ''}", 60)
         click.echo(f"{loop.id:>7}  {_short(loop.agent_name, 18):<18} {loop.status:<9} "
                    f"{loop.step_count:>5} {tokens:>9} {f'${loop.cost:.4f}':>10} "
-                   f"{_age(loop.created_at, now):>5}  {reason}".rstrip())
+                   f"{budget:>11} {_age(loop.created_at, now):>5}  {reason}".rstrip())
     if len(loops) == limit:
         click.echo(f"(newest {limit}; --limit shows more)")
+
+
+@solidloop_cli.command("limits")
+@click.option("--top", default=10, show_default=True, type=click.IntRange(1, 1000),
+              help="Show the N subjects nearest their budget.")
+@with_appcontext
+def limits_command(top: int) -> None:
+    """Show the shared rate limits and the subjects' budgets.
+
+    Per rate-limited key (SOLIDLOOP_RATE_LIMITS): each dimension's level,
+    drained to now, against its capacity per period; the turns and tool calls
+    it deferred, the provider's refusals (429s) met on it, and the block a
+    Retry-After set while it lasts. Then the subjects with a budget that spent
+    anything in their window, nearest their limit first.
+    """
+    from .spending import period_text, rate_keys, subjects, window_text
+
+    state = _state()
+    session = state.db.session
+    keys, now = rate_keys(state, session)
+    if not keys:
+        click.echo("rate limits: none configured (SOLIDLOOP_RATE_LIMITS) and none recorded")
+    else:
+        click.echo("rate limits (levels drained to now):")
+    for key in keys:
+        line = f"  {key.key}  deferrals {key.deferrals}  refusals {key.refusals}"
+        if key.blocked_until is not None:
+            left = (key.blocked_until - now).total_seconds()
+            line += f"  blocked until {key.blocked_until.astimezone(UTC):%H:%M:%S} UTC " \
+                    f"({_seconds(left + 0.999)} left)"
+        if not key.configured:
+            line += "  (no longer configured)"
+        click.echo(line)
+        for bucket in key.buckets:
+            if bucket.capacity is None:
+                click.echo(f"    {bucket.dimension:<20} {bucket.level:>12,.1f}")
+                continue
+            click.echo(f"    {bucket.dimension:<20} {bucket.level:>12,.1f} of "
+                       f"{bucket.capacity:,g} {period_text(bucket.period)} "
+                       f"({bucket.share * 100:.0f}%)")
+    found = subjects(state, session, top=top)
+    session.rollback()
+    if not found:
+        click.echo("subjects: none with a budget has spent anything in its window")
+        return
+    click.echo(f"subjects with a budget, nearest their limit first (top {top}):")
+    for spend in found:
+        click.echo(f"  {spend.subject}  over {window_text(spend.window)}: "
+                   + ", ".join(g.text() for g in spend.gauges))
 
 
 def _control(loop_id: int, action: str, **kwargs) -> None:

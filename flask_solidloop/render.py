@@ -1,4 +1,5 @@
-"""Plain-text rendering of loops and messages for the CLI and the demo."""
+"""Plain-text rendering of loops and messages for the CLI and the demo, and of
+a loop's spend against its budgets (:func:`format_budget`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from sqlalchemy.orm import object_session
 from .loops import queries
 from .loops.queries import ToolCallState
 from .models import Loop, Message, ToolCall
+from .spending import LoopBudget, window_text
 
 
 def format_loop(loop: Loop) -> str:
@@ -45,6 +47,24 @@ def format_loop(loop: Loop) -> str:
     if loop.error_message:
         lines.append(f"  error: {loop.error_message}")
     return "\n".join(lines)
+
+
+def format_budget(budget: LoopBudget) -> list[str]:
+    """The status lines of a loop's budgets: its own limits, its subject's over
+    the subject's window, and the turns rate limits deferred."""
+    lines = []
+    if budget.gauges:
+        lines.append("  budget: " + ", ".join(g.text() for g in budget.gauges))
+    if budget.subject_gauges and budget.subject_window is not None:
+        released = (" (this loop was released from it by resume(budget=))"
+                    if budget.exempt else "")
+        window = window_text(budget.subject_window)
+        lines.append(f"  subject {budget.subject} budget over {window}: "
+                     + ", ".join(g.text() for g in budget.subject_gauges) + released)
+    if budget.deferrals:
+        lines.append(f"  capacity deferrals: {budget.deferrals} (turns a rate limit deferred "
+                     "to a later slot, holding nothing while they waited)")
+    return lines
 
 
 def _assistant_messages(loop: Loop) -> list[Message]:

@@ -1,6 +1,6 @@
 """The admin blueprint's views: dashboard, loops (list, page, live stream,
-actions, bulk actions), jobs and workers; the approvals views are
-admin/approvals.py's, registered here.
+actions, bulk actions), jobs, workers and limits (rate-limit keys, subjects'
+budgets); the approvals views are admin/approvals.py's, registered here.
 
 Reads go through ``loops.queries`` (``jobs.control`` for job rows,
 ``maintenance.runs`` for the last reaper and janitor passes), changes through
@@ -37,6 +37,7 @@ from ..maintenance import runs as maintenance_runs
 from ..models import RESUMABLE_STATUSES, Loop
 from ..models.loop import ALL_STATUSES
 from ..queue.middleware.worker_registry import MISSED_BEATS, WorkerRow, list_workers
+from ..spending import AgentLimits, Gauge, loop_budget, rate_keys, subjects, tightest
 from ..state import SolidLoopState, get_state
 from . import approvals, filters, format, live, passes, security
 
@@ -52,10 +53,13 @@ NAV: list[tuple[str, str]] = [
     ("approvals", "Approvals"),
     ("jobs", "Jobs"),
     ("workers", "Workers"),
+    ("limits", "Limits"),
     ("inbound", "Inbound MCP"),
 ]
 #: The dashboard counts waiting calls up to this many (and says "more than").
 AWAITING_CAP = 10_000
+#: How many subjects the Limits page shows, nearest their budget first.
+LIMITS_SUBJECTS = 50
 #: How far back the Workers page shows stopped and lost workers by default (s).
 WORKERS_RECENT = 3600.0
 
@@ -157,7 +161,23 @@ def create_blueprint(*, authorize: security.Authorize | None,
         return SubjectLink(label, format.safe_url(url))
 
     def failure_of(loop: Loop) -> str | None:
-        return queries.classify_failure(loop.error_message) if loop.status == "failed" else None
+        if loop.status == "failed":
+            return queries.classify_failure(loop.error_message)
+        if loop.status == "paused" and loop.error_message:
+            found = queries.classify_failure(loop.error_message)
+            return found if found in queries.PAUSING_CLASSES else None
+        return None
+
+    def spend_of(rows: list[Loop]) -> dict[int, Gauge]:
+        """Each listed loop's tightest budget limit (loops without a budget: none)."""
+        agents = AgentLimits(state())
+        session = state().db.session
+        found = {}
+        for row in rows:
+            top = tightest(agents.loop_gauges(session, row))
+            if top is not None:
+                found[row.id] = top
+        return found
 
     def search_or_error(args: MultiDict[str, str]) -> tuple[queries.LoopSearch | None,
                                                             str | None]:
@@ -214,7 +234,7 @@ def create_blueprint(*, authorize: security.Authorize | None,
             searched_to=searched_to if not more else None,
             qs=filters.query_string(request.args),
             agents=sorted(state().extension.agents),
-            args=request.args,
+            args=request.args, spend=spend_of(rows),
         ), (400 if error else 200)
 
     @bp.get("/loops/<int:loop_id>")
@@ -230,6 +250,7 @@ def create_blueprint(*, authorize: security.Authorize | None,
                                ok=request.args.get("ok"), results=RESULTS,
                                decided=request.args.get("decided", type=int),
                                note=request.args.get("note"),
+                               budget=loop_budget(state(), session, row),
                                **_loop_regions(session, loop_id))
 
     @bp.get("/loops/<int:loop_id>/regions")
@@ -239,6 +260,7 @@ def create_blueprint(*, authorize: security.Authorize | None,
         if row is None:
             abort(404)
         return render_template("solidloop/admin/_loop_regions.html", lp=row, back=_back(),
+                               budget=loop_budget(state(), session, row),
                                **_loop_regions(session, loop_id))
 
     @bp.get("/loops/<int:loop_id>/stream")
@@ -390,6 +412,18 @@ def create_blueprint(*, authorize: security.Authorize | None,
         return render_template("solidloop/admin/workers.html", rows=rows, recent=recent,
                                interval=interval,
                                states={w.identity: w.state(interval) for w in rows})
+
+    @bp.get("/limits")
+    def limits() -> Any:
+        # The read `flask solidloop limits` prints.
+        st = state()
+        keys, now = rate_keys(st, st.db.session)
+        found = subjects(st, st.db.session, top=LIMITS_SUBJECTS)
+        st.db.session.rollback()
+        return render_template("solidloop/admin/limits.html", keys=keys, now=now,
+                               subjects=found, top=LIMITS_SUBJECTS,
+                               subject_budget=st.config.subject_budget,
+                               hooked=st.extension.subject_budget_hook is not None)
 
     @bp.get("/inbound")
     def inbound() -> Any:

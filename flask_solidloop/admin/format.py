@@ -1,4 +1,5 @@
-"""Formatting the admin renders with: one money formatter, durations, safe URLs.
+"""Formatting the admin renders with: one money formatter, budget amounts,
+durations, safe URLs.
 
 Everything the templates show passes through these filters (registered on the
 blueprint's Jinja environment by ``blueprint.py``), so a cost reads the same on
@@ -35,6 +36,14 @@ def money(amount: Any) -> str:
     return f"{sign}${magnitude:,.{precision}f}"
 
 
+def amount(key: str, value: Any) -> str:
+    """A budget limit's amount: a cost as :func:`money`, a count with thousands
+    separators (``12,345``)."""
+    if key == "cost_usd":
+        return money(value)
+    return f"{float(value or 0):,.0f}"
+
+
 def duration_ms(value: Any) -> str:
     if value is None:
         return "\u2013"
@@ -64,6 +73,12 @@ def span(value: Any) -> str:
         if secs >= size:
             return f"{int(secs // size)} {unit}"
     return f"{int(secs)} s"
+
+
+def period(value: Any) -> str:
+    """A rate limit's period: ``per min``, ``per s``, ``per 90 s``."""
+    secs = float(value or 0)
+    return {60.0: "per min", 1.0: "per s", 3600.0: "per h"}.get(secs, f"per {secs:g} s")
 
 
 def ago(value: Any) -> str:

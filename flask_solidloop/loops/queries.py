@@ -342,6 +342,9 @@ FAILURE_CLASSES: tuple[tuple[str, str], ...] = (
                       r"ConnectError|RemoteProtocolError|disconnect"),
     ("infra:parse", r"^Provider(Response|Answer)Error|JSONDecodeError|parse|malformed"),
 )
+#: Classes a paused loop carries too: a reached budget pauses the loop (it
+#: resumes with a raised budget) rather than failing it.
+PAUSING_CLASSES: tuple[str, ...] = ("budget_exceeded",)
 #: What a failed loop matching none of the patterns is.
 DEFAULT_FAILURE_CLASS = "agent"
 FAILURE_CLASS_NAMES: tuple[str, ...] = tuple(
@@ -404,7 +407,7 @@ def _search_query(search: LoopSearch, columns: Any = None) -> Any:
     query = select(columns if columns is not None else Loop)
     statuses = list(search.statuses)
     if search.failure:
-        statuses = ["failed"]
+        statuses = ["failed", "paused"] if search.failure in PAUSING_CLASSES else ["failed"]
         query = query.where(failure_class_sql() == search.failure)
     if statuses:
         query = query.where(Loop.status.in_(statuses))

@@ -393,3 +393,49 @@ def test_staff_approve_one_call_and_bulk_deny_a_hundred_while_loop_pages_follow(
         assert errors == [], "\n".join(errors)
     finally:
         context.close()
+
+
+def test_budget_bars_render_to_scale_in_their_colours(app, session, llm, stack, page):
+    """A loop a real worker ran into its budget: the Budget panel's bars are as
+    wide as the share spent (an SVG rect, as the CSP allows no inline style),
+    amber at the warning share and red at the limit; the list and the Limits
+    page show them too, with nothing refused by the CSP."""
+    stack, _ = stack
+    llm.script(lambda req: "budget" in str(req["messages"][-1].get("content")),
+               {"tool_calls": [{"name": "calc__add", "arguments": {"a": n, "b": 1}}
+                               for n in range(4)]})
+    llm.script(lambda req: req["messages"][-1]["role"] == "tool", {"content": "4 sums"})
+    loop = Assistant.start(message="budget please", budget={"llm_turns": 1, "tool_calls": 5})
+    assert wait_status(session, loop.id, ("paused", "completed", "failed")) == "paused"
+    errors: list[str] = []
+    page.on("console", lambda m: "Content Security Policy" in m.text and errors.append(m.text))
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+
+    page.goto(stack + f"/admin/loops/{loop.id}")
+    assert "BudgetExceededError" in page.locator("#summary").inner_text()
+    panel = page.locator("#loop-budget")
+    expected = {"llm_turns": ("over", 1.0, "rgb(179, 38, 30)"),
+                "tool_calls": ("warn", 0.8, "rgb(224, 138, 0)")}
+    for key, (level, share, colour) in expected.items():
+        bar = panel.locator(f'.bar[data-key="{key}"]')
+        assert bar.get_attribute("data-level") == level
+        track = bar.locator("svg").bounding_box()
+        fill = bar.locator(".bar-fill").bounding_box()
+        assert track["width"] > 100  # drawn, at its CSS size
+        assert abs(fill["width"] / track["width"] - share) < 0.02, (key, fill, track)
+        assert bar.locator(".bar-fill").evaluate("e => getComputedStyle(e).fill") == colour
+    assert "100%" in panel.locator('tr[data-limit="llm_turns"]').inner_text()
+    assert "80%" in panel.locator('tr[data-limit="tool_calls"]').inner_text()
+
+    page.goto(stack + "/admin/loops?failure=budget_exceeded")
+    row = page.locator(f'tr[data-loop="{loop.id}"]')
+    assert row.count() == 1 and "budget_exceeded" in row.inner_text()
+    mini = row.locator(".bar.mini")
+    assert mini.get_attribute("data-level") == "over"
+    assert mini.locator(".bar-fill").bounding_box()["width"] == \
+        pytest.approx(mini.locator("svg").bounding_box()["width"], abs=0.5)
+
+    page.click('header.top nav a[href$="/limits"]')
+    assert page.locator("h1").inner_text() == "Limits"
+    assert page.locator("#rate-keys").count() == 1 and page.locator("#subject-budgets").count() == 1
+    assert errors == [], "\n".join(errors)

@@ -167,12 +167,13 @@ def test_list_finds_loops_by_status_agent_age_and_shows_why_they_failed(
     everything = runner.invoke(args=["solidloop", "list"])
     assert everything.exit_code == 0, everything.output
     lines = everything.output.splitlines()
-    assert lines[0].split() == ["id", "agent", "status", "steps", "tokens", "cost", "age",
-                                "reason"]
+    assert lines[0].split() == ["id", "agent", "status", "steps", "tokens", "cost", "budget",
+                                "age", "reason"]
     assert [int(x.split()[0]) for x in lines[1:]] == [waiting.id, failed.id, done.id]
     done_row = next(x for x in lines if x.split()[0] == str(done.id))
     assert done_row.split()[1:5] == ["assistant", "completed", "1", done_row.split()[4]]
-    assert int(done_row.split()[4]) > 0 and "$" in done_row and done_row.split()[6].endswith("s")
+    assert int(done_row.split()[4]) > 0 and "$" in done_row and done_row.split()[6] == "-"
+    assert done_row.split()[7].endswith("s")
     only_failed = runner.invoke(args=["solidloop", "list", "--failed"]).output.splitlines()
     assert len(only_failed) == 2 and "the order was cancelled" in only_failed[1]
     queued = runner.invoke(args=["solidloop", "list", "--status", "queued"]).output

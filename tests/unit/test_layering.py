@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     # admin and MCP-server blueprints will live here too, reading through
     # loops.queries and acting through loops.control.
     ("agent", "extension", "cli", "demo", "render", "worker", "testing", "__init__",
-     "admin", "mcp_server"),
+     "admin", "mcp_server", "spending"),
 ]
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 
