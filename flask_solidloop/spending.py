@@ -20,7 +20,6 @@ from .limit_spec import BUDGET_KEYS, KEY_ROW, SubjectBudget
 from .limits import admission, budgets
 from .limits import sql as limits_sql
 from .loops import queries
-from .loops.store.transaction import fetch_rows
 from .models import Loop, Spend
 from .state import SolidLoopState
 
@@ -145,11 +144,8 @@ class AgentLimits:
 
 def subject_spend(session: SessionLike, subject: str, window: float) -> dict[str, float]:
     """What a subject spent over ``window`` seconds (settled use, unsettled
-    estimates), by limit. Read as a tuple: the statement's four sums share one
-    column name, which a row read as a dict would fold into one."""
-    rows = fetch_rows(session, limits_sql.SUBJECT_SPEND, {"subject": subject, "window": window})
-    values = rows[0] if rows else (0, 0, 0, 0)
-    return {key: float(value) for key, value in zip(BUDGET_KEYS, values, strict=True)}
+    estimates), by limit."""
+    return budgets.subject_spend(session, subject, window)
 
 
 def subject_budget_of(state: SolidLoopState, subject_type: str | None,
