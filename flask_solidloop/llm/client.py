@@ -382,6 +382,11 @@ class Send:
                                         self.shown_url, retry_after=wait)
         delay = retry_delay(response, body_text, attempt.number, self.policy,
                             self.retry_after_from_body)
+        if delay is not None and self.policy.defer_after is not None \
+                and response.status_code in DEFERRABLE_STATUSES:
+            # A rate-limited key's short wait is slept, but the jitter above it
+            # must not keep the thread past the inline wait either.
+            delay = min(delay, self.policy.defer_after)
         if delay is not None:
             attempt.entry["body"] = self.redact(body_text[:2000])
             raise _Retry(delay)

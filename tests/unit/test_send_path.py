@@ -143,3 +143,17 @@ def test_an_abort_during_a_retry_wait_carries_the_wire_record(mode):
     assert info.value.wire is not None
     assert 0.0 <= info.value.wire.attempts[0]["retry_in_s"] <= 5.0  # full jitter
     assert info.value.wire.error is None
+
+
+@pytest.mark.parametrize("mode", SENDERS)
+def test_a_rate_limited_keys_short_wait_is_slept_no_longer_than_the_inline_wait(mode):
+    # A 429 whose Retry-After is within defer_after is retried in the thread;
+    # the backoff jitter above the server's wait must not keep the thread past
+    # defer_after (decision 0022: no thread sleeps longer than the inline wait).
+    send, ok = SENDERS[mode]
+    http = client(httpx.Response(429, headers={"retry-after-ms": "10"}),
+                  httpx.Response(429, headers={"retry-after-ms": "10"}), ok())
+    policy = RetryPolicy(retries=2, base_delay=5.0, max_delay=60.0, defer_after=0.05)
+    _, record = send(http, policy=policy)
+    waits = [a["retry_in_s"] for a in record.attempts[:2]]
+    assert all(0.01 <= wait <= 0.05 for wait in waits), waits
