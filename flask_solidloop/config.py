@@ -357,6 +357,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("SOLIDLOOP_RATE_LIMIT_INLINE_WAIT", 0.5, _non_negative_float,
             "Longest wait for rate-limit capacity a turn sleeps through on its thread; a "
             "longer one defers the turn (its job due at its slot, holding nothing)."),
+    Setting("SOLIDLOOP_RATE_LIMIT_HORIZON", 10.0, _positive_float,
+            "How far ahead a deferred LLM turn may reserve its slot, in seconds; a turn "
+            "whose slot would be later reserves nothing and comes back when it is nearer, "
+            "so capacity that settlements give back goes to it."),
     Setting("SOLIDLOOP_DEFAULT_OUTPUT_ESTIMATE", 1024, _positive_int,
             "Output tokens a budget or rate limit reserves for a request that names no "
             "max_tokens (the estimate is settled to the real usage after the answer)."),
@@ -452,6 +456,7 @@ class Config:
     spend_retention: int
     rate_limits: dict[str, Any]
     rate_limit_inline_wait: float
+    rate_limit_horizon: float
     default_output_estimate: int
     tool_output_limit: int
     event_body_limit: int

@@ -14,6 +14,7 @@ LLM step, and goes without reserving again when its job comes.
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -165,8 +166,9 @@ def admit(state: SolidLoopState, session: SessionLike, limits: TurnLimits, loop:
             amounts = tuple(float(a) for a in held.get("amounts", ()))
             if len(amounts) == len(buckets):
                 admitted.reservation = rates.Reservation(buckets, amounts, 0.0, keys)
-        return admitted
-    if limits.subject is not None and limits.subject_budget is not None:
+                return admitted
+    if admitted.spend_id is None and limits.subject is not None \
+            and limits.subject_budget is not None:
         hold = budgets.reserve_subject(
             session, limits.subject, limits.subject_budget, loop_id=loop.id,
             cost=admitted.estimated_cost, tokens=guess.tokens, exempt=limits.exempt)
@@ -186,10 +188,22 @@ def admit(state: SolidLoopState, session: SessionLike, limits: TurnLimits, loop:
         if share >= limits.warning and not limits.exempt:
             admitted.note = budgets.note(budget.limits, hold.spent, whose="your account's")
     if limits.rate_keys:
-        admitted.reservation = rates.reserve(
+        reservation = rates.reserve(
             session, config.rate_limits, limits.rate_keys, tokens=float(guess.tokens),
-            inline_wait=config.rate_limit_inline_wait)
-        admitted.wait = admitted.reservation.wait
+            inline_wait=config.rate_limit_inline_wait, horizon=config.rate_limit_horizon)
+        admitted.wait = reservation.wait
+        if reservation.held:
+            admitted.reservation = reservation
+        else:
+            # Beyond the horizon nothing is reserved: the turn comes back when
+            # its slot would be within it (sooner if settlements give capacity
+            # back meanwhile), spread over the second half of the horizon so
+            # that the turns turned away together do not all come back
+            # together, nor so often that they crowd the queue.
+            horizon = config.rate_limit_horizon
+            admitted.wait = max(reservation.wait - horizon, 0.0) \
+                + random.uniform(horizon / 2, horizon)
+            admitted.wait = max(admitted.wait, config.rate_limit_inline_wait + 0.01)
     return admitted
 
 

@@ -62,6 +62,8 @@ class Reservation:
     #: Seconds from the reservation until the slot (0: it may go at once).
     wait: float = 0.0
     keys: tuple[str, ...] = ()
+    #: Whether the amounts were added (the wait was within the horizon).
+    held: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return {"keys": list(self.keys), "amounts": list(self.amounts)}
@@ -96,13 +98,14 @@ def _key_row(key: str) -> Bucket:
 
 def reserve(session: SessionLike, table: Mapping[str, tuple[Bucket, ...]],
             keys: tuple[str, ...], *, tokens: float, inline_wait: float,
-            hold_slot: bool = True) -> Reservation:
+            horizon: float | None = None) -> Reservation:
     """Reserve one request (or call) and ``tokens`` on every bucket of ``keys``,
     in one statement. ``wait`` says when its slot is (0 now), the longest of
-    the buckets' drain times and any block. With ``hold_slot`` the reservation
-    holds whatever the wait (an LLM turn keeps it on its loop while it is
-    deferred); without, it holds only when the wait is at most
-    ``inline_wait`` (a tool call deferred past it reserves again when it comes)."""
+    the buckets' drain times and any block. The reservation holds (``held``)
+    when the wait is at most ``horizon`` (an LLM turn deferred to its slot
+    keeps it on its loop; None: ``inline_wait``, as for a tool call, which
+    reserves again when it comes back); beyond it nothing is reserved."""
+    horizon = inline_wait if horizon is None else horizon
     buckets = tuple(b for key in keys for b in (*table[key], _key_row(key)))
     amounts = tuple(0.0 if b.dimension == KEY_ROW else (tokens if b.tokens else 1.0)
                     for b in buckets)
@@ -111,12 +114,11 @@ def reserve(session: SessionLike, table: Mapping[str, tuple[Bucket, ...]],
     params = {
         "keys": [b.key for b in buckets], "dimensions": [b.dimension for b in buckets],
         "capacities": [b.capacity for b in buckets], "periods": [b.period for b in buckets],
-        "amounts": list(amounts), "inline_wait": inline_wait, "reserve": hold_slot}
+        "amounts": list(amounts), "inline_wait": inline_wait, "horizon": horizon}
     row, alone = run_alone(session, sql.RESERVE, params, sole=True)
     if not alone:
         commit_keeping_objects(session)
-    if row is None or (row["moved"] < len(buckets)
-                       and (hold_slot or float(row["wait"]) <= inline_wait)):
+    if row is None or (row["moved"] < len(buckets) and float(row["wait"]) <= horizon):
         # A row this process created is gone (a table emptied under it): make
         # them again, and reserve on all of them.
         with _ensured_lock:
@@ -126,7 +128,7 @@ def reserve(session: SessionLike, table: Mapping[str, tuple[Bucket, ...]],
         if not alone:
             commit_keeping_objects(session)
     wait = float(row["wait"]) if row is not None else 0.0
-    return Reservation(buckets, amounts, wait, keys)
+    return Reservation(buckets, amounts, wait, keys, held=wait <= horizon)
 
 
 def settle(session: SessionLike, reservation: Reservation, *, tokens: float | None,

@@ -24,11 +24,10 @@ _DRAINED = ("greatest(0, b.level - extract(epoch FROM clock_timestamp() - b.drai
 #: Reserve ``amounts`` on the rows of ``keys`` x ``dimensions`` (with their
 #: capacities and periods), locked in key order. Returns ``wait``: seconds until
 #: every amount has drained below its capacity and any block has ended (0: go
-#: now). With ``reserve`` the amounts are added whatever the wait (the caller
-#: then holds that slot); without, only when the wait is at most
-#: ``inline_wait`` (the caller sleeps it). A wait past ``inline_wait`` counts a
-#: deferral on the keys' own rows. An amount larger than its capacity waits for
-#: an empty bucket.
+#: now). The amounts are added when the wait is at most ``horizon`` (the caller
+#: sleeps it, or holds that slot while it is deferred to it); beyond, nothing is
+#: reserved. A wait past ``inline_wait`` counts a deferral on the keys' own
+#: rows. An amount larger than its capacity waits for an empty bucket.
 RESERVE = (
     "WITH w AS (SELECT * FROM unnest(%(keys)s::text[], %(dimensions)s::text[], "
     "%(capacities)s::float8[], %(periods)s::float8[], %(amounts)s::float8[]) "
@@ -42,7 +41,7 @@ RESERVE = (
     "THEN (level + least(amount, capacity) - capacity) * period / capacity ELSE 0 END, "
     "coalesce(extract(epoch FROM blocked_until - clock_timestamp()), 0))), 0)::float8 AS wait "
     "FROM locked), "
-    "go AS (SELECT %(reserve)s OR wait <= %(inline_wait)s AS go FROM verdict), "
+    "go AS (SELECT wait <= %(horizon)s AS go FROM verdict), "
     "moved AS (UPDATE solidloop_rate_buckets b SET "
     "level = CASE WHEN g.go THEN l.level + l.amount ELSE b.level END, "
     "drained_at = CASE WHEN g.go THEN clock_timestamp() ELSE b.drained_at END, "

@@ -182,7 +182,7 @@ def _tool_capacity(ctx: ToolContext, call: ToolCall) -> bool:
     if key is None:
         return True
     reservation = rates.reserve(ctx.session, config.rate_limits, (key,), tokens=0.0,
-                                inline_wait=config.rate_limit_inline_wait, hold_slot=False)
+                                inline_wait=config.rate_limit_inline_wait)
     if reservation.wait <= 0:
         return True
     if reservation.wait <= config.rate_limit_inline_wait:
