@@ -356,3 +356,32 @@ def test_a_subjects_spend_sums_its_window(configured):
         assert subject_spend(session, "T:a", 86400) == {
             "cost_usd": 0.75, "tokens": 200.0, "llm_turns": 2.0, "tool_calls": 4.0}
         assert subject_spend(session, "T:none", 86400)["cost_usd"] == 0.0
+
+
+def test_a_slot_beyond_the_horizon_reserves_nothing(configured):
+    from flask_solidloop.limit_spec import rate_limits_setting
+    from flask_solidloop.limits import rates
+
+    app = configured()
+    with app.app_context():
+        session = app.extensions["sqlalchemy"].session
+        table = rate_limits_setting("SOLIDLOOP_RATE_LIMITS", {"k": {"rps": 1}})
+
+        def level():
+            session.expire_all()
+            value = session.get(RateBucket, ("k", "requests_per_second")).level
+            session.rollback()
+            return value
+
+        first = rates.reserve(session, table, ("k",), tokens=0, inline_wait=0.1, horizon=1.5)
+        second = rates.reserve(session, table, ("k",), tokens=0, inline_wait=0.1, horizon=1.5)
+        assert (first.wait, first.held) == (0.0, True)
+        # The second's slot is a second away: within the horizon, it holds it.
+        assert 0.8 < second.wait <= 1.0 and second.held
+        before = level()
+        assert 1.9 < before <= 2.0
+        third = rates.reserve(session, table, ("k",), tokens=0, inline_wait=0.1, horizon=1.5)
+        # Two seconds away, past the horizon: nothing reserved, a deferral counted.
+        assert 1.8 < third.wait <= 2.0 and not third.held
+        assert level() <= before
+        assert session.get(RateBucket, ("k", "-")).deferrals == 2
