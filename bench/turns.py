@@ -89,7 +89,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent
@@ -389,6 +389,53 @@ def checked_imports(build: Build, workers: subprocess.Popen) -> str:
     return str(reports[0]["modules"]["flask_solidloop"])
 
 
+#: A process that starts loops with a build's own code (a REV whose schema this
+#: tree's statements do not fit): it reads "<prefix> <count>" lines and answers
+#: each with the new loops' ids as one JSON line, so a start costs the measured
+#: run a pipe's round trip, not a Python start-up.
+_STARTER = """
+import json, sys
+import turns_app
+app = turns_app.create_app()
+with app.app_context():
+    print("ready", flush=True)
+    for line in sys.stdin:
+        prefix, count = line.rsplit(" ", 1)
+        ids = turns_app.Turns.start_many([f"{prefix} {n}" for n in range(int(count))])
+        print(json.dumps(ids), flush=True)
+"""
+
+
+class Starter:
+    """Starts loops with ``build``'s own code: in this process for this tree, in
+    a :data:`_STARTER` process for a build with migrations of its own."""
+
+    def __init__(self, build: Build, turns_app: Any) -> None:
+        self.turns_app = turns_app
+        self.proc: subprocess.Popen[str] | None = None
+        if build.own_migrations:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _STARTER], cwd=build.tree, env=build.python_env(),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            assert self.proc.stdout is not None
+            if self.proc.stdout.readline().strip() != "ready":
+                raise SystemExit(f"{build.name}: its loop starter did not start")
+
+    def start(self, prefix: str, count: int) -> list[int]:
+        if self.proc is None:
+            return list(self.turns_app.Turns.start_many(
+                [f"{prefix} {n}" for n in range(count)]))
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{prefix} {count}\n")
+        self.proc.stdin.flush()
+        return list(json.loads(self.proc.stdout.readline()))
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 def run_ours(build: Build, script: Script, loops: int, prefix: str) -> Run:
     from sqlalchemy import func, select
 
@@ -401,15 +448,16 @@ def run_ours(build: Build, script: Script, loops: int, prefix: str) -> Run:
 
     app = turns_app.create_app()
     workers = start_workers(build)
+    starter = Starter(build, turns_app)
     run = Run(build.name)
     try:
         with app.app_context():
             session = turns_app.db.session
             # Warm up (imports, connections, first claims) with loops of their own,
             # so the measured run sees both worker processes ready.
-            # Loops are started with start_many: its statements name only the
-            # columns every revision has, so an older REV's schema takes them too.
-            warm = turns_app.Turns.start_many([f"warm {n}" for n in range(4)])
+            # Loops are started with the build's own code (Starter): a REV's
+            # schema may lack columns this tree's statements write.
+            warm = starter.start("warm", 4)
             deadline = time.monotonic() + 120
             while session.scalar(select(func.count()).select_from(Loop).where(
                     Loop.id.in_(warm), Loop.status != "completed")):
@@ -430,9 +478,7 @@ def run_ours(build: Build, script: Script, loops: int, prefix: str) -> Run:
             pg0 = backends(build.database)
             xacts0, lsn0 = server_counters(build.database)
             started = time.monotonic()
-            ids = turns_app.Turns.start_many([f"{prefix} {n}" for n in range(loops)],
-                                             commit=False)
-            session.commit()
+            ids = starter.start(prefix, loops)
             wait_for_loops(ids, build.database)
             run.wall = time.monotonic() - started
             run.worker_cpu = sum(proc_cpu(p) for p in tree(workers.pid)) - cpu0
@@ -454,6 +500,7 @@ def run_ours(build: Build, script: Script, loops: int, prefix: str) -> Run:
             run.completion = [(r.finished_at - epoch).total_seconds() for r in rows]
             session.remove()
     finally:
+        starter.close()
         try:
             os.killpg(workers.pid, 15)
             workers.wait(30)
