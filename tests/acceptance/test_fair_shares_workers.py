@@ -90,7 +90,9 @@ def run_capped(monkeypatch, llm, tmp_path, database_url, start, cap, *, kill=Fal
     ones are in flight, and check the cap."""
     script_naps(llm)
     monkeypatch.setenv("SOLIDLOOP_TEST_APP_CONFIG", json.dumps({
-        "SOLIDLOOP_MAX_CONCURRENT_PER_SUBJECT": 3, "SOLIDLOOP_HELD_LOOP_RECHECK": 30,
+        # A recheck far past the wait below: every held loop that starts was
+        # woken by a loop that left flight, never by the safety net.
+        "SOLIDLOOP_MAX_CONCURRENT_PER_SUBJECT": 3, "SOLIDLOOP_HELD_LOOP_RECHECK": 600,
         "SOLIDLOOP_LIVENESS_TTL": 3, "SOLIDLOOP_REAPER_INTERVAL": 1}))
     loop_ids, every_loop = start()
     url = libpq_url(database_url)
@@ -109,15 +111,13 @@ def run_capped(monkeypatch, llm, tmp_path, database_url, start, cap, *, kill=Fal
             with psycopg.connect(url, autocommit=True) as conn:
                 while conn.execute(
                         "SELECT count(*) FROM solidloop_loops WHERE id = ANY(%s) AND held_since "
-                        "IS NOT NULL AND status = 'queued'", (loop_ids,)).fetchone()[0] < 2:
+                        "IS NOT NULL AND status = 'queued'", (loop_ids,)).fetchone()[0] < 1:
                     assert time.monotonic() < deadline, log.read_text()[-4000:]
                     sample(conn)
                     time.sleep(0.02)
             kill_group(proc, signal.SIGKILL)
             proc = spawn_workers(WORKERS, log=log)
-        started = time.monotonic()
         wait_all(url, every_loop, timeout=60, proc=proc, log=log, sample=sample)
-        took = time.monotonic() - started
     finally:
         kill_group(proc)
     with psycopg.connect(url, autocommit=True) as conn:
@@ -125,9 +125,6 @@ def run_capped(monkeypatch, llm, tmp_path, database_url, start, cap, *, kill=Fal
             "SELECT status FROM solidloop_loops WHERE id = ANY(%s)", (every_loop,))]
     assert statuses == ["completed"] * len(every_loop)
     assert peaks[0] == cap  # the cap was reached, and never passed
-    # Woken by the loops that ended, not by the 30 s recheck.
-    assert took < 30, took
-    return took
 
 
 def test_a_subjects_cap_is_never_passed(monkeypatch, app, session, llm, tmp_path,
@@ -154,7 +151,7 @@ def test_a_fleet_killed_while_loops_are_held_strands_none(monkeypatch, app, sess
                                                           tmp_path, database_url):
     def start():
         ids = SlowAgent.start_many([{"message": f"nap {i}", "subject": ("Team", "K")}
-                                    for i in range(10)])
+                                    for i in range(20)])
         session.commit()
         return ids, ids
     run_capped(monkeypatch, llm, tmp_path, database_url, start, 3, kill=True)
