@@ -39,7 +39,7 @@ from . import budgets, rates
 #: than :data:`SLOT_EARLY` before its slot (the worker's clock behind the
 #: database's) waits out the rest.
 SLOT_EARLY = 0.25
-SLOT_LATE = 0.5
+SLOT_LATE = 0.1
 
 _RESUME_HINT = "resume(budget=...) raises it and continues"
 
