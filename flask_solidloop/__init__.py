@@ -18,6 +18,7 @@ from .errors import (
     BrokerUnavailableError,
     BudgetExceededError,
     ConfigurationError,
+    ConversationBusyError,
     DatabaseUnavailableError,
     DecisionConflictError,
     HistoryTooLargeError,
@@ -50,7 +51,7 @@ from .errors import (
 )
 from .extension import SolidLoop
 from .jobs import FailedJobRegistry, Job, LazyActor, Queue, Retry
-from .loops.store import Decision, WaitRequest
+from .loops.store import Decision, SentMessage, WaitRequest
 from .mcp.toolset import CallContext, ToolResult, Toolset
 from .models import RESUMABLE_STATUSES
 from .pipeline.builder import Builder
@@ -67,6 +68,7 @@ __all__ = [
     "Builder",
     "CallContext",
     "ConfigurationError",
+    "ConversationBusyError",
     "DatabaseUnavailableError",
     "Decision",
     "DecisionConflictError",
@@ -94,6 +96,7 @@ __all__ = [
     "Queue",
     "QueueNotDeclaredError",
     "Retry",
+    "SentMessage",
     "SetupError",
     "SolidLoop",
     "SolidLoopError",

@@ -67,6 +67,8 @@ OPTIONS: dict[str, str] = {
                           "message); None: 'user_xml' with tool_prompting, else 'tool'",
     "max_concurrent_loops": "int: loops of this agent in flight at once (a loop past it is "
                             "held before its first turn until one ends), or None for no cap",
+    "on_new_message": "what send_message does while the loop is queued, running or waiting: "
+                      "'queue' (answer it after the current work), 'interrupt' or 'reject'",
 }
 HOOKS = ("configure_llm_middlewares", "configure_tool_middlewares")
 
@@ -136,6 +138,7 @@ class Agent:
     tool_prompting: Any = None
     tool_result_format: Any = None
     max_concurrent_loops: Any = None
+    on_new_message: Any = "queue"
 
     #: The stable registry name, stored on every loop of this agent.
     agent_name: ClassVar[str | None] = None
@@ -143,6 +146,14 @@ class Agent:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        policy = vars(cls).get("on_new_message")
+        if policy is not None and not callable(policy):
+            # A plain value is checked now: a typo fails at import, not at the
+            # first message that finds the loop busy.
+            try:
+                control.check_policy(policy, where=f"agent class {cls.__name__}")
+            except InvalidArgumentError as exc:
+                raise AgentDefinitionError(str(exc)) from None
         for name, value in vars(cls).items():
             if name.startswith("_") or name in OPTIONS or name in HOOKS:
                 continue
@@ -250,6 +261,10 @@ class Agent:
             raise AgentDefinitionError(
                 f"agent {name!r}: budget_warning must be a share of the budget in (0, 1], "
                 f"e.g. 0.8, got {warning!r}")
+        try:
+            control.check_policy(self.option("on_new_message"), where=f"agent {name!r}")
+        except InvalidArgumentError as exc:
+            raise AgentDefinitionError(str(exc)) from None
         key = self.option("rate_limit_key")
         if key is not None and (not isinstance(key, str) or not key.strip()):
             raise AgentDefinitionError(
@@ -472,6 +487,20 @@ class Agent:
         """
         return control.resume(get_state(), self._require_loop(), from_=from_, message=message,
                               session=session, budget=budget)
+
+    def send_message(self, message: str, *,
+                     session: SessionLike | None = None) -> store.SentMessage:
+        """Continue the conversation with a user message, and commit.
+
+        A loop at rest (completed, paused, failed, init) re-enters with it, as
+        ``resume(message=...)`` does (outcome ``"started"``); a queued loop's
+        next turn reads it (``"appended"``). While the loop runs or waits, the
+        agent's ``on_new_message`` decides: ``"queue"`` keeps it and delivers
+        it when the current work ends (``"queued"``), ``"interrupt"`` cancels
+        that work and answers it (``"interrupted"``), ``"reject"`` raises
+        ConversationBusyError and writes nothing. Returns a SentMessage."""
+        return control.send_message(get_state(), self._require_loop(), message,
+                                    session=session)
 
     def pending_approvals(self) -> list[ToolCall]:
         """The loop's tool calls that await an approval, in order."""

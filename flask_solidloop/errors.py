@@ -30,6 +30,7 @@ so a host can catch the whole family in one clause::
     ├── LoopFailedError           Agent(loop).result() of a loop that failed or was stopped
     ├── LostLeaseError            this worker no longer owns the turn; write nothing
     ├── DecisionConflictError     a waiting tool call was decided already (who, when)
+    ├── ConversationBusyError     a message for a live loop whose agent rejects it
     ├── WaitTimeoutError          a bounded wait ran out before the work it waited on finished
     └── BrokerError               the Postgres job queue could not do what was asked
         ├── BrokerUnavailableError  PostgreSQL did not answer the broker (dramatiq reconnects)
@@ -61,6 +62,7 @@ __all__ = [
     "BrokerUnavailableError",
     "BudgetExceededError",
     "ConfigurationError",
+    "ConversationBusyError",
     "DatabaseUnavailableError",
     "DecisionConflictError",
     "HistoryTooLargeError",
@@ -305,6 +307,18 @@ class DecisionConflictError(SolidLoopError):
             decided_at, "isoformat") else ""
         super().__init__(f"tool call {tool_call_id} was {decision}{who}{when}; a call takes "
                          "one decision")
+
+
+class ConversationBusyError(SolidLoopError):
+    """``send_message`` to a loop that is queued, running or waiting, for an
+    agent whose ``on_new_message`` is ``"reject"``: nothing was written. The
+    loop's ``loop_id`` and ``status`` are on the exception."""
+
+    def __init__(self, loop_id: int, status: str) -> None:
+        super().__init__(f"loop {loop_id} is {status}; wait for it or set "
+                         'on_new_message="queue"')
+        self.loop_id = loop_id
+        self.status = status
 
 
 class BrokerError(SolidLoopError):

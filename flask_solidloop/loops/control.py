@@ -1,7 +1,8 @@
-"""Host commands on a loop: pause, stop, force stop, freeze, unfreeze, observe and
-resume, and the decisions on its waiting tool calls (approve, deny,
-complete_call). The Agent facade, the CLI, the admin and the MCP server all
-call these; each is one locked transaction in loops/store/.
+"""Host commands on a loop: pause, stop, force stop, freeze, unfreeze, observe,
+resume and send_message (a conversation's next user message), and the
+decisions on its waiting tool calls (approve, deny, complete_call). The Agent
+facade, the CLI, the admin and the MCP server all call these; each is one
+locked transaction in loops/store/.
 
 Every command takes the app's state and an optional session (the app's
 ``db.session`` by default) and returns True when it changed the loop, False
@@ -101,6 +102,37 @@ def resume(state: SolidLoopState, loop_id: int, *,
 
     return store.resume(state, _session(state, session), loop_id, allowed, message=message,
                         sequential=sequential, budget=limits)
+
+
+def check_policy(value: object, *, where: str) -> str:
+    """``value`` if it is an ``on_new_message`` policy; a one-line
+    InvalidArgumentError naming the choices otherwise (``where``: the agent)."""
+    if not isinstance(value, str) or value not in store.POLICIES:
+        raise InvalidArgumentError(
+            f"{where}: on_new_message must be one of "
+            f"{', '.join(map(repr, store.POLICIES))}, got {value!r}")
+    return value
+
+
+def send_message(state: SolidLoopState, loop_id: int, message: str, *,
+                 session: SessionLike | None = None) -> store.SentMessage:
+    """A follow-up user message in the loop's conversation, handled by its
+    agent's ``on_new_message`` policy (store/conversation.py); commits."""
+    if not isinstance(message, str) or not message.strip():
+        raise InvalidArgumentError("message must be a non-empty string")
+    target = _session(state, session)
+    loop = queries.get_loop(target, loop_id)
+    if loop is None:
+        raise InvalidArgumentError(f"there is no loop {loop_id}")
+    agent = state.agent_for(loop.agent_name, loop)
+    policy = check_policy(agent.option("on_new_message"),
+                                where=f"agent {loop.agent_name!r}")
+
+    def sequential(loop_id: int) -> bool:
+        return bool(agent.option("sequential_tool_calls"))
+
+    return store.send_message(state, target, loop_id, message, policy=policy,
+                              sequential=sequential)
 
 
 # -- decisions on waiting tool calls ----------------------------------------------------

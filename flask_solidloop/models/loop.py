@@ -165,6 +165,9 @@ class Loop(Timestamps, Base):
     capped_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     held_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     held_by: Mapped[str | None] = mapped_column(String(10))
+    # A conversation's queued messages (loops/store/conversation.py): sent while
+    # the loop was live, not yet in its history, oldest first; NULL when none.
+    inbox: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONB(none_as_null=True))
 
     messages: Mapped[list[Message]] = relationship(
         back_populates="loop", order_by="Message.id", lazy="select", passive_deletes=True

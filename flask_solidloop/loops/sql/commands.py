@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .parts import AWAITING, EXIT_SET, PROVIDER_WAIT_CLEARED, REQUEUE_SET, hide_shells
+from .parts import AWAITING, EXIT_SET, PROVIDER_WAIT_CLEARED, QUEUED, REQUEUE_SET, hide_shells
 
 # -- the host's commands ---------------------------------------------------------------
 
@@ -109,3 +109,43 @@ ANSWER_CANCELLED = (
     "is_success = CASE WHEN c.executed_at IS NULL THEN false ELSE c.is_success END, "
     "error_kind = CASE WHEN c.executed_at IS NULL THEN 'cancelled' ELSE c.error_kind END "
     "FROM answers WHERE c.id = answers.tool_call_id")
+
+
+# -- a conversation's new messages (loops/store/conversation.py) -------------------------
+
+#: A message sent while the loop is live, kept for later (``on_new_message =
+#: "queue"``): appended to the loop's inbox, outside its history (no message
+#: row: nothing sees it as part of the conversation yet). The caller holds the
+#: row's lock. Returns how many wait now.
+QUEUE_MESSAGE = (
+    "UPDATE solidloop_loops SET inbox = coalesce(inbox, '[]'::jsonb) || jsonb_build_array("
+    "jsonb_build_object('content', %(content)s::text, 'metadata', %(meta)s::jsonb, "
+    "'queued_at', now())), updated_at = now() "
+    "WHERE id = %(loop_id)s RETURNING jsonb_array_length(inbox) AS waiting")
+
+#: The loop's queued messages delivered, at a point where its history is
+#: consistent (a final answer, a resume, a new message to a queued loop):
+#: inserted in the order they came as visible user messages (the moment they
+#: join the conversation), their metadata saying when they were queued, and
+#: the inbox cleared, under the loop row's lock, in one statement: a message
+#: is either waiting or delivered, never both. Their ids; none when none waits.
+DELIVER_INBOX = (
+    "WITH held AS (SELECT id, inbox FROM solidloop_loops WHERE id = %(loop_id)s "
+    "AND inbox IS NOT NULL FOR UPDATE), "
+    "cleared AS (UPDATE solidloop_loops l SET inbox = NULL, updated_at = now() FROM held "
+    "WHERE l.id = held.id) "
+    "INSERT INTO solidloop_messages (loop_id, role, content, metadata) "
+    "SELECT held.id, 'user', m.entry->>'content', coalesce(m.entry->'metadata', '{}'::jsonb) "
+    "|| jsonb_build_object('queued_at', m.entry->'queued_at') "
+    "FROM held, jsonb_array_elements(held.inbox) WITH ORDINALITY AS m(entry, n) "
+    "ORDER BY m.n RETURNING id")
+
+#: A user message joining a queued loop's history at once (its next turn reads
+#: it), the loop row rewritten so that a claim whose snapshot predates it
+#: runs again under the lock (loops/sql.CLAIM_TURN). No row when the loop is
+#: not queued.
+APPEND_TO_QUEUED = (
+    "WITH touched AS (UPDATE solidloop_loops SET updated_at = now() "
+    f"WHERE id = %(loop_id)s AND status = {QUEUED} RETURNING id) "
+    "INSERT INTO solidloop_messages (loop_id, role, content, metadata) "
+    "SELECT id, 'user', %(content)s::text, %(meta)s::jsonb FROM touched RETURNING id")

@@ -87,6 +87,30 @@ _UNFINISHED = (" AND EXISTS (SELECT 1 FROM solidloop_messages "
               "WHERE id = %(shell_id)s AND status = 'processing')")
 
 
+#: A final answer completes the loop, unless messages wait in its inbox (sent
+#: while it ran, loops/store/conversation.py): it is then queued for the turn
+#: that answers them, as a new run (a resume's limits), and the caller
+#: delivers them (:data:`DELIVER_INBOX`) and enqueues that turn in the same
+#: commit. ``inbox`` is read from the row version the fence locked (a message
+#: queued while this statement waited for the lock is seen), never from the
+#: statement's snapshot.
+_COMPLETES = (
+    f"status = CASE WHEN inbox IS NULL THEN {COMPLETED} ELSE {QUEUED} END, "
+    "execution_token = NULL, finished_at = CASE WHEN inbox IS NULL THEN now() END, "
+    "queued_at = CASE WHEN inbox IS NULL THEN queued_at ELSE now() END, "
+    "run_started_at = CASE WHEN inbox IS NULL THEN run_started_at END, "
+    "run_step_base = CASE WHEN inbox IS NULL THEN run_step_base ELSE step_count + 1 END, "
+    "error_message = NULL, ")
+#: A final answer run in autocommit cannot enqueue the turn its inbox needs:
+#: with ``requeue`` off it writes nothing when messages wait, and the caller runs
+#: it again in a transaction (:data:`INBOX_WAITS` tells the two refusals apart).
+_INBOX_ALLOWED = " AND (inbox IS NULL OR %(requeue)s)"
+
+#: Whether the loop is still the writer's and has messages waiting in its inbox.
+INBOX_WAITS = (f"SELECT id FROM solidloop_loops WHERE id = %(loop_id)s AND {OWNED} "
+               "AND inbox IS NOT NULL")
+
+
 def _finish_turn(with_calls: bool) -> str:
     """The turn's end, one statement: the fenced loop update (the row lock and
     the fence at once), the shell finalized with usage and cost, and the wire
@@ -103,16 +127,14 @@ def _finish_turn(with_calls: bool) -> str:
     switch: the turn's end is a statement of every turn, and each text then
     plans only the parts it runs."""
     completes = (f"status = CASE WHEN %(waits)s THEN {WAITING} ELSE status END, "
-                 if with_calls else
-                 f"status = {COMPLETED}, execution_token = NULL, finished_at = now(), "
-                 "error_message = NULL, ")
+                 if with_calls else _COMPLETES)
     parts = [
         "fenced AS (UPDATE solidloop_loops SET step_count = step_count + 1, "
         "lease_holder = NULL, lease_expires_at = NULL, updated_at = now(), "
         "input_tokens = input_tokens + coalesce(%(input_tokens)s::bigint, 0), "
         "output_tokens = output_tokens + coalesce(%(output_tokens)s::bigint, 0), "
         f"{completes}{PROVIDER_WAIT_CLEARED}, cost = cost + coalesce(%(cost)s::numeric, 0) "
-        f"WHERE id = %(loop_id)s AND {OWNED}{_UNFINISHED if with_calls else ''} "
+        f"WHERE id = %(loop_id)s AND {OWNED}{_UNFINISHED if with_calls else _INBOX_ALLOWED} "
         f"RETURNING *, pg_notify('{LIVE_CHANNEL}', %(live)s))",
         "shell AS (UPDATE solidloop_messages SET content = %(content)s, "
         "reasoning = %(reasoning)s, finish_reason = %(finish_reason)s, status = 'completed', "

@@ -30,6 +30,7 @@ from .commands import (
     stop,
     unfreeze,
 )
+from .conversation import POLICIES, SentMessage, send_message
 from .ending import NO_HOOKS, LoopEndHook, LoopEnds, loop_ends
 from .heals import (
     heal_dropped_tools,
@@ -96,6 +97,7 @@ __all__ = [
     "COMPLETED",
     "DENIED",
     "NO_HOOKS",
+    "POLICIES",
     "RESULT",
     "Adopted",
     "AdoptedLlmTurn",
@@ -113,6 +115,7 @@ __all__ = [
     "NewLoop",
     "NewToolCall",
     "NextTurn",
+    "SentMessage",
     "ToolClaim",
     "ToolOutcome",
     "WaitRequest",
@@ -158,6 +161,7 @@ __all__ = [
     "requeue_llm_turn",
     "resume",
     "retry_time_out",
+    "send_message",
     "set_observed",
     "stop",
     "store_mcp_session_state",

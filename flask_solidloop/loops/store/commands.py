@@ -212,6 +212,10 @@ def set_observed(session: SessionLike, loop_id: int, observed: bool) -> bool:
     return row is not None
 
 
+#: What a pending call is answered with when a resume brings a new message.
+RESUMED = "the loop was resumed with a new message"
+
+
 def _answer_cancelled(session: SessionLike, loop_id: int, calls: list[ToolCall], *,
                       reason: str) -> None:
     """Answer pending calls (loops/sql.ANSWER_CANCELLED): a call that already ran
@@ -236,7 +240,7 @@ def _answer_cancelled(session: SessionLike, loop_id: int, calls: list[ToolCall],
 @commits
 def resume(state: SolidLoopState, session: SessionLike, loop_id: int, allowed: Iterable[str],
            *, message: str | None, sequential: Callable[[int], bool],
-           budget: dict[str, float] | None = None) -> bool:
+           budget: dict[str, float] | None = None, cancel_reason: str = RESUMED) -> bool:
     """Re-enter a loop whose status is in ``allowed``, in one locked transaction.
 
     If the newest assistant turn still has unanswered tool calls, the loop
@@ -248,7 +252,13 @@ def resume(state: SolidLoopState, session: SessionLike, loop_id: int, allowed: I
     When nothing runs and something awaits, the loop waits. Otherwise the
     loop is queued for a new LLM turn. ``message`` appends
     a user message first, answering the pending calls (nothing may sit
-    between a tool-call turn and its results)."""
+    between a tool-call turn and its results) with ``cancel_reason``.
+
+    A loop queued for a new turn gets the messages of its inbox first
+    (loops/sql.DELIVER_INBOX), before ``message``: they came before it. A
+    live loop (queued, running, waiting: ``allowed`` names them only for an
+    interrupt, loops/store/conversation.py) is taken from its worker the same
+    way: its new generation fences the old one's writes off."""
     locked = fetch_row(session, sql.LOCK_LOOP, {"loop_id": loop_id})
     if locked is None or locked["status"] not in tuple(allowed):
         session.rollback()
@@ -266,9 +276,11 @@ def resume(state: SolidLoopState, session: SessionLike, loop_id: int, allowed: I
     pending = queries.unresolved_tool_calls(session, loop_id)
     if message:
         if pending:
-            _answer_cancelled(session, loop_id, pending,
-                              reason="the loop was resumed with a new message")
+            _answer_cancelled(session, loop_id, pending, reason=cancel_reason)
         pending = []
+    if not pending:
+        fetch_rows(session, sql.DELIVER_INBOX, {"loop_id": loop_id})
+    if message:
         session.add(new_message(loop_id, "user", message))
     if pending:
         token = uuid.uuid4()

@@ -40,6 +40,7 @@ from .transaction import (
     commits,
     execute,
     fetch_row,
+    fetch_rows,
     joins,
     run_alone,
 )
@@ -316,11 +317,22 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     # Nothing else joins this commit when no job is enqueued with it.
     sole = (len(runnable) - (1 if lease is not None else 0) + len(timed) == 0 and not hooked
             and not ended)
+    if not calls:
+        params["requeue"] = not sole
     fenced, committed = run_alone(session, sql.FINISH_TURN[bool(calls)], params, sole=sole)
+    if fenced is None and not calls and not params["requeue"] and fetch_row(
+            session, sql.INBOX_WAITS, {"loop_id": loop_id, "token": token}) is not None:
+        # Messages wait in the inbox: their turn's job must commit with this
+        # end, so the end runs again in a transaction.
+        params["requeue"] = True
+        fenced, committed = run_alone(session, sql.FINISH_TURN[False], params, sole=False)
     if fenced is None:
         if not committed:
             session.rollback()
         raise LostLeaseError(f"loop {loop_id} changed hands during the request")
+    # A final answer with messages waiting: they are delivered and their turn
+    # queued, in this commit, instead of the loop completing.
+    delivered = not calls and fenced["status"] == LoopStatus.QUEUED
     adopted = None
     call_ids: list[int] = []
     if calls:
@@ -342,6 +354,9 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
             assert on_wait is not None
             for n in waiting:
                 _run_wait_hook(on_wait, session, _wait_request(calls[n], call_ids[n], loop_id))
+    elif delivered:
+        fetch_rows(session, sql.DELIVER_INBOX, {"loop_id": loop_id})
+        state.dispatch.llm_turn(session, loop_id)
     elif ended:
         run_loop_end_hooks(session, loop_id, ends)
     # The shell as the session knows it (no SELECT now; it loads on first use).
@@ -349,7 +364,7 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     commit_unless(committed, session)
     if tools is not None:  # the event's tools are now in the log
         logged_tools.remember((loop_id, fenced["created_at"]), tools)
-    if not calls:
+    if not calls and not delivered:
         signals.send(signals.loop_completed, loop_id=loop_id, agent=fenced["agent_name"])
     for n in waiting:
         request = _wait_request(calls[n], call_ids[n], loop_id)
