@@ -637,3 +637,30 @@ def create_app(**config) -> Flask:
                         times=int(os.environ.get(DROP_TIMES_ENV, "1")),
                         after=int(os.environ.get(DROP_AFTER_ENV, "0")))
     return app
+
+
+# -- conversations: follow-up messages while a loop is live -------------------------
+
+
+@solidloop.agent("chat")
+class ChatAgent(Agent):
+    """Streams; runs slow tools and an email that waits for approval. A new
+    message while it is busy waits for the current work (the default)."""
+
+    system_prompt = "You chat."
+    mcps = [{"name": "slow", "toolset": slow_tools, "tools": ["slow"]},
+            {"name": "shop", "toolset": shop, "tools": ["send_email"]}]
+    streaming = True
+
+    def llm(self) -> dict:
+        return llm_settings()
+
+
+@solidloop.agent("chat_interrupt")
+class InterruptingChatAgent(ChatAgent):
+    on_new_message = "interrupt"
+
+
+@solidloop.agent("chat_reject")
+class RejectingChatAgent(ChatAgent):
+    on_new_message = "reject"
