@@ -21,6 +21,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 from ..dbapi import is_transient
+from ..loops import store
 from ..state import SolidLoopState
 from ..urls import libpq_url
 from .events import Page, StreamEvent, read_events
@@ -56,20 +57,13 @@ def engine_of(state: SolidLoopState) -> Engine:
             return state.db.engine
 
 
-_MARK = text(
-    "UPDATE solidloop_loops SET watched_until = now() + make_interval(secs => :ttl) "
-    "WHERE id = :loop_id AND (watched_until IS NULL "
-    "OR watched_until < now() + make_interval(secs => :ttl / 2))")
-
-
 def mark_watched(state: SolidLoopState, loop_id: int, seconds: float = WATCH_SECONDS) -> None:
     """Tell the loop's writers someone watches: its events are notified and its
     text flushes at SOLIDLOOP_STREAM_MAX_HZ for ``seconds``. A database that
     fails here costs speed, never the stream."""
     try:
         with Session(engine_of(state)) as session:
-            session.execute(_MARK, {"loop_id": loop_id, "ttl": seconds})
-            session.commit()
+            store.mark_watched(session, loop_id, seconds)
     except Exception as exc:
         if not is_transient(exc):
             raise

@@ -119,14 +119,31 @@ def test_a_stream_waits_holding_no_connection_and_gets_events_as_they_commit(
         finally:
             done.set()
 
+    # Count the reader inside the hub's wait (the one place a stream idles), so
+    # the check below runs while it waits, however slowly it got there.
+    hub = streaming.hub_for(state)
+    waiting: list[int] = []  # the version the reader waits past, while it waits
+    real_wait = hub.wait
+
+    def counted_wait(loop, seen_version, timeout):
+        waiting.append(seen_version)
+        try:
+            return real_wait(loop, seen_version, timeout)
+        finally:
+            waiting.remove(seen_version)
+
+    hub.wait = counted_wait  # type: ignore[method-assign]
     reader = threading.Thread(target=read)
     reader.start()
-    hub = streaming.hub_for(state)
-    deadline = time.monotonic() + 10
-    while not seen and time.monotonic() < deadline:  # the backlog: created, user message
-        time.sleep(0.01)
     assert hub.connected.wait(10)
+    # Idle for real: inside the wait with nothing new to wake it (the LISTEN
+    # connection's arrival makes every stream read once).
+    deadline = time.monotonic() + 10
+    while not (waiting and waiting[0] == hub.version(loop_id)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert waiting and seen  # the backlog (created, user message) came first
     assert state.db.engine.pool.checkedout() == 0  # waiting, it holds no connection
+    hub.wait = real_wait  # type: ignore[method-assign]
     llm.script("hello there", {"content": "General Kenobi."})
     drain()
     assert done.wait(20), "the stream did not end after the loop completed"
