@@ -374,9 +374,9 @@ def _record_request(ctx: LlmContext, record: Any) -> None:
     """Put the request on record before it is sent: its ``llm_request`` event,
     redacted as the send path keeps it, pending until the turn's end completes
     it (``ctx.request_event_id``). Fenced: a turn that lost its loop gets
-    LostLeaseError here and sends nothing. It joins the budget's and rate
-    limits' reservation when the turn made one (one commit for both); else it
-    is one statement in autocommit. The record is the turn's from now on, so
+    LostLeaseError here and sends nothing. One statement in autocommit (it
+    joins the session's transaction when one is open, and commits it). The
+    record is the turn's from now on, so
     every exit (an error, a limit, a hand-back) completes the row with what
     the attempts so far left on it."""
     _check_lease(ctx)

@@ -590,8 +590,8 @@ def record_request(session: SessionLike, loop_id: int, token: uuid.UUID, *,
     :func:`defer_llm_turn`, :func:`defer_for_capacity`). Fenced on the
     turn's generation: LostLeaseError, with nothing written, when the loop
     changed hands. One statement: in autocommit when the session holds
-    nothing, else in the session's transaction (a budget's or a rate limit's
-    reservation), committed with it. Returns the event's id."""
+    nothing, else in the session's transaction, committed with it. Returns
+    the event's id."""
     known = real_session(session).identity_map.get(identity_key(Loop, loop_id))
     born = known.__dict__.get("created_at") if known is not None else None
     tools = storable.tools_digest(wire.request_body) if not repeat_history else None
