@@ -102,7 +102,7 @@ class ErrorHandling:
                     if isinstance(exc, ProviderConnectionLostError) else None):
                 return None
             if isinstance(exc, TurnLimitError) and ctx.partial is not None:
-                ctx.partial.flush()  # what arrived stays on the failed shell
+                ctx.partial.keep()  # what arrived stays on the failed shell
             logger.warning("loop %s: provider error: %s", ctx.loop_id, message)
             _end_turn(ctx, to="failed", error_message=message)
         return None
@@ -494,9 +494,10 @@ def _follow_continuations(ctx: LlmContext, dialect: Any, url: str, payload: dict
             ctx.response.finish_reason = "length"
             return
         if streaming:
+            if ctx.partial is None:
+                ctx.partial = PartialWriter(ctx)
             turn, wire, _ = post_stream(url, next_payload, make_aggregator=dialect.aggregator,
-                                        on_delta=ctx.partial or PartialWriter(ctx),
-                                        **common)
+                                        on_delta=ctx.partial, **common)
         else:
             body, wire = post_json(url, next_payload, **common)
             turn = dialect.parse(body)
@@ -520,50 +521,106 @@ def _check_length(turn: Any, limits: TurnLimits, wire: Any) -> None:
 
 
 class PartialWriter:
-    """Writes a streaming turn's text so far onto its hidden shell, at most every
-    SOLIDLOOP_STREAM_UPDATE_INTERVAL seconds, so a watcher (the admin, a host
-    view) sees progress. The shell stays hidden and ``processing``: a turn that
-    never commits never puts its partial into the history the model sees."""
+    """Flushes a streaming turn's text as it arrives, coalesced, so watchers (a
+    host's page, the admin) see progress (docs/decisions/0024-loop-event-stream.md).
+
+    With text deltas on (SOLIDLOOP_STREAM_MAX_HZ > 0) each flush writes the
+    text since the last one as events of the loop's stream; off, it writes the
+    text so far onto the hidden shell. The pace is the loop's: every
+    SOLIDLOOP_STREAM_UPDATE_INTERVAL seconds while nobody watches, at most
+    SOLIDLOOP_STREAM_MAX_HZ events a second while somebody does; each flush
+    learns which from its own statement. The shell stays hidden and
+    ``processing``: a turn that never commits never puts its partial into the
+    history the model sees."""
 
     def __init__(self, ctx: LlmContext) -> None:
         self.ctx = ctx
-        self.interval = self._interval()
+        config = ctx.state.config
+        self.deltas = config.stream_max_hz > 0
+        self.reasoning_deltas = self.deltas and bool(ctx.agent.option("stream_reasoning"))
         self.content: list[str] = []
         self.reasoning: list[str] = []
-        self.last_write = time.monotonic()
+        #: What the stream has been sent of the text and the reasoning.
+        self.sent_text = ""
+        self.sent_reasoning = 0
+        self.pace = Coalescer(max_hz=config.stream_max_hz,
+                              idle_interval=config.stream_update_interval,
+                              watched_interval=config.observed_stream_update_interval,
+                              now=time.monotonic())
+        self.pace.watched = self._watched()
         #: Tool calls written as text are the parser's, not the reader's: an observer
         #: never sees their markup, not even half a tag.
         self.text_filter = tool_text.visible_text if _hides_tool_markup(ctx) else None
 
-    def _interval(self) -> float:
-        # An observed loop (someone watches it in the admin) flushes at
-        # SOLIDLOOP_OBSERVED_STREAM_UPDATE_INTERVAL; read without keeping a
-        # transaction open across the stream. A database that fails meanwhile
-        # leaves the interval as it was: the stream goes on.
-        config = self.ctx.state.config
+    def _watched(self) -> bool:
+        # Read without keeping a transaction open across the stream. A database
+        # that fails meanwhile leaves the loop unwatched: the stream goes on.
         try:
-            observed = queries.is_observed(self.ctx.session, self.ctx.loop_id)
+            watched = queries.is_watched(self.ctx.session, self.ctx.loop_id)
         except Exception as exc:
             if not is_transient(exc):
                 raise
             store.recover(self.ctx.session)
-            return getattr(self, "interval", config.stream_update_interval)
+            return False
         self.ctx.session.rollback()
-        return config.observed_stream_update_interval if observed \
-            else config.stream_update_interval
+        return watched
 
     def __call__(self, delta: StreamDelta) -> None:
         self.content.append(delta.content)
         self.reasoning.append(delta.reasoning)
-        now = time.monotonic()
-        if now - self.last_write < self.interval:
-            return
-        self.last_write = now
-        self.flush()
+        if self.pace.due(time.monotonic()):
+            self.flush()
 
     def flush(self) -> None:
-        """Write the text so far now (a turn ended at its limit keeps what arrived
-        on its failed shell)."""
+        """Write what arrived since the last flush now (a turn ended at its limit
+        keeps what arrived on its failed shell)."""
+        ctx = self.ctx
+        if ctx.lease is not None and ctx.lease.lost():
+            return
+        assert ctx.shell_id is not None
+        content = "".join(self.content)
+        if self.text_filter is not None:
+            content = self.text_filter(content)
+        reasoning = "".join(self.reasoning)
+        try:
+            if self.deltas:
+                # Only text that extends what was sent: a filter that hides a
+                # half-written tag may show less than before; the message's
+                # completion carries its stored text anyway.
+                text = content[len(self.sent_text):] \
+                    if content.startswith(self.sent_text) else ""
+                thought = reasoning[self.sent_reasoning:] if self.reasoning_deltas else ""
+                if not text and not thought:
+                    self.pace.flushed(time.monotonic(), events=0)
+                    return
+                watched = store.record_delta(ctx.session, ctx.shell_id, text,
+                                             len(self.sent_text), thought or None,
+                                             self.sent_reasoning)
+                events = bool(text) + bool(thought)
+                self.sent_text += text
+                self.sent_reasoning += len(thought)
+            else:
+                watched = store.record_partial(ctx.session, ctx.shell_id, content,
+                                               reasoning or None)
+                events = 1
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            # A flush is a display: a database that fails under it costs the
+            # watchers this update, never the turn (the next flush sends it).
+            store.recover(ctx.session)
+            logger.warning("loop %s: a partial write failed (%s); the stream goes on",
+                           ctx.loop_id, type(exc).__name__)
+            self.pace.flushed(time.monotonic(), events=0)
+            return
+        if watched is not None:
+            self.pace.watched = watched
+        self.pace.flushed(time.monotonic(), events=events)
+
+
+    def keep(self) -> None:
+        """Write the text so far onto the shell (a turn ended at its limit keeps
+        what arrived on its failed shell, whatever the stream was sent)."""
         ctx = self.ctx
         if ctx.lease is not None and ctx.lease.lost():
             return
@@ -577,13 +634,35 @@ class PartialWriter:
         except Exception as exc:
             if not is_transient(exc):
                 raise
-            # A partial is a display: a database that fails under it costs the
-            # watcher this update, never the turn.
             store.recover(ctx.session)
-            logger.warning("loop %s: a partial write failed (%s); the stream goes on",
-                           ctx.loop_id, type(exc).__name__)
-            return
-        self.interval = self._interval()  # observing may start or stop mid-turn
+
+
+class Coalescer:
+    """When a streaming turn flushes: every ``idle_interval`` seconds while
+    nobody watches its loop; while somebody does, as soon as the last flush's
+    events fit in ``max_hz`` events a second (a flush of a delta and a reasoning
+    delta counts two), or every ``watched_interval`` when deltas are off
+    (``max_hz`` 0)."""
+
+    def __init__(self, *, max_hz: float, idle_interval: float, watched_interval: float,
+                 now: float) -> None:
+        self.max_hz = max_hz
+        self.idle_interval = idle_interval
+        self.watched_interval = watched_interval
+        self.watched = False
+        self.last = now
+        self.gap = 0.0  # seconds the last flush's events need before the next
+
+    def due(self, now: float) -> bool:
+        if not self.watched:
+            return now - self.last >= self.idle_interval
+        if self.max_hz <= 0:
+            return now - self.last >= self.watched_interval
+        return now - self.last >= max(self.gap, 1.0 / self.max_hz)
+
+    def flushed(self, now: float, *, events: int) -> None:
+        self.last = now
+        self.gap = events / self.max_hz if self.max_hz > 0 else 0.0
 
 
 def _hides_tool_markup(ctx: LlmContext) -> bool:
@@ -670,6 +749,8 @@ class ResponseParsing:
                 sequential=bool(ctx.agent.option("sequential_tool_calls")),
                 adopt=ctx.adopt_next, on_wait=ctx.agent.on_wait,
                 ends=store.loop_ends(ctx.state, ctx.agent.agent_name),
+                streamed=ctx.partial.sent_text if ctx.partial is not None
+                and ctx.partial.deltas else None,
                 event_id=ctx.request_event_id),
             session=ctx.session, seconds=ctx.state.config.database_retry_seconds,
             still_ours=ctx.still_ours, what=f"loop {ctx.loop_id}: the turn's end")

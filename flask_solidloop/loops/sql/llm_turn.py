@@ -12,7 +12,6 @@ from .parts import (
     EXIT_SET,
     FAILED,
     HISTORY_ROWS,
-    LIVE_CHANNEL,
     OWNED,
     PAUSED,
     PROVIDER_WAIT_CLEARED,
@@ -65,13 +64,23 @@ CLAIM_TURN = (
 OPEN_SHELL = (f"{insert_shell('id')} FROM solidloop_loops "
               f"WHERE id = %(loop_id)s AND {OWNED} FOR UPDATE RETURNING *")
 
-#: A streaming turn's text so far, onto its still-hidden shell, announced to
-#: the admin's live stream.
+#: A streaming turn's text so far, onto its still-hidden shell (text deltas
+#: off: SOLIDLOOP_STREAM_MAX_HZ = 0; watchers see the text when the message
+#: completes). Whether someone watches the loop comes back (the next flush's pace).
 RECORD_PARTIAL = (
     "WITH partial AS (UPDATE solidloop_messages SET content = %(content)s, "
     "reasoning = %(reasoning)s, updated_at = now() "
     "WHERE id = %(shell_id)s AND status = 'processing' RETURNING loop_id, id) "
-    f"SELECT pg_notify('{LIVE_CHANNEL}', loop_id::text || ':' || id::text) FROM partial")
+    "SELECT (SELECT observed OR coalesce(watched_until > now(), false) FROM solidloop_loops l "
+    "WHERE l.id = partial.loop_id) AS watched FROM partial")
+
+#: A streaming turn's text since its last flush, as events of the loop's stream
+#: (migration 0017: under the loop's row lock, notified when watched), while
+#: its shell is unfinished. Whether someone watches the loop comes back.
+RECORD_DELTA = (
+    "SELECT solidloop_stream_delta(loop_id, id, %(text)s, %(offset)s, %(reasoning)s, "
+    "%(reasoning_offset)s) AS watched "
+    "FROM solidloop_messages WHERE id = %(shell_id)s AND status = 'processing'")
 
 #: The tools a remote server listed for the loop for the first time (the first
 #: writer wins).
@@ -113,16 +122,25 @@ def _finish_turn(with_calls: bool) -> str:
         "output_tokens = output_tokens + coalesce(%(output_tokens)s::bigint, 0), "
         f"{completes}{PROVIDER_WAIT_CLEARED}, cost = cost + coalesce(%(cost)s::numeric, 0) "
         f"WHERE id = %(loop_id)s AND {OWNED}{_UNFINISHED if with_calls else ''} "
-        f"RETURNING *, pg_notify('{LIVE_CHANNEL}', %(live)s))",
+        "RETURNING *)",
         "shell AS (UPDATE solidloop_messages SET content = %(content)s, "
         "reasoning = %(reasoning)s, finish_reason = %(finish_reason)s, status = 'completed', "
         "is_hidden = false, completed_at = now(), metadata = %(message_meta)s, "
         "usage = coalesce(%(usage)s, usage), cost = coalesce(%(message_cost)s, cost), "
-        "updated_at = now() WHERE id = %(shell_id)s AND EXISTS (SELECT 1 FROM fenced))",
+        "updated_at = now() WHERE id = %(shell_id)s AND EXISTS (SELECT 1 FROM fenced) "
+        "RETURNING id)",
         llm_event("fenced"),
+        # The text the stream was not sent yet (none when the turn did not
+        # stream deltas): before the shell's completion, whose event fires at
+        # the statement's end, so a stream's deltas add up to the stored text.
+        "streamed AS (SELECT solidloop_stream_delta(fenced.id, %(shell_id)s, %(tail)s::text, "
+        "%(tail_offset)s::integer, NULL, 0) FROM fenced WHERE %(tail)s::text IS NOT NULL)",
     ]
     if not with_calls:
-        return f"WITH {', '.join(parts)} SELECT * FROM fenced"
+        return (f"WITH {', '.join(parts)} SELECT *, "
+                "(SELECT count(*) FROM streamed) AS solidloop_streamed FROM fenced")
+    # The calls are made from the shell's row, so the shell is written first:
+    # its completion's stream event precedes theirs.
     parts.append(
         "calls AS (INSERT INTO solidloop_tool_calls (loop_id, message_id, position, call_id, "
         "name, server_name, tool_name, arguments_raw, arguments, metadata, waits_for, "
@@ -133,7 +151,7 @@ def _finish_turn(with_calls: bool) -> str:
         "CASE WHEN c.n = %(lease_position)s THEN %(lease)s::uuid END, "
         "CASE WHEN c.n = %(lease_position)s THEN %(holder)s END, "
         "CASE WHEN c.n = %(lease_position)s THEN now() + %(ttl)s::interval END "
-        "FROM fenced, unnest(%(call_ids)s::varchar[], %(call_names)s::varchar[], "
+        "FROM fenced, shell, unnest(%(call_ids)s::varchar[], %(call_names)s::varchar[], "
         "%(call_servers)s::varchar[], %(call_tools)s::varchar[], %(call_raws)s::text[], "
         "%(call_arguments)s::jsonb[], %(call_metas)s::jsonb[], %(call_waits)s::varchar[], "
         "%(call_timeouts)s::float8[]) WITH ORDINALITY "
@@ -142,6 +160,7 @@ def _finish_turn(with_calls: bool) -> str:
     first = ", ".join(f'first.{column} AS "call_{column}"' for column in CALL_COLUMNS)
     # The row of the call leased to this thread, if one is (else the first).
     return (f"WITH {', '.join(parts)} SELECT fenced.*, "
+            "(SELECT count(*) FROM streamed) AS solidloop_streamed, "
             "ARRAY(SELECT id FROM calls ORDER BY position) AS solidloop_call_ids, "
             f"{first} FROM fenced, (SELECT * FROM calls "
             "ORDER BY lease_token IS NULL, position LIMIT 1) AS first")

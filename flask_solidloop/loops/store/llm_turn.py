@@ -152,13 +152,29 @@ def open_shell(session: SessionLike, loop_id: int, token: uuid.UUID) -> int:
 
 @alone
 def record_partial(session: SessionLike, shell_id: int, content: str,
-                   reasoning: str | None) -> None:
-    """A streaming turn's text so far, onto its still-hidden shell, announced to
-    the admin's live stream."""
-    _, committed = run_alone(session, sql.RECORD_PARTIAL, {
+                   reasoning: str | None) -> bool | None:
+    """A streaming turn's text so far, onto its still-hidden shell (text deltas
+    off). Returns whether someone
+    watches the loop; None when the shell is no longer unfinished."""
+    row, committed = run_alone(session, sql.RECORD_PARTIAL, {
         "shell_id": shell_id, "content": storable.text(content)[0],
         "reasoning": storable.text(reasoning)[0]}, sole=True)
     commit_unless(committed, session)
+    return None if row is None else bool(row["watched"])
+
+
+@alone
+def record_delta(session: SessionLike, shell_id: int, text: str, offset: int,
+                 reasoning: str | None = None, reasoning_offset: int = 0) -> bool | None:
+    """A streaming turn's text (and reasoning) since its last flush, as events
+    of the loop's stream. Returns whether someone watches the loop; None when
+    the shell is no longer unfinished (nothing was written)."""
+    row, committed = run_alone(session, sql.RECORD_DELTA, {
+        "shell_id": shell_id, "text": storable.text(text)[0] or None, "offset": offset,
+        "reasoning": storable.text(reasoning)[0] if reasoning else None,
+        "reasoning_offset": reasoning_offset}, sole=True)
+    commit_unless(committed, session)
+    return None if row is None else bool(row["watched"])
 
 
 @dataclass(frozen=True)
@@ -248,7 +264,8 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
                     calls: Sequence[NewToolCall], wire: WireRecord | None,
                     sequential: bool, adopt: bool,
                     on_wait: Callable[[WaitRequest, SessionLike], None] | None = None,
-                    ends: LoopEnds | None = None, event_id: int | None = None,
+                    ends: LoopEnds | None = None,
+                    streamed: str | None = None, event_id: int | None = None,
                     ) -> FinishedTurn:
     """The LLM turn's canonical write, one statement under the row lock and the
     fence (loops/sql.FINISH_TURN): the shell finalized with its usage and cost,
@@ -264,9 +281,10 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     say, commits with the wait; if it raises, its writes are undone, the error
     logged, and the turn's end commits without them). A final answer runs the
     host's ``on_loop_end`` hooks (``ends``) in the same transaction
-    (store/ending.py). A turn end with nothing else to commit (a final answer
-    with no hook, or an adopted call with no job beside it) runs in
-    autocommit."""
+    (store/ending.py). ``streamed``: the text the loop's stream was sent as
+    deltas; the rest of the answer goes out as its last delta. A turn end
+    with nothing else to commit (a final answer with no hook, or an adopted
+    call with no job beside it) runs in autocommit."""
     usage = response.usage
     content, content_altered = storable.text(response.content)
     reasoning, reasoning_altered = storable.text(response.reasoning)
@@ -294,7 +312,6 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
              if wire is not None and not repeat_history and event_id is None else None)
     params: dict[str, Any] = {
         "loop_id": loop_id, "token": token, "shell_id": shell_id,
-        "live": f"{loop_id}:{shell_id}",
         "input_tokens": usage.input_tokens if usage is not None else None,
         "output_tokens": usage.output_tokens if usage is not None else None,
         "cost": turn_cost if usage is not None else None,
@@ -319,11 +336,15 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     # Nothing else joins this commit when no job is enqueued with it.
     sole = (len(runnable) - (1 if lease is not None else 0) + len(timed) == 0 and not hooked
             and not ended)
+    tail = content[len(streamed):] if streamed is not None and content is not None \
+        and len(content) > len(streamed) and content.startswith(streamed) else None
+    params.update(tail=tail, tail_offset=len(streamed or ""))
     fenced, committed = run_alone(session, sql.FINISH_TURN[bool(calls)], params, sole=sole)
     if fenced is None:
         if not committed:
             session.rollback()
         raise LostLeaseError(f"loop {loop_id} changed hands during the request")
+    fenced.pop("solidloop_streamed", None)
     adopted = None
     call_ids: list[int] = []
     if calls:
