@@ -32,7 +32,7 @@ from werkzeug.datastructures import MultiDict
 
 from ..errors import InvalidArgumentError, SolidLoopError
 from ..jobs import control as jobs_control
-from ..loops import control, pending, queries
+from ..loops import control, pending, queries, wire_reads
 from ..maintenance import runs as maintenance_runs
 from ..models import RESUMABLE_STATUSES, Loop
 from ..models.loop import ALL_STATUSES
@@ -473,7 +473,13 @@ def _loop_regions(session: Any, loop_id: int) -> dict[str, Any]:
     # a stop, a failed request) interrupted is a hidden ``failed`` shell, and an
     # operator reading the timeline must see that the loop paid for it.
     turns = [m for m in messages if m.role == "assistant"]
+    # LLM requests on record with no answer yet: the one in flight (a slow or
+    # hung model call, with its elapsed time) and those their turns abandoned.
+    unanswered = wire_reads.pending_requests(session, loop_id)
+    flying = [r for r in unanswered if r.in_flight]
     return {
+        "pending_requests": {r.event_id: r for r in unanswered},
+        "in_flight": flying[-1] if flying else None,
         "messages": messages,
         "visible": [m for m in messages if not m.is_hidden],
         "hidden": [m for m in messages if m.is_hidden],

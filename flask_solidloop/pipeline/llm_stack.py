@@ -10,8 +10,9 @@ ErrorHandling → AgentInitialization → (host middlewares) → NetworkCalling 
   claim committed before the stack ran. Anything inserted before it runs on
   an empty context.
 * NetworkCalling creates the hidden ``processing`` assistant shell (unless the
-  turn's claim wrote it), renders the request, sends it (with retries) and
-  keeps the wire record.
+  turn's claim wrote it), renders the request, puts it on record (the
+  ``llm_request`` event, pending until the turn's end completes it: decision
+  0025), sends it (with retries) and keeps the wire record.
 * ResponseParsing is the canonical write: under the row lock and fence it
   finalizes the message, records tool calls, usage and the wire event, and
   either completes the loop or enters the tool phase with the tool jobs
@@ -46,7 +47,7 @@ from ..errors import (
 )
 from ..limits import admission, rates
 from ..llm import pricing, reasoning, tool_text
-from ..llm.client import RetryPolicy, TurnLimits, post_json
+from ..llm.client import RetryPolicy, TurnLimits, post_json, request_record
 from ..llm.dialect import RenderOptions, StreamDelta
 from ..llm.redact import is_secret_header, redact_secrets
 from ..llm.registry import get_dialect
@@ -94,7 +95,7 @@ class ErrorHandling:
                     and getattr(exc, "retry_after", None) is not None:
                 # A rate-limited key refused with a wait: every worker is off
                 # the key until then, and this turn goes at the block's end.
-                _defer_to(ctx, ctx.admitted, ctx.admitted.wait)
+                _defer_to(ctx, ctx.admitted, ctx.admitted.wait, error_message=message)
                 return None
             if is_provider_outage(exc) and _defer(
                     ctx, message, max_attempts=BROKEN_RESPONSE_DEFERRALS
@@ -126,7 +127,7 @@ def _defer(ctx: LlmContext, message: str, *, max_attempts: int | None = None) ->
     deferred = store.defer_llm_turn(ctx.state, ctx.session, ctx.loop_id, ctx.execution_token,
                                     error_message=message, max_wait=max_wait,
                                     max_attempts=max_attempts, wire=ctx.wire,
-                                    shell_id=ctx.shell_id)
+                                    shell_id=ctx.shell_id, event_id=ctx.request_event_id)
     if deferred is not None:
         logger.warning("loop %s: the provider is out (%s); deferred %d time(s) since %s, next "
                        "try in %.0fs", ctx.loop_id, message, deferred.attempts,
@@ -167,7 +168,8 @@ def _end_turn(ctx: LlmContext, *, to: str, error_message: str) -> None:
                                    error_message=error_message, shell_id=ctx.shell_id,
                                    wire=ctx.wire, body_limit=ctx.state.config.event_body_limit,
                                    repeat_history=ctx.state.config.event_repeat_history,
-                                   ends=store.loop_ends(ctx.state, ctx.agent.agent_name)),
+                                   ends=store.loop_ends(ctx.state, ctx.agent.agent_name),
+                                   event_id=ctx.request_event_id),
             session=ctx.session, seconds=ctx.state.config.database_retry_seconds,
             still_ours=ctx.still_ours, what=f"loop {ctx.loop_id}: the turn's end")
     except Exception as exc:
@@ -333,6 +335,8 @@ class NetworkCalling:
         )
         ctx.secrets = common["secrets"]
         url = settings.base_url + rendered.path
+        record = request_record(url, rendered.payload, headers=headers, secrets=ctx.secrets)
+        _record_request(ctx, record)
         # No transaction may stay open across the network call: it would pin a
         # connection, hold locks and trip idle_in_transaction_session_timeout.
         store.end_transaction(ctx.session)
@@ -343,9 +347,9 @@ class NetworkCalling:
                 partial = ctx.partial = PartialWriter(ctx)
                 ctx.response, ctx.wire, ctx.metrics = post_stream(
                     url, rendered.payload, make_aggregator=dialect.aggregator,
-                    on_delta=partial, **common)
+                    on_delta=partial, record=record, **common)
             else:
-                body, ctx.wire = post_json(url, rendered.payload, **common)
+                body, ctx.wire = post_json(url, rendered.payload, record=record, **common)
                 ctx.metrics = {"duration_ms": round((time.monotonic() - started) * 1000, 1)}
                 ctx.response = dialect.parse(body)
                 _check_length(ctx.response, common["limits"], ctx.wire)
@@ -364,6 +368,23 @@ class NetworkCalling:
             ctx.metrics["output_tokens_per_s"] = round(
                 ctx.response.usage.output_tokens / seconds, 1)
         return self.next_step(ctx)
+
+
+def _record_request(ctx: LlmContext, record: Any) -> None:
+    """Put the request on record before it is sent: its ``llm_request`` event,
+    redacted as the send path keeps it, pending until the turn's end completes
+    it (``ctx.request_event_id``). Fenced: a turn that lost its loop gets
+    LostLeaseError here and sends nothing. One statement in autocommit (it
+    joins the session's transaction when one is open, and commits it). The
+    record is the turn's from now on, so
+    every exit (an error, a limit, a hand-back) completes the row with what
+    the attempts so far left on it."""
+    _check_lease(ctx)
+    config = ctx.state.config
+    ctx.request_event_id = store.record_request(
+        ctx.session, ctx.loop_id, ctx.execution_token, shell_id=ctx.shell_id, wire=record,
+        body_limit=config.event_body_limit, repeat_history=config.event_repeat_history)
+    ctx.wire = record
 
 
 def with_note(history: list[Any], note: str | None) -> list[Any]:
@@ -394,12 +415,17 @@ def _capacity_now(ctx: LlmContext, admitted: admission.Admitted) -> bool:
     return False
 
 
-def _defer_to(ctx: LlmContext, admitted: admission.Admitted, wait: float) -> None:
+def _defer_to(ctx: LlmContext, admitted: admission.Admitted, wait: float, *,
+              error_message: str | None = None) -> None:
+    """The turn deferred to its rate-limit slot; after a request the provider
+    refused with a long wait (``error_message``), its event completed."""
     if ctx.lease is not None and ctx.lease.lost():
         return
     deferred = store.defer_for_capacity(ctx.state, ctx.session, ctx.loop_id,
                                         ctx.execution_token, delay_seconds=wait,
-                                        slot=admitted.slot(ctx.loop.step_count))
+                                        slot=admitted.slot(ctx.loop.step_count),
+                                        wire=ctx.wire, event_id=ctx.request_event_id,
+                                        error_message=error_message, shell_id=ctx.shell_id)
     if deferred:
         logger.info("loop %s: no rate-limit capacity on %s; deferred %.1fs to its slot",
                     ctx.loop_id, ", ".join(admitted.reservation.keys)
@@ -724,7 +750,8 @@ class ResponseParsing:
                 adopt=ctx.adopt_next, on_wait=ctx.agent.on_wait,
                 ends=store.loop_ends(ctx.state, ctx.agent.agent_name),
                 streamed=ctx.partial.sent_text if ctx.partial is not None
-                and ctx.partial.deltas else None),
+                and ctx.partial.deltas else None,
+                event_id=ctx.request_event_id),
             session=ctx.session, seconds=ctx.state.config.database_retry_seconds,
             still_ours=ctx.still_ours, what=f"loop {ctx.loop_id}: the turn's end")
         ctx.message, ctx.adopted = finished.message, finished.adopted

@@ -129,7 +129,7 @@ def _finish_turn(with_calls: bool) -> str:
         "usage = coalesce(%(usage)s, usage), cost = coalesce(%(message_cost)s, cost), "
         "updated_at = now() WHERE id = %(shell_id)s AND EXISTS (SELECT 1 FROM fenced) "
         "RETURNING id)",
-        f"event AS ({llm_event('fenced')})",
+        llm_event("fenced"),
         # The text the stream was not sent yet (none when the turn did not
         # stream deltas): before the shell's completion, whose event fires at
         # the statement's end, so a stream's deltas add up to the stored text.
@@ -185,7 +185,7 @@ END_TURN = (
     "lease_holder = NULL, updated_at = now() WHERE id = %(call_id)s "
     "AND lease_token = %(lease)s AND EXISTS (SELECT 1 FROM ended)), "
     f"hidden AS ({hide_shells('SELECT id FROM ended')}), "
-    f"event AS ({llm_event('ended')}) "
+    f"{llm_event('ended')} "
     "SELECT id FROM ended")
 
 #: A claimed LLM turn given back to the queue (the worker is stopping, or the
@@ -200,12 +200,15 @@ REQUEUE_TURN = (
 #: A turn a rate limit deferred to its slot, if the generation is still the
 #: writer's: queued again (its job is the caller's, due at the slot), its shells
 #: hidden, the deferral counted, and the reservation it holds kept for its LLM
-#: step (``slot``: limits/admission.py). No row when the fence failed.
+#: step (``slot``: limits/admission.py); the wire event of a request the
+#: provider refused with a long wait recorded (none before a request: its
+#: ``payload`` and ``event_id`` are NULL). No row when the fence failed.
 DEFER_FOR_CAPACITY = (
     f"WITH deferred AS (UPDATE solidloop_loops SET {REQUEUE_SET}, "
     "capacity_deferrals = capacity_deferrals + 1, capacity_slot = %(slot)s "
     f"WHERE id = %(loop_id)s AND {OWNED} RETURNING id), "
-    f"hidden AS ({hide_shells('SELECT id FROM deferred')}) "
+    f"hidden AS ({hide_shells('SELECT id FROM deferred')}), "
+    f"{llm_event('deferred')} "
     "SELECT id FROM deferred")
 
 #: The reservation a deferred turn holds, taken by the generation that will
@@ -234,7 +237,7 @@ DEFER_TURN = (
     "AND provider_wait_attempts < coalesce(%(max_attempts)s::int, provider_wait_attempts + 1) "
     "RETURNING id, provider_wait_since, provider_wait_attempts), "
     f"hidden AS ({hide_shells('SELECT id FROM deferred')}), "
-    f"event AS ({llm_event('deferred')}) "
+    f"{llm_event('deferred')} "
     "SELECT * FROM deferred")
 
 #: A middleware's own fenced transition (``ctx.transition``): from one of
@@ -255,3 +258,15 @@ TRANSITION = (
     "updated_at = now() "
     "WHERE id = %(loop_id)s AND status = ANY(%(from)s::text[]) AND execution_token = %(token)s "
     "RETURNING id")
+
+#: The turn's ``llm_request`` event, recorded just before its request is sent
+#: (its redacted request; no response, no duration yet: pending), fenced on the
+#: generation under the loop row's lock (``FOR SHARE``: a claim or an exit of
+#: another writer waits for it, and it for them). The write that ends the turn
+#: completes the same row (``llm_event``'s ``answered``). No row when the loop
+#: is no longer the writer's.
+RECORD_REQUEST = (
+    "INSERT INTO solidloop_events (loop_id, message_id, kind, payload) "
+    "SELECT id, %(shell_id)s::bigint, 'llm_request', %(payload)s::jsonb "
+    f"FROM solidloop_loops WHERE id = %(loop_id)s AND {OWNED} FOR SHARE "
+    "RETURNING id, created_at")
