@@ -116,6 +116,14 @@ class LiveHub:
             self._thread = None  # start() makes a new one for the next stream
             return True
 
+    def _unwatched(self) -> bool:
+        """Retire the thread now if no stream watches anything."""
+        with self._cond:
+            if self._feeds:
+                return False
+            self._thread = None
+            return True
+
     def _run(self) -> None:
         since = [time.monotonic()]
         while not self._stop.is_set() and not self._idle(since):
@@ -131,6 +139,8 @@ class LiveHub:
                         for note in conn.notifies(timeout=1.0):
                             self.dispatch(note.payload)
             except Exception as exc:  # the streams' heartbeat reads cover the gap
+                if self._unwatched():
+                    return  # nobody to listen for: the next stream starts a new thread
                 logger.warning("live LISTEN connection lost (%s); retrying", exc)
                 self._stop.wait(1.0)
             finally:
