@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import difflib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ._typing import SessionLike
@@ -35,6 +35,7 @@ from .mcp.toolset import CallContext
 from .models import RESUMABLE_STATUSES, Loop, Message, ToolCall
 from .models.loop import LoopStatus
 from .state import get_state
+from .streaming import StreamEvent
 
 if TYPE_CHECKING:
     from .pipeline.builder import Builder
@@ -56,6 +57,8 @@ OPTIONS: dict[str, str] = {
                       "place of the provider's origin (a separate API key)",
     "sequential_tool_calls": "bool: run a turn's tool calls one after another",
     "reasoning_effort": "str passed to the provider, or None",
+    "stream_reasoning": "bool: write the model's reasoning to the loop's event stream as "
+                        "reasoning_delta events while it streams (default False)",
     "max_tokens": "int output cap, or None for the provider default",
     "turn_timeout": "seconds of wall time per LLM request, retries and streaming included "
                     "(default 600), or None for none",
@@ -131,6 +134,7 @@ class Agent:
     rate_limit_key: Any = None
     sequential_tool_calls: Any = False
     reasoning_effort: Any = None
+    stream_reasoning: Any = False
     max_tokens: Any = None
     turn_timeout: Any = 600
     max_output_chars: Any = 1_000_000
@@ -487,6 +491,29 @@ class Agent:
         """
         return control.resume(get_state(), self._require_loop(), from_=from_, message=message,
                               session=session, budget=budget)
+
+    def wait(self, timeout: float | None = None) -> str | None:
+        """Block until the loop settles (completed, failed, paused, waiting for
+        a decision or a result, or init) and return its status; after
+        ``timeout`` seconds return the status it has then (None: no bound).
+        Woken by the status notification every loop sends, not by polling;
+        while it waits it holds no database connection. None when the loop
+        does not exist."""
+        from .streaming import wait_settled
+
+        state = get_state()
+        return wait_settled(state, self._require_loop(), timeout,
+                            heartbeat=state.config.stream_heartbeat)
+
+    def events(self, after: str | int | None = None, timeout: float | None = None, *,
+               reasoning: bool = False) -> Iterator[StreamEvent]:
+        """The loop's event stream (``SolidLoop.events``)."""
+        from .streaming import follow, parse_after
+
+        state = get_state()
+        stream = follow(state, self._require_loop(), parse_after(after), seconds=timeout,
+                        heartbeat=state.config.stream_heartbeat, reasoning=reasoning)
+        return (event for event in stream if event is not None)
 
     def send_message(self, message: str, *,
                      session: SessionLike | None = None) -> store.SentMessage:

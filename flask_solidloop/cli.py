@@ -435,9 +435,10 @@ def start(agent: str, message: str) -> None:
 @click.argument("loop_id", type=int)
 @with_appcontext
 def status(loop_id: int) -> None:
-    """Show a loop, its messages and its tool calls."""
-    from .loops import queries
-    from .render import format_budget, format_loop, format_message
+    """Show a loop, its messages and its tool calls (and an LLM request in
+    flight, with its elapsed time)."""
+    from .loops import queries, wire_reads
+    from .render import format_budget, format_loop, format_message, format_requests
     from .spending import loop_budget
 
     session = _state().db.session
@@ -446,6 +447,8 @@ def status(loop_id: int) -> None:
         raise click.ClickException(f"no loop with id {loop_id}")
     click.echo(format_loop(loop))
     for line in format_budget(loop_budget(_state(), session, loop)):
+        click.echo(line)
+    for line in format_requests(wire_reads.pending_requests(session, loop_id)):
         click.echo(line)
     calls = {c.id: c for c in queries.tool_calls(session, loop_id)}
     states = queries.tool_call_states(session, loop_id)

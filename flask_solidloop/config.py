@@ -325,10 +325,21 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds between janitor sweeps run inside worker processes (one sweep per "
             "interval across all workers); 0 turns the in-worker janitor off."),
     Setting("SOLIDLOOP_STREAM_UPDATE_INTERVAL", 2.0, _positive_float,
-            "Seconds between writes of a streaming turn's partial text to its hidden shell."),
+            "Seconds between flushes of a streaming turn's text (its deltas, or its partial "
+            "text on the hidden shell) while nobody watches its loop."),
     Setting("SOLIDLOOP_OBSERVED_STREAM_UPDATE_INTERVAL", 0.25, _positive_float,
-            "Seconds between partial-text writes while the loop is observed (someone watches "
-            "it live in the admin)."),
+            "Seconds between partial-text writes onto the hidden shell while the loop is "
+            "watched, when text deltas are off (SOLIDLOOP_STREAM_MAX_HZ = 0)."),
+    Setting("SOLIDLOOP_STREAM_MAX_HZ", 20.0, _non_negative_float,
+            "Most events per second a streaming turn writes while someone watches its loop "
+            "(deltas are coalesced to this rate); 0 turns text deltas off (partial text "
+            "then goes onto the hidden shell every SOLIDLOOP_STREAM_UPDATE_INTERVAL)."),
+    Setting("SOLIDLOOP_STREAM_SECONDS", 30.0, _admin_stream_seconds,
+            "Longest a stream of sse_response() stays open before it ends and the browser "
+            "reconnects with Last-Event-ID; at most 60, so a stream never pins a WSGI thread."),
+    Setting("SOLIDLOOP_STREAM_HEARTBEAT", 5.0, _positive_float,
+            "Seconds between heartbeats of a stream (events() and sse_response()); each "
+            "heartbeat also reads the loop's events, so a lost notification costs at most one."),
     Setting("SOLIDLOOP_ADMIN_STREAM_SECONDS", 30.0, _admin_stream_seconds,
             "Longest an admin live stream (SSE) stays open before it ends and the browser "
             "reconnects with Last-Event-ID; at most 60, so a stream never pins a WSGI thread."),
@@ -446,6 +457,9 @@ class Config:
     janitor_interval: float
     stream_update_interval: float
     observed_stream_update_interval: float
+    stream_max_hz: float
+    stream_seconds: float
+    stream_heartbeat: float
     admin_stream_seconds: float
     admin_heartbeat: float
     admin_trusted_origins: tuple[str, ...]

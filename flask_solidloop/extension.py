@@ -9,11 +9,11 @@ global middleware hooks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from dramatiq.middleware import Retries
-from flask import Blueprint, Flask
+from flask import Blueprint, Flask, Response
 from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy.engine import make_url
 
@@ -27,7 +27,7 @@ from .loops.store import LoopEndHook
 from .maintenance.janitor import prune_if_due, runs_in_workers
 from .maintenance.reaper import reap
 from .mcp.toolset import Toolset
-from .models import ToolCall
+from .models import Loop, ToolCall
 from .pipeline.builder import Builder
 from .queue.broker import PostgresBroker
 from .queue.middleware import (
@@ -41,6 +41,7 @@ from .queue.middleware import (
 from .queue.middleware.periodic import JanitorTaskMiddleware, ReaperTaskMiddleware
 from .runtime.actors import declare_actors
 from .state import EXTENSION_KEY, SolidLoopState
+from .streaming import StreamEvent
 from .urls import install_log_redaction, libpq_url, redact_url
 
 if TYPE_CHECKING:
@@ -220,6 +221,45 @@ class SolidLoop:
         from .state import get_state
 
         return control.pending_calls(get_state(), agent=agent, limit=limit, session=session)
+
+    # -- a loop's event stream ----------------------------------------------------------
+
+    def events(self, loop_id: int, after: str | int | None = None,
+               timeout: float | None = None, *, reasoning: bool = False,
+               app: Flask | None = None) -> Iterator[StreamEvent]:
+        """The loop's events after ``after`` (an event's ``id``; None: from the
+        start), in order, as they commit: ``status_changed``,
+        ``message_started``, ``text_delta``, ``tool_call``, ...
+        (docs/guides/streaming.md). It ends after ``completed`` or ``failed``
+        when nothing follows, or once ``timeout`` seconds have passed; while it
+        waits it holds no database connection. ``reasoning`` adds the
+        ``reasoning_delta`` events of agents that set ``stream_reasoning``."""
+        from .state import get_state
+        from .streaming import follow, parse_after
+
+        state = get_state(app)
+        start = parse_after(after)
+        stream = follow(state, loop_id, start, seconds=timeout,
+                        heartbeat=state.config.stream_heartbeat, reasoning=reasoning)
+        return (event for event in stream if event is not None)
+
+    def sse_response(self, loop_id: int, *, authorize: Callable[[Loop], bool] | None = None,
+                     after: str | int | None = None, reasoning: bool = False,
+                     render: Callable[[StreamEvent], Any] | None = None,
+                     seconds: float | None = None, heartbeat: float | None = None) -> Response:
+        """A Server-Sent Events response of the loop's events for a Flask view:
+        it resumes after the browser's ``Last-Event-ID`` (or ``?last_event_id=``,
+        or ``after``), sends heartbeats, ends after SOLIDLOOP_STREAM_SECONDS (the
+        browser reconnects where it was) or with an ``end`` event when the loop
+        has finished. ``authorize(loop)`` returning False answers 403; a loop
+        that does not exist, 404. ``render(event)`` makes the ``data:`` of an
+        event (an HTML fragment, say; None skips it); JSON by default."""
+        from .state import get_state
+        from .streaming import sse_response
+
+        return sse_response(get_state(), loop_id, authorize=authorize, after=after,
+                            reasoning=reasoning, render=render, seconds=seconds,
+                            heartbeat=heartbeat)
 
     # -- the MCP server blueprint -------------------------------------------------------
 

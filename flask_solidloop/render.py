@@ -1,5 +1,7 @@
-"""Plain-text rendering of loops and messages for the CLI and the demo, and of
-a loop's spend against its budgets (:func:`format_budget`)."""
+"""Plain-text rendering of loops and messages for the CLI and the demo, of
+a loop's spend against its budgets (:func:`format_budget`), and of its LLM
+requests with no answer on record (:func:`format_requests`; the admin shows
+them in the same words)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from sqlalchemy.orm import object_session
 
 from .loops import queries
 from .loops.queries import ToolCallState
+from .loops.wire_reads import PendingRequest
 from .models import Loop, Message, ToolCall
 from .spending import LoopBudget, window_text
 
@@ -65,6 +68,40 @@ def format_budget(budget: LoopBudget) -> list[str]:
         lines.append(f"  capacity deferrals: {budget.deferrals} (turns a rate limit deferred "
                      "to a later slot, holding nothing while they waited)")
     return lines
+
+
+def format_requests(pending: list[PendingRequest]) -> list[str]:
+    """The status lines of a loop's LLM requests with no answer on record
+    (loops/wire_reads.py): the one in flight, with its elapsed time, model and
+    endpoint; those whose turns ended without an answer, by event id."""
+    lines = [f"  {describe_request(r)}" for r in pending if r.in_flight]
+    lost = [r for r in pending if not r.in_flight]
+    if lost:
+        lines.append(f"  {len(lost)} LLM request(s) unanswered (their turns ended without an "
+                     "answer: a worker died, a lease was lost, or the loop was paused or "
+                     "stopped): wire-log event(s) " + ", ".join(f"#{r.event_id}" for r in lost))
+    return lines
+
+
+def describe_request(request: PendingRequest) -> str:
+    """``LLM request in flight for 12.4 s (model gpt-4o, endpoint https://...)``,
+    or unanswered and since when."""
+    about = ", ".join(part for part in (
+        f"model {request.model}" if request.model else None,
+        f"endpoint {request.url}" if request.url else None) if part)
+    about = f" ({about})" if about else ""
+    if request.in_flight:
+        return f"LLM request in flight for {_elapsed(request.seconds)}{about}"
+    return (f"LLM request #{request.event_id} unanswered: sent {_elapsed(request.seconds)} "
+            f"ago{about}, its turn ended without an answer")
+
+
+def _elapsed(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def _assistant_messages(loop: Loop) -> list[Message]:

@@ -32,13 +32,14 @@ from werkzeug.datastructures import MultiDict
 
 from ..errors import InvalidArgumentError, SolidLoopError
 from ..jobs import control as jobs_control
-from ..loops import control, pending, queries
+from ..loops import control, pending, queries, wire_reads
 from ..maintenance import runs as maintenance_runs
 from ..models import RESUMABLE_STATUSES, Loop
 from ..models.loop import ALL_STATUSES
 from ..queue.middleware.worker_registry import MISSED_BEATS, WorkerRow, list_workers
 from ..spending import AgentLimits, Gauge, loop_budget, rate_keys, subjects, tightest
 from ..state import SolidLoopState, get_state
+from ..streaming import HEADERS
 from . import approvals, filters, format, live, passes, security
 
 logger = logging.getLogger("flask_solidloop.admin")
@@ -244,8 +245,8 @@ def create_blueprint(*, authorize: security.Authorize | None,
         if row is None:
             abort(404)
         begin = live.start(session, loop_id)
-        return render_template("solidloop/admin/loop.html", lp=row, cursor=str(begin.cursor),
-                               live_message=begin.cursor.message_id, live_text=begin.text,
+        return render_template("solidloop/admin/loop.html", lp=row, cursor=begin.cursor,
+                               live_message=begin.message_id, live_text=begin.text,
                                back=_back(), did=request.args.get("did"),
                                ok=request.args.get("ok"), results=RESULTS,
                                decided=request.args.get("decided", type=int),
@@ -266,17 +267,19 @@ def create_blueprint(*, authorize: security.Authorize | None,
     @bp.get("/loops/<int:loop_id>/stream")
     def loop_stream(loop_id: int) -> Any:
         config = state().config
-        cursor = (live.Cursor.parse(request.headers.get("Last-Event-ID"))
-                  or live.Cursor.parse(request.args.get("last_event_id"))
-                  or live.Cursor.parse(request.args.get("cursor")))
+        cursor = (request.headers.get("Last-Event-ID") or request.args.get("last_event_id")
+                  or request.args.get("cursor"))
         session = state().db.session
-        if cursor is None:
+        if not cursor:
             cursor = live.start(session, loop_id).cursor
         session.remove() if hasattr(session, "remove") else session.close()
-        body = live.stream(state(), loop_id, cursor, seconds=config.admin_stream_seconds,
-                           heartbeat=config.admin_heartbeat)
+        try:
+            body = live.stream(state(), loop_id, cursor, seconds=config.admin_stream_seconds,
+                               heartbeat=config.admin_heartbeat)
+        except InvalidArgumentError as exc:
+            return Response(f"{exc}\n", status=400, mimetype="text/plain")
         return Response(stream_with_context(body), mimetype="text/event-stream",
-                        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+                        headers=dict(HEADERS))
 
     # -- actions ---------------------------------------------------------------
 
@@ -470,7 +473,13 @@ def _loop_regions(session: Any, loop_id: int) -> dict[str, Any]:
     # a stop, a failed request) interrupted is a hidden ``failed`` shell, and an
     # operator reading the timeline must see that the loop paid for it.
     turns = [m for m in messages if m.role == "assistant"]
+    # LLM requests on record with no answer yet: the one in flight (a slow or
+    # hung model call, with its elapsed time) and those their turns abandoned.
+    unanswered = wire_reads.pending_requests(session, loop_id)
+    flying = [r for r in unanswered if r.in_flight]
     return {
+        "pending_requests": {r.event_id: r for r in unanswered},
+        "in_flight": flying[-1] if flying else None,
         "messages": messages,
         "visible": [m for m in messages if not m.is_hidden],
         "hidden": [m for m in messages if m.is_hidden],

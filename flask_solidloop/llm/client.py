@@ -274,6 +274,16 @@ class TurnLimits:
                 "the provider stops first")
 
 
+def request_record(url: str, payload: dict[str, Any], *, headers: dict[str, str],
+                   secrets: list[str] | None) -> WireRecord:
+    """The wire record of a request not sent yet: its URL without credentials,
+    its headers and body with every secret removed. A turn puts it on record
+    before sending (pipeline/llm_stack.py), then hands it to the send path
+    (``record=``), which fills in the attempts and the response."""
+    return WireRecord(url=redact_url(url), request_headers=redact_headers(headers),
+                      request_body=redact_secrets(payload, secrets or []))
+
+
 class Send:
     """One request through the send path: what to send, how to retry, its wire record."""
 
@@ -283,7 +293,7 @@ class Send:
         policy: RetryPolicy | None, secrets: list[str] | None,
         should_abort: Callable[[], bool] | None, client: httpx.Client | None,
         retry_after_from_body: Callable[[Any], float | None] | None, stream: bool,
-        limits: TurnLimits | None = None,
+        limits: TurnLimits | None = None, record: WireRecord | None = None,
     ) -> None:
         self.url = url
         self.limits = limits or TurnLimits()
@@ -301,8 +311,9 @@ class Send:
         self.http = client or shared_client()
         self.retry_after_from_body = retry_after_from_body
         self.stream = stream
-        self.record = WireRecord(url=self.shown_url, request_headers=redact_headers(headers),
-                                 request_body=redact_secrets(payload, self.secrets))
+        #: ``record``: made by :func:`request_record` for this same request.
+        self.record = record if record is not None else request_record(
+            url, payload, headers=headers, secrets=self.secrets)
 
     def redact(self, value: Any) -> Any:
         return redact_secrets(value, self.secrets)
@@ -500,8 +511,10 @@ def post_json(
     params: dict[str, str] | None = None,
     retry_after_from_body: Callable[[Any], float | None] | None = None,
     limits: TurnLimits | None = None,
+    record: WireRecord | None = None,
 ) -> tuple[Any, WireRecord]:
-    """POST ``payload`` and return the parsed JSON body plus the wire record.
+    """POST ``payload`` and return the parsed JSON body plus the wire record
+    (``record`` when given: :func:`request_record` of this request).
 
     Raises ProviderHTTPError for a final non-2xx status and ProviderResponseError
     for a body that is not JSON; both carry what the user needs to act.
@@ -509,7 +522,8 @@ def post_json(
     send = Send(url, payload, headers=headers, params=params, read_timeout=read_timeout,
                 connect_timeout=connect_timeout, policy=policy, secrets=secrets,
                 should_abort=should_abort, client=client,
-                retry_after_from_body=retry_after_from_body, stream=False, limits=limits)
+                retry_after_from_body=retry_after_from_body, stream=False, limits=limits,
+                record=record)
     return send.run(partial(_json_attempt, send)), send.record
 
 

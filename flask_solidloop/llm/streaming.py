@@ -51,16 +51,18 @@ def post_stream(
     retry_after_from_body: Callable[[Any], float | None] | None = None,
     client: httpx.Client | None = None,
     limits: TurnLimits | None = None,
+    record: WireRecord | None = None,
 ) -> tuple[AssistantTurn, WireRecord, dict[str, Any]]:
     """Stream one response; return the assembled turn, the wire record and metrics
     (``ttft_ms`` (absent when no text streamed), ``thinking_ms``, ``duration_ms``,
     ``output_tokens`` (labelled ``output_tokens_estimated`` when the server sent
     no usage), ``output_tokens_per_s`` (see :func:`output_rate`) of the attempt
-    that answered)."""
+    that answered; ``record``: as :func:`.client.post_json`'s)."""
     send = Send(url, payload, headers=headers, params=params, read_timeout=read_timeout,
                 connect_timeout=connect_timeout, policy=policy, secrets=secrets,
                 should_abort=should_abort, client=client,
-                retry_after_from_body=retry_after_from_body, stream=True, limits=limits)
+                retry_after_from_body=retry_after_from_body, stream=True, limits=limits,
+                record=record)
     turn, metrics = send.run(
         lambda attempt: _stream_attempt(send, attempt, make_aggregator(), on_delta))
     return turn, send.record, metrics

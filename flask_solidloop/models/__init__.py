@@ -16,6 +16,7 @@ from .maintenance_run import MaintenanceRun
 from .mcp_inbound import McpInboundSession
 from .mcp_session import McpSession
 from .message import Message
+from .stream_event import StreamEventRow
 from .tool_call import ToolCall
 from .worker import Worker
 
@@ -37,6 +38,7 @@ __all__ = [
     "PeriodicRun",
     "RateBucket",
     "Spend",
+    "StreamEventRow",
     "ToolCall",
     "Worker",
     "metadata",

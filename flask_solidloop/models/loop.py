@@ -165,6 +165,9 @@ class Loop(Timestamps, Base):
     capped_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     held_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     held_by: Mapped[str | None] = mapped_column(String(10))
+    # Until when an open stream watches the loop (streaming/): its events are
+    # then NOTIFYed and its partial text flushes at SOLIDLOOP_STREAM_MAX_HZ.
+    watched_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # A conversation's queued messages (loops/store/conversation.py): sent while
     # the loop was live, not yet in its history, oldest first; NULL when none.
     inbox: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONB(none_as_null=True))

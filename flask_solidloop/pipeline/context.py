@@ -79,8 +79,9 @@ class LlmContext(TurnContext):
     """One LLM turn. Filled in as the stack runs:
 
     * AgentInitialization: ``tools`` (the registry), ``history``, ``history_chars``
-    * NetworkCalling: ``shell_id`` (unless the claim wrote it), ``response``,
-      ``wire``, ``metrics``, ``reasoning_carried``
+    * NetworkCalling: ``shell_id`` (unless the claim wrote it),
+      ``request_event_id``, ``response``, ``wire``, ``metrics``,
+      ``reasoning_carried``
     * ResponseParsing: ``message`` (the finalized assistant message)
     """
 
@@ -97,6 +98,9 @@ class LlmContext(TurnContext):
     #: Set by NetworkCalling as it sends the request: from then on the turn's
     #: end may have committed even when its statement raised.
     requested: bool = False
+    #: The request's ``llm_request`` event, written (pending) before it was
+    #: sent; the turn's end completes it (decision 0025).
+    request_event_id: int | None = None
     response: AssistantTurn | None = None
     wire: WireRecord | None = None
     #: ttft_ms (when text streamed), thinking_ms, output_tokens (+

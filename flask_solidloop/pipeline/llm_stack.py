@@ -10,8 +10,9 @@ ErrorHandling → AgentInitialization → (host middlewares) → NetworkCalling 
   claim committed before the stack ran. Anything inserted before it runs on
   an empty context.
 * NetworkCalling creates the hidden ``processing`` assistant shell (unless the
-  turn's claim wrote it), renders the request, sends it (with retries) and
-  keeps the wire record.
+  turn's claim wrote it), renders the request, puts it on record (the
+  ``llm_request`` event, pending until the turn's end completes it: decision
+  0025), sends it (with retries) and keeps the wire record.
 * ResponseParsing is the canonical write: under the row lock and fence it
   finalizes the message, records tool calls, usage and the wire event, and
   either completes the loop or enters the tool phase with the tool jobs
@@ -46,7 +47,7 @@ from ..errors import (
 )
 from ..limits import admission, rates
 from ..llm import pricing, reasoning, tool_text
-from ..llm.client import RetryPolicy, TurnLimits, post_json
+from ..llm.client import RetryPolicy, TurnLimits, post_json, request_record
 from ..llm.dialect import RenderOptions, StreamDelta
 from ..llm.redact import is_secret_header, redact_secrets
 from ..llm.registry import get_dialect
@@ -94,14 +95,14 @@ class ErrorHandling:
                     and getattr(exc, "retry_after", None) is not None:
                 # A rate-limited key refused with a wait: every worker is off
                 # the key until then, and this turn goes at the block's end.
-                _defer_to(ctx, ctx.admitted, ctx.admitted.wait)
+                _defer_to(ctx, ctx.admitted, ctx.admitted.wait, error_message=message)
                 return None
             if is_provider_outage(exc) and _defer(
                     ctx, message, max_attempts=BROKEN_RESPONSE_DEFERRALS
                     if isinstance(exc, ProviderConnectionLostError) else None):
                 return None
             if isinstance(exc, TurnLimitError) and ctx.partial is not None:
-                ctx.partial.flush()  # what arrived stays on the failed shell
+                ctx.partial.keep()  # what arrived stays on the failed shell
             logger.warning("loop %s: provider error: %s", ctx.loop_id, message)
             _end_turn(ctx, to="failed", error_message=message)
         return None
@@ -126,7 +127,7 @@ def _defer(ctx: LlmContext, message: str, *, max_attempts: int | None = None) ->
     deferred = store.defer_llm_turn(ctx.state, ctx.session, ctx.loop_id, ctx.execution_token,
                                     error_message=message, max_wait=max_wait,
                                     max_attempts=max_attempts, wire=ctx.wire,
-                                    shell_id=ctx.shell_id)
+                                    shell_id=ctx.shell_id, event_id=ctx.request_event_id)
     if deferred is not None:
         logger.warning("loop %s: the provider is out (%s); deferred %d time(s) since %s, next "
                        "try in %.0fs", ctx.loop_id, message, deferred.attempts,
@@ -167,7 +168,8 @@ def _end_turn(ctx: LlmContext, *, to: str, error_message: str) -> None:
                                    error_message=error_message, shell_id=ctx.shell_id,
                                    wire=ctx.wire, body_limit=ctx.state.config.event_body_limit,
                                    repeat_history=ctx.state.config.event_repeat_history,
-                                   ends=store.loop_ends(ctx.state, ctx.agent.agent_name)),
+                                   ends=store.loop_ends(ctx.state, ctx.agent.agent_name),
+                                   event_id=ctx.request_event_id),
             session=ctx.session, seconds=ctx.state.config.database_retry_seconds,
             still_ours=ctx.still_ours, what=f"loop {ctx.loop_id}: the turn's end")
     except Exception as exc:
@@ -333,6 +335,8 @@ class NetworkCalling:
         )
         ctx.secrets = common["secrets"]
         url = settings.base_url + rendered.path
+        record = request_record(url, rendered.payload, headers=headers, secrets=ctx.secrets)
+        _record_request(ctx, record)
         # No transaction may stay open across the network call: it would pin a
         # connection, hold locks and trip idle_in_transaction_session_timeout.
         store.end_transaction(ctx.session)
@@ -343,9 +347,9 @@ class NetworkCalling:
                 partial = ctx.partial = PartialWriter(ctx)
                 ctx.response, ctx.wire, ctx.metrics = post_stream(
                     url, rendered.payload, make_aggregator=dialect.aggregator,
-                    on_delta=partial, **common)
+                    on_delta=partial, record=record, **common)
             else:
-                body, ctx.wire = post_json(url, rendered.payload, **common)
+                body, ctx.wire = post_json(url, rendered.payload, record=record, **common)
                 ctx.metrics = {"duration_ms": round((time.monotonic() - started) * 1000, 1)}
                 ctx.response = dialect.parse(body)
                 _check_length(ctx.response, common["limits"], ctx.wire)
@@ -364,6 +368,23 @@ class NetworkCalling:
             ctx.metrics["output_tokens_per_s"] = round(
                 ctx.response.usage.output_tokens / seconds, 1)
         return self.next_step(ctx)
+
+
+def _record_request(ctx: LlmContext, record: Any) -> None:
+    """Put the request on record before it is sent: its ``llm_request`` event,
+    redacted as the send path keeps it, pending until the turn's end completes
+    it (``ctx.request_event_id``). Fenced: a turn that lost its loop gets
+    LostLeaseError here and sends nothing. One statement in autocommit (it
+    joins the session's transaction when one is open, and commits it). The
+    record is the turn's from now on, so
+    every exit (an error, a limit, a hand-back) completes the row with what
+    the attempts so far left on it."""
+    _check_lease(ctx)
+    config = ctx.state.config
+    ctx.request_event_id = store.record_request(
+        ctx.session, ctx.loop_id, ctx.execution_token, shell_id=ctx.shell_id, wire=record,
+        body_limit=config.event_body_limit, repeat_history=config.event_repeat_history)
+    ctx.wire = record
 
 
 def with_note(history: list[Any], note: str | None) -> list[Any]:
@@ -394,12 +415,17 @@ def _capacity_now(ctx: LlmContext, admitted: admission.Admitted) -> bool:
     return False
 
 
-def _defer_to(ctx: LlmContext, admitted: admission.Admitted, wait: float) -> None:
+def _defer_to(ctx: LlmContext, admitted: admission.Admitted, wait: float, *,
+              error_message: str | None = None) -> None:
+    """The turn deferred to its rate-limit slot; after a request the provider
+    refused with a long wait (``error_message``), its event completed."""
     if ctx.lease is not None and ctx.lease.lost():
         return
     deferred = store.defer_for_capacity(ctx.state, ctx.session, ctx.loop_id,
                                         ctx.execution_token, delay_seconds=wait,
-                                        slot=admitted.slot(ctx.loop.step_count))
+                                        slot=admitted.slot(ctx.loop.step_count),
+                                        wire=ctx.wire, event_id=ctx.request_event_id,
+                                        error_message=error_message, shell_id=ctx.shell_id)
     if deferred:
         logger.info("loop %s: no rate-limit capacity on %s; deferred %.1fs to its slot",
                     ctx.loop_id, ", ".join(admitted.reservation.keys)
@@ -468,9 +494,10 @@ def _follow_continuations(ctx: LlmContext, dialect: Any, url: str, payload: dict
             ctx.response.finish_reason = "length"
             return
         if streaming:
+            if ctx.partial is None:
+                ctx.partial = PartialWriter(ctx)
             turn, wire, _ = post_stream(url, next_payload, make_aggregator=dialect.aggregator,
-                                        on_delta=ctx.partial or PartialWriter(ctx),
-                                        **common)
+                                        on_delta=ctx.partial, **common)
         else:
             body, wire = post_json(url, next_payload, **common)
             turn = dialect.parse(body)
@@ -494,50 +521,106 @@ def _check_length(turn: Any, limits: TurnLimits, wire: Any) -> None:
 
 
 class PartialWriter:
-    """Writes a streaming turn's text so far onto its hidden shell, at most every
-    SOLIDLOOP_STREAM_UPDATE_INTERVAL seconds, so a watcher (the admin, a host
-    view) sees progress. The shell stays hidden and ``processing``: a turn that
-    never commits never puts its partial into the history the model sees."""
+    """Flushes a streaming turn's text as it arrives, coalesced, so watchers (a
+    host's page, the admin) see progress (docs/decisions/0024-loop-event-stream.md).
+
+    With text deltas on (SOLIDLOOP_STREAM_MAX_HZ > 0) each flush writes the
+    text since the last one as events of the loop's stream; off, it writes the
+    text so far onto the hidden shell. The pace is the loop's: every
+    SOLIDLOOP_STREAM_UPDATE_INTERVAL seconds while nobody watches, at most
+    SOLIDLOOP_STREAM_MAX_HZ events a second while somebody does; each flush
+    learns which from its own statement. The shell stays hidden and
+    ``processing``: a turn that never commits never puts its partial into the
+    history the model sees."""
 
     def __init__(self, ctx: LlmContext) -> None:
         self.ctx = ctx
-        self.interval = self._interval()
+        config = ctx.state.config
+        self.deltas = config.stream_max_hz > 0
+        self.reasoning_deltas = self.deltas and bool(ctx.agent.option("stream_reasoning"))
         self.content: list[str] = []
         self.reasoning: list[str] = []
-        self.last_write = time.monotonic()
+        #: What the stream has been sent of the text and the reasoning.
+        self.sent_text = ""
+        self.sent_reasoning = 0
+        self.pace = Coalescer(max_hz=config.stream_max_hz,
+                              idle_interval=config.stream_update_interval,
+                              watched_interval=config.observed_stream_update_interval,
+                              now=time.monotonic())
+        self.pace.watched = self._watched()
         #: Tool calls written as text are the parser's, not the reader's: an observer
         #: never sees their markup, not even half a tag.
         self.text_filter = tool_text.visible_text if _hides_tool_markup(ctx) else None
 
-    def _interval(self) -> float:
-        # An observed loop (someone watches it in the admin) flushes at
-        # SOLIDLOOP_OBSERVED_STREAM_UPDATE_INTERVAL; read without keeping a
-        # transaction open across the stream. A database that fails meanwhile
-        # leaves the interval as it was: the stream goes on.
-        config = self.ctx.state.config
+    def _watched(self) -> bool:
+        # Read without keeping a transaction open across the stream. A database
+        # that fails meanwhile leaves the loop unwatched: the stream goes on.
         try:
-            observed = queries.is_observed(self.ctx.session, self.ctx.loop_id)
+            watched = queries.is_watched(self.ctx.session, self.ctx.loop_id)
         except Exception as exc:
             if not is_transient(exc):
                 raise
             store.recover(self.ctx.session)
-            return getattr(self, "interval", config.stream_update_interval)
+            return False
         self.ctx.session.rollback()
-        return config.observed_stream_update_interval if observed \
-            else config.stream_update_interval
+        return watched
 
     def __call__(self, delta: StreamDelta) -> None:
         self.content.append(delta.content)
         self.reasoning.append(delta.reasoning)
-        now = time.monotonic()
-        if now - self.last_write < self.interval:
-            return
-        self.last_write = now
-        self.flush()
+        if self.pace.due(time.monotonic()):
+            self.flush()
 
     def flush(self) -> None:
-        """Write the text so far now (a turn ended at its limit keeps what arrived
-        on its failed shell)."""
+        """Write what arrived since the last flush now (a turn ended at its limit
+        keeps what arrived on its failed shell)."""
+        ctx = self.ctx
+        if ctx.lease is not None and ctx.lease.lost():
+            return
+        assert ctx.shell_id is not None
+        content = "".join(self.content)
+        if self.text_filter is not None:
+            content = self.text_filter(content)
+        reasoning = "".join(self.reasoning)
+        try:
+            if self.deltas:
+                # Only text that extends what was sent: a filter that hides a
+                # half-written tag may show less than before; the message's
+                # completion carries its stored text anyway.
+                text = content[len(self.sent_text):] \
+                    if content.startswith(self.sent_text) else ""
+                thought = reasoning[self.sent_reasoning:] if self.reasoning_deltas else ""
+                if not text and not thought:
+                    self.pace.flushed(time.monotonic(), events=0)
+                    return
+                watched = store.record_delta(ctx.session, ctx.shell_id, text,
+                                             len(self.sent_text), thought or None,
+                                             self.sent_reasoning)
+                events = bool(text) + bool(thought)
+                self.sent_text += text
+                self.sent_reasoning += len(thought)
+            else:
+                watched = store.record_partial(ctx.session, ctx.shell_id, content,
+                                               reasoning or None)
+                events = 1
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            # A flush is a display: a database that fails under it costs the
+            # watchers this update, never the turn (the next flush sends it).
+            store.recover(ctx.session)
+            logger.warning("loop %s: a partial write failed (%s); the stream goes on",
+                           ctx.loop_id, type(exc).__name__)
+            self.pace.flushed(time.monotonic(), events=0)
+            return
+        if watched is not None:
+            self.pace.watched = watched
+        self.pace.flushed(time.monotonic(), events=events)
+
+
+    def keep(self) -> None:
+        """Write the text so far onto the shell (a turn ended at its limit keeps
+        what arrived on its failed shell, whatever the stream was sent)."""
         ctx = self.ctx
         if ctx.lease is not None and ctx.lease.lost():
             return
@@ -551,13 +634,35 @@ class PartialWriter:
         except Exception as exc:
             if not is_transient(exc):
                 raise
-            # A partial is a display: a database that fails under it costs the
-            # watcher this update, never the turn.
             store.recover(ctx.session)
-            logger.warning("loop %s: a partial write failed (%s); the stream goes on",
-                           ctx.loop_id, type(exc).__name__)
-            return
-        self.interval = self._interval()  # observing may start or stop mid-turn
+
+
+class Coalescer:
+    """When a streaming turn flushes: every ``idle_interval`` seconds while
+    nobody watches its loop; while somebody does, as soon as the last flush's
+    events fit in ``max_hz`` events a second (a flush of a delta and a reasoning
+    delta counts two), or every ``watched_interval`` when deltas are off
+    (``max_hz`` 0)."""
+
+    def __init__(self, *, max_hz: float, idle_interval: float, watched_interval: float,
+                 now: float) -> None:
+        self.max_hz = max_hz
+        self.idle_interval = idle_interval
+        self.watched_interval = watched_interval
+        self.watched = False
+        self.last = now
+        self.gap = 0.0  # seconds the last flush's events need before the next
+
+    def due(self, now: float) -> bool:
+        if not self.watched:
+            return now - self.last >= self.idle_interval
+        if self.max_hz <= 0:
+            return now - self.last >= self.watched_interval
+        return now - self.last >= max(self.gap, 1.0 / self.max_hz)
+
+    def flushed(self, now: float, *, events: int) -> None:
+        self.last = now
+        self.gap = events / self.max_hz if self.max_hz > 0 else 0.0
 
 
 def _hides_tool_markup(ctx: LlmContext) -> bool:
@@ -643,7 +748,10 @@ class ResponseParsing:
                 calls=calls, wire=ctx.wire,
                 sequential=bool(ctx.agent.option("sequential_tool_calls")),
                 adopt=ctx.adopt_next, on_wait=ctx.agent.on_wait,
-                ends=store.loop_ends(ctx.state, ctx.agent.agent_name)),
+                ends=store.loop_ends(ctx.state, ctx.agent.agent_name),
+                streamed=ctx.partial.sent_text if ctx.partial is not None
+                and ctx.partial.deltas else None,
+                event_id=ctx.request_event_id),
             session=ctx.session, seconds=ctx.state.config.database_retry_seconds,
             still_ours=ctx.still_ours, what=f"loop {ctx.loop_id}: the turn's end")
         ctx.message, ctx.adopted = finished.message, finished.adopted

@@ -177,8 +177,13 @@ def run_llm_turn(state: SolidLoopState, loop: Loop, *, adopt: bool = False,
             "the turn", "the loop")
 
     def fail(error: str) -> bool:
+        # The request's event, when one was recorded, ends with the loop.
         return store.end_turn(session, loop_id, token, to=LoopStatus.FAILED,
-                              error_message=error, ends=store.loop_ends(state, agent.agent_name))
+                              error_message=error, ends=store.loop_ends(state, agent.agent_name),
+                              wire=ctx.wire, event_id=ctx.request_event_id,
+                              shell_id=ctx.shell_id,
+                              body_limit=state.config.event_body_limit,
+                              repeat_history=state.config.event_repeat_history)
 
     try:
         _guarded(ctx, lambda: plan.llm_handler()(ctx), f"llm_turn: loop {loop_id}",

@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from flask_solidloop.models import Job, Loop, Message, ToolCall
+from flask_solidloop.loops import wire_reads
+from flask_solidloop.models import Event, Job, Loop, Message, ToolCall
 
-from ..support.support_app import SlowAgent, SlowSequentialAgent
+from ..support.support_app import Assistant, SlowAgent, SlowSequentialAgent
 from .test_e2e_workers import kill_group, spawn_workers
 
 pytestmark = pytest.mark.e2e
@@ -277,3 +278,48 @@ def test_a_worker_killed_in_an_adopted_llm_turn_is_taken_over(
     jobs = list(session.scalars(select(Job).where(Job.loop_id == loop.id)))
     assert {j.state for j in jobs} == {"done"}
     assert sorted(j.actor_name for j in jobs) == ["solidloop.llm_turn"] * 2  # first + heal
+
+
+def test_a_worker_killed_mid_request_leaves_its_request_unanswered(app, session, llm, fleets):
+    """SIGKILL the worker while its LLM request hangs. The request's event, on
+    record before it was sent, shows in flight while the worker's lease holds,
+    and as unanswered once it lapsed, with no worker up (no reaper ran: the
+    display alone tells). A second fleet finishes the loop with a request of
+    its own, on record and completed; the dead one's row stays unanswered."""
+    llm.script("hang on", {"content": "answered"})
+    llm.fault_next("slow_prefill", seconds=60)  # the first request hangs
+    first = fleets("first")
+    loop = Assistant.start(message="hang on")
+    flying = poll(session, lambda: wire_reads.request_in_flight(session, loop.id),
+                  what="the request in flight")
+    # On record before it is sent: the kill must also wait until the request
+    # reached the provider (and drew the fault that makes it hang).
+    poll(session, lambda: [r for r in llm.requests if r.method == "POST"],
+         what="the request at the provider")
+    held = session.get(Loop, loop.id)
+    assert held.status == "running" and held.lease_holder
+    holder = held.lease_holder
+    session.rollback()
+    os.killpg(holder_group(holder), signal.SIGKILL)
+    first.wait(10)
+    left = poll(session, lambda: [r for r in wire_reads.pending_requests(session, loop.id)
+                                  if not r.in_flight],
+                timeout=30, what="the dead worker's request shown as not in flight")
+    assert [r.event_id for r in left] == [flying.event_id]
+    fleets("second")
+    poll(session, lambda: session.get(Loop, loop.id).status == "completed",
+         what="the loop to complete after the kill")
+    session.expire_all()
+    events = list(session.scalars(select(Event).where(
+        Event.loop_id == loop.id, Event.kind == "llm_request").order_by(Event.id)))
+    dead, answered = events
+    assert dead.id == flying.event_id
+    assert dead.duration_ms is None and dead.status_code is None  # nothing wrote it after
+    assert answered.status_code == 200 and answered.duration_ms is not None
+    assert answered.payload["response"]["body"]["choices"][0]["message"]["content"] \
+        == "answered"
+    (unanswered,) = wire_reads.pending_requests(session, loop.id)
+    assert unanswered.event_id == dead.id and unanswered.state == "unanswered"
+    session.rollback()
+    shown = app.test_cli_runner().invoke(args=["solidloop", "status", str(loop.id)]).output
+    assert "1 LLM request(s) unanswered" in shown and "in flight" not in shown

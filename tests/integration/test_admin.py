@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import html
 import json
 import re
 
@@ -354,21 +355,21 @@ def test_stream_resumes_from_last_event_id_without_gap_or_duplicate(app, session
                                  read_history=False)
     assert claim is not None
     shell = claim.shell_id
-    store.record_partial(session, shell, "Hello, wor", None)
+    store.record_delta(session, shell, "Hello, wor", 0)
 
-    first = _events(c.get(f"/admin/loops/{loop.id}/stream?cursor={shell}:0").get_data(
-        as_text=True))
+    first = _events(c.get(f"/admin/loops/{loop.id}/stream?cursor=0").get_data(as_text=True))
     tokens = [e for e in first if e[0] == "token"]
-    assert [e[1] for e in tokens] == [f"{shell}:10"] and "Hello, wor" in tokens[0][2]
-    store.record_partial(session, shell, "Hello, world <b>!</b>", None)
+    assert len(tokens) == 1 and f'data-m="{shell}" data-o="0">Hello, wor</span>' in tokens[0][2]
+    assert [e[0] for e in first][-1] != "end"  # the loop runs: the stream only timed out
+    store.record_delta(session, shell, "ld <b>!</b>", 10)
     again = _events(c.get(f"/admin/loops/{loop.id}/stream",
-                          headers={"Last-Event-ID": f"{shell}:10"}).get_data(as_text=True))
+                          headers={"Last-Event-ID": tokens[0][1]}).get_data(as_text=True))
     tokens = [e for e in again if e[0] == "token"]
-    assert [e[1] for e in tokens] == [f"{shell}:21"]
+    assert len(tokens) == 1 and int(tokens[0][1]) > int(first[-1][1])
     assert 'data-o="10">ld &lt;b&gt;!&lt;/b&gt;</span>' in tokens[0][2]
     # nothing new: a resumed stream sends no token, only heartbeats, and ends
     quiet = c.get(f"/admin/loops/{loop.id}/stream",
-                  headers={"Last-Event-ID": f"{shell}:21"}).get_data(as_text=True)
+                  headers={"Last-Event-ID": tokens[0][1]}).get_data(as_text=True)
     assert "event: token" not in quiet and ": heartbeat" in quiet
 
 
@@ -396,39 +397,50 @@ def after_first_content_read(app, *updates: tuple[str, dict]):
 
 
 def streaming_shell(session, text_so_far: str) -> tuple[int, int]:
-    """A loop whose turn streams: (loop id, shell id) with ``text_so_far`` on it."""
+    """A loop whose turn streams: (loop id, shell id) with ``text_so_far`` sent."""
     loop = Assistant.start(message="stream")
     claim = store.claim_llm_turn(session, loop.id, lease_seconds=30, open_shell=True,
                                  read_history=False)
     shell = claim.shell_id
-    store.record_partial(session, shell, text_so_far, None)
+    store.record_delta(session, shell, text_so_far, 0)
     session.commit()
     return loop.id, shell
 
 
+def _tokens(events) -> str:
+    return "".join(html.unescape(re.sub(r"<[^>]+>", "", data))
+                   for name, _, data in events if name == "token")
+
+
 def test_a_page_shows_exactly_the_text_before_its_streams_cursor(app, session, client):
     # A turn keeps streaming while the page renders. Its text and its stream's
-    # cursor must come from one read: here the text grows right after the page's
-    # first read of the messages, and the page must still show what its cursor
-    # says it has shown (else the stream sends part of it again: seen in CI).
+    # cursor come from one read: here the text grows right after the page's
+    # first read of the messages, and the page shows exactly what its cursor
+    # says it has shown; its stream sends the rest, once.
+    from flask_solidloop.config import Config
+
+    app.extensions["solidloop"].config = Config.from_mapping(
+        {"SOLIDLOOP_ADMIN_STREAM_SECONDS": 1.0, "SOLIDLOOP_ADMIN_HEARTBEAT": 0.1})
     loop_id, shell = streaming_shell(session, "w000 w001 ")
     with after_first_content_read(app, (
-            "UPDATE solidloop_messages SET content = content || 'w002 w' WHERE id = :id",
-            {"id": shell})) as grown:
-        html = client.get(f"/admin/loops/{loop_id}").get_data(as_text=True)
+            "SELECT solidloop_stream_delta(:loop, :id, 'w002 w', 10, NULL, 0)",
+            {"loop": loop_id, "id": shell})) as grown:
+        page = client.get(f"/admin/loops/{loop_id}").get_data(as_text=True)
     assert grown, "the page never read the messages' content"
-    cursor = re.search(r"cursor=(\d+)(?::|%3A)(\d+)", html)
+    cursor = re.search(r"cursor=(\d+)", page)
     shown = re.search(r'<pre id="live-tokens"[^>]*><span class="tok" data-m="(\d+)" '
-                      r'data-o="0">([^<]*)</span>', html)
-    assert cursor and shown, html
-    assert int(cursor.group(1)) == int(shown.group(1)) == shell
-    assert int(cursor.group(2)) == len(shown.group(2))
+                      r'data-o="0">([^<]*)</span>', page)
+    assert cursor and shown, page
+    assert int(shown.group(1)) == shell and shown.group(2) == "w000 w001 "
+    rest = _events(client.get(f"/admin/loops/{loop_id}/stream?cursor={cursor.group(1)}")
+                   .get_data(as_text=True))
+    assert shown.group(2) + _tokens(rest) == "w000 w001 w002 w"
 
 
 def test_a_stream_sends_the_last_text_of_a_turn_that_ends_while_it_reads(app, session):
-    # The turn's final text and the status that ends the stream commit together
-    # right after the stream's first read of the messages: the stream must still
-    # send every character before it ends (seen in CI: it ended one short).
+    # The turn's last delta, its completion and the status that ends the stream
+    # commit together right after the stream's first read: the stream must
+    # still send every character before it ends.
     from flask_solidloop.config import Config
 
     app.extensions["solidloop"].config = Config.from_mapping(
@@ -437,15 +449,16 @@ def test_a_stream_sends_the_last_text_of_a_turn_that_ends_while_it_reads(app, se
     loop_id, shell = streaming_shell(session, "w000 w0")
     with after_first_content_read(
             app,
+            ("SELECT solidloop_stream_delta(:loop, :id, '01', 7, NULL, 0)",
+             {"loop": loop_id, "id": shell}),
             ("UPDATE solidloop_messages SET content = 'w000 w001', status = 'completed'"
              " WHERE id = :id", {"id": shell}),
             ("UPDATE solidloop_loops SET status = 'completed' WHERE id = :id",
              {"id": loop_id})) as finished:
-        body = c.get(f"/admin/loops/{loop_id}/stream?cursor={shell}:0").get_data(as_text=True)
+        body = c.get(f"/admin/loops/{loop_id}/stream?cursor=0").get_data(as_text=True)
     assert finished, "the stream never read the messages' content"
     events = _events(body)
-    sent = "".join(re.sub(r"<[^>]+>", "", data) for name, _, data in events if name == "token")
-    assert sent == "w000 w001", events
+    assert _tokens(events) == "w000 w001", events
     assert events[-1][0] == "end" and "completed" in events[-1][2]
 
 
@@ -455,8 +468,8 @@ def test_waiting_streams_hold_no_connection_and_share_one_listen(app, session):
 
     import psycopg
 
-    from flask_solidloop.admin.live import LISTEN_APPLICATION_NAME, hub_for
     from flask_solidloop.config import Config
+    from flask_solidloop.streaming import LISTEN_APPLICATION_NAME, hub_for
     from flask_solidloop.urls import libpq_url
 
     state = app.extensions["solidloop"]

@@ -156,12 +156,12 @@ def test_bulk_deny_acts_on_the_filtered_set_after_a_confirmation(session, client
 
 
 def test_a_decision_wakes_a_waiting_loops_stream(app, session, client, llm, drain):
-    from flask_solidloop.admin import live
+    from flask_solidloop import streaming
 
     loop = waiting_loop(llm, drain, "email w", ("send_email", {"to": "w", "body": "b"}))
     email = call_of(session, loop.id, "send_email")
     state = app.extensions["solidloop"]
-    hub = live.hub_for(state)
+    hub = streaming.hub_for(state)
     hub.watch(loop.id)
     try:
         assert hub.connected.wait(10)

@@ -203,9 +203,9 @@ def test_a_dropped_connection_at_a_partial_write_skips_that_partial(
     llm.script("speak", {"content": words})
     loop = LiveAgent.create(message="speak")
     state = app.extensions["solidloop"]
-    control.observe(state, loop.id)  # partials every 0.25 s
+    control.observe(state, loop.id)  # deltas at SOLIDLOOP_STREAM_MAX_HZ
     control.resume(state, loop.id, from_="init")
-    dropper.arm(r"^WITH partial AS \(UPDATE solidloop_messages", times=1)
+    dropper.arm(r"^SELECT solidloop_stream_delta\(loop_id", times=1)
     assert settle(app, session, loop.id) == "completed"
     assert len(dropper.dropped) == 1
     session.expire_all()

@@ -305,27 +305,35 @@ def test_invalid_tool_call_json_from_the_model_is_a_tool_error(app, session, llm
     assert "not a JSON object" in call.result["content"][0]["text"]
 
 
-def test_streamed_partials_reach_the_hidden_shell_but_never_the_history(app, session, llm,
-                                                                        database_url):
+@pytest.mark.parametrize("max_hz", [20.0, 0.0], ids=["deltas", "deltas-off"])
+def test_streamed_partials_reach_watchers_but_never_the_history(app, session, llm,
+                                                                  database_url, max_hz):
+    # Text deltas on, the text so far is in the loop's stream and the shell stays
+    # empty until the turn commits; off, the text so far is on the hidden shell.
+    # Either way no visible message ever holds a partial.
     import threading
 
     import psycopg
 
     from flask_solidloop.queue.broker import libpq_url
 
-    other = create_app(SOLIDLOOP_STREAM_UPDATE_INTERVAL=0.05)
+    other = create_app(SOLIDLOOP_STREAM_UPDATE_INTERVAL=0.05, SOLIDLOOP_STREAM_MAX_HZ=max_hz)
     agent = agent_for("watched", llm, streaming=True)
     llm.fault_next("slow_stream", seconds=0.05)
-    llm.script("watch", {"content": "one two three four five six seven eight nine ten " * 3})
-    seen: list[tuple[str, bool, str]] = []
+    text = "one two three four five six seven eight nine ten " * 3
+    llm.script("watch", {"content": text})
+    seen: list[tuple[str, bool, str, str]] = []
     done = threading.Event()
 
     def watch():
         with psycopg.connect(libpq_url(database_url), autocommit=True) as pg:
             while not done.is_set():
                 seen.extend(pg.execute(
-                    "SELECT status, is_hidden, coalesce(content, '') FROM solidloop_messages "
-                    "WHERE role = 'assistant'").fetchall())
+                    "SELECT m.status, m.is_hidden, coalesce(m.content, ''), "
+                    "coalesce((SELECT string_agg(e.text, '' ORDER BY e.id) "
+                    "FROM solidloop_stream_events e WHERE e.message_id = m.id "
+                    "AND e.kind = 'text_delta'), '') "
+                    "FROM solidloop_messages m WHERE m.role = 'assistant'").fetchall())
                 time.sleep(0.02)
 
     with other.app_context():
@@ -338,10 +346,17 @@ def test_streamed_partials_reach_the_hidden_shell_but_never_the_history(app, ses
             done.set()
             watcher.join()
     other.extensions["solidloop"].broker.close()
-    partials = [content for status, hidden, content in seen
-                if status == "processing" and hidden and content]
-    assert partials, "no partial text was written to the shell while streaming"
-    assert all(p.startswith("one two") for p in partials)
+    unfinished = [(content, streamed) for status, hidden, content, streamed in seen
+                  if status == "processing"]
+    assert all(hidden for status, hidden, _, _ in seen if status == "processing")
+    if max_hz:
+        partials = [streamed for content, streamed in unfinished if streamed]
+        assert all(content == "" for content, _ in unfinished)
+    else:
+        partials = [content for content, streamed in unfinished if content]
+        assert all(streamed == "" for _, streamed in unfinished)
+    assert partials, "no partial text was written while streaming"
+    assert all(text.startswith(p) for p in partials)
     assert finished(session, loop_id).status == "completed"
 
 

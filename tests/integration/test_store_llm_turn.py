@@ -21,6 +21,7 @@ from sqlalchemy import func, select, update
 
 from flask_solidloop import Agent
 from flask_solidloop.loops import queries, store
+from flask_solidloop.loops import sql as loop_sql
 from flask_solidloop.models import Job, Loop, Message
 from flask_solidloop.queue.current_job import (
     CurrentJob,
@@ -243,8 +244,9 @@ def test_a_lock_held_without_a_change_lets_the_claim_through(
 def test_a_delivered_turn_reads_once_and_claims_once_before_its_request(
         app, session, llm, drain, monkeypatch):
     """Through the drain (a consumer's claim, the job log, the turn): between the
-    job's claim and the turn's end, the turn sends two statements, both in
-    autocommit; the job's acknowledgement is skipped (its claim marked it)."""
+    job's claim and the turn's end, the turn sends three statements, all in
+    autocommit (the claim, its request put on record before it is sent, the
+    turn's end); the job's acknowledgement is skipped (its claim marked it)."""
     llm.script("hello", {"content": "hi"})
     loop = Assistant.start(message="hello")
     seen = statements_of(monkeypatch)
@@ -255,7 +257,7 @@ def test_a_delivered_turn_reads_once_and_claims_once_before_its_request(
     end = next(i for i, (sql, _) in enumerate(seen) if sql.startswith("WITH fenced"))
     assert [(sql.split(" AS")[0], auto) for sql, auto in seen[first:end + 1]] == [
         ("SELECT * FROM solidloop_loops WHERE id = %(loop_id)s", True), ("WITH seen", True),
-        ("WITH fenced", True)], seen[first:end + 1]
+        (loop_sql.RECORD_REQUEST, True), ("WITH fenced", True)], seen[first:end + 1]
     session.expire_all()
     assert session.get(Loop, loop.id).status == "completed"
     assert {j.state for j in session.scalars(select(Job).where(Job.loop_id == loop.id))} \

@@ -207,9 +207,12 @@ def test_a_streamed_partial_never_shows_call_markup(app, session, llm, database_
     def watch() -> None:
         with psycopg.connect(libpq_url(database_url), autocommit=True) as pg:
             while not done.is_set():
+                # The text so far, as the loop's stream has it (text deltas).
                 seen.extend(row[0] for row in pg.execute(
-                    "SELECT coalesce(content, '') FROM solidloop_messages "
-                    "WHERE role = 'assistant' AND status = 'processing'").fetchall())
+                    "SELECT coalesce((SELECT string_agg(e.text, '' ORDER BY e.id) "
+                    "FROM solidloop_stream_events e WHERE e.message_id = m.id "
+                    "AND e.kind = 'text_delta'), '') FROM solidloop_messages m "
+                    "WHERE m.role = 'assistant' AND m.status = 'processing'").fetchall())
                 time.sleep(0.005)
 
     with other.app_context():

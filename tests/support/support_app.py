@@ -74,6 +74,19 @@ class Assistant(Agent):
         return llm_settings()
 
 
+@solidloop.agent("streaming_assistant")
+class StreamingAssistant(Agent):
+    """The assistant, streaming its answers (and its reasoning into the loop's stream)."""
+
+    system_prompt = "You are a test assistant."
+    mcps = [{"name": "calc", "toolset": calc}]
+    streaming = True
+    stream_reasoning = True
+
+    def llm(self) -> dict:
+        return llm_settings()
+
+
 @solidloop.agent("sequential")
 class SequentialAssistant(Agent):
     system_prompt = "You run tools one at a time."

@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("loops", "jobs"),
     # Budgets and rate limits write tables of their own through the store's
     # transaction helpers, and read loops; the pipeline asks them before a request.
-    ("limits",),
+    ("limits", "streaming"),
     ("pipeline",),
     ("runtime", "maintenance"),
     # The top: the public face, the CLI and what ships for users' tests. The

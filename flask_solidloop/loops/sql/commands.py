@@ -63,6 +63,13 @@ SET_FROZEN = ("UPDATE solidloop_loops SET frozen = %(frozen)s, updated_at = now(
 SET_OBSERVED = ("UPDATE solidloop_loops SET observed = %(observed)s, updated_at = now() "
                 "WHERE id = %(loop_id)s AND observed <> %(observed)s RETURNING id")
 
+#: An open stream watches the loop for ``ttl`` seconds more; written only when
+#: less than half of that is left, so many streams of one loop write it rarely.
+MARK_WATCHED = (
+    "UPDATE solidloop_loops SET watched_until = now() + make_interval(secs => %(ttl)s) "
+    "WHERE id = %(loop_id)s AND (watched_until IS NULL "
+    "OR watched_until < now() + make_interval(secs => %(ttl)s / 2)) RETURNING id")
+
 #: The loop's shells, failed and hidden (a resume starts clean).
 HIDE_SHELLS = hide_shells("%(loop_id)s")
 

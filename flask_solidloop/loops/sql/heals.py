@@ -112,10 +112,13 @@ EXPIRED_WAITS = (
 #: A dropped call about to get a new job: its age starts over.
 TOUCH_CALLS = ("UPDATE solidloop_tool_calls SET updated_at = now() "
                "WHERE id = ANY(%(call_ids)s::bigint[])")
-#: ``processing`` shells of loops that are not running: failed and hidden.
+#: ``processing`` shells of loops that are not running: failed and hidden. The
+#: loops' rows are locked first, as every history writer's are (a shell's end is
+#: an event of its loop's stream, drawn under that lock); a loop busy elsewhere
+#: is left for the next pass.
 HEAL_ORPHAN_SHELLS = (
     f"UPDATE solidloop_messages m SET {HIDDEN_SET} "
     "WHERE m.id IN (SELECT m2.id FROM solidloop_messages m2 "
     "JOIN solidloop_loops l ON l.id = m2.loop_id "
-    f"WHERE m2.status = 'processing' AND l.status <> {RUNNING} LIMIT {HEAL_BATCH}) "
-    "RETURNING m.id")
+    f"WHERE m2.status = 'processing' AND l.status <> {RUNNING} LIMIT {HEAL_BATCH} "
+    "FOR UPDATE OF l SKIP LOCKED) RETURNING m.id")

@@ -12,7 +12,6 @@ from .parts import (
     EXIT_SET,
     FAILED,
     HISTORY_ROWS,
-    LIVE_CHANNEL,
     OWNED,
     PAUSED,
     PROVIDER_WAIT_CLEARED,
@@ -65,13 +64,23 @@ CLAIM_TURN = (
 OPEN_SHELL = (f"{insert_shell('id')} FROM solidloop_loops "
               f"WHERE id = %(loop_id)s AND {OWNED} FOR UPDATE RETURNING *")
 
-#: A streaming turn's text so far, onto its still-hidden shell, announced to
-#: the admin's live stream.
+#: A streaming turn's text so far, onto its still-hidden shell (text deltas
+#: off: SOLIDLOOP_STREAM_MAX_HZ = 0; watchers see the text when the message
+#: completes). Whether someone watches the loop comes back (the next flush's pace).
 RECORD_PARTIAL = (
     "WITH partial AS (UPDATE solidloop_messages SET content = %(content)s, "
     "reasoning = %(reasoning)s, updated_at = now() "
     "WHERE id = %(shell_id)s AND status = 'processing' RETURNING loop_id, id) "
-    f"SELECT pg_notify('{LIVE_CHANNEL}', loop_id::text || ':' || id::text) FROM partial")
+    "SELECT (SELECT observed OR coalesce(watched_until > now(), false) FROM solidloop_loops l "
+    "WHERE l.id = partial.loop_id) AS watched FROM partial")
+
+#: A streaming turn's text since its last flush, as events of the loop's stream
+#: (migration 0017: under the loop's row lock, notified when watched), while
+#: its shell is unfinished. Whether someone watches the loop comes back.
+RECORD_DELTA = (
+    "SELECT solidloop_stream_delta(loop_id, id, %(text)s, %(offset)s, %(reasoning)s, "
+    "%(reasoning_offset)s) AS watched "
+    "FROM solidloop_messages WHERE id = %(shell_id)s AND status = 'processing'")
 
 #: The tools a remote server listed for the loop for the first time (the first
 #: writer wins).
@@ -135,16 +144,25 @@ def _finish_turn(with_calls: bool) -> str:
         "output_tokens = output_tokens + coalesce(%(output_tokens)s::bigint, 0), "
         f"{completes}{PROVIDER_WAIT_CLEARED}, cost = cost + coalesce(%(cost)s::numeric, 0) "
         f"WHERE id = %(loop_id)s AND {OWNED}{_UNFINISHED if with_calls else _INBOX_ALLOWED} "
-        f"RETURNING *, pg_notify('{LIVE_CHANNEL}', %(live)s))",
+        "RETURNING *)",
         "shell AS (UPDATE solidloop_messages SET content = %(content)s, "
         "reasoning = %(reasoning)s, finish_reason = %(finish_reason)s, status = 'completed', "
         "is_hidden = false, completed_at = now(), metadata = %(message_meta)s, "
         "usage = coalesce(%(usage)s, usage), cost = coalesce(%(message_cost)s, cost), "
-        "updated_at = now() WHERE id = %(shell_id)s AND EXISTS (SELECT 1 FROM fenced))",
-        f"event AS ({llm_event('fenced')})",
+        "updated_at = now() WHERE id = %(shell_id)s AND EXISTS (SELECT 1 FROM fenced) "
+        "RETURNING id)",
+        llm_event("fenced"),
+        # The text the stream was not sent yet (none when the turn did not
+        # stream deltas): before the shell's completion, whose event fires at
+        # the statement's end, so a stream's deltas add up to the stored text.
+        "streamed AS (SELECT solidloop_stream_delta(fenced.id, %(shell_id)s, %(tail)s::text, "
+        "%(tail_offset)s::integer, NULL, 0) FROM fenced WHERE %(tail)s::text IS NOT NULL)",
     ]
     if not with_calls:
-        return f"WITH {', '.join(parts)} SELECT * FROM fenced"
+        return (f"WITH {', '.join(parts)} SELECT *, "
+                "(SELECT count(*) FROM streamed) AS solidloop_streamed FROM fenced")
+    # The calls are made from the shell's row, so the shell is written first:
+    # its completion's stream event precedes theirs.
     parts.append(
         "calls AS (INSERT INTO solidloop_tool_calls (loop_id, message_id, position, call_id, "
         "name, server_name, tool_name, arguments_raw, arguments, metadata, waits_for, "
@@ -155,7 +173,7 @@ def _finish_turn(with_calls: bool) -> str:
         "CASE WHEN c.n = %(lease_position)s THEN %(lease)s::uuid END, "
         "CASE WHEN c.n = %(lease_position)s THEN %(holder)s END, "
         "CASE WHEN c.n = %(lease_position)s THEN now() + %(ttl)s::interval END "
-        "FROM fenced, unnest(%(call_ids)s::varchar[], %(call_names)s::varchar[], "
+        "FROM fenced, shell, unnest(%(call_ids)s::varchar[], %(call_names)s::varchar[], "
         "%(call_servers)s::varchar[], %(call_tools)s::varchar[], %(call_raws)s::text[], "
         "%(call_arguments)s::jsonb[], %(call_metas)s::jsonb[], %(call_waits)s::varchar[], "
         "%(call_timeouts)s::float8[]) WITH ORDINALITY "
@@ -164,6 +182,7 @@ def _finish_turn(with_calls: bool) -> str:
     first = ", ".join(f'first.{column} AS "call_{column}"' for column in CALL_COLUMNS)
     # The row of the call leased to this thread, if one is (else the first).
     return (f"WITH {', '.join(parts)} SELECT fenced.*, "
+            "(SELECT count(*) FROM streamed) AS solidloop_streamed, "
             "ARRAY(SELECT id FROM calls ORDER BY position) AS solidloop_call_ids, "
             f"{first} FROM fenced, (SELECT * FROM calls "
             "ORDER BY lease_token IS NULL, position LIMIT 1) AS first")
@@ -188,7 +207,7 @@ END_TURN = (
     "lease_holder = NULL, updated_at = now() WHERE id = %(call_id)s "
     "AND lease_token = %(lease)s AND EXISTS (SELECT 1 FROM ended)), "
     f"hidden AS ({hide_shells('SELECT id FROM ended')}), "
-    f"event AS ({llm_event('ended')}) "
+    f"{llm_event('ended')} "
     "SELECT id FROM ended")
 
 #: A claimed LLM turn given back to the queue (the worker is stopping, or the
@@ -203,12 +222,15 @@ REQUEUE_TURN = (
 #: A turn a rate limit deferred to its slot, if the generation is still the
 #: writer's: queued again (its job is the caller's, due at the slot), its shells
 #: hidden, the deferral counted, and the reservation it holds kept for its LLM
-#: step (``slot``: limits/admission.py). No row when the fence failed.
+#: step (``slot``: limits/admission.py); the wire event of a request the
+#: provider refused with a long wait recorded (none before a request: its
+#: ``payload`` and ``event_id`` are NULL). No row when the fence failed.
 DEFER_FOR_CAPACITY = (
     f"WITH deferred AS (UPDATE solidloop_loops SET {REQUEUE_SET}, "
     "capacity_deferrals = capacity_deferrals + 1, capacity_slot = %(slot)s "
     f"WHERE id = %(loop_id)s AND {OWNED} RETURNING id), "
-    f"hidden AS ({hide_shells('SELECT id FROM deferred')}) "
+    f"hidden AS ({hide_shells('SELECT id FROM deferred')}), "
+    f"{llm_event('deferred')} "
     "SELECT id FROM deferred")
 
 #: The reservation a deferred turn holds, taken by the generation that will
@@ -237,7 +259,7 @@ DEFER_TURN = (
     "AND provider_wait_attempts < coalesce(%(max_attempts)s::int, provider_wait_attempts + 1) "
     "RETURNING id, provider_wait_since, provider_wait_attempts), "
     f"hidden AS ({hide_shells('SELECT id FROM deferred')}), "
-    f"event AS ({llm_event('deferred')}) "
+    f"{llm_event('deferred')} "
     "SELECT * FROM deferred")
 
 #: A middleware's own fenced transition (``ctx.transition``): from one of
@@ -258,3 +280,15 @@ TRANSITION = (
     "updated_at = now() "
     "WHERE id = %(loop_id)s AND status = ANY(%(from)s::text[]) AND execution_token = %(token)s "
     "RETURNING id")
+
+#: The turn's ``llm_request`` event, recorded just before its request is sent
+#: (its redacted request; no response, no duration yet: pending), fenced on the
+#: generation under the loop row's lock (``FOR SHARE``: a claim or an exit of
+#: another writer waits for it, and it for them). The write that ends the turn
+#: completes the same row (``llm_event``'s ``answered``). No row when the loop
+#: is no longer the writer's.
+RECORD_REQUEST = (
+    "INSERT INTO solidloop_events (loop_id, message_id, kind, payload) "
+    "SELECT id, %(shell_id)s::bigint, 'llm_request', %(payload)s::jsonb "
+    f"FROM solidloop_loops WHERE id = %(loop_id)s AND {OWNED} FOR SHARE "
+    "RETURNING id, created_at")

@@ -91,12 +91,34 @@ def shell_part(sources: str) -> str:
 
 
 def llm_event(source: str) -> str:
-    """A turn's ``llm_request`` wire event, one row per row of ``source``; none
-    when ``%(payload)s`` is NULL (the turn has no wire record)."""
-    return ("INSERT INTO solidloop_events (loop_id, message_id, kind, status_code, "
-            "duration_ms, error, payload) SELECT %(loop_id)s::bigint, %(shell_id)s::bigint, "
-            "'llm_request', %(status_code)s::integer, %(duration_ms)s::float8, %(error)s::text, "
-            f"%(payload)s::jsonb FROM {source} WHERE %(payload)s::jsonb IS NOT NULL")
+    """A turn's ``llm_request`` wire event, written once per row of ``source``
+    (the fenced write that ends the turn), as two parts: ``event`` inserts it
+    whole (none when ``%(payload)s`` is NULL: the turn has no wire record),
+    when the turn recorded no request before sending it (``%(event_id)s``
+    NULL: a stack whose own step made the request); ``answered`` completes
+    the row recorded before the request (:data:`RECORD_REQUEST`): the
+    response, the attempts, the error and the timings merged into its payload
+    (``%(answer)s``; NULL when there is no record: the row keeps its request,
+    and its duration is the database's time since it was written). A row
+    completed already (``duration_ms`` set) is left as it is."""
+    return (
+        "event AS (INSERT INTO solidloop_events (loop_id, message_id, kind, status_code, "
+        "duration_ms, error, payload) SELECT %(loop_id)s::bigint, %(shell_id)s::bigint, "
+        "'llm_request', %(status_code)s::integer, %(duration_ms)s::float8, %(error)s::text, "
+        f"%(payload)s::jsonb FROM {source} WHERE %(payload)s::jsonb IS NOT NULL "
+        "AND %(event_id)s::bigint IS NULL), "
+        "answered AS (UPDATE solidloop_events SET status_code = %(status_code)s::integer, "
+        "duration_ms = coalesce(%(duration_ms)s::float8, "
+        "1000 * extract(epoch FROM clock_timestamp() - created_at)), error = %(error)s::text, "
+        "payload = payload || coalesce(%(answer)s::jsonb, '{}'::jsonb), updated_at = now() "
+        f"WHERE id = %(event_id)s::bigint AND duration_ms IS NULL "
+        f"AND EXISTS (SELECT 1 FROM {source}))")
+
+
+#: The marker of an ``llm_request`` row recorded before its request was sent
+#: and not completed yet: no duration. Every completed row has one (the send
+#: path times every request, failed ones too).
+REQUEST_PENDING = "duration_ms IS NULL"
 
 
 def tool_event(source: str, loop: str = "%(loop_id)s::bigint") -> str:

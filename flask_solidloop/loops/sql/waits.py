@@ -3,7 +3,7 @@ reads (docs/decisions/0017-waiting-loops.md)."""
 
 from __future__ import annotations
 
-from .parts import AWAITING, LIVE_CHANNEL, RUNNING, WAITING, tool_event
+from .parts import AWAITING, RUNNING, WAITING, tool_event
 
 
 def _decide(records: bool) -> str:
@@ -41,12 +41,9 @@ def _decide(records: bool) -> str:
     ]
     if records:
         parts.append(f"event AS ({tool_event('decided', loop='decided.loop_id')})")
-    # The admin's live pages hear of it (delivered only if this commits).
-    notify = (f"(SELECT count(pg_notify('{LIVE_CHANNEL}', loop_id::text || ':0')) "
-              "FROM decided) AS solidloop_notified")
     return (f"{', '.join(parts)} SELECT locked.*, "
             "EXISTS (SELECT 1 FROM decided) AS solidloop_decided, "
-            f"EXISTS (SELECT 1 FROM woken) AS solidloop_woken, {notify} "
+            "EXISTS (SELECT 1 FROM woken) AS solidloop_woken "
             "FROM (SELECT 1) AS one LEFT JOIN locked ON true")
 
 

@@ -212,6 +212,18 @@ def set_observed(session: SessionLike, loop_id: int, observed: bool) -> bool:
     return row is not None
 
 
+@alone
+def mark_watched(session: SessionLike, loop_id: int, seconds: float) -> bool:
+    """An open stream watches the loop for ``seconds`` more: its events are
+    notified and its streaming turns flush at SOLIDLOOP_STREAM_MAX_HZ. False
+    when the mark was fresh enough already (or the loop is gone)."""
+    row, committed = run_alone(session, sql.MARK_WATCHED,
+                               {"loop_id": loop_id, "ttl": float(seconds)}, sole=True)
+    if not committed:
+        session.commit()
+    return row is not None
+
+
 #: What a pending call is answered with when a resume brings a new message.
 RESUMED = "the loop was resumed with a new message"
 

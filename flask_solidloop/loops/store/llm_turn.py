@@ -44,7 +44,7 @@ from .transaction import (
     joins,
     run_alone,
 )
-from .wirelog import llm_event, logged_tools
+from .wirelog import llm_event, logged_tools, request_payload
 
 logger = logging.getLogger("flask_solidloop.store")
 
@@ -153,13 +153,29 @@ def open_shell(session: SessionLike, loop_id: int, token: uuid.UUID) -> int:
 
 @alone
 def record_partial(session: SessionLike, shell_id: int, content: str,
-                   reasoning: str | None) -> None:
-    """A streaming turn's text so far, onto its still-hidden shell, announced to
-    the admin's live stream."""
-    _, committed = run_alone(session, sql.RECORD_PARTIAL, {
+                   reasoning: str | None) -> bool | None:
+    """A streaming turn's text so far, onto its still-hidden shell (text deltas
+    off). Returns whether someone
+    watches the loop; None when the shell is no longer unfinished."""
+    row, committed = run_alone(session, sql.RECORD_PARTIAL, {
         "shell_id": shell_id, "content": storable.text(content)[0],
         "reasoning": storable.text(reasoning)[0]}, sole=True)
     commit_unless(committed, session)
+    return None if row is None else bool(row["watched"])
+
+
+@alone
+def record_delta(session: SessionLike, shell_id: int, text: str, offset: int,
+                 reasoning: str | None = None, reasoning_offset: int = 0) -> bool | None:
+    """A streaming turn's text (and reasoning) since its last flush, as events
+    of the loop's stream. Returns whether someone watches the loop; None when
+    the shell is no longer unfinished (nothing was written)."""
+    row, committed = run_alone(session, sql.RECORD_DELTA, {
+        "shell_id": shell_id, "text": storable.text(text)[0] or None, "offset": offset,
+        "reasoning": storable.text(reasoning)[0] if reasoning else None,
+        "reasoning_offset": reasoning_offset}, sole=True)
+    commit_unless(committed, session)
+    return None if row is None else bool(row["watched"])
 
 
 @dataclass(frozen=True)
@@ -249,10 +265,13 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
                     calls: Sequence[NewToolCall], wire: WireRecord | None,
                     sequential: bool, adopt: bool,
                     on_wait: Callable[[WaitRequest, SessionLike], None] | None = None,
-                    ends: LoopEnds | None = None) -> FinishedTurn:
+                    ends: LoopEnds | None = None,
+                    streamed: str | None = None, event_id: int | None = None,
+                    ) -> FinishedTurn:
     """The LLM turn's canonical write, one statement under the row lock and the
     fence (loops/sql.FINISH_TURN): the shell finalized with its usage and cost,
-    the wire event, the tool calls; the loop completed, or in its tool phase
+    the wire event (the row :func:`record_request` wrote, ``event_id``,
+    completed), the tool calls; the loop completed, or in its tool phase
     with the calls to run now enqueued in the same commit. ``adopt``: the
     thread that commits continues inline, so the first call that can run is
     leased to it instead of getting a job (returned as ``adopted``). A call
@@ -263,9 +282,10 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     say, commits with the wait; if it raises, its writes are undone, the error
     logged, and the turn's end commits without them). A final answer runs the
     host's ``on_loop_end`` hooks (``ends``) in the same transaction
-    (store/ending.py). A turn end with nothing else to commit (a final answer
-    with no hook, or an adopted call with no job beside it) runs in
-    autocommit."""
+    (store/ending.py). ``streamed``: the text the loop's stream was sent as
+    deltas; the rest of the answer goes out as its last delta. A turn end
+    with nothing else to commit (a final answer with no hook, or an adopted
+    call with no job beside it) runs in autocommit."""
     usage = response.usage
     content, content_altered = storable.text(response.content)
     reasoning, reasoning_altered = storable.text(response.reasoning)
@@ -287,12 +307,12 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     known = real_session(session).identity_map.get(identity_key(Loop, loop_id))
     born = known.__dict__.get("created_at") if known is not None else None
     repeat_history = state.config.event_repeat_history
-    # Hashed once: to compare with what the log holds, and to remember after.
+    # Hashed once: to compare with what the log holds, and to remember after
+    # (a request recorded before it was sent was compared then).
     tools = (storable.tools_digest(wire.request_body)
-             if wire is not None and not repeat_history else None)
+             if wire is not None and not repeat_history and event_id is None else None)
     params: dict[str, Any] = {
         "loop_id": loop_id, "token": token, "shell_id": shell_id,
-        "live": f"{loop_id}:{shell_id}",
         "input_tokens": usage.input_tokens if usage is not None else None,
         "output_tokens": usage.output_tokens if usage is not None else None,
         "cost": turn_cost if usage is not None else None,
@@ -302,7 +322,7 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
         "usage": Jsonb(usage.to_dict()) if usage is not None else None,
         "message_cost": turn_cost if usage is not None else None,
         **llm_event(wire, body_limit=state.config.event_body_limit,
-                    repeat_history=repeat_history, tools=tools,
+                    repeat_history=repeat_history, tools=tools, event_id=event_id,
                     tools_logged=logged_tools.get((loop_id, born)) if born is not None else None),
     }
     timed = [n for n, call in enumerate(calls) if call.wait is not None
@@ -317,6 +337,9 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     # Nothing else joins this commit when no job is enqueued with it.
     sole = (len(runnable) - (1 if lease is not None else 0) + len(timed) == 0 and not hooked
             and not ended)
+    tail = content[len(streamed):] if streamed is not None and content is not None \
+        and len(content) > len(streamed) and content.startswith(streamed) else None
+    params.update(tail=tail, tail_offset=len(streamed or ""))
     if not calls:
         params["requeue"] = not sole
     fenced, committed = run_alone(session, sql.FINISH_TURN[bool(calls)], params, sole=sole)
@@ -330,6 +353,7 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
         if not committed:
             session.rollback()
         raise LostLeaseError(f"loop {loop_id} changed hands during the request")
+    fenced.pop("solidloop_streamed", None)
     # A final answer with messages waiting: they are delivered and their turn
     # queued, in this commit, instead of the loop completing.
     delivered = not calls and fenced["status"] == LoopStatus.QUEUED
@@ -402,18 +426,21 @@ def _run_wait_hook(on_wait: Callable[[WaitRequest, SessionLike], None], session:
 def end_turn(session: SessionLike, loop_id: int, token: uuid.UUID, *, to: str,
              error_message: str, wire: WireRecord | None = None, shell_id: int | None = None,
              body_limit: int = 0, repeat_history: bool = False, call_id: int | None = None,
-             lease: uuid.UUID | None = None, ends: LoopEnds | None = None) -> bool:
+             lease: uuid.UUID | None = None, ends: LoopEnds | None = None,
+             event_id: int | None = None) -> bool:
     """A turn's own exit from ``running`` on its generation (loops/sql.END_TURN):
     a limit pauses the loop, an error fails it (``to``); its shells are failed
-    and hidden, the turn's wire record kept. A tool turn passes its call and
-    lease: the call must still be that lease's. False, with nothing written,
-    when the loop is no longer the turn's. An end that fails the loop runs the
-    host's ``on_loop_end`` hooks (``ends``) before its commit."""
+    and hidden, the turn's wire record kept (its request's row, ``event_id``,
+    completed: with ``wire``, or with the error alone). A tool turn passes
+    its call and lease: the call must still be that lease's. False, with
+    nothing written, when the loop is no longer the turn's. An end that fails
+    the loop runs the host's ``on_loop_end`` hooks (``ends``) before its
+    commit."""
     error = storable.text(error_message)[0]
     params = {"loop_id": loop_id, "token": token, "to": to, "error_message": error,
               "shell_id": shell_id, "call_id": call_id, "lease": lease,
               **llm_event(wire, body_limit=body_limit, error=error,
-                          repeat_history=repeat_history)}
+                          repeat_history=repeat_history, event_id=event_id)}
     hooked = ends is not None and ends.apply_to(to)
     row, committed = run_alone(session, sql.END_TURN, params, sole=not hooked)
     if row is not None and hooked:
@@ -465,16 +492,25 @@ def requeue_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int,
 @commits
 def defer_for_capacity(state: SolidLoopState, session: SessionLike, loop_id: int,
                        token: uuid.UUID, *, delay_seconds: float,
-                       slot: dict[str, Any] | None) -> bool:
+                       slot: dict[str, Any] | None, wire: WireRecord | None = None,
+                       event_id: int | None = None, error_message: str | None = None,
+                       shell_id: int | None = None) -> bool:
     """A turn a rate limit deferred (loops/sql.DEFER_FOR_CAPACITY): queued again
     with its job due in ``delay_seconds``, at its slot, holding no thread,
     lease or connection; the reservation it holds kept on the loop (``slot``).
-    False, with nothing written, when the generation moved on. Rolls back what
-    the session holds first."""
+    A request the provider refused with a long wait completes its event
+    (``event_id``) with ``wire`` and ``error_message``. False, with nothing
+    written, when the generation moved on. Rolls back what the session holds
+    first."""
     session.rollback()
+    config = state.config
     if fetch_row(session, sql.DEFER_FOR_CAPACITY, {
-            "loop_id": loop_id, "token": token,
-            "slot": Jsonb(slot) if slot is not None else None}) is None:
+            "loop_id": loop_id, "token": token, "shell_id": shell_id,
+            "slot": Jsonb(slot) if slot is not None else None,
+            # Before a request there is no record: no event (payload NULL).
+            **llm_event(wire, body_limit=config.event_body_limit, error=error_message,
+                        repeat_history=config.event_repeat_history, event_id=event_id)},
+                 ) is None:
         session.rollback()
         return False
     state.dispatch.llm_turn(session, loop_id, delay_ms=max(int(delay_seconds * 1000), 0))
@@ -522,21 +558,22 @@ def defer_delay(attempts: int) -> float:
 def defer_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int,
                    token: uuid.UUID, *, error_message: str, max_wait: float,
                    max_attempts: int | None = None, wire: WireRecord | None = None,
-                   shell_id: int | None = None) -> Deferral | None:
+                   shell_id: int | None = None, event_id: int | None = None,
+                   ) -> Deferral | None:
     """A turn whose provider is out, deferred (loops/sql.DEFER_TURN): queued
     again with its job due after :func:`defer_delay`, its shells hidden, its
-    wire event kept, the outage's start and attempts on the loop. None, with
-    nothing written, when the generation moved on or the outage began more
-    than ``max_wait`` seconds ago, or ``max_attempts`` turns were deferred in
-    it already (the caller then fails the turn). Rolls back
-    what the session holds first."""
+    wire event kept (``event_id``: its request's row, completed), the
+    outage's start and attempts on the loop. None, with nothing written, when
+    the generation moved on or the outage began more than ``max_wait``
+    seconds ago, or ``max_attempts`` turns were deferred in it already (the
+    caller then fails the turn). Rolls back what the session holds first."""
     session.rollback()
     error = storable.text(error_message)[0]
     config = state.config
     params = {"loop_id": loop_id, "token": token, "error_message": error,
               "max_wait": max_wait, "max_attempts": max_attempts, "shell_id": shell_id,
               **llm_event(wire, body_limit=config.event_body_limit, error=error,
-                          repeat_history=config.event_repeat_history)}
+                          repeat_history=config.event_repeat_history, event_id=event_id)}
     row = fetch_row(session, sql.DEFER_TURN, params)
     if row is None:
         session.rollback()
@@ -576,3 +613,38 @@ def fenced_transition(session: SessionLike, loop_id: int, token: uuid.UUID, *,
     session.commit()
     signals.send_status(to, loop_id=loop_id, error=changes.get("error_message"))
     return True
+
+
+@alone
+def record_request(session: SessionLike, loop_id: int, token: uuid.UUID, *,
+                   shell_id: int | None, wire: WireRecord, body_limit: int,
+                   repeat_history: bool) -> int:
+    """The turn's ``llm_request`` event, on record before its request is sent
+    (loops/sql.RECORD_REQUEST): the redacted request of ``wire``, pending (no
+    response, no duration) until the write that ends the turn completes it
+    (``event_id`` of :func:`finish_llm_turn`, :func:`end_turn`,
+    :func:`defer_llm_turn`, :func:`defer_for_capacity`). Fenced on the
+    turn's generation: LostLeaseError, with nothing written, when the loop
+    changed hands. One statement: in autocommit when the session holds
+    nothing, else in the session's transaction, committed with it. Returns
+    the event's id."""
+    known = real_session(session).identity_map.get(identity_key(Loop, loop_id))
+    born = known.__dict__.get("created_at") if known is not None else None
+    tools = storable.tools_digest(wire.request_body) if not repeat_history else None
+    payload = request_payload(
+        wire.to_payload(), body_limit, repeat_history=repeat_history, tools=tools,
+        tools_logged=logged_tools.get((loop_id, born)) if born is not None else None)
+    row, committed = run_alone(session, sql.RECORD_REQUEST, {
+        "loop_id": loop_id, "token": token, "shell_id": shell_id,
+        "payload": Jsonb(payload)}, sole=True)
+    if row is None:
+        if not committed:
+            session.rollback()
+        raise LostLeaseError(f"loop {loop_id} changed hands before the request")
+    # Run alone, it wrote only the event, which no object of the session holds:
+    # nothing to expire (commit_unless would reload the loop the turn holds).
+    if not committed:
+        session.commit()
+    if born is not None:  # the request's tools are now in the log
+        logged_tools.remember((loop_id, born), tools)
+    return int(row["id"])

@@ -38,27 +38,49 @@ def event_payload(payload: dict[str, Any], limit: int) -> dict[str, Any]:
 
 def llm_event(wire: WireRecord | None, *, body_limit: int, error: str | None = None,
               repeat_history: bool = False, tools_logged: str | None = None,
-              tools: str | None = None) -> dict[str, Any]:
+              tools: str | None = None, event_id: int | None = None) -> dict[str, Any]:
     """The ``llm_request`` event's parameters (``status_code``, ``duration_ms``,
-    ``error``, ``payload``; the payload None when there is no record: no event).
-    The request body keeps the conversation from the model's last answer on
-    unless ``repeat_history`` (SOLIDLOOP_EVENT_REPEAT_HISTORY). ``tools_logged``:
-    the digest of the tools an earlier event of the loop holds whole; the same
-    tools are named, not repeated. ``tools``: this request's own digest, when
-    the caller has it already."""
+    ``error``, ``payload``, ``event_id``, ``answer``; loops/sql.llm_event).
+    ``event_id``: the row :func:`record_request` wrote before the request was
+    sent, which the turn's end completes with ``answer`` (the response, the
+    attempts, the error, the timings: what the request part of the payload
+    lacks); without one, ``payload`` is the whole event, inserted then (None
+    when there is no record: no event). The request body keeps the
+    conversation from the model's last answer on unless ``repeat_history``
+    (SOLIDLOOP_EVENT_REPEAT_HISTORY). ``tools_logged``: the digest of the tools
+    an earlier event of the loop holds whole; the same tools are named, not
+    repeated. ``tools``: this request's own digest, when the caller has it
+    already."""
+    params: dict[str, Any] = {"status_code": None, "duration_ms": None,
+                              "error": storable.text(error)[0], "payload": None,
+                              "event_id": event_id, "answer": None}
     if wire is None:
-        return {"status_code": None, "duration_ms": None, "error": storable.text(error)[0],
-                "payload": None}
+        return params
+    params.update(status_code=wire.status, duration_ms=wire.duration_ms)
     payload = wire.to_payload()
+    if event_id is not None:
+        # The request is on the row already: only what the answer adds.
+        del payload["url"], payload["request"]
+        params["answer"] = Jsonb(event_payload(payload, body_limit))
+        return params
+    params["payload"] = Jsonb(request_payload(payload, body_limit, repeat_history=repeat_history,
+                                              tools_logged=tools_logged, tools=tools))
+    return params
+
+
+def request_payload(payload: dict[str, Any], body_limit: int, *, repeat_history: bool,
+                    tools_logged: str | None, tools: str | None) -> dict[str, Any]:
+    """A wire record's payload (WireRecord.to_payload) as the log keeps it: its
+    request body cut to the conversation from the model's last answer on
+    (unless ``repeat_history``) and the tools named when the log holds them
+    (``tools_logged``; see :func:`llm_event`), each large body an excerpt."""
     if not repeat_history:
         body = storable.conversation_tail(payload["request"]["body"])
         if tools_logged is not None and (
                 tools if tools is not None else storable.tools_digest(body)) == tools_logged:
             body = storable.without_tools(body, tools_logged)
         payload["request"]["body"] = body
-    return {"status_code": wire.status, "duration_ms": wire.duration_ms,
-            "error": storable.text(error)[0],
-            "payload": Jsonb(event_payload(payload, body_limit))}
+    return event_payload(payload, body_limit)
 
 
 def tool_event(call: Any, stored_result: dict[str, Any], canonical: ToolResult,

@@ -8,8 +8,7 @@
   A new column, no index, no rewrite: a running loop's updates stay HOT.
 
 Revision ID: 0019
-Revises: 0016 (0017 and 0018 are being written elsewhere: chain it after
-the last of them when they merge)
+Revises: 0017
 Create Date: 2026-12-12 10:00:00
 
 """
@@ -21,7 +20,7 @@ from sqlalchemy.dialects import postgresql
 
 # revision identifiers, used by Alembic.
 revision: str = '0019'
-down_revision: str | Sequence[str] | None = '0016'
+down_revision: str | Sequence[str] | None = '0017'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

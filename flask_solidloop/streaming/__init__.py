@@ -1,0 +1,31 @@
+"""A loop's live event stream: typed events with ids that resume exactly, one
+LISTEN connection per process, and SSE for Flask views
+(docs/decisions/0024-loop-event-stream.md, docs/guides/streaming.md).
+
+Layer: above ``loops`` (it reads the tables the store writes, through their
+triggers), below the faces (``extension``, ``agent``, ``admin``).
+"""
+
+from .events import KINDS, TERMINAL_KINDS, StreamEvent, parse_after, read_events
+from .follow import SETTLED_STATUSES, follow, hub_for, mark_watched, wait_settled
+from .hub import LISTEN_APPLICATION_NAME, LiveHub
+from .sse import HEADERS, RETRY_MS, frame, sse_response
+
+__all__ = [
+    "HEADERS",
+    "KINDS",
+    "LISTEN_APPLICATION_NAME",
+    "RETRY_MS",
+    "SETTLED_STATUSES",
+    "TERMINAL_KINDS",
+    "LiveHub",
+    "StreamEvent",
+    "follow",
+    "frame",
+    "hub_for",
+    "mark_watched",
+    "parse_after",
+    "read_events",
+    "sse_response",
+    "wait_settled",
+]
