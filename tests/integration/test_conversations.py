@@ -373,3 +373,30 @@ def test_racing_messages_to_a_completed_loop_are_each_delivered_once(
     delivered = [text for role, text in conversation(session, loop.id) if role == "user"]
     assert sorted(delivered) == sorted(["start", *texts])
     assert conversation(session, loop.id)[-1] == ("assistant", "Noted.")
+
+
+def test_a_queued_message_enters_the_event_stream_when_it_is_delivered(
+        app, session, llm, drain):
+    """The events contract: a user message is part of the conversation's
+    stream once a visible user row exists; a queued one has no row, so its
+    ``message_started`` comes with its delivery, once."""
+    from sqlalchemy import text
+
+    def user_events(loop_id):
+        session.rollback()
+        return session.execute(text(
+            "SELECT e.message_id FROM solidloop_stream_events e JOIN solidloop_messages m "
+            "ON m.id = e.message_id WHERE e.loop_id = :loop AND e.kind = 'message_started' "
+            "AND m.role = 'user' ORDER BY e.id"), {"loop": loop_id}).scalars().all()
+
+    loop = waiting_for_email(llm, drain)
+    first = user_events(loop.id)
+    ChatAgent(loop).send_message("one more thing")
+    assert user_events(loop.id) == first
+    llm.script("sent to ceo", {"content": "Sent."})
+    llm.script("one more thing", {"content": "Sure."})
+    ChatAgent(loop).approve(ChatAgent(loop).pending_approvals()[0].id, by="alice")
+    drain()
+    delivered = session.scalars(select(Message.id).where(
+        Message.loop_id == loop.id, Message.content == "one more thing")).one()
+    assert user_events(loop.id) == [*first, delivered]
