@@ -22,8 +22,9 @@ from .test_e2e_workers import kill_group
 
 pytestmark = pytest.mark.e2e
 
-#: Partial text written often, so a test sees a turn mid-stream quickly.
-FAST_PARTIALS = {"SOLIDLOOP_STREAM_UPDATE_INTERVAL": 0.05}
+#: Partial text written onto the hidden shell (text deltas off) every 50 ms, so
+#: a test sees a turn mid-stream quickly.
+FAST_PARTIALS = {"SOLIDLOOP_STREAM_UPDATE_INTERVAL": 0.05, "SOLIDLOOP_STREAM_MAX_HZ": 0}
 STORY = " ".join(f"word{n}" for n in range(60))
 
 
