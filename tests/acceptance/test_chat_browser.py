@@ -59,14 +59,17 @@ def stack(database_url, llm, tmp_path):
                PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
     port = free_port()
     web_log, worker_log = tmp_path / "gunicorn.log", tmp_path / "worker.log"
+    access = tmp_path / "access.log"
     web = spawn([sys.executable, "-m", "gunicorn", "-k", "gthread", "-w", "1", "--threads", "6",
-                 "-b", f"127.0.0.1:{port}", "--timeout", "30", "example_app:app"], env, web_log)
+                 "-b", f"127.0.0.1:{port}", "--timeout", "30", "--access-logfile", str(access),
+                 "--access-logformat", "%(r)s|%({last-event-id}i)s|%(s)s", "example_app:app"],
+                env, web_log)
     worker = spawn([sys.executable, "-m", "flask", "--app", "example_app", "solidloop", "worker",
                     "--processes", "1", "--threads", "2"], env, worker_log)
     try:
         base = f"http://127.0.0.1:{port}"
         wait_http(base + "/chat/", web, web_log)
-        yield base
+        yield base, access
     finally:
         kill_group(worker)
         kill_group(web)
@@ -139,6 +142,7 @@ def follow_stream(page, message_id: int, expected: str, samples: list[str]) -> N
 
 def test_a_streamed_answer_survives_reloads_a_second_tab_and_goes_on_after_a_follow_up(
         app, session, llm, stack, browser):
+    stack, access = stack
     llm.fault_next("slow_stream", seconds=0.15)
     llm.script(lambda req: "count" in str(req["messages"][-1].get("content")),
                {"content": WORDS})
@@ -179,6 +183,11 @@ def test_a_streamed_answer_survives_reloads_a_second_tab_and_goes_on_after_a_fol
         assert bubble_text(each, reply.id) == stored
         assert each.locator("#conversation .bubble").count() == 2  # one question, one answer
     assert any(len(s) < len(WORDS) for s in samples), "the answer never showed partly"
+    # The server ended each stream after 1.5 s: the browser resumed by Last-Event-ID.
+    streams = [line.split("|") for line in access.read_text().splitlines()
+               if f"/chat/{loop_id}/events" in line]
+    resumed = [s for s in streams if s[1] != "-"]
+    assert len(resumed) >= 2 and all(s[1].isdigit() for s in resumed), streams
 
     # A follow-up continues the conversation and streams its answer. (The other
     # tab's stream closed when the loop finished; a reload brings it up to date.)
@@ -212,6 +221,7 @@ def test_a_streamed_answer_survives_reloads_a_second_tab_and_goes_on_after_a_fol
 
 def test_a_tool_call_card_an_approval_and_another_users_loop_answers_403(
         app, session, llm, stack, browser):
+    stack, _ = stack
     llm.script(lambda req: req["messages"][-1]["role"] == "user"
                and "Paris" in str(req["messages"][-1].get("content")),
                {"content": "Let me look.",
