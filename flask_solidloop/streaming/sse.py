@@ -13,6 +13,7 @@ closes its EventSource on it (``sse-close="end"`` with htmx).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 
 from flask import Response, abort, request, stream_with_context
@@ -35,12 +36,17 @@ HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 Rendered = str | tuple[str, str] | list[tuple[str, str]] | None
 
 
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
+
+
 def frame(name: str, data: str, event_id: str | None = None) -> str:
     """One SSE event (a multi-line ``data`` becomes several ``data:`` lines)."""
     lines = [f"event: {name}"]
     if event_id is not None:
         lines.append(f"id: {event_id}")
-    lines.extend(f"data: {line}" for line in data.split("\n"))
+    # An SSE line ends at CR, LF or CRLF: each of them starts a new data line,
+    # so a render that returns a bare CR loses nothing.
+    lines.extend(f"data: {line}" for line in _LINE_BREAK.split(data))
     return "\n".join(lines) + "\n\n"
 
 
