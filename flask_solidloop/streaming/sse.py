@@ -13,6 +13,7 @@ closes its EventSource on it (``sse-close="end"`` with htmx).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 
 from flask import Response, abort, request, stream_with_context
@@ -21,7 +22,7 @@ from sqlalchemy.orm import Session
 from ..errors import InvalidArgumentError
 from ..models import Loop
 from ..state import SolidLoopState
-from .events import StreamEvent, parse_after
+from .events import StreamEvent, parse_after, read_events
 from .follow import engine_of, follow
 
 #: Milliseconds the browser waits before reconnecting a stream that ended.
@@ -35,12 +36,17 @@ HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 Rendered = str | tuple[str, str] | list[tuple[str, str]] | None
 
 
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
+
+
 def frame(name: str, data: str, event_id: str | None = None) -> str:
     """One SSE event (a multi-line ``data`` becomes several ``data:`` lines)."""
     lines = [f"event: {name}"]
     if event_id is not None:
         lines.append(f"id: {event_id}")
-    lines.extend(f"data: {line}" for line in data.split("\n"))
+    # An SSE line ends at CR, LF or CRLF: each of them starts a new data line,
+    # so a render that returns a bare CR loses nothing.
+    lines.extend(f"data: {line}" for line in _LINE_BREAK.split(data))
     return "\n".join(lines) + "\n\n"
 
 
@@ -59,7 +65,7 @@ def body(state: SolidLoopState, loop_id: int, after: int, *, seconds: float,
          render: Callable[[StreamEvent], Rendered] | None = None) -> Iterator[str]:
     """The SSE text of one stream of the loop's events after ``after``."""
     yield f"retry: {RETRY_MS}\n\n"
-    ended = None
+    cursor = after
     for event in follow(state, loop_id, after, seconds=seconds, heartbeat=heartbeat,
                         reasoning=reasoning):
         if event is None:
@@ -68,12 +74,10 @@ def body(state: SolidLoopState, loop_id: int, after: int, *, seconds: float,
         rendered: Rendered = as_json(event) if render is None else render(event)
         for name, data in _frames(event, rendered):
             yield frame(name, data, event.id)
-        if event.terminal:
-            ended = event.data.get("status", event.kind)
-    else:
-        status = ended or _finished_status(state, loop_id)
-        if status is not None:
-            yield frame("end", str(status))
+        cursor = event.seq
+    status = _finished_status(state, loop_id, cursor)
+    if status is not None:
+        yield frame("end", status)
 
 
 def _frames(event: StreamEvent, rendered: Rendered) -> list[tuple[str, str]]:
@@ -86,14 +90,18 @@ def _frames(event: StreamEvent, rendered: Rendered) -> list[tuple[str, str]]:
     return list(rendered)
 
 
-def _finished_status(state: SolidLoopState, loop_id: int) -> str | None:
-    """The loop's status when the stream ended because the loop did (it
-    finished, or it is gone); None when the stream only reached its time limit."""
+def _finished_status(state: SolidLoopState, loop_id: int, cursor: int) -> str | None:
+    """The loop's status when this stream has sent all there is and the loop
+    has finished (or is gone: ``gone``); None when the browser should
+    reconnect (the stream only reached its time limit, or events came after
+    what it sent)."""
     with Session(engine_of(state)) as session:
-        status = session.get(Loop, loop_id)
-        if status is None:
-            return "gone"
-        return status.status if status.status in ("completed", "failed") else None
+        page = read_events(session, loop_id, cursor, limit=1, reasoning=True)
+    if page.status is None:
+        return "gone"
+    if page.status in ("completed", "failed") and page.tail <= cursor:
+        return page.status
+    return None
 
 
 def sse_response(state: SolidLoopState, loop_id: int, *,

@@ -226,3 +226,95 @@ def test_a_delta_is_notified_with_its_text_only_while_the_loop_is_watched(app, s
     rows = session.execute(text("SELECT id FROM solidloop_stream_events WHERE loop_id = :id "
                                 "ORDER BY id DESC LIMIT 2"), {"id": loop.id}).scalars().all()
     assert rows == [seq, prev]  # prev is the loop's event just before it
+
+
+def sse_events(body: str) -> list[tuple[str | None, str, str]]:
+    """(id, event, data) of each event of an SSE body (comments left out)."""
+    out = []
+    for block in body.split("\n\n"):
+        fields: dict[str, list[str]] = {}
+        for line in block.splitlines():
+            if line.startswith(":") or ": " not in line:
+                continue
+            key, value = line.split(": ", 1)
+            fields.setdefault(key, []).append(value)
+        if "event" in fields:
+            out.append((fields.get("id", [None])[0], fields["event"][0],
+                        "\n".join(fields.get("data", []))))
+    return out
+
+
+def test_sse_response_replays_resumes_authorizes_and_ends(app, session, llm, drain):
+    import json
+
+    from flask_solidloop.config import Config
+
+    state = app.extensions["solidloop"]
+    state.config = Config.from_mapping({"SOLIDLOOP_STREAM_SECONDS": 2,
+                                        "SOLIDLOOP_STREAM_HEARTBEAT": 0.2})
+    allowed = {"ok": True}
+    app.add_url_rule("/events/<int:loop_id>", "events", lambda loop_id: state.extension
+                     .sse_response(loop_id, authorize=lambda loop: allowed["ok"]))
+    llm.script("hello there", {"content": "General\rKenobi."})
+    loop_id = Assistant.start(message="hello there").id
+    drain()
+    client = app.test_client()
+    whole = client.get(f"/events/{loop_id}")
+    assert whole.headers["Cache-Control"] == "no-store"
+    assert whole.headers["X-Accel-Buffering"] == "no"
+    assert whole.mimetype == "text/event-stream"
+    frames = sse_events(whole.get_data(as_text=True))
+    expected = all_events(state, loop_id)
+    assert [(f[0], f[1]) for f in frames[:-1]] == [(e.id, e.kind) for e in expected]
+    assert frames[-1][1:] == ("end", "completed")
+    done = json.loads(next(f[2] for f in frames if f[1] == "message_completed"))
+    assert done["text"] == "General\rKenobi." and done["loop_id"] == loop_id
+    # the browser reconnects with Last-Event-ID: exactly the rest, then end
+    middle = expected[len(expected) // 2]
+    rest = sse_events(client.get(f"/events/{loop_id}",
+                                 headers={"Last-Event-ID": middle.id}).get_data(as_text=True))
+    assert [f[0] for f in rest[:-1]] == [e.id for e in expected if e.seq > middle.seq]
+    assert rest[-1][1] == "end"
+    # nothing new for a finished loop: end at once, so the page stops reconnecting
+    last = sse_events(client.get(f"/events/{loop_id}?last_event_id={expected[-1].id}")
+                      .get_data(as_text=True))
+    assert last == [(None, "end", "completed")]
+    bad = client.get(f"/events/{loop_id}", headers={"Last-Event-ID": "7:3"})
+    assert bad.status_code == 400 and b"after must be an event id" in bad.data
+    assert client.get("/events/999999999").status_code == 404
+    allowed["ok"] = False
+    assert client.get(f"/events/{loop_id}").status_code == 403
+
+
+def test_a_stream_of_a_running_loop_ends_without_end_and_heartbeats(app, session):
+    from flask_solidloop.config import Config
+
+    state = app.extensions["solidloop"]
+    state.config = Config.from_mapping({"SOLIDLOOP_STREAM_SECONDS": 0.6,
+                                        "SOLIDLOOP_STREAM_HEARTBEAT": 0.1})
+    app.add_url_rule("/events/<int:loop_id>", "events",
+                     lambda loop_id: state.extension.sse_response(loop_id))
+    loop_id = Assistant.start(message="nobody answers").id
+    body = app.test_client().get(f"/events/{loop_id}").get_data(as_text=True)
+    assert body.startswith("retry: ") and ": heartbeat" in body
+    frames = sse_events(body)
+    assert frames and all(f[1] != "end" for f in frames)  # the browser reconnects
+    assert Agent_wait(app, loop_id, 0.3) == "queued"  # not settled: the status at the timeout
+
+
+def Agent_wait(app, loop_id: int, timeout: float) -> str | None:
+    with app.app_context():
+        return Assistant(loop_id).wait(timeout)
+
+
+def test_wait_returns_once_the_loop_settles(app, session, llm, drain):
+    llm.script("wait for me", {"content": "Done."})
+    loop_id = Assistant.start(message="wait for me").id
+    session.commit()
+    results: list = []
+    waiter = threading.Thread(target=lambda: results.append(Agent_wait(app, loop_id, 30)))
+    waiter.start()
+    drain()
+    waiter.join(30)
+    assert results == ["completed"]
+    assert Agent_wait(app, 999999999, 1) is None
