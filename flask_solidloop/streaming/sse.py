@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from flask import Response, abort, request, stream_with_context
 from sqlalchemy.orm import Session
 
+from ..dbapi import is_transient
 from ..errors import InvalidArgumentError
 from ..models import Loop
 from ..state import SolidLoopState
@@ -88,12 +89,19 @@ def _frames(event: StreamEvent, rendered: Rendered) -> list[tuple[str, str]]:
 
 def _finished_status(state: SolidLoopState, loop_id: int) -> str | None:
     """The loop's status when the stream ended because the loop did (it
-    finished, or it is gone); None when the stream only reached its time limit."""
-    with Session(engine_of(state)) as session:
-        status = session.get(Loop, loop_id)
-        if status is None:
-            return "gone"
-        return status.status if status.status in ("completed", "failed") else None
+    finished, or it is gone); None when the stream only reached its time limit,
+    or when the database cannot tell now (it restarts): the stream then ends as
+    at its time limit, whole, and the client's reconnect asks again."""
+    try:
+        with Session(engine_of(state)) as session:
+            status = session.get(Loop, loop_id)
+            if status is None:
+                return "gone"
+            return status.status if status.status in ("completed", "failed") else None
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        return None
 
 
 def sse_response(state: SolidLoopState, loop_id: int, *,
