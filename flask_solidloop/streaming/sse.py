@@ -13,20 +13,26 @@ closes its EventSource on it (``sse-close="end"`` with htmx).
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Callable, Iterator
 
 from flask import Response, abort, request, stream_with_context
 from sqlalchemy.orm import Session
 
+from ..dbapi import is_transient
 from ..errors import InvalidArgumentError
 from ..models import Loop
 from ..state import SolidLoopState
 from .events import StreamEvent, parse_after, read_events
 from .follow import engine_of, follow
 
+logger = logging.getLogger("flask_solidloop.streaming")
+
 #: Milliseconds the browser waits before reconnecting a stream that ended.
 RETRY_MS = 500
+#: ... and one that could not start because the database was down.
+RETRY_WHILE_DOWN_MS = 2000
 #: The headers every event stream carries: no caching, and no buffering by a
 #: proxy in front (nginx honours X-Accel-Buffering).
 HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
@@ -93,10 +99,16 @@ def _frames(event: StreamEvent, rendered: Rendered) -> list[tuple[str, str]]:
 def _finished_status(state: SolidLoopState, loop_id: int, cursor: int) -> str | None:
     """The loop's status when this stream has sent all there is and the loop
     has finished (or is gone: ``gone``); None when the browser should
-    reconnect (the stream only reached its time limit, or events came after
-    what it sent)."""
-    with Session(engine_of(state)) as session:
-        page = read_events(session, loop_id, cursor, limit=1, reasoning=True)
+    reconnect: the stream only reached its time limit, events came after what
+    it sent, or the database cannot tell now (it restarts; the stream then ends
+    whole, as at its time limit, and the reconnect asks again)."""
+    try:
+        with Session(engine_of(state)) as session:
+            page = read_events(session, loop_id, cursor, limit=1, reasoning=True)
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        return None
     if page.status is None:
         return "gone"
     if page.status in ("completed", "failed") and page.tail <= cursor:
@@ -121,12 +133,24 @@ def sse_response(state: SolidLoopState, loop_id: int, *,
         cursor = parse_after(last_event_id() or after)
     except InvalidArgumentError as exc:
         return Response(f"{exc}\n", status=400, mimetype="text/plain")
-    with Session(engine_of(state)) as session:
-        loop = session.get(Loop, loop_id)
-        if loop is None:
-            abort(404)
-        if authorize is not None and not authorize(loop):
-            abort(403)
+    try:
+        with Session(engine_of(state)) as session:
+            loop = session.get(Loop, loop_id)
+            allowed = loop is not None and (authorize is None or authorize(loop))
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        # The database restarts: an empty stream that asks the browser to come
+        # back (an EventSource gives up for good on any answer but 200). It
+        # sends no event, so nothing is shown before the loop is authorized.
+        logger.info("loop %s: a stream could not read its loop (%s); the browser retries",
+                    loop_id, type(exc).__name__)
+        return Response(f"retry: {RETRY_WHILE_DOWN_MS}\n\n", mimetype="text/event-stream",
+                        headers=dict(HEADERS))
+    if loop is None:
+        abort(404)
+    if not allowed:
+        abort(403)
     text = body(state, loop_id, cursor,
                 seconds=config.stream_seconds if seconds is None else seconds,
                 heartbeat=config.stream_heartbeat if heartbeat is None else heartbeat,
