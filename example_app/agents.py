@@ -75,7 +75,7 @@ def offline_model_url() -> str:
     with _offline_lock:
         url = os.environ.get(OFFLINE_URL_ENV)
         if not url:
-            from flask_solidloop.testing.llm_emulator import LLMEmulator
+            from flask_solidloop.testing import LLMEmulator
 
             url = LLMEmulator(offline_model=True).start().base_url
             os.environ[OFFLINE_URL_ENV] = url

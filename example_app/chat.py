@@ -22,9 +22,8 @@ from typing import Any
 from flask import Blueprint, Response, abort, redirect, render_template, request, session, url_for
 from markupsafe import Markup, escape
 
-from flask_solidloop import DecisionConflictError
+from flask_solidloop import ConversationBusyError, DecisionConflictError, StreamEvent
 from flask_solidloop.models import Loop
-from flask_solidloop.streaming import StreamEvent
 
 from .agents import WeatherAgent, solidloop
 
@@ -68,10 +67,15 @@ def own_loop(loop_id: int) -> Loop:
 
 
 def send_message(loop: Loop, text: str) -> bool:
-    """Continue a finished conversation with the user's next message; False
-    when the loop is not ready for one (still answering, or waiting for a
-    decision). The one place that says how a follow-up is sent."""
-    return WeatherAgent(loop).resume(message=text, from_=("completed",))
+    """The user's next message. A finished conversation goes on with it; one
+    still answering (or waiting for a decision) keeps it and answers it next
+    (the agent's ``on_new_message``, "queue" by default). False only for an
+    agent that rejects messages while it works."""
+    try:
+        WeatherAgent(loop).send_message(text)
+    except ConversationBusyError:
+        return False
+    return True
 
 
 @bp.after_request

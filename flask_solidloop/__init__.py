@@ -55,6 +55,7 @@ from .loops.store import Decision, SentMessage, WaitRequest
 from .mcp.toolset import CallContext, ToolResult, Toolset
 from .models import RESUMABLE_STATUSES
 from .pipeline.builder import Builder
+from .streaming import StreamEvent
 
 __all__ = [
     "RESUMABLE_STATUSES",
@@ -100,6 +101,7 @@ __all__ = [
     "SetupError",
     "SolidLoop",
     "SolidLoopError",
+    "StreamEvent",
     "ToolDefinitionError",
     "ToolResult",
     "Toolset",
