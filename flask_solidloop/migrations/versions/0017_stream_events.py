@@ -50,8 +50,12 @@ BEGIN
     IF NOT FOUND THEN
         RETURN NULL;
     END IF;
-    SELECT id INTO prev FROM solidloop_stream_events
-     WHERE loop_id = p_loop ORDER BY id DESC LIMIT 1;
+    IF watched OR p_kind IN ('status_changed', 'completed', 'failed') THEN
+        -- The loop's event before this one, read under the same lock: a
+        -- listener whose feed ends there takes this one as it comes.
+        SELECT id INTO prev FROM solidloop_stream_events
+         WHERE loop_id = p_loop ORDER BY id DESC LIMIT 1;
+    END IF;
     INSERT INTO solidloop_stream_events (loop_id, kind, message_id, tool_call_id, data, text)
     VALUES (p_loop, p_kind, p_message, p_call, p_data, p_text)
     RETURNING id INTO new_id;
