@@ -293,6 +293,7 @@ class NetworkCalling:
             reasoning_strategies=strategies,
         )
         rendered = dialect.render(settings, with_note(history, note), tools, options)
+        slot_at: float | None = None
         if limits is not None:
             # The subject's ledger and the rate buckets reserve the estimate.
             admitted = ctx.admitted = admission.admit(
@@ -301,7 +302,8 @@ class NetworkCalling:
             if admitted.note is not None and note is None:
                 rendered = dialect.render(settings, with_note(history, admitted.note), tools,
                                           options)
-            if not _capacity_now(ctx, admitted):
+            slot_at = _capacity_at(ctx, admitted)
+            if slot_at is None:
                 return None
         ctx.reasoning_carried = reasoning.carried(history, {
             index: reasoning.plan(message, strategies, dialect.name)
@@ -340,6 +342,10 @@ class NetworkCalling:
         # No transaction may stay open across the network call: it would pin a
         # connection, hold locks and trip idle_in_transaction_session_timeout.
         store.end_transaction(ctx.session)
+        if slot_at is not None:
+            # The rest of a short wait for the reserved slot, slept after the
+            # record: its write then does not push the request past the slot.
+            time.sleep(max(0.0, slot_at - time.monotonic()))
         ctx.requested = True
         started = time.monotonic()
         try:
@@ -400,19 +406,18 @@ def with_note(history: list[Any], note: str | None) -> list[Any]:
     return [ChatMessage(role="system", content=note), *history]
 
 
-def _capacity_now(ctx: LlmContext, admitted: admission.Admitted) -> bool:
-    """Whether the request goes now: a wait for rate-limit capacity up to
-    SOLIDLOOP_RATE_LIMIT_INLINE_WAIT is slept here; a longer one defers the
-    turn to its slot (the loop queued again, its job due then, the
-    reservation kept), and False."""
+def _capacity_at(ctx: LlmContext, admitted: admission.Admitted) -> float | None:
+    """When the request may go (a ``time.monotonic()`` instant): now, or at a
+    slot within SOLIDLOOP_RATE_LIMIT_INLINE_WAIT, which the caller sleeps until
+    just before sending. A longer wait defers the turn to its slot (the loop
+    queued again, its job due then, the reservation kept), and None."""
     wait = admitted.wait
     if wait <= 0:
-        return True
+        return time.monotonic()
     if wait <= ctx.state.config.rate_limit_inline_wait:
-        time.sleep(wait)
-        return True
+        return time.monotonic() + wait
     _defer_to(ctx, admitted, wait)
-    return False
+    return None
 
 
 def _defer_to(ctx: LlmContext, admitted: admission.Admitted, wait: float, *,
