@@ -576,16 +576,18 @@ class PartialWriter:
         if self.pace.due(time.monotonic()):
             self.flush()
 
+    def _text_so_far(self) -> str:
+        """The answer so far as a watcher may see it (tool-call markup hidden)."""
+        content = "".join(self.content)
+        return self.text_filter(content) if self.text_filter is not None else content
+
     def flush(self) -> None:
-        """Write what arrived since the last flush now (a turn ended at its limit
-        keeps what arrived on its failed shell)."""
+        """Write what arrived since the last flush now."""
         ctx = self.ctx
         if ctx.lease is not None and ctx.lease.lost():
             return
         assert ctx.shell_id is not None
-        content = "".join(self.content)
-        if self.text_filter is not None:
-            content = self.text_filter(content)
+        content = self._text_so_far()
         reasoning = "".join(self.reasoning)
         try:
             if self.deltas:
@@ -622,7 +624,6 @@ class PartialWriter:
             self.pace.watched = watched
         self.pace.flushed(time.monotonic(), events=events)
 
-
     def keep(self) -> None:
         """Write the text so far onto the shell (a turn ended at its limit keeps
         what arrived on its failed shell, whatever the stream was sent)."""
@@ -630,11 +631,8 @@ class PartialWriter:
         if ctx.lease is not None and ctx.lease.lost():
             return
         assert ctx.shell_id is not None
-        content = "".join(self.content)
-        if self.text_filter is not None:
-            content = self.text_filter(content)
         try:
-            store.record_partial(ctx.session, ctx.shell_id, content,
+            store.record_partial(ctx.session, ctx.shell_id, self._text_so_far(),
                                  "".join(self.reasoning) or None)
         except Exception as exc:
             if not is_transient(exc):

@@ -19,11 +19,6 @@ COMPLETED = _quoted(LoopStatus.COMPLETED)
 FAILED = _quoted(LoopStatus.FAILED)
 TERMINAL = f"({COMPLETED}, {FAILED})"
 
-#: The NOTIFY channel the admin's live stream LISTENs on (admin/live.py); the
-#: payload is ``<loop_id>:<message_id>``. NOTIFY is transactional: it is
-#: delivered when, and only if, the write it announces commits.
-LIVE_CHANNEL = "solidloop_live"
-
 #: Candidates one heal handles per pass.
 HEAL_BATCH = 500
 
