@@ -324,9 +324,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("SOLIDLOOP_JANITOR_INTERVAL", 300.0, _non_negative_float,
             "Seconds between janitor sweeps run inside worker processes (one sweep per "
             "interval across all workers); 0 turns the in-worker janitor off."),
-    Setting("SOLIDLOOP_STREAM_UPDATE_INTERVAL", 2.0, _positive_float,
+    Setting("SOLIDLOOP_STREAM_UPDATE_INTERVAL", 10.0, _positive_float,
             "Seconds between flushes of a streaming turn's text (its deltas, or its partial "
-            "text on the hidden shell) while nobody watches its loop."),
+            "text on the hidden shell) while nobody watches its loop (a watcher's arrival "
+            "flushes at once)."),
     Setting("SOLIDLOOP_OBSERVED_STREAM_UPDATE_INTERVAL", 0.25, _positive_float,
             "Seconds between partial-text writes onto the hidden shell while the loop is "
             "watched, when text deltas are off (SOLIDLOOP_STREAM_MAX_HZ = 0)."),

@@ -621,14 +621,6 @@ def loop_version(session: SessionLike, loop_id: int) -> tuple[Any, ...] | None:
     return None if row is None else tuple(row)
 
 
-def is_watched(session: SessionLike, loop_id: int) -> bool:
-    """Whether someone watches the loop live: an open stream (``watched_until``)
-    or the admin's observe flag. Its turns then flush their text faster."""
-    return bool(session.scalar(select(
-        Loop.observed | func.coalesce(Loop.watched_until > func.now(), False)
-    ).where(Loop.id == loop_id)))
-
-
 def is_observed(session: SessionLike, loop_id: int) -> bool:
     """Whether someone watches the loop live (its partials then flush more often)."""
     return bool(session.scalar(select(Loop.observed).where(Loop.id == loop_id)))

@@ -101,6 +101,8 @@ class LlmContext(TurnContext):
     #: The request's ``llm_request`` event, written (pending) before it was
     #: sent; the turn's end completes it (decision 0025).
     request_event_id: int | None = None
+    #: Whether someone watched the loop when its request went on record.
+    watched: bool = False
     response: AssistantTurn | None = None
     wire: WireRecord | None = None
     #: ttft_ms (when text streamed), thinking_ms, output_tokens (+

@@ -56,6 +56,7 @@ from ..llm.types import ChatMessage
 from ..loops import queries, store
 from ..mcp.registry import ToolRegistry
 from ..urls import redact_urls_in
+from . import watch_arrivals
 from .builder import Handler
 from .context import LlmContext
 from .waits import call_wait
@@ -367,6 +368,9 @@ class NetworkCalling:
             if ctx.admitted is not None:
                 _settle_failed(ctx, exc)
             raise
+        finally:
+            if ctx.partial is not None:
+                ctx.partial.close()
         if ctx.admitted is not None:
             _settle(ctx, settings.model)
         if not streaming and ctx.response.usage and ctx.response.usage.output_tokens:
@@ -387,9 +391,10 @@ def _record_request(ctx: LlmContext, record: Any) -> None:
     the attempts so far left on it."""
     _check_lease(ctx)
     config = ctx.state.config
-    ctx.request_event_id = store.record_request(
+    recorded = store.record_request(
         ctx.session, ctx.loop_id, ctx.execution_token, shell_id=ctx.shell_id, wire=record,
         body_limit=config.event_body_limit, repeat_history=config.event_repeat_history)
+    ctx.request_event_id, ctx.watched = recorded.event_id, recorded.watched
     ctx.wire = record
 
 
@@ -533,8 +538,10 @@ class PartialWriter:
     text since the last one as events of the loop's stream; off, it writes the
     text so far onto the hidden shell. The pace is the loop's: every
     SOLIDLOOP_STREAM_UPDATE_INTERVAL seconds while nobody watches, at most
-    SOLIDLOOP_STREAM_MAX_HZ events a second while somebody does; each flush
-    learns which from its own statement. The shell stays hidden and
+    SOLIDLOOP_STREAM_MAX_HZ events a second while somebody does. It starts
+    from what the request's record read, learns a change from each flush's own
+    statement, and hears a watcher's arrival (pipeline/watch_arrivals.py): it
+    then flushes what it has with the next token. The shell stays hidden and
     ``processing``: a turn that never commits never puts its partial into the
     history the model sees."""
 
@@ -552,29 +559,33 @@ class PartialWriter:
                               idle_interval=config.stream_update_interval,
                               watched_interval=config.observed_stream_update_interval,
                               now=time.monotonic())
-        self.pace.watched = self._watched()
+        self.pace.watched = ctx.watched
+        #: Set from the listener's thread when a watcher arrives: the next token flushes.
+        self.arrival = False
         #: Tool calls written as text are the parser's, not the reader's: an observer
         #: never sees their markup, not even half a tag.
         self.text_filter = tool_text.visible_text if _hides_tool_markup(ctx) else None
+        watch_arrivals.listen(ctx.state.broker)
+        if watch_arrivals.register(ctx.loop_id, self):
+            self.watcher_arrived()
 
-    def _watched(self) -> bool:
-        # Read without keeping a transaction open across the stream. A database
-        # that fails meanwhile leaves the loop unwatched: the stream goes on.
-        try:
-            watched = queries.is_watched(self.ctx.session, self.ctx.loop_id)
-        except Exception as exc:
-            if not is_transient(exc):
-                raise
-            store.recover(self.ctx.session)
-            return False
-        self.ctx.session.rollback()
-        return watched
+    def watcher_arrived(self) -> None:
+        """Somebody started watching the loop (called from another thread)."""
+        self.arrival = True
 
     def __call__(self, delta: StreamDelta) -> None:
         self.content.append(delta.content)
         self.reasoning.append(delta.reasoning)
-        if self.pace.due(time.monotonic()):
+        if self.arrival:
+            self.arrival = False
+            self.pace.watched = True
             self.flush()
+        elif self.pace.due(time.monotonic()):
+            self.flush()
+
+    def close(self) -> None:
+        """The stream is over: arrivals no longer concern this turn."""
+        watch_arrivals.unregister(self.ctx.loop_id, self)
 
     def _text_so_far(self) -> str:
         """The answer so far as a watcher may see it (tool-call markup hidden)."""

@@ -10,6 +10,12 @@ claim and the wait is never lost.
 The listener is only a wake-up: while its connection is down, consumers
 time out of their waits and poll, as they always do. On reconnect it LISTENs
 again and bumps every generation, since notifications sent meanwhile are gone.
+
+Other parts of the process may hear a channel of their own on the same
+connection (:meth:`Listener.on_notify`): a handler is called with each
+payload on the listener's thread, while the listener runs (it runs while the
+process has consumers). Such a channel is a hint, never a duty: what is
+notified while the connection is down is lost, and its owner must not need it.
 """
 
 from __future__ import annotations
@@ -82,6 +88,7 @@ class Listener:
         self._changed = threading.Condition(self._lock)  # a session's state moved
         self._queues: dict[str, _Queue] = {}
         self._by_channel: dict[str, _Queue] = {}
+        self._handlers: dict[str, Callable[[str], None]] = {}
         self._session: _Session | None = None
         #: Connections made so far (a reconnect adds one), and failed attempts.
         self.connects = 0
@@ -133,6 +140,19 @@ class Listener:
             if self._detach() is None:
                 return
         self._poke_quietly()
+
+    def on_notify(self, channel: str, handler: Callable[[str], None]) -> None:
+        """Call ``handler(payload)`` for each notification on ``channel`` while the
+        listener runs (from the next LISTEN on; it does not start the listener).
+        The handler runs on the listener's thread: it must be quick and must not
+        raise (an exception is logged and dropped)."""
+        with self._lock:
+            self._handlers[channel] = handler
+            session = self._session
+            poke = session is not None and session.backend_pid is not None \
+                and channel not in session.listening
+        if poke:
+            self._poke_quietly()
 
     def generation(self, queue_name: str) -> int:
         """The queue's wake-up counter: read it before a claim, pass it to :meth:`wait`."""
@@ -273,7 +293,7 @@ class Listener:
             heard = False
             for note in conn.notifies(timeout=TICK, stop_after=1):
                 heard = True
-                self._dispatch(note.channel)
+                self._dispatch(note.channel, note.payload)
             if session.stop.is_set():
                 return
             self._listen_new(conn, session)
@@ -288,6 +308,7 @@ class Listener:
         with self._lock:
             new = [q.channel for q in self._queues.values()
                    if q.subscribers and q.channel not in session.listening]
+            new += [channel for channel in self._handlers if channel not in session.listening]
         if not new and session.listening:
             return
         for channel in new:
@@ -303,9 +324,15 @@ class Listener:
                     q.cond.notify_all()
             self._changed.notify_all()
 
-    def _dispatch(self, channel: str) -> None:
+    def _dispatch(self, channel: str, payload: str = "") -> None:
         with self._lock:
             q = self._by_channel.get(channel)
             if q is not None:
                 q.generation += 1
                 q.cond.notify_all()
+            handler = self._handlers.get(channel)
+        if handler is not None:
+            try:
+                handler(payload)
+            except Exception:
+                logger.exception("a handler of channel %s failed", channel)

@@ -236,7 +236,7 @@ def record(engine, loop_id: int, token: uuid.UUID, shell_id: int) -> int:
                                                                 "content": "hi"}]})
     with Session(engine) as session:
         return store.record_request(session, loop_id, token, shell_id=shell_id, wire=wire,
-                                    body_limit=65536, repeat_history=False)
+                                    body_limit=65536, repeat_history=False).event_id
 
 
 def test_a_reclaim_committed_while_the_record_waits_writes_nothing(
@@ -254,7 +254,7 @@ def test_a_reclaim_committed_while_the_record_waits_writes_nothing(
         holder.execute("UPDATE solidloop_loops SET execution_token = %s WHERE id = %s",
                        (uuid.uuid4(), loop_id))
 
-    outcome = hold_loop_while(database_url, loop_id, "INSERT INTO solidloop_events",
+    outcome = hold_loop_while(database_url, loop_id, "WITH owner AS (SELECT id, observed",
                               reclaim, lambda: record(engine, loop_id, claim.token,
                                                       claim.shell_id))
     assert isinstance(outcome.get("error"), LostLeaseError), outcome

@@ -59,16 +59,34 @@ START_MANY = (
 SET_FROZEN = ("UPDATE solidloop_loops SET frozen = %(frozen)s, updated_at = now() "
               "WHERE id = %(loop_id)s AND frozen <> %(frozen)s RETURNING id")
 
-#: Whether someone watches the loop live (the admin).
-SET_OBSERVED = ("UPDATE solidloop_loops SET observed = %(observed)s, updated_at = now() "
-                "WHERE id = %(loop_id)s AND observed <> %(observed)s RETURNING id")
+#: The channel that tells the workers a loop nobody watched now has a watcher:
+#: its streaming turn flushes what it has at once (pipeline/llm_stack.py).
+WATCH_CHANNEL = "solidloop_watch"
+
+#: Whether the loop was watched before this statement (``o``: the row as the
+#: statement found it), for the arrival's notification.
+_WAS_WATCHED = "o.observed OR coalesce(o.watched_until > now(), false)"
+
+#: Whether someone watches the loop live (the admin); ``arrived`` when nobody
+#: watched it before.
+SET_OBSERVED = ("UPDATE solidloop_loops l SET observed = %(observed)s, updated_at = now() "
+                "FROM solidloop_loops o WHERE o.id = l.id AND l.id = %(loop_id)s "
+                "AND l.observed <> %(observed)s "
+                f"RETURNING l.id, NOT ({_WAS_WATCHED}) AND l.status = 'running' AS arrived")
 
 #: An open stream watches the loop for ``ttl`` seconds more; written only when
 #: less than half of that is left, so many streams of one loop write it rarely.
+#: ``arrived`` when nobody watched the running loop before.
 MARK_WATCHED = (
-    "UPDATE solidloop_loops SET watched_until = now() + make_interval(secs => %(ttl)s) "
-    "WHERE id = %(loop_id)s AND (watched_until IS NULL "
-    "OR watched_until < now() + make_interval(secs => %(ttl)s / 2)) RETURNING id")
+    "UPDATE solidloop_loops l "
+    "SET watched_until = now() + make_interval(secs => %(ttl)s) "
+    "FROM solidloop_loops o WHERE o.id = l.id AND l.id = %(loop_id)s "
+    "AND (l.watched_until IS NULL "
+    "OR l.watched_until < now() + make_interval(secs => %(ttl)s / 2)) "
+    f"RETURNING l.id, NOT ({_WAS_WATCHED}) AND l.status = 'running' AS arrived")
+
+#: Tell the workers (WATCH_CHANNEL), in the transaction of the mark.
+NOTIFY_WATCH = f"SELECT pg_notify('{WATCH_CHANNEL}', %(loop_id)s::text)"
 
 #: The loop's shells, failed and hidden (a resume starts clean).
 HIDE_SHELLS = hide_shells("%(loop_id)s")

@@ -286,9 +286,12 @@ TRANSITION = (
 #: generation under the loop row's lock (``FOR SHARE``: a claim or an exit of
 #: another writer waits for it, and it for them). The write that ends the turn
 #: completes the same row (``llm_event``'s ``answered``). No row when the loop
-#: is no longer the writer's.
+#: is no longer the writer's. ``watched``: whether someone watches the loop
+#: (its streaming turn then flushes fast from the start), read under the same lock.
 RECORD_REQUEST = (
-    "INSERT INTO solidloop_events (loop_id, message_id, kind, payload) "
-    "SELECT id, %(shell_id)s::bigint, 'llm_request', %(payload)s::jsonb "
-    f"FROM solidloop_loops WHERE id = %(loop_id)s AND {OWNED} FOR SHARE "
-    "RETURNING id, created_at")
+    "WITH owner AS (SELECT id, observed OR coalesce(watched_until > now(), false) AS watched "
+    f"FROM solidloop_loops WHERE id = %(loop_id)s AND {OWNED} FOR SHARE), "
+    "recorded AS (INSERT INTO solidloop_events (loop_id, message_id, kind, payload) "
+    "SELECT id, %(shell_id)s::bigint, 'llm_request', %(payload)s::jsonb FROM owner "
+    "RETURNING id, created_at) "
+    "SELECT recorded.id, recorded.created_at, owner.watched FROM recorded, owner")

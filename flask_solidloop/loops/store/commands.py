@@ -202,25 +202,28 @@ def unfreeze(session: SessionLike, loop_id: int) -> bool:
     return row is not None
 
 
-@alone
+@commits
 def set_observed(session: SessionLike, loop_id: int, observed: bool) -> bool:
     """Mark a loop as watched live, or no longer; False when it already was so."""
-    row, committed = run_alone(session, sql.SET_OBSERVED,
-                               {"loop_id": loop_id, "observed": observed}, sole=True)
-    if not committed:
-        session.commit()
-    return row is not None
+    return _mark_watch(session, sql.SET_OBSERVED, {"loop_id": loop_id, "observed": observed})
 
 
-@alone
+@commits
 def mark_watched(session: SessionLike, loop_id: int, seconds: float) -> bool:
     """An open stream watches the loop for ``seconds`` more: its events are
     notified and its streaming turns flush at SOLIDLOOP_STREAM_MAX_HZ. False
     when the mark was fresh enough already (or the loop is gone)."""
-    row, committed = run_alone(session, sql.MARK_WATCHED,
-                               {"loop_id": loop_id, "ttl": float(seconds)}, sole=True)
-    if not committed:
-        session.commit()
+    return _mark_watch(session, sql.MARK_WATCHED, {"loop_id": loop_id, "ttl": float(seconds)})
+
+
+def _mark_watch(session: SessionLike, statement: str, params: dict[str, Any]) -> bool:
+    """Write a watch mark; the first watcher of a running loop is notified on
+    sql.WATCH_CHANNEL in the same commit (its streaming turn flushes at once).
+    Only arrivals notify: a notifying commit is serialised cluster-wide."""
+    row = fetch_row(session, statement, params)
+    if row is not None and row["arrived"]:
+        execute(session, sql.NOTIFY_WATCH, {"loop_id": params["loop_id"]})
+    session.commit()
     return row is not None
 
 

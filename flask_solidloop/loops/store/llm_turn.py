@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from psycopg.types.json import Jsonb
 from sqlalchemy import update
@@ -615,10 +615,17 @@ def fenced_transition(session: SessionLike, loop_id: int, token: uuid.UUID, *,
     return True
 
 
+class RecordedRequest(NamedTuple):
+    """A request on record: its event, and whether the loop was watched then."""
+
+    event_id: int
+    watched: bool
+
+
 @alone
 def record_request(session: SessionLike, loop_id: int, token: uuid.UUID, *,
                    shell_id: int | None, wire: WireRecord, body_limit: int,
-                   repeat_history: bool) -> int:
+                   repeat_history: bool) -> RecordedRequest:
     """The turn's ``llm_request`` event, on record before its request is sent
     (loops/sql.RECORD_REQUEST): the redacted request of ``wire``, pending (no
     response, no duration) until the write that ends the turn completes it
@@ -627,7 +634,7 @@ def record_request(session: SessionLike, loop_id: int, token: uuid.UUID, *,
     turn's generation: LostLeaseError, with nothing written, when the loop
     changed hands. One statement: in autocommit when the session holds
     nothing, else in the session's transaction, committed with it. Returns
-    the event's id."""
+    the event's id and whether someone watches the loop."""
     known = real_session(session).identity_map.get(identity_key(Loop, loop_id))
     born = known.__dict__.get("created_at") if known is not None else None
     tools = storable.tools_digest(wire.request_body) if not repeat_history else None
@@ -647,4 +654,4 @@ def record_request(session: SessionLike, loop_id: int, token: uuid.UUID, *,
         session.commit()
     if born is not None:  # the request's tools are now in the log
         logged_tools.remember((loop_id, born), tools)
-    return int(row["id"])
+    return RecordedRequest(int(row["id"]), bool(row["watched"]))
