@@ -291,6 +291,7 @@ def test_actions_bulk_resume_csrf_and_closed_mount(app, session, llm, stack, pag
     for loop_id in failed:
         wait_status(session, loop_id, ("completed",))
     page.click("#back-to-list")
+    page.wait_for_url(re.compile(r"/admin/loops\?"))  # the click navigates
     assert "failure=infra%3Ahttp" in page.url
 
     # a cross-site form post is refused (the browser says Sec-Fetch-Site: cross-site)
@@ -365,6 +366,7 @@ def test_staff_approve_one_call_and_bulk_deny_a_hundred_while_loop_pages_follow(
         staff.goto(stack + "/admin/")
         assert staff.locator("#awaiting-approval").inner_text().strip() == "101"
         staff.click("#waiting-card a[href$='/approvals']")
+        staff.wait_for_url("**/admin/approvals")  # the click navigates: count the new page
         assert staff.locator("#approvals tr[data-call]").count() == 50  # one page
         staff.goto(stack + "/admin/approvals?tool=refund")
         row = staff.locator("#approvals tr[data-call]")
@@ -435,6 +437,7 @@ def test_budget_bars_render_to_scale_in_their_colours(app, session, llm, stack, 
         pytest.approx(mini.locator("svg").bounding_box()["width"], abs=0.5)
 
     page.click('header.top nav a[href$="/limits"]')
+    page.wait_for_url("**/admin/limits")  # the click navigates: read the new page
     assert page.locator("h1").inner_text() == "Limits"
     assert page.locator("#rate-keys").count() == 1 and page.locator("#subject-budgets").count() == 1
     assert errors == [], "\n".join(errors)
