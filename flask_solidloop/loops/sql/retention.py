@@ -21,7 +21,7 @@ from .parts import TERMINAL
 #: The loop ``l`` ended (``completed`` or ``failed``: a stop fails a loop)
 #: longer than ``age`` ago. The status list matches ix_solidloop_loops_ended's
 #: predicate, whose ``(finished_at, id)`` the scan follows.
-_ENDED_BEFORE = f"l.status IN {TERMINAL} AND l.finished_at < now() - %(age)s"
+_ENDED_BEFORE = f"l.status IN {TERMINAL} AND l.finished_at < now() - %(age)s::interval"
 
 #: Whatever still needs the ended loop ``l``: a queued or running job of it
 #: (ix_solidloop_jobs_live_loop), or a tool call of it under a live lease (an
@@ -42,9 +42,9 @@ _HELD = (
 
 _CANDIDATES = (
     f"FROM solidloop_loops l WHERE {_ENDED_BEFORE} "
-    "AND (l.finished_at, l.id) > (%(after_at)s, %(after_id)s) "
+    "AND (l.finished_at, l.id) > (%(after_at)s::timestamptz, %(after_id)s::bigint) "
     f"AND NOT ({_HELD}) "
-    "ORDER BY l.finished_at, l.id LIMIT %(batch)s FOR UPDATE OF l SKIP LOCKED")
+    "ORDER BY l.finished_at, l.id LIMIT %(batch)s::int FOR UPDATE OF l SKIP LOCKED")
 
 #: One batch with no hooks to run: the oldest ended loops after the cursor,
 #: locked, and deleted with all their rows, in one statement.
@@ -59,14 +59,14 @@ PURGE_ENDED = (
 LOCK_ENDED = f"SELECT l.* {_CANDIDATES}"
 
 #: The batch's messages and tool calls, each loop's in id order.
-ARCHIVED_MESSAGES = (
-    "SELECT * FROM solidloop_messages WHERE loop_id = ANY(%(ids)s) ORDER BY loop_id, id")
-ARCHIVED_TOOL_CALLS = (
-    "SELECT * FROM solidloop_tool_calls WHERE loop_id = ANY(%(ids)s) ORDER BY loop_id, id")
+ARCHIVED_MESSAGES = ("SELECT * FROM solidloop_messages WHERE loop_id = ANY(%(ids)s::bigint[]) "
+                     "ORDER BY loop_id, id")
+ARCHIVED_TOOL_CALLS = ("SELECT * FROM solidloop_tool_calls WHERE loop_id = ANY(%(ids)s::bigint[]) "
+                       "ORDER BY loop_id, id")
 
 #: The batch's loops the hooks let go, deleted with all their rows.
 DELETE_ENDED = (
-    f"DELETE FROM solidloop_loops l WHERE l.id = ANY(%(ids)s) AND {_ENDED_BEFORE} "
+    f"DELETE FROM solidloop_loops l WHERE l.id = ANY(%(ids)s::bigint[]) AND {_ENDED_BEFORE} "
     "RETURNING l.id")
 
 #: What a pass would delete now (``prune --dry-run``).
