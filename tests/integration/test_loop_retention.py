@@ -370,3 +370,62 @@ def test_readers_of_a_deleted_loop_say_so(app, state, llm, pg):
         response = client.get(f"/admin/loops/{loop_id}{path}")
         assert response.status_code == 404, (path, response.status_code)
     assert client.get("/admin/loops").status_code == 200
+
+
+# -- the scan, and the operators' command ---------------------------------------------
+
+
+def test_a_pass_reads_ended_loops_through_their_index(pg):
+    """Over many loops, most of them recent or live, a batch's scan, the dry
+    run's count and the delete read loops through ix_solidloop_loops_ended or
+    the primary key, under custom and generic plans: never a sequential scan."""
+    from datetime import UTC, datetime
+
+    from flask_solidloop.loops import sql as loop_sql
+
+    from .test_indexes import assert_uses, plans
+
+    pg.execute("INSERT INTO solidloop_loops (agent_name, status, finished_at) "
+               "SELECT 'assistant', CASE WHEN i % 10 = 0 THEN 'running' "
+               "WHEN i % 7 = 0 THEN 'failed' ELSE 'completed' END, "
+               "CASE WHEN i % 10 = 0 THEN NULL "
+               "ELSE now() - make_interval(secs => i) END "
+               "FROM generate_series(1, 20000) AS i")
+    pg.execute("VACUUM ANALYZE solidloop_loops")
+    params = {"age": "5 hours", "batch": 100, "after_at": datetime(1900, 1, 1, tzinfo=UTC),
+              "after_id": 0}
+    for statement in (loop_sql.PURGE_ENDED, loop_sql.LOCK_ENDED, loop_sql.COUNT_ENDED):
+        for plan in plans(pg, statement, params if "after_at" in statement
+                          else {"age": "5 hours"}):
+            assert_uses(plan, "ix_solidloop_loops_ended", "solidloop_loops")
+    for plan in plans(pg, loop_sql.DELETE_ENDED, {"ids": [1, 2, 3], "age": "5 hours"}):
+        assert_uses(plan, "pk_solidloop_loops", "solidloop_loops")
+
+
+def test_operators_count_then_purge_loops_from_the_command_line(app, state, llm, pg):
+    loops = [finished_loop(app, llm, pg, days=3) for _ in range(2)]
+    young = finished_loop(app, llm, pg, days=0.5)
+    runner = app.test_cli_runner()
+
+    kept = runner.invoke(args=["solidloop", "prune", "--loops", "--dry-run"])
+    assert kept.exit_code == 0, kept.output
+    assert ("  loops                   0  none: SOLIDLOOP_LOOP_RETENTION is None "
+            "(kept forever)") in kept.output.splitlines()
+
+    counted = runner.invoke(args=["solidloop", "prune", "--loops", "--dry-run",
+                                  "--loop-retention", str(DAY)])
+    assert counted.exit_code == 0, counted.output
+    lines = counted.output.splitlines()
+    assert lines[0] == ("prune --dry-run: nothing deleted; a sweep now would delete "
+                        "2 loop(s), each with its rows:")
+    assert lines[1] == ("  loops                   2  loops that ended more than 1 day ago, "
+                        "with their messages, tool calls and events (SOLIDLOOP_LOOP_RETENTION)")
+    assert count(pg, "SELECT count(*) FROM solidloop_loops") == 3  # nothing deleted
+
+    purged = runner.invoke(args=["solidloop", "prune", "--loops", "--loop-retention", str(DAY)])
+    assert purged.exit_code == 0, purged.output
+    assert purged.output.startswith("prune: loops=2 kept_by_hooks=0 ")
+    assert [rows_of(pg, lp)["solidloop_loops"] for lp in (*loops, young)] == [0, 0, 1]
+
+    bad = runner.invoke(args=["solidloop", "prune", "--loops", "--loop-retention", "0"])
+    assert bad.exit_code == 2 and "--loop-retention takes seconds > 0" in bad.output
