@@ -178,7 +178,7 @@ class SolidLoop:
         copy sent elsewhere is at least once (a crash before the commit keeps
         the loop for the next pass). If it raises, its writes are undone and
         that loop is kept (tried again at the next pass); the rest of the batch
-        goes. Use as ``@solidloop.on_loop_archive`` or
+        goes. It must not commit or roll back ``session``. Use as ``@solidloop.on_loop_archive`` or
         ``SolidLoop(on_loop_archive=hook)``."""
         if not callable(hook):
             raise InvalidArgumentError(

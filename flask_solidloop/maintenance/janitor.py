@@ -28,9 +28,10 @@ seconds (:func:`prune_if_due`).
   what holds a loop back are the loop store's: loops/store/retention.py,
   docs/decisions/0030-loop-retention.md)
 
-Never deleted, whatever their age: the events and jobs of a loop that has not
-ended (any status but ``completed`` and ``failed``: a loop waiting weeks for an
-approval keeps its wire log), queued and running jobs, dead-lettered jobs
+Never deleted, whatever their age: a loop that has not ended (any status but
+``completed`` and ``failed``), and its events and jobs (a loop waiting weeks
+for an approval keeps its wire log); an ended loop that a queued or running
+job or a leased tool call still needs; queued and running jobs, dead-lettered jobs
 (someone has to look at them), and RQ-style jobs that have not ended or whose
 TTL has not passed, with their deliveries in ``solidloop_jobs`` (the record
 reads its args from them). Those rules are in the statements themselves, so no sweep
