@@ -429,3 +429,16 @@ def test_operators_count_then_purge_loops_from_the_command_line(app, state, llm,
 
     bad = runner.invoke(args=["solidloop", "prune", "--loops", "--loop-retention", "0"])
     assert bad.exit_code == 2 and "--loop-retention takes seconds > 0" in bad.output
+
+
+def test_a_hook_is_registered_by_decorator_or_constructor_and_must_be_callable():
+    from flask_solidloop import InvalidArgumentError, SolidLoop
+
+    def copy(archived, session) -> None:
+        pass
+
+    assert SolidLoop(on_loop_archive=copy).loop_archive_hooks == [copy]
+    extension = SolidLoop()
+    assert extension.on_loop_archive(copy) is copy and extension.loop_archive_hooks == [copy]
+    with pytest.raises(InvalidArgumentError, match="must decorate a function hook"):
+        extension.on_loop_archive("not a function")  # type: ignore[arg-type]
