@@ -260,19 +260,12 @@ class SolidLoop:
         ``reasoning_delta`` events of agents that set ``stream_reasoning``. A loop
         that does not exist (never did, or SOLIDLOOP_LOOP_RETENTION deleted it)
         raises InvalidArgumentError."""
-        from sqlalchemy.orm import Session
-
         from .state import get_state
-        from .streaming import follow, parse_after
-        from .streaming.follow import engine_of
+        from .streaming import follow, parse_after, require_loop
 
         state = get_state(app)
         start = parse_after(after)
-        with Session(engine_of(state)) as session:
-            if session.get(Loop, loop_id) is None:
-                raise InvalidArgumentError(
-                    f"there is no loop {loop_id}: it never existed, or it ended and "
-                    "SOLIDLOOP_LOOP_RETENTION deleted it")
+        require_loop(state, loop_id)
         stream = follow(state, loop_id, start, seconds=timeout,
                         heartbeat=state.config.stream_heartbeat, reasoning=reasoning)
         return (event for event in stream if event is not None)

@@ -354,6 +354,8 @@ def test_readers_of_a_deleted_loop_say_so(app, state, llm, pg):
     assert prune(state).loops == 1
     with pytest.raises(InvalidArgumentError, match=f"there is no loop {loop_id}"):
         solidloop.events(loop_id)
+    with pytest.raises(InvalidArgumentError, match="SOLIDLOOP_LOOP_RETENTION deleted it"):
+        Agent(loop_id).events()
     with pytest.raises(InvalidArgumentError, match="does not exist"):
         Agent(loop_id).result()
     with app.test_request_context():
