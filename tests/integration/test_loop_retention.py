@@ -444,3 +444,18 @@ def test_a_hook_is_registered_by_decorator_or_constructor_and_must_be_callable()
     assert extension.on_loop_archive(copy) is copy and extension.loop_archive_hooks == [copy]
     with pytest.raises(InvalidArgumentError, match="must decorate a function hook"):
         extension.on_loop_archive("not a function")  # type: ignore[arg-type]
+
+
+def test_a_late_job_of_a_deleted_loop_does_nothing(app, state, llm, pg):
+    """A dead-lettered job requeued after its loop was deleted (its turn, its
+    tool call) runs to nothing: no error, no row written."""
+    loop_id = finished_loop(app, llm, pg)
+    (call_id,) = [r[0] for r in pg.execute(
+        "SELECT id FROM solidloop_tool_calls WHERE loop_id = %s", (loop_id,))]
+    retain(state)
+    assert prune(state).loops == 1
+    state.actors["llm_turn"].send(loop_id)
+    state.actors["tool_call"].send(call_id, "00000000-0000-0000-0000-000000000000")
+    assert run(app) == 2  # an actor that raised would raise here (raise_errors)
+    assert set(rows_of(pg, loop_id).values()) == {0}
+    assert count(pg, "SELECT count(*) FROM solidloop_jobs WHERE state <> 'done'") == 0
