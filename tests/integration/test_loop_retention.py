@@ -20,6 +20,7 @@ from sqlalchemy import text
 
 from flask_solidloop import ArchivedLoop
 from flask_solidloop.loops import control, store
+from flask_solidloop.loops import sql as loop_sql
 from flask_solidloop.maintenance.janitor import preview, prune, purge_loops
 from flask_solidloop.queue.broker import libpq_url
 from flask_solidloop.testing import drain as run
@@ -329,7 +330,7 @@ def test_a_resume_that_waits_for_the_purge_finds_no_loop(app, state, llm, pg,
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and not count(
             pg, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                "AND query LIKE %s", "SELECT status, frozen%"):
+                "AND starts_with(query, %s)", loop_sql.LOCK_LOOP.split(" WHERE")[0]):
         time.sleep(0.01)
     waited = time.monotonic() < deadline
     release.set()
@@ -382,8 +383,6 @@ def test_a_pass_reads_ended_loops_through_their_index(pg):
     run's count and the delete read loops through ix_solidloop_loops_ended or
     the primary key, under custom and generic plans: never a sequential scan."""
     from datetime import UTC, datetime
-
-    from flask_solidloop.loops import sql as loop_sql
 
     from .test_indexes import assert_uses, plans
 
