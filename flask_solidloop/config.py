@@ -319,6 +319,13 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds to keep done jobs in the job table (7 days); None keeps them forever. "
             "Queued, running and dead-lettered jobs, and the jobs of a loop that has not "
             "ended, are never pruned."),
+    Setting("SOLIDLOOP_LOOP_RETENTION", None, _retention,
+            "Seconds to keep a loop after it ended (completed or failed, by finished_at), "
+            "with its messages, tool calls, wire-log and stream events; None (the default) "
+            "keeps every loop forever. A loop that has not ended, or that a live job or tool "
+            "lease still needs, is never deleted."),
+    Setting("SOLIDLOOP_LOOP_PURGE_BATCH_SIZE", 100, _positive_int,
+            "Ended loops the janitor deletes per transaction, each with all its rows."),
     Setting("SOLIDLOOP_JANITOR_BATCH_SIZE", 1000, _positive_int,
             "Rows the janitor deletes per statement, so no sweep holds a long lock."),
     Setting("SOLIDLOOP_JANITOR_INTERVAL", 300.0, _non_negative_float,
@@ -454,6 +461,8 @@ class Config:
     database_url: str | None
     event_retention: int | None
     finished_job_retention: int | None
+    loop_retention: int | None
+    loop_purge_batch_size: int
     janitor_batch_size: int
     janitor_interval: float
     stream_update_interval: float
