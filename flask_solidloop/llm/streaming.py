@@ -52,6 +52,7 @@ def post_stream(
     client: httpx.Client | None = None,
     limits: TurnLimits | None = None,
     record: WireRecord | None = None,
+    pool_timeout: float | None = None,
 ) -> tuple[AssistantTurn, WireRecord, dict[str, Any]]:
     """Stream one response; return the assembled turn, the wire record and metrics
     (``ttft_ms`` (absent when no text streamed), ``thinking_ms``, ``duration_ms``,
@@ -62,7 +63,7 @@ def post_stream(
                 connect_timeout=connect_timeout, policy=policy, secrets=secrets,
                 should_abort=should_abort, client=client,
                 retry_after_from_body=retry_after_from_body, stream=True, limits=limits,
-                record=record)
+                record=record, pool_timeout=pool_timeout)
     turn, metrics = send.run(
         lambda attempt: _stream_attempt(send, attempt, make_aggregator(), on_delta))
     return turn, send.record, metrics

@@ -325,6 +325,7 @@ class NetworkCalling:
             headers=headers, params=rendered.params or None,
             read_timeout=settings.read_timeout or config.default_read_timeout,
             connect_timeout=settings.connect_timeout, policy=policy,
+            pool_timeout=config.llm_pool_timeout,
             # The key and every secret-looking configured header value are
             # scrubbed from anything stored, wherever they appear.
             secrets=[v for v in ([api_key] if api_key else [])
