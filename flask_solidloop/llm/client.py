@@ -30,7 +30,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NoReturn, TypeVar
@@ -217,6 +217,20 @@ def server_wait(response: httpx.Response, body_text: str,
     return wait
 
 
+async def _sleep_async(seconds: float, should_abort: Callable[[], bool] | None) -> None:
+    """:func:`_sleep` on an asyncio loop (``should_abort`` must not block)."""
+    import asyncio
+
+    deadline = time.monotonic() + seconds
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        if should_abort is not None and should_abort():
+            raise AbortedError("the loop was paused or stopped during a retry wait")
+        await asyncio.sleep(min(remaining, 0.5))
+
+
 def _sleep(seconds: float, should_abort: Callable[[], bool] | None) -> None:
     deadline = time.monotonic() + seconds
     while True:
@@ -333,7 +347,8 @@ class Send:
         self, url: str, payload: dict[str, Any], *, headers: dict[str, str],
         params: dict[str, str] | None, read_timeout: float, connect_timeout: float,
         policy: RetryPolicy | None, secrets: list[str] | None,
-        should_abort: Callable[[], bool] | None, client: httpx.Client | None,
+        should_abort: Callable[[], bool] | None,
+        client: httpx.Client | httpx.AsyncClient | None,
         retry_after_from_body: Callable[[Any], float | None] | None, stream: bool,
         limits: TurnLimits | None = None, record: WireRecord | None = None,
         pool_timeout: float | None = None,
@@ -354,7 +369,8 @@ class Send:
         self.policy = policy or RetryPolicy()
         self.secrets = secrets or []
         self.should_abort = should_abort
-        self.http = client or shared_client(url)
+        #: An ``httpx.Client``; an ``httpx.AsyncClient`` for :meth:`run_async`.
+        self.http: Any = client or shared_client(url)
         self.retry_after_from_body = retry_after_from_body
         self.stream = stream
         #: ``record``: made by :func:`request_record` for this same request.
@@ -401,29 +417,59 @@ class Send:
         An attempt ends in its result, in a wait and the next attempt (the
         policy allowed a repeat: see :meth:`reject` and :func:`map_exceptions`),
         or in a ProviderError, which leaves with the wire record in ``wire``.
+        :meth:`run_async` is the same loop for an awaitable exchange.
         """
         started = time.monotonic()
         try:
             number = 0
             while True:
                 number += 1
-                attempt = Attempt(number, self.stream)
-                self.record.attempts.append(attempt.entry)
+                attempt = self.begin(number)
                 try:
                     with map_exceptions(self, attempt):
                         return exchange(attempt)
                 except _Retry as retry:
-                    attempt.entry["retry_in_s"] = round(retry.delay, 3)
-                    remaining = self.limits.remaining()
-                    # Never wait past the turn's deadline: the next attempt then
-                    # fails on it at once (attempt_timeout).
-                    _sleep(retry.delay if remaining is None else min(retry.delay, max(
-                        remaining, 0.0)), self.should_abort)
+                    _sleep(self.wait_before_retry(attempt, retry), self.should_abort)
         except ProviderError as exc:
             exc.wire = self.record  # the failed turn's wire log
             raise
         finally:
             self.record.duration_ms = (time.monotonic() - started) * 1000
+
+    async def run_async(self, exchange: Callable[[Attempt], Awaitable[T]]) -> T:
+        """:meth:`run` for an exchange on an asyncio loop (llm/aio.py): the same
+        attempts, failure mapping and waits, the waits awaited."""
+        started = time.monotonic()
+        try:
+            number = 0
+            while True:
+                number += 1
+                attempt = self.begin(number)
+                try:
+                    with map_exceptions(self, attempt):
+                        return await exchange(attempt)
+                except _Retry as retry:
+                    await _sleep_async(self.wait_before_retry(attempt, retry),
+                                       self.should_abort)
+        except ProviderError as exc:
+            exc.wire = self.record
+            raise
+        finally:
+            self.record.duration_ms = (time.monotonic() - started) * 1000
+
+    def begin(self, number: int) -> Attempt:
+        """Attempt ``number``, its entry on the wire record."""
+        attempt = Attempt(number, self.stream)
+        self.record.attempts.append(attempt.entry)
+        return attempt
+
+    def wait_before_retry(self, attempt: Attempt, retry: _Retry) -> float:
+        """The wait before the next attempt, noted on this one. Never past the
+        turn's deadline: the next attempt then fails on it at once
+        (attempt_timeout)."""
+        attempt.entry["retry_in_s"] = round(retry.delay, 3)
+        remaining = self.limits.remaining()
+        return retry.delay if remaining is None else min(retry.delay, max(remaining, 0.0))
 
     def reject(self, response: httpx.Response, body_text: str, attempt: Attempt) -> NoReturn:
         """A non-2xx response: repeated when :func:`retry_delay` allows it, else the
@@ -594,9 +640,37 @@ def post_json(
     return send.run(partial(_json_attempt, send)), send.record
 
 
+async def post_json_async(url: str, payload: dict[str, Any], *, client: httpx.AsyncClient,
+                          **options: Any) -> tuple[Any, WireRecord]:
+    """:func:`post_json` on an asyncio loop, through ``client`` (llm/aio.py):
+    the same arguments, retry loop, failure mapping and wire record.
+    ``should_abort`` must not block (it is called on the loop)."""
+    send = Send(url, payload, params=options.pop("params", None),
+                connect_timeout=options.pop("connect_timeout", 10.0), client=client,
+                policy=options.pop("policy", None), secrets=options.pop("secrets", None),
+                should_abort=options.pop("should_abort", None),
+                retry_after_from_body=options.pop("retry_after_from_body", None),
+                stream=False, **options)
+
+    async def attempt_once(attempt: Attempt) -> Any:
+        response = await send.http.post(send.url, **{"headers": send.headers, **send.body()},
+                                        params=send.params,
+                                        timeout=send.attempt_timeout(attempt))
+        return json_answer(send, attempt, response)
+
+    return await send.run_async(attempt_once), send.record
+
+
 def _json_attempt(send: Send, attempt: Attempt) -> Any:
     response = send.http.post(send.url, **{"headers": send.headers, **send.body()},
                               params=send.params, timeout=send.attempt_timeout(attempt))
+    return json_answer(send, attempt, response)
+
+
+def json_answer(send: Send, attempt: Attempt, response: httpx.Response) -> Any:
+    """A whole (non-streamed) response, read: its JSON body, or the attempt's
+    failure (a status to reject, a body that is not JSON). Shared by the
+    thread and the asyncio exchange."""
     status = response.status_code
     attempt.log(status=status)
     if status >= 400:

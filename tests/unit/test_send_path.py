@@ -95,7 +95,8 @@ def test_both_entry_points_share_the_retry_loop(mode):
     (httpx.ConnectTimeout, ProviderUnavailableError, 3),
     (httpx.ReadTimeout, ProviderError, 1),
     (httpx.WriteTimeout, ProviderError, 1),
-    (httpx.PoolTimeout, ProviderError, 1),
+    # Nothing was sent: retried, then the provider counts as unavailable.
+    (httpx.PoolTimeout, ProviderUnavailableError, 3),
 ])
 def test_httpx_exceptions_are_mapped_once(mode, raised, expected, requests):
     send, _ = SENDERS[mode]
