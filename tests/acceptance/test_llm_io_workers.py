@@ -164,3 +164,32 @@ def test_every_loop_completes_after_a_worker_is_killed_mid_stream(app, session, 
         kill_group(first, signal.SIGKILL)
         if second is not None:
             kill_group(second)
+
+
+@pytest.mark.timeout(300)
+def test_a_pause_cuts_a_silent_stream_at_once(app, session, llm, tmp_path, monkeypatch):
+    """The emulator's pieces come 15 s apart, past the agent's 10-s read
+    timeout: a thread would only notice the pause at that timeout (and fail
+    the request); the I/O loop's watcher cancels the exchange within a second
+    of the pause, and the turn stops as a pause stops it."""
+    monkeypatch.setenv("SOLIDLOOP_TEST_APP_CONFIG", json.dumps(APP_CONFIG))
+    llm.fault_next("slow_stream", seconds=15.0, times=1)
+    llm.script(lambda body: True, {"content": WORDS})
+    log = tmp_path / "worker.log"
+    worker = start_worker(tmp_path, "worker.log")
+    try:
+        loop = StreamingAssistant.start(message="Please talk slowly")
+        wait_in_flight(session, 1, timeout=120, logs=[log])
+        assert StreamingAssistant(loop).pause()
+        deadline = time.monotonic() + 120
+        while "the turn stopped: the loop was paused or stopped" not in log.read_text():
+            assert "ReadTimeout" not in log.read_text(), log.read_text()[-4000:]
+            if time.monotonic() > deadline:
+                pytest.fail(f"the turn never stopped\n{tails([log])}")
+            time.sleep(0.1)
+        session.expire_all()
+        assert session.get(Loop, loop.id).status == "paused"
+        session.rollback()
+        assert "ReadTimeout" not in log.read_text()
+    finally:
+        kill_group(worker)

@@ -4,6 +4,7 @@ no network: httpx.MockTransport."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -16,9 +17,15 @@ from flask_solidloop.errors import (
     ProviderResponseError,
     ProviderUnavailableError,
 )
-from flask_solidloop.llm.client import AbortedError, RetryPolicy, WireRecord, post_json
+from flask_solidloop.llm.client import (
+    AbortedError,
+    RetryPolicy,
+    WireRecord,
+    post_json,
+    post_json_async,
+)
 from flask_solidloop.llm.openai import OpenAIAggregator
-from flask_solidloop.llm.streaming import post_stream
+from flask_solidloop.llm.streaming import post_stream, post_stream_async
 
 URL = "http://llm.test/v1/chat/completions"
 SECRET = "sk-test-secret"
@@ -66,7 +73,36 @@ def send_stream(http, policy=POLICY, **extra):
     return turn, record
 
 
-SENDERS = {"json": (send_json, ok_json), "stream": (send_stream, ok_stream)}
+def _on_a_loop(http):
+    """The same mock transport, through an httpx.AsyncClient."""
+    return httpx.AsyncClient(transport=http._transport)
+
+
+def send_json_async(http, policy=POLICY, **extra):
+    async def go():
+        async with _on_a_loop(http) as aclient:
+            return await post_json_async(
+                URL, {"key": SECRET}, headers={"Authorization": f"Bearer {SECRET}"},
+                read_timeout=5, policy=policy, secrets=[SECRET], client=aclient, **extra)
+    return asyncio.run(go())
+
+
+def send_stream_async(http, policy=POLICY, **extra):
+    async def go():
+        async with _on_a_loop(http) as aclient:
+            turn, record, _ = await post_stream_async(
+                URL, {"key": SECRET}, headers={"Authorization": f"Bearer {SECRET}"},
+                read_timeout=5, policy=policy, secrets=[SECRET], client=aclient,
+                make_aggregator=OpenAIAggregator, **extra)
+            return turn, record
+    return asyncio.run(go())
+
+
+#: Every entry point: the threads' and the asyncio loop's (async LLM I/O), one
+#: retry loop and one failure mapping for all four.
+SENDERS = {"json": (send_json, ok_json), "stream": (send_stream, ok_stream),
+           "json_async": (send_json_async, ok_json),
+           "stream_async": (send_stream_async, ok_stream)}
 
 
 def test_a_fresh_provider_error_has_no_wire_record():
@@ -113,7 +149,7 @@ def test_httpx_exceptions_are_mapped_once(mode, raised, expected, requests):
 def test_a_broken_connection_is_repeated_only_on_a_stream_before_content(mode):
     send, ok = SENDERS[mode]
     http = client(httpx.ReadError, ok())
-    if mode == "stream":
+    if mode.startswith("stream"):
         turn, record = send(http)
         assert turn.content == "hi" and len(record.attempts) == 2
         assert record.attempts[0]["handed_content"] is False
