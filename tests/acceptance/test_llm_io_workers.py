@@ -96,6 +96,7 @@ def wait_done(session, loop_ids: list[int], *, timeout: float, logs: list[Path],
 
 
 def assert_completed_once(session, loop_ids: list[int]) -> None:
+    session.expire_all()
     for loop_id in loop_ids:
         loop = session.get(Loop, loop_id)
         assert loop.status == "completed", (loop_id, loop.status, loop.error_message)
@@ -191,5 +192,43 @@ def test_a_pause_cuts_a_silent_stream_at_once(app, session, llm, tmp_path, monke
         assert session.get(Loop, loop.id).status == "paused"
         session.rollback()
         assert "ReadTimeout" not in log.read_text()
+    finally:
+        kill_group(worker)
+
+
+@pytest.mark.timeout(300)
+def test_a_watched_loop_streams_its_text_through_the_commit_threads(app, session, llm,
+                                                                    tmp_path, monkeypatch):
+    """Deltas arrive on the I/O loop, which never writes: each due flush is
+    handed to a commit thread. A watcher (``events()``) gets the answers in
+    deltas that add up to each stored message, before the message completes."""
+    monkeypatch.setenv("SOLIDLOOP_TEST_APP_CONFIG", json.dumps(APP_CONFIG))
+    script_answers(llm, 0.05, streams=4)
+    log = tmp_path / "worker.log"
+    worker = start_worker(tmp_path, "worker.log")
+    try:
+        loop = StreamingAssistant.start(message="Please add 2 and 3")
+        ext = app.extensions["solidloop"].extension
+        events = [json.loads(json.dumps(e.as_dict(), default=str))
+                  for e in ext.events(loop.id, timeout=180, app=app)]
+        assert events and events[-1]["kind"] == "completed", (events[-5:], tails([log]))
+        streamed: dict[int, str] = {}
+        completed: dict[int, str] = {}
+        for event in events:
+            if event["kind"] == "text_delta":
+                assert event["message_id"] not in completed, "a delta after its message"
+                text = streamed.setdefault(event["message_id"], "")
+                assert event["offset"] == len(text)
+                streamed[event["message_id"]] = text + event["text"]
+            elif event["kind"] == "message_completed" and event.get("role") != "tool":
+                completed[event["message_id"]] = event["text"]
+        assert_completed_once(session, [loop.id])
+        # Both answers streamed in pieces, and the pieces are the answers.
+        assert sorted(streamed.values()) == sorted([FIRST, FINAL])
+        deltas = sum(1 for e in events if e["kind"] == "text_delta")
+        assert deltas > 2
+        for message_id, text in streamed.items():
+            assert completed[message_id] == text
+        assert "Traceback" not in log.read_text()
     finally:
         kill_group(worker)
