@@ -4,7 +4,7 @@ thread mode, in the same run (docs/decisions/0027-llm-io.md).
 Run it from the project root with the project's virtualenv::
 
     python bench/scale_inflight.py                    # 1000 loops, both modes
-    python bench/scale_inflight.py --loops 200 --threads 64 --seconds 3   # quicker
+    python bench/scale_inflight.py --quick            # 200 loops, 64 threads against 8
     python bench/scale_inflight.py --url postgresql+psycopg://postgres@127.0.0.1:5441/mine
 
 What runs. ``--loops`` loops of one streaming agent (one LLM turn each, no
@@ -313,8 +313,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
                         help="a database URL of your own (default: a throwaway cluster)")
     parser.add_argument("--port", type=int, default=5441, help="the throwaway cluster's port")
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--quick", action="store_true",
+                        help="200 loops of 3-s turns, 64 threads against 8: about 3 minutes")
     parser.add_argument("--serve-emulator", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.loops, args.threads, args.async_threads, args.seconds = 200, 64, 8, 3.0
     if args.serve_emulator:
         serve_emulator(args.tps, args.seconds)
     emulator, llm_url = start_emulator(args.tps, args.seconds)
