@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -16,10 +17,12 @@ from flask_solidloop.errors import (
     ProviderHTTPError,
     ProviderResponseError,
     ProviderUnavailableError,
+    TurnLimitError,
 )
 from flask_solidloop.llm.client import (
     AbortedError,
     RetryPolicy,
+    TurnLimits,
     WireRecord,
     post_json,
     post_json_async,
@@ -194,3 +197,23 @@ def test_a_rate_limited_keys_short_wait_is_slept_no_longer_than_the_inline_wait(
     _, record = send(http, policy=policy)
     waits = [a["retry_in_s"] for a in record.attempts[:2]]
     assert all(0.01 <= wait <= 0.05 for wait in waits), waits
+
+
+@pytest.mark.parametrize("mode", ["stream", "stream_async"])
+def test_a_stream_ends_at_the_turns_output_limit(mode):
+    send, ok = SENDERS[mode]
+    with pytest.raises(TurnLimitError, match="max_output_chars") as info:
+        send(client(ok()), limits=TurnLimits(max_output_chars=1))
+    assert info.value.wire is not None and "max_output_chars" in info.value.wire.error
+    summary = info.value.wire.response_body["stream_summary"]
+    assert summary["ended_by"] == "max_output_chars"
+
+
+@pytest.mark.parametrize("mode", SENDERS)
+def test_no_attempt_starts_past_the_turns_deadline(mode):
+    send, ok = SENDERS[mode]
+    http = client(ok())
+    spent = TurnLimits(timeout=1.0, deadline=time.monotonic() - 1)
+    with pytest.raises(TurnLimitError, match="turn_timeout") as info:
+        send(http, limits=spent)
+    assert http.calls == [] and info.value.wire.error == "turn_timeout before the attempt"
