@@ -212,6 +212,9 @@ def run_llm_turn(state: SolidLoopState, loop: Loop, *, adopt: bool = False,
                          fail=fail, database_failed=database_failed)
             finally:
                 lease_handle.release()
+            if ctx.history_chars >= TRIM_AFTER_CHARS:
+                ctx.history, ctx.claim, ctx.wire = [], None, None
+                release_free_memory()
 
         try:
             io.hand(handed, finish)
