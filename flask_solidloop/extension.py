@@ -40,6 +40,7 @@ from .queue.middleware import (
 )
 from .queue.middleware.periodic import JanitorTaskMiddleware, ReaperTaskMiddleware
 from .runtime.actors import declare_actors
+from .runtime.llm_io import LlmIoMiddleware
 from .state import EXTENSION_KEY, SolidLoopState
 from .streaming import StreamEvent
 from .urls import install_log_redaction, libpq_url, redact_url
@@ -386,6 +387,9 @@ class SolidLoop:
                 middleware.max_retries = config.job_max_retries
         state = SolidLoopState(extension=self, app=app, db=db, config=config, database_url=url,
                                broker=broker, leases=RenewerSlot(libpq_url(broker.url)))
+        # Before the renewer's: a stopping worker drains its in-flight LLM calls
+        # while their leases are still renewed (runtime/llm_io.py).
+        broker.add_middleware(LlmIoMiddleware(state))
         broker.add_middleware(LeaseRenewerMiddleware(state.leases))
         broker.add_middleware(LogRedactionMiddleware())
         broker.add_middleware(WorkerRegistryMiddleware(

@@ -47,6 +47,9 @@ def test_defaults_match_the_seed():
     ("SOLIDLOOP_LLM_RETRY_MAX_DELAY", "x", "positive number"),
     ("SOLIDLOOP_LLM_RETRY_STATUSES", [429, 999], "100..599"),
     ("SOLIDLOOP_LLM_RETRY_STATUSES", ["abc"], "status codes"),
+    ("SOLIDLOOP_LLM_IO", "asyncio", "'threads' (the default) or 'async'"),
+    ("SOLIDLOOP_LLM_MAX_CONNECTIONS", 0, "positive integer"),
+    ("SOLIDLOOP_LLM_IO_MAX_INFLIGHT", 0, "positive integer"),
 ])
 def test_invalid_values_name_key_and_rule(key, value, fragment):
     with pytest.raises(ConfigurationError) as info:
