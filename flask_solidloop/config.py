@@ -341,7 +341,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("SOLIDLOOP_POLL_INTERVAL", 1.0, _positive_float,
             "Seconds a consumer waits for a NOTIFY before polling the job table anyway."),
     Setting("SOLIDLOOP_DATABASE_URL", None, lambda _k, v: v,
-            "Database for loops and jobs; defaults to SQLALCHEMY_DATABASE_URI."),
+            "The URL of the connections the extension opens itself, which keep a session "
+            "(consumers, LISTEN, lease renewer, advisory locks, worker registry): the same "
+            "database as SQLALCHEMY_DATABASE_URI, reached directly or through a session-mode "
+            "pooler. Defaults to SQLALCHEMY_DATABASE_URI."),
+    Setting("SOLIDLOOP_POOLER_CHECK", True, _bool,
+            "Worker processes check at start that SOLIDLOOP_DATABASE_URL does not go through "
+            "a transaction-mode pooler, and that an engine behind one does not prepare "
+            "statements, and refuse to start otherwise; False skips the check."),
     Setting("SOLIDLOOP_EVENT_RETENTION", 30 * DAY, _retention,
             "Seconds to keep wire-log events (30 days); events of a loop that has not "
             "ended are kept whatever their age. None keeps every event forever."),
@@ -494,6 +501,7 @@ class Config:
     inline_max_hops: int
     poll_interval: float
     database_url: str | None
+    pooler_check: bool
     event_retention: int | None
     finished_job_retention: int | None
     loop_retention: int | None

@@ -379,6 +379,7 @@ class SolidLoop:
             promote_after=(float(config.first_turn_max_wait) if config.continuation_first
                            else None),
             fair_share_quantum=config.fair_share_quantum,
+            session_url=str(app.config.get("SQLALCHEMY_DATABASE_URI")),
         )
         broker.add_middleware(CurrentJobMiddleware())
         broker.add_middleware(AppContextMiddleware(app))

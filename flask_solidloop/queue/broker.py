@@ -176,9 +176,14 @@ class PostgresBroker(dramatiq.Broker):
         max_deliveries: int = 5,
         promote_after: float | None = None,
         fair_share_quantum: float = 0.0,
+        session_url: str | None = None,
     ) -> None:
         super().__init__(middleware=middleware)
         self.url = url
+        #: The URL the app's sessions use, when it differs from ``url`` (a
+        #: transaction pooler in front of them, decision 0028): ``session=``
+        #: may be bound to it.
+        self.session_url = session_url
         #: Seconds a loop's job moves back in the claim order per unit of its loop's
         #: fair rank (SOLIDLOOP_FAIR_SHARE_QUANTUM); 0 turns fair shares off.
         self.fair_share_quantum = float(fair_share_quantum)
@@ -417,7 +422,8 @@ class PostgresBroker(dramatiq.Broker):
 
     def check_session(self, session: Any) -> None:
         """InvalidJobError, naming the fix, unless ``session`` is a SQLAlchemy
-        session or connection on this broker's database."""
+        session or connection on this broker's database (its own URL, or the
+        app's session URL when the two differ)."""
         url = session_database(session)
         key = str(url)
         if key in self._session_urls:
@@ -428,7 +434,10 @@ class PostgresBroker(dramatiq.Broker):
         def where(u: Any) -> tuple[str, str, int, str | None]:
             return (u.get_backend_name(), u.host or "", u.port or 5432, u.database)
 
-        if where(url) != where(mine):
+        known = {where(mine)}
+        if self.session_url:
+            known.add(where(make_url(self.session_url)))
+        if where(url) not in known:
             raise InvalidJobError(
                 f"session= is bound to {redact_url(key)}, not to this app's job database "
                 f"{redact_url(self.url)}: pass a session of the app whose jobs these are "

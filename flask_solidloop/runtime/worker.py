@@ -17,14 +17,18 @@ import sys
 import time
 
 import dramatiq
+import psycopg
 from flask import Flask
 from flask.cli import ScriptInfo
+from sqlalchemy.exc import SQLAlchemyError
 
 from ..database import check_schema
 from ..errors import DatabaseUnavailableError, NotInitializedError, SetupError
 from ..pipeline import tool_threads
+from ..pooler import pooling_problem, probe_pooling
 from ..queue.broker import PostgresBroker
 from ..state import EXTENSION_KEY, get_state
+from ..urls import libpq_url, redact_url
 
 #: Loggers that flood a ``dramatiq --verbose`` log with wire-level DEBUG lines
 #: (each HTTP read, each HTTP/2 frame, each migration plugin); held at INFO
@@ -71,12 +75,53 @@ def load_worker_app() -> tuple[Flask, PostgresBroker]:
         # failed" exit code, so its master stops the other processes too.
         logging.getLogger("flask_solidloop.worker").error("worker refuses to start: %s", exc)
         sys.exit(RET_CONNECT)
+    problem = check_pooling(app)
+    if problem:
+        # The same refusal for a deployment a transaction pooler would break
+        # (decision 0028): a line naming the setting, not loops failing later.
+        logging.getLogger("flask_solidloop.worker").error("worker refuses to start: %s", problem)
+        sys.exit(RET_CONNECT)
     broker = state.broker
     dramatiq.set_broker(broker)
     threads = tool_threads.pool()
     threads.quarantine_limit = state.config.tool_quarantine_limit
     threads.on_limit = restart_worker_processes
     return app, broker
+
+
+def check_pooling(app: Flask) -> str | None:
+    """Why this app's workers must not start behind a transaction-mode pooler
+    (one line naming the fix), or None (decision 0028). Probes
+    SOLIDLOOP_DATABASE_URL (default SQLALCHEMY_DATABASE_URI), and
+    SQLALCHEMY_DATABASE_URI when it differs and its engine prepares
+    statements; SOLIDLOOP_POOLER_CHECK = False skips it. A URL the probe
+    cannot reach is not a refusal here: its connections fail on their own."""
+    state = get_state(app)
+    if not state.config.pooler_check:
+        return None
+    log = logging.getLogger("flask_solidloop.worker")
+    session_url = str(app.config["SQLALCHEMY_DATABASE_URI"])
+    direct_url = state.database_url
+    try:
+        with app.app_context(), state.db.engine.connect() as connection:
+            driver = connection.connection.driver_connection
+            prepares = getattr(driver, "prepare_threshold", None) is not None
+        direct_probe = probe_pooling(direct_url)
+        session_probe = direct_probe
+        if prepares and libpq_url(session_url) != libpq_url(direct_url):
+            session_probe = probe_pooling(session_url)
+    except (psycopg.Error, SQLAlchemyError) as exc:
+        log.warning("could not check for a transaction-mode pooler in front of "
+                    "PostgreSQL (%s); starting anyway", " ".join(str(exc).split()))
+        return None
+    for url, probe in {direct_url: direct_probe, session_url: session_probe}.items():
+        if probe.pooled and not probe.transaction_pooled:
+            log.info("%s goes through a connection pooler that keeps sessions "
+                     "(session mode): fine", redact_url(url))
+    return pooling_problem(
+        session_url=session_url, session_probe=session_probe, session_prepares=prepares,
+        direct_url=str(state.config.database_url) if state.config.database_url else None,
+        direct_probe=direct_probe)
 
 
 #: How long a worker waits at boot for a PostgreSQL that is not answering yet
