@@ -5,8 +5,8 @@
 #                                   127.0.0.1:5432 and a virtualenv in .venv with
 #                                   flask-solidloop and its runtime dependencies
 #   bash scripts/setup.sh --tests   the same, plus what the test suite needs: the
-#                                   test extras, Debian's chromium, the MCP peers,
-#                                   Node 22 and the MCP conformance suites
+#                                   test extras, Debian's chromium and pgbouncer, the
+#                                   MCP peers, Node 22 and the MCP conformance suites
 #
 # With CI set (CI=true), --tests is implied: CI installs everything, so no test
 # skips for want of a tool. Safe to run again; it only does what is missing: a
@@ -29,7 +29,7 @@ in_ci=""
 case "${CI:-}" in ""|0|false|False|FALSE) ;; *) in_ci=1 tests=1 ;; esac
 
 started=$SECONDS
-if [ -n "$tests" ]; then steps=6; else steps=3; fi
+if [ -n "$tests" ]; then steps=7; else steps=3; fi
 step() { echo "setup: [$1/$steps] $2 ($((SECONDS - started))s)" >&2; }
 
 PG_PORT="${PGPORT:-5432}"
@@ -153,11 +153,29 @@ else
 fi
 # -- end admin browser tests
 
+# -- PgBouncer tests: Debian's pgbouncer, started by the tests themselves as a
+# subprocess with an ini of their own (the package's own service is not used).
+step 5 "Debian's pgbouncer for the transaction-pooler tests"
+if [ -x /usr/sbin/pgbouncer ]; then
+  echo "setup:       pgbouncer already installed" >&2
+elif [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+  with_progress setup "installing pgbouncer (apt-get)" sh -c \
+    'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer'
+elif [ -n "$in_ci" ]; then
+  echo "setup: cannot apt-get install pgbouncer here (needs root and apt-get); CI runs" \
+       "the PgBouncer tests, so install Debian's pgbouncer first" >&2
+  exit 1
+else
+  echo "setup: cannot apt-get install pgbouncer here (needs root and apt-get);" \
+       "the PgBouncer tests will skip" >&2
+fi
+# -- end PgBouncer tests
+
 # The real MCP servers the tests talk to (npm and PyPI packages, pinned).
-step 5 "MCP peers for the stdio tests"
+step 6 "MCP peers for the stdio tests"
 bash scripts/mcp_peers.sh >&2
 # Node 22 and the official MCP conformance suite (both versions), pinned.
-step 6 "Node 22 and the MCP conformance suites"
+step 7 "Node 22 and the MCP conformance suites"
 bash scripts/mcp_conformance.sh >&2
 echo "setup: ready for the tests in $((SECONDS - started))s (PostgreSQL on 127.0.0.1:$PG_PORT," \
-     "virtualenv in .venv with the test extras, chromium, MCP peers, conformance suites)" >&2
+     "virtualenv in .venv with the test extras, chromium, pgbouncer, MCP peers, conformance suites)" >&2
