@@ -47,10 +47,11 @@ def _free_port() -> int:
 class ThrowawayCluster:
     """One cluster: ``url(database)`` to reach it, ``restart(mode)`` to restart it."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, port: int | None = None, max_connections: int = 100) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="solidloop-pg-"))
         self.data = self.root / "data"
-        self.port = _free_port()
+        self.port = port or _free_port()
+        self.max_connections = max_connections
         self.log = self.root / "server.log"
 
     def _run(self, *argv: str, timeout: float = 120) -> None:
@@ -74,7 +75,7 @@ class ThrowawayCluster:
     def start_server(self) -> None:
         """Start the (initialised) server: again after ``stop_server``."""
         options = (f"-p {self.port} -c listen_addresses=127.0.0.1 "
-                   f"-c unix_socket_directories={self.root} -c max_connections=100")
+                   f"-c unix_socket_directories={self.root} -c max_connections={self.max_connections}")
         self._pg_ctl("start", "-o", options)
 
     def stop_server(self) -> None:
