@@ -29,6 +29,7 @@ from .maintenance.reaper import reap
 from .mcp.toolset import Toolset
 from .models import Loop, ToolCall
 from .pipeline.builder import Builder
+from .pooler import watch_first_connect
 from .queue.broker import PostgresBroker
 from .queue.middleware import (
     AppContextMiddleware,
@@ -400,6 +401,8 @@ class SolidLoop:
             broker.add_middleware(middleware)
         state.bind_actors(declare_actors(state))
         self.jobs.bind(state)
+        if config.pooler_check:
+            _watch_engine(app, db, config)
         app.extensions[EXTENSION_KEY] = state
         from .cli import solidloop_cli
 
@@ -429,6 +432,18 @@ def _maintenance_in_workers(state: SolidLoopState) -> list[PeriodicTaskMiddlewar
         tasks.append(JanitorTaskMiddleware("janitor", config.janitor_interval,
                                            in_app_context(prune_if_due), conninfo=conninfo))
     return tasks
+
+
+def _watch_engine(app: Flask, db: SQLAlchemy, config: Config) -> None:
+    """On the engine's first connection, log a line if it prepares statements
+    behind a transaction-mode pooler (decision 0028; workers refuse instead)."""
+    try:
+        with app.app_context():
+            engine = db.engine
+    except Exception:  # SQLAlchemy not initialised on this app yet: nothing to watch
+        return
+    watch_first_connect(engine, direct_url=(str(config.database_url)
+                                            if config.database_url else None))
 
 
 def _check_urls(config: Config, session_url: Any) -> str:

@@ -4,23 +4,28 @@ A transaction-mode pooler (PgBouncer's ``pool_mode = transaction``) hands a
 client's transactions to whichever server connection is free, so nothing a
 session keeps outlives a transaction: ``LISTEN``, session advisory locks, and
 statements psycopg prepared (decision 0028). This module owns the probe that
-tells (:func:`probe_pooling`) and the rule a worker applies at start
+tells (:func:`probe_pooling`), the rule a worker applies at start
 (:func:`pooling_problem`): the URL of the connections that keep a session
 (``SOLIDLOOP_DATABASE_URL``) must not be transaction-pooled, and an engine
-behind such a pooler must not prepare. It connects with psycopg alone.
+behind such a pooler must not prepare; and the web process's cheaper watch
+(:func:`watch_first_connect`), which only logs. It connects with psycopg alone.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+from sqlalchemy import Engine, event
 
 from .urls import libpq_url, redact_url
 
 __all__ = ["GUIDE", "PROBE_APPLICATION_NAME", "PoolingProbe", "pooling_problem",
-           "probe_pooling"]
+           "probe_pooling", "watch_first_connect"]
+
+logger = logging.getLogger("flask_solidloop.pooler")
 
 #: application_name of the probe's short connections.
 PROBE_APPLICATION_NAME = "solidloop-pooler-check"
@@ -29,6 +34,10 @@ GUIDE = "docs/guides/pgbouncer.md"
 #: Rounds of the probe (each is three short transactions): one round can miss
 #: when other clients take the server between its statements.
 ROUNDS = 4
+#: Set by the worker entry (runtime/worker.py) before it loads the app: its
+#: start-up check speaks for the engine, so the engine's first connection
+#: stays quiet.
+worker_checks = False
 
 
 @dataclass(frozen=True)
@@ -133,3 +142,34 @@ def pooling_problem(*, session_url: str, session_probe: PoolingProbe,
                 'SQLALCHEMY_ENGINE_OPTIONS = {"connect_args": {"prepare_threshold": None}}, '
                 f"see {GUIDE}")
     return None
+
+
+def watch_first_connect(engine: Engine, *, direct_url: str | None) -> None:
+    """Log one error line, once, if ``engine`` turns out to prepare statements
+    behind a transaction-mode pooler (web processes: init_app never connects,
+    so this runs on the engine's first connection). An engine with preparing
+    off costs nothing; one with preparing on costs one ``SELECT
+    pg_backend_pid()``, and the full probe only when that pid is not the one
+    the server announced at connect (something sits in between)."""
+    url = engine.url.render_as_string(hide_password=False)
+
+    def first_connect(dbapi_connection: Any, _record: Any) -> None:
+        if worker_checks or getattr(dbapi_connection, "prepare_threshold", None) is None:
+            return
+        try:
+            announced = dbapi_connection.info.backend_pid
+            row = dbapi_connection.execute("SELECT pg_backend_pid()", prepare=False).fetchone()
+            dbapi_connection.rollback()
+            if row is None or row[0] == announced:
+                return
+            probe = probe_pooling(url)
+        except Exception as exc:  # a check must never break the host's first connection
+            logger.debug("pooler check skipped: %s", exc)
+            return
+        line = pooling_problem(session_url=url, session_probe=probe, session_prepares=True,
+                               direct_url=direct_url,
+                               direct_probe=PoolingProbe(pooled=False, transaction_pooled=False))
+        if line:
+            logger.error("flask-solidloop: %s", line)
+
+    event.listen(engine, "first_connect", first_connect)

@@ -22,6 +22,7 @@ from flask import Flask
 from flask.cli import ScriptInfo
 from sqlalchemy.exc import SQLAlchemyError
 
+from .. import pooler
 from ..database import check_schema
 from ..errors import DatabaseUnavailableError, NotInitializedError, SetupError
 from ..pipeline import tool_threads
@@ -62,6 +63,7 @@ def load_worker_app() -> tuple[Flask, PostgresBroker]:
             "set FLASK_APP to your app (e.g. FLASK_APP=myapp or FLASK_APP='myapp:create_app()') "
             "before running `dramatiq flask_solidloop.worker`"
         )
+    pooler.worker_checks = True  # check_pooling below, not the engine's first connect
     app = ScriptInfo(app_import_path=import_path).load_app()
     if EXTENSION_KEY not in app.extensions:
         raise NotInitializedError(f"the app loaded from FLASK_APP={import_path!r} does not "

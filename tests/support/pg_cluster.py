@@ -75,7 +75,8 @@ class ThrowawayCluster:
     def start_server(self) -> None:
         """Start the (initialised) server: again after ``stop_server``."""
         options = (f"-p {self.port} -c listen_addresses=127.0.0.1 "
-                   f"-c unix_socket_directories={self.root} -c max_connections={self.max_connections}")
+                   f"-c unix_socket_directories={self.root} "
+                   f"-c max_connections={self.max_connections}")
         self._pg_ctl("start", "-o", options)
 
     def stop_server(self) -> None:
