@@ -207,3 +207,39 @@ def test_the_probe_tells_transaction_pooling_from_sessions(database_url, mode):
             probes = [probe_pooling(running.url(name)) for _ in range(20)]
         assert all(p.pooled for p in probes)
         assert [p.transaction_pooled for p in probes] == [mode != "session"] * 20, probes
+
+
+@pytest.mark.parametrize("where", ["pooled, preparing", "pooled, not preparing", "direct"])
+def test_a_web_process_logs_one_line_when_its_engine_prepares_behind_the_pooler(
+        database_url, llm, bouncer, caplog, monkeypatch, where):
+    """init_app never connects; the engine's first connection checks, and only logs."""
+    from sqlalchemy import text
+
+    from flask_solidloop import pooler
+
+    from ..support.support_app import create_app
+
+    monkeypatch.setattr(pooler, "worker_checks", False)  # an earlier in-process worker boot
+    url = database_url if where == "direct" else bouncer.url(database_name(database_url))
+    options = NO_PREPARING if where == "pooled, not preparing" else {"pool_pre_ping": True}
+    app = create_app(SQLALCHEMY_DATABASE_URI=url, SOLIDLOOP_DATABASE_URL=database_url,
+                     SQLALCHEMY_ENGINE_OPTIONS=options)
+    caplog.set_level("ERROR", logger="flask_solidloop.pooler")
+    try:
+        with app.app_context():
+            session = app.extensions["sqlalchemy"].session
+            for _ in range(3):  # one line, however many connections follow
+                assert session.execute(text("SELECT 1")).scalar() == 1
+                session.remove()
+                app.extensions["sqlalchemy"].engine.pool.dispose()
+    finally:
+        app.extensions["solidloop"].broker.close()
+        with app.app_context():
+            app.extensions["sqlalchemy"].engine.dispose()
+    lines = [r.getMessage() for r in caplog.records if r.name == "flask_solidloop.pooler"]
+    if where == "pooled, preparing":
+        assert len(lines) == 1, lines
+        assert lines[0].startswith("flask-solidloop: SQLALCHEMY_DATABASE_URI (")
+        assert '{"connect_args": {"prepare_threshold": None}}' in lines[0]
+    else:
+        assert lines == []
