@@ -1,7 +1,9 @@
 """What ``dramatiq flask_solidloop.worker`` runs: load the app, bind its broker.
 
 Loads the Flask app named by ``FLASK_APP`` (the same value ``flask --app``
-takes, factories included) so init_app runs and declares the actors, then makes
+takes, factories included) so init_app runs and declares the actors, checks
+the database (its schema, and that no transaction-mode pooler sits where it
+would break the worker: :func:`check_pooling`, decision 0028), then makes
 the app's Postgres broker dramatiq's global broker, which the dramatiq CLI uses.
 init_app itself never touches the global broker, so a host's own dramatiq
 setup is left alone everywhere but in these worker processes.
