@@ -36,7 +36,8 @@ across the rounds and pooled. Targets (PASS/MISS): every loop completes,
 wake-up p50 through PgBouncer <= 2x direct, 0 prepared-statement errors.
 Exit status 1 on a MISS.
 
-    .venv/bin/python bench/scale_pgbouncer.py                 # about 5 min
+    .venv/bin/python bench/scale_pgbouncer.py                 # about 6 min
+    .venv/bin/python bench/scale_pgbouncer.py --quick         # about 2 min
     .venv/bin/python bench/scale_pgbouncer.py --loops 100 --samples 20 --processes 4
     .venv/bin/python bench/scale_pgbouncer.py --url postgresql+psycopg://postgres@127.0.0.1:5432/mine
 
@@ -115,6 +116,19 @@ class Recorder:
             self.changed.wait_for(lambda: tag in self.arrived, timeout)
             times = self.arrived.get(tag)
             return times[0] if times else None
+
+
+def free_or_other(port: int) -> int:
+    """``port`` if nothing listens on it on 127.0.0.1, else a free one."""
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+            return port
+        except OSError:
+            sock.bind(("127.0.0.1", 0))
+            return int(sock.getsockname()[1])
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -370,8 +384,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--pool-size", type=int, default=20,
                         help="PgBouncer's default_pool_size (server connections)")
-    parser.add_argument("--port", type=int, default=5442, help="the throwaway cluster's port")
-    parser.add_argument("--bouncer-port", type=int, default=6432)
+    parser.add_argument("--port", type=int, default=5442,
+                        help="the throwaway cluster's port (a free one if it is taken)")
+    parser.add_argument("--bouncer-port", type=int, default=6432,
+                        help="PgBouncer's port (a free one if it is taken)")
+    parser.add_argument("--quick", action="store_true",
+                        help="100 loops, 20 samples, 4 processes, 1 round: about 2 minutes")
     parser.add_argument("--url", default=None, help="an existing database instead of a "
                         "throwaway cluster")
     parser.add_argument("--rounds", type=int, default=2,
@@ -380,6 +398,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds the loads of one phase may take")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.loops, args.samples, args.processes, args.rounds = 100, 20, 4, 1
+    args.port, args.bouncer_port = free_or_other(args.port), free_or_other(args.bouncer_port)
 
     import tempfile
 
