@@ -52,3 +52,22 @@ def test_preparing_behind_the_pooler_names_prepare_threshold():
     assert line is not None and "\n" not in line and "s3cret" not in line
     assert '{"connect_args": {"prepare_threshold": None}}' in line
     assert "two connected clients ran on one backend" in line
+
+
+def test_the_broker_takes_sessions_bound_to_the_apps_pooled_url():
+    """The split deployment: the broker's own URL is direct, the app's session
+    goes through the pooler; ``session=`` may be bound to either, not elsewhere."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import Session
+
+    from flask_solidloop.errors import InvalidJobError
+    from flask_solidloop.queue.broker import PostgresBroker
+
+    broker = PostgresBroker(DB, session_url=APP)
+    for url in (APP, DB):
+        broker.check_session(Session(bind=create_engine(url)))  # neither connects
+    with pytest.raises(InvalidJobError, match="not to this app's job database"):
+        broker.check_session(Session(bind=create_engine(
+            "postgresql+psycopg://app@elsewhere:5432/shop")))
+    with pytest.raises(InvalidJobError):
+        PostgresBroker(DB).check_session(Session(bind=create_engine(APP)))
