@@ -37,7 +37,16 @@ def test_everything_through_the_pooler_names_solidloop_database_url():
     assert line is not None and "\n" not in line
     assert line.startswith("SQLALCHEMY_DATABASE_URI (postgresql+psycopg://app:***@pgbouncer")
     assert "set SOLIDLOOP_DATABASE_URL to a URL that reaches PostgreSQL directly" in line
-    assert "s3cret" not in line
+    assert "s3cret" not in line and "prepare_threshold" not in line
+
+
+@pytest.mark.parametrize("direct_url", [None, APP])
+def test_both_wrong_names_both_fixes_in_one_line(direct_url):
+    line = problem(POOLED, prepares=True, direct_url=direct_url, direct_probe=POOLED)
+    assert line is not None and "\n" not in line
+    assert "SOLIDLOOP_DATABASE_URL" in line
+    assert ('and turn preparing off on the engine: SQLALCHEMY_ENGINE_OPTIONS = '
+            '{"connect_args": {"prepare_threshold": None}}') in line
 
 
 def test_a_pooled_solidloop_database_url_is_named_first():
