@@ -9,7 +9,7 @@ Run it from the project root with the project's virtualenv::
 
 Each part is a script of its own (its docstring says what it runs and how it
 measures), run here in a process of its own, each on a PostgreSQL cluster it
-initdbs for itself, so no part disturbs the next:
+initdbs for itself (but ``growth``), so no part disturbs the next:
 
 * ``inflight`` (bench/scale_inflight.py): one worker process with 1,000
   concurrent streaming loops, async LLM I/O against thread mode;
@@ -19,7 +19,8 @@ initdbs for itself, so no part disturbs the next:
   PgBouncer in transaction mode against the same fleet direct;
 * ``idle`` (bench/scale_idle.py): 32 idle worker processes against 4;
 * ``growth`` (bench/growth.py): table and index bytes per turn, and what
-  loop retention reclaims;
+  loop retention reclaims (on the machine's server, database
+  ``solidloop_bench_growth``);
 * ``turns`` (bench/turns.py): PostgreSQL CPU and WAL per turn against DBOS
   (``--against REV`` adds a build of REV beside them).
 
@@ -42,7 +43,7 @@ PARTS: list[tuple[str, str, list[str], list[str]]] = [
     ("unwatched", "scale_unwatched.py", [], ["--quick"]),
     ("pgbouncer", "scale_pgbouncer.py", [], ["--quick"]),
     ("idle", "scale_idle.py", [], ["--quick"]),
-    ("growth", "growth.py", [], ["--quick"]),
+    ("growth", "growth.py", [], ["--loops", "40"]),
     ("turns", "turns.py", [], ["--reps", "1"]),
 ]
 
