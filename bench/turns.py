@@ -7,6 +7,7 @@ Run it from the project root with the project's virtualenv (DBOS is in the
     python bench/turns.py --loops 50 --reps 1
     python bench/turns.py --against HEAD~3 --no-dbos   # A/B: this tree against HEAD~3
     python bench/turns.py --cluster-port 5446          # on a throwaway cluster of its own
+    python bench/turns.py --wire-log summary           # ours with SOLIDLOOP_WIRE_LOG = "summary"
 
 The workload: ``--loops`` loops of ``--turns`` LLM turns against the LLM
 emulator (instant answers, in this process), with one no-op tool call in
@@ -153,6 +154,8 @@ class Build:
     tree: Path = ROOT
     own_migrations: bool = False
     probe: Path | None = None
+    #: SOLIDLOOP_WIRE_LOG for this build's workers (--wire-log; None: the default).
+    wire_log: str | None = None
 
     @property
     def url(self) -> str:
@@ -164,9 +167,13 @@ class Build:
 
     def python_env(self) -> dict[str, str]:
         """The environment of a process that imports from ``tree``: its bench/
-        and root first on PYTHONPATH (the probe's directory last)."""
+        and root first on PYTHONPATH (the probe's directory last); this tree's
+        build with ``--wire-log``'s SOLIDLOOP_WIRE_LOG."""
         paths = [self.tree / "bench", self.tree, *([self.probe] if self.probe else [])]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, paths)))
+        env.pop("SOLIDLOOP_BENCH_WIRE_LOG", None)
+        if self.wire_log:
+            env["SOLIDLOOP_BENCH_WIRE_LOG"] = self.wire_log
         if self.imports_log is not None:
             env["SOLIDLOOP_BENCH_IMPORTS"] = str(self.imports_log)
         return env
@@ -997,6 +1004,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cluster-port", type=int, metavar="PORT",
                         help="run on a throwaway PostgreSQL cluster initdb'ed on PORT (its WAL "
                              "is this run's alone), removed at the end")
+    parser.add_argument("--wire-log", choices=("full", "summary"),
+                        help="SOLIDLOOP_WIRE_LOG for this tree's workers (default: the "
+                             "setting's default); --against REV runs with its own default")
     parser.add_argument("--statements", action="store_true",
                         help="with --cluster-port: print each system's statements per turn by "
                              "WAL (pg_stat_statements, last rep)")
@@ -1027,7 +1037,7 @@ def main() -> None:
             cluster.start()
             PG_PORT, _OWN_CLUSTER, _STATEMENTS = args.cluster_port, True, args.statements
             print(f"on a throwaway cluster at 127.0.0.1:{PG_PORT} ({cluster.data})", flush=True)
-        builds = {"ours": Build("ours", OURS_DB)}
+        builds = {"ours": Build("ours", OURS_DB, wire_log=args.wire_log)}
         against = None
         if commit is not None:
             against = against_build(commit, stack.enter_context(checkout(commit)))
