@@ -114,7 +114,7 @@ def test_a_summary_keeps_names_numbers_and_usage_and_digests_everything_else():
                                 "sha256": hashlib.sha256(encoded.encode()).hexdigest()}
     # content-like text, and a name too long to be one, only as size and hash
     assert kept["system"] == {"size": 22, "sha256": hashlib.sha256(
-        b"You are a secret agent").hexdigest()}
+        b'"You are a secret agent"').hexdigest()}
     assert set(kept["id"]) == {"size", "sha256"}
     assert summary("an SSE text") == digest("an SSE text") and summary(None) is None
     payload = event_payload({"url": "u", "request": {"headers": {}, "body": body},

@@ -17,8 +17,6 @@ is kept whole on the loop's messages and tool calls either way.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
@@ -48,19 +46,14 @@ _SUMMARY_TEXT_MAX = 200
 
 def digest(value: Any) -> dict[str, Any]:
     """``value``'s size (characters of its strings), SHA-256 (of its compact
-    JSON, keys sorted) and, for a list, its count: what a summary keeps of a
-    body or of one of its parts."""
-    if isinstance(value, str):
-        encoded = value
-    else:
-        try:
-            encoded = json.dumps(value, ensure_ascii=False, sort_keys=True,
-                                 separators=(",", ":"), default=str)
-        except (TypeError, ValueError, RecursionError):
-            encoded = repr(value)
-    kept: dict[str, Any] = {"size": text_size(value),
-                            "sha256": hashlib.sha256(encoded.encode("utf-8", "replace"))
-                            .hexdigest()}
+    JSON, keys sorted: storable.history_digest, hashed as it is encoded, so a
+    history of megabytes is never held again as text) and, for a list, its
+    count: what a summary keeps of a body or of one of its parts."""
+    try:
+        kept: dict[str, Any] = {"size": text_size(value),
+                                "sha256": storable.history_digest(value)}
+    except RecursionError:  # nested deeper than Python walks: named, not hashed
+        return {"unhashable": f"{type(value).__name__} nested too deep"}
     if isinstance(value, list | tuple):
         kept["count"] = len(value)
     return kept
