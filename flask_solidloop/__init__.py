@@ -51,7 +51,7 @@ from .errors import (
 )
 from .extension import SolidLoop
 from .jobs import FailedJobRegistry, Job, LazyActor, Queue, Retry
-from .loops.store import Decision, SentMessage, WaitRequest
+from .loops.store import ArchivedLoop, Decision, SentMessage, WaitRequest
 from .mcp.toolset import CallContext, ToolResult, Toolset
 from .models import RESUMABLE_STATUSES
 from .pipeline.builder import Builder
@@ -63,6 +63,7 @@ __all__ = [
     "Agent",
     "AgentDefinitionError",
     "AgentError",
+    "ArchivedLoop",
     "BrokerError",
     "BrokerUnavailableError",
     "BudgetExceededError",

@@ -508,10 +508,12 @@ class Agent:
     def events(self, after: str | int | None = None, timeout: float | None = None, *,
                reasoning: bool = False) -> Iterator[StreamEvent]:
         """The loop's event stream (``SolidLoop.events``)."""
-        from .streaming import follow, parse_after
+        from .streaming import follow, parse_after, require_loop
 
         state = get_state()
-        stream = follow(state, self._require_loop(), parse_after(after), seconds=timeout,
+        start = parse_after(after)
+        require_loop(state, self._require_loop())
+        stream = follow(state, self._require_loop(), start, seconds=timeout,
                         heartbeat=state.config.stream_heartbeat, reasoning=reasoning)
         return (event for event in stream if event is not None)
 

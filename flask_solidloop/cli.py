@@ -822,31 +822,59 @@ def reap_command(every: float | None) -> None:
               help="Repeat every SECONDS instead of running once.")
 @click.option("--dry-run", is_flag=True, default=False,
               help="Print what a sweep would delete now, per table, and delete nothing.")
+@click.option("--loops", "loops_only", is_flag=True, default=False,
+              help="Only the loop retention: delete ended loops past it (with --dry-run: "
+                   "count them).")
+@click.option("--loop-retention", type=int, default=None, metavar="SECONDS",
+              help="Delete loops that ended more than SECONDS ago, for this run, in place "
+                   "of SOLIDLOOP_LOOP_RETENTION.")
 @with_appcontext
-def prune_command(every: float | None, dry_run: bool) -> None:
+def prune_command(every: float | None, dry_run: bool, loops_only: bool,
+                  loop_retention: int | None) -> None:
     """Delete rows past their retention: wire-log events, done jobs, expired
     RQ-style jobs and results, old inbound MCP sessions and worker rows (the
-    SOLIDLOOP_*_RETENTION settings and the jobs' TTLs; None keeps forever).
-    Rows of loops not yet ended, unfinished jobs and dead-lettered jobs stay."""
-    from .maintenance.janitor import prune
+    SOLIDLOOP_*_RETENTION settings and the jobs' TTLs; None keeps forever),
+    and ended loops with all their rows once SOLIDLOOP_LOOP_RETENTION (or
+    --loop-retention) is set. Rows of loops not yet ended, unfinished jobs and
+    dead-lettered jobs stay."""
+    import dataclasses
+    import time
 
+    from .maintenance.janitor import prune, purge_loops
+
+    state = _state()
+    if loop_retention is not None:
+        if loop_retention <= 0:
+            raise click.UsageError("--loop-retention takes seconds > 0")
+        state.config = dataclasses.replace(state.config, loop_retention=loop_retention)
     if dry_run:
         if every is not None:
             raise click.UsageError("--dry-run prints once: drop --every")
-        _print_prune_preview()
+        _print_prune_preview(loops_only=loops_only)
         return
 
     def run() -> str:
-        report = prune(_state())
+        if loops_only:
+            if state.config.loop_retention is None:
+                return ("loops=0 (SOLIDLOOP_LOOP_RETENTION is None: every loop is kept; "
+                        "pass --loop-retention SECONDS)")
+            started = time.perf_counter()
+            try:
+                purge = purge_loops(state)
+            finally:
+                state.db.session.remove()
+            return (f"loops={purge.deleted} kept_by_hooks={len(purge.kept)} "
+                    f"({(time.perf_counter() - started) * 1000:.1f} ms)")
+        report = prune(state)
         return (f"events={report.events} jobs={report.jobs} host_jobs={report.host_jobs} "
                 f"results={report.results} inbound_sessions={report.inbound_sessions} "
-                f"workers={report.workers} spend={report.spend} "
+                f"workers={report.workers} spend={report.spend} loops={report.loops} "
                 f"({report.duration_ms:.1f} ms)")
 
     _every(every, run, "prune")
 
 
-def _print_prune_preview() -> None:
+def _print_prune_preview(*, loops_only: bool = False) -> None:
     from .maintenance.janitor import NEVER_DELETED, preview, rules
 
     state = _state()
@@ -855,9 +883,11 @@ def _print_prune_preview() -> None:
     finally:
         state.db.session.remove()
     counts = report.counts()
+    shown = [rule for rule in rules(state.config) if not loops_only or rule.name == "loops"]
+    total = sum(counts[rule.name] for rule in shown)
     click.echo(f"prune --dry-run: nothing deleted; a sweep now would delete "
-               f"{report.pruned} row(s):")
-    for rule in rules(state.config):
+               f"{total} {'loop(s), each with its rows' if loops_only else 'row(s)'}:")
+    for rule in shown:
         click.echo(f"  {rule.name:<17}{counts[rule.name]:>8}  {rule.goes}")
     click.echo(f"never deleted: {NEVER_DELETED}")
 

@@ -42,6 +42,17 @@ def _integer(key: str, value: Any, *, minimum: int) -> int:
     return number
 
 
+#: SOLIDLOOP_LLM_IO's values.
+LLM_IO_MODES = ("threads", "async")
+
+
+def _llm_io(key: str, value: Any) -> str:
+    text = str(value).strip().lower() if value is not None else ""
+    if text not in LLM_IO_MODES:
+        raise ConfigurationError(key, value, "must be 'threads' (the default) or 'async'")
+    return text
+
+
 def _positive_int(key: str, value: Any) -> int:
     return _integer(key, value, minimum=1)
 
@@ -282,6 +293,25 @@ SETTINGS: tuple[Setting, ...] = (
             "Ceiling on any single retry wait, a server's Retry-After included."),
     Setting("SOLIDLOOP_LLM_RETRY_STATUSES", (408, 409, 429, 500, 502, 503, 504, 529), _status_list,
             "HTTP statuses that count as transient and are retried."),
+    Setting("SOLIDLOOP_LLM_MAX_CONNECTIONS", None, _optional_positive_int,
+            "Connections a worker process opens to one LLM provider origin at most; requests "
+            "beyond wait for a free one (SOLIDLOOP_LLM_POOL_TIMEOUT). Unset: the process's "
+            "concurrency (its worker threads, or SOLIDLOOP_LLM_IO_MAX_INFLIGHT in async mode), "
+            "at least 100."),
+    Setting("SOLIDLOOP_LLM_POOL_TIMEOUT", 30.0, _positive_float,
+            "Seconds an LLM request waits for a free connection of its origin's pool; past it "
+            "the attempt is retried like a connection that never opened (nothing was sent)."),
+    Setting("SOLIDLOOP_LLM_IO", "threads", _llm_io,
+            "How a worker process waits on its LLM calls: 'threads' (each call holds its worker "
+            "thread) or 'async' (the turn thread hands the HTTP exchange to the process's "
+            "asyncio loop and takes other jobs; a few commit threads end the turns)."),
+    Setting("SOLIDLOOP_LLM_IO_MAX_INFLIGHT", 1000, _positive_int,
+            "Async mode: LLM calls one worker process keeps in flight at most; a turn thread "
+            "that finds them all taken waits for one to end before it hands its request over."),
+    Setting("SOLIDLOOP_LLM_IO_COMMIT_THREADS", 4, _positive_int,
+            "Async mode: threads per worker process that end the turns whose responses arrived "
+            "(and write their streamed partial text); each holds a database connection while "
+            "it writes."),
     Setting("SOLIDLOOP_JOB_LEASE", None, _optional_positive_int,
             "Seconds a claimed job may stay unacknowledged before the broker redelivers it; "
             "renewed while the worker holds it. Unset (the default): the liveness TTL."),
@@ -331,6 +361,13 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds to keep done jobs in the job table (7 days); None keeps them forever. "
             "Queued, running and dead-lettered jobs, and the jobs of a loop that has not "
             "ended, are never pruned."),
+    Setting("SOLIDLOOP_LOOP_RETENTION", None, _retention,
+            "Seconds to keep a loop after it ended (completed or failed, by finished_at), "
+            "with its messages, tool calls, wire-log and stream events; None (the default) "
+            "keeps every loop forever. A loop that has not ended, or that a live job or tool "
+            "lease still needs, is never deleted."),
+    Setting("SOLIDLOOP_LOOP_PURGE_BATCH_SIZE", 100, _positive_int,
+            "Ended loops the janitor deletes per transaction, each with all its rows."),
     Setting("SOLIDLOOP_JANITOR_BATCH_SIZE", 1000, _positive_int,
             "Rows the janitor deletes per statement, so no sweep holds a long lock."),
     Setting("SOLIDLOOP_JANITOR_INTERVAL", 300.0, _non_negative_float,
@@ -458,6 +495,11 @@ class Config:
     llm_retry_base_delay: float
     llm_retry_max_delay: float
     llm_retry_statuses: tuple[int, ...]
+    llm_max_connections: int | None
+    llm_pool_timeout: float
+    llm_io: str
+    llm_io_max_inflight: int
+    llm_io_commit_threads: int
     job_lease: int | None
     job_max_retries: int
     job_max_deliveries: int
@@ -472,6 +514,8 @@ class Config:
     database_url: str | None
     event_retention: int | None
     finished_job_retention: int | None
+    loop_retention: int | None
+    loop_purge_batch_size: int
     janitor_batch_size: int
     janitor_interval: float
     stream_update_interval: float

@@ -23,7 +23,7 @@ from .errors import AgentDefinitionError, ConfigurationError, InvalidArgumentErr
 from .jobs import JobRegistry, Queue
 from .leases import RenewerSlot
 from .loops import control
-from .loops.store import LoopEndHook
+from .loops.store import LoopArchiveHook, LoopEndHook
 from .maintenance.janitor import prune_if_due, runs_in_workers
 from .maintenance.reaper import reap
 from .mcp.toolset import Toolset
@@ -40,6 +40,7 @@ from .queue.middleware import (
 )
 from .queue.middleware.periodic import JanitorTaskMiddleware, ReaperTaskMiddleware
 from .runtime.actors import declare_actors
+from .runtime.llm_io import LlmIoMiddleware
 from .state import EXTENSION_KEY, SolidLoopState
 from .streaming import StreamEvent
 from .urls import install_log_redaction, libpq_url, redact_url
@@ -65,6 +66,7 @@ class SolidLoop:
         *,
         configure_llm_middlewares: StackHook | None = None,
         configure_tool_middlewares: StackHook | None = None,
+        on_loop_archive: LoopArchiveHook | None = None,
     ) -> None:
         self.db = db
         self.agents: dict[str, type[Agent]] = {}
@@ -72,12 +74,16 @@ class SolidLoop:
         self.tool_middleware_hooks: list[StackHook] = []
         #: ``(agent name or None, hook)``: run in the transaction that ends a loop.
         self.loop_end_hooks: list[tuple[str | None, LoopEndHook]] = []
+        #: ``hook(archived, session)``: run before the loop retention deletes a loop.
+        self.loop_archive_hooks: list[LoopArchiveHook] = []
         #: The host's ``subject_budget(subject_type, subject_id)``, if it set one.
         self.subject_budget_hook: SubjectBudgetHook | None = None
         if configure_llm_middlewares:
             self.llm_middleware_hooks.append(configure_llm_middlewares)
         if configure_tool_middlewares:
             self.tool_middleware_hooks.append(configure_tool_middlewares)
+        if on_loop_archive is not None:
+            self.on_loop_archive(on_loop_archive)
         #: The host's lazy actors, RQ-style queues and periodic schedules.
         self.jobs = JobRegistry()
         if app is not None:
@@ -163,6 +169,25 @@ class SolidLoop:
 
         return register
 
+    def on_loop_archive(self, hook: LoopArchiveHook) -> LoopArchiveHook:
+        """Register ``hook(archived, session)``, called for each ended loop that
+        SOLIDLOOP_LOOP_RETENTION is about to delete, with an
+        :class:`~flask_solidloop.ArchivedLoop` (the loop, its messages and tool
+        calls as dicts of their columns). It runs inside the deleting
+        transaction, in a savepoint, while the loop's row is locked: what it
+        writes through ``session`` commits with the delete (exactly once); a
+        copy sent elsewhere is at least once (a crash before the commit keeps
+        the loop for the next pass). If it raises, its writes are undone and
+        that loop is kept (tried again at the next pass); the rest of the batch
+        goes. It must not commit or roll back ``session``. Use as ``@solidloop.on_loop_archive`` or
+        ``SolidLoop(on_loop_archive=hook)``."""
+        if not callable(hook):
+            raise InvalidArgumentError(
+                f"@solidloop.on_loop_archive must decorate a function hook(archived, "
+                f"session), got {hook!r}")
+        self.loop_archive_hooks.append(hook)
+        return hook
+
     @staticmethod
     def _agent_name_of(agent: str | type[Agent] | None) -> str | None:
         if agent is None or isinstance(agent, str):
@@ -233,12 +258,15 @@ class SolidLoop:
         (docs/guides/streaming.md). It ends after ``completed`` or ``failed``
         when nothing follows, or once ``timeout`` seconds have passed; while it
         waits it holds no database connection. ``reasoning`` adds the
-        ``reasoning_delta`` events of agents that set ``stream_reasoning``."""
+        ``reasoning_delta`` events of agents that set ``stream_reasoning``. A loop
+        that does not exist (never did, or SOLIDLOOP_LOOP_RETENTION deleted it)
+        raises InvalidArgumentError."""
         from .state import get_state
-        from .streaming import follow, parse_after
+        from .streaming import follow, parse_after, require_loop
 
         state = get_state(app)
         start = parse_after(after)
+        require_loop(state, loop_id)
         stream = follow(state, loop_id, start, seconds=timeout,
                         heartbeat=state.config.stream_heartbeat, reasoning=reasoning)
         return (event for event in stream if event is not None)
@@ -359,6 +387,9 @@ class SolidLoop:
                 middleware.max_retries = config.job_max_retries
         state = SolidLoopState(extension=self, app=app, db=db, config=config, database_url=url,
                                broker=broker, leases=RenewerSlot(libpq_url(broker.url)))
+        # Before the renewer's: a stopping worker drains its in-flight LLM calls
+        # while their leases are still renewed (runtime/llm_io.py).
+        broker.add_middleware(LlmIoMiddleware(state))
         broker.add_middleware(LeaseRenewerMiddleware(state.leases))
         broker.add_middleware(LogRedactionMiddleware())
         broker.add_middleware(WorkerRegistryMiddleware(

@@ -270,6 +270,8 @@ def create_blueprint(*, authorize: security.Authorize | None,
         cursor = (request.headers.get("Last-Event-ID") or request.args.get("last_event_id")
                   or request.args.get("cursor"))
         session = state().db.session
+        if queries.get_loop(session, loop_id) is None:
+            abort(404)  # never was, or deleted by SOLIDLOOP_LOOP_RETENTION: no reconnects
         if not cursor:
             cursor = live.start(session, loop_id).cursor
         session.remove() if hasattr(session, "remove") else session.close()

@@ -30,7 +30,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NoReturn, TypeVar
@@ -106,23 +106,65 @@ def retry_after_seconds(response: httpx.Response) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
-_shared: httpx.Client | None = None
+@dataclass(frozen=True)
+class PoolLimits:
+    """The connection pool of one provider origin (scheme, host and port) in
+    this process: at most ``max_connections`` open at once (requests beyond
+    wait up to the request's pool timeout for one to free up), of which
+    ``max_keepalive`` are kept open between requests."""
+
+    max_connections: int = 100
+    max_keepalive: int = 100
+
+    def httpx_limits(self) -> httpx.Limits:
+        return httpx.Limits(max_connections=self.max_connections,
+                            max_keepalive_connections=min(self.max_keepalive,
+                                                          self.max_connections))
+
+
+#: The process's per-origin pool: set at worker boot (:func:`configure_pool`)
+#: from SOLIDLOOP_LLM_MAX_CONNECTIONS, or the process's concurrency.
+_pool_limits = PoolLimits()
+_shared: dict[str, httpx.Client] = {}
 _shared_lock = threading.Lock()
 _shared_pid: int | None = None
 
 
-def shared_client() -> httpx.Client:
-    """One HTTP client per process: building one costs ~50 ms of CPU (TLS setup)
-    and a fresh client also pays a new TCP and TLS handshake on every turn.
-    Timeouts are set per request, so one client serves every agent. A forked
-    child gets a client of its own."""
-    global _shared, _shared_pid
+def configure_pool(limits: PoolLimits) -> None:
+    """Set the per-origin pool of the clients this process makes from now on
+    (a worker sets it at boot, before any request)."""
+    global _pool_limits
     with _shared_lock:
-        if _shared is None or _shared_pid != os.getpid():
-            _shared = httpx.Client(limits=httpx.Limits(max_connections=100,
-                                                       max_keepalive_connections=20))
+        _pool_limits = limits
+
+
+def pool_limits() -> PoolLimits:
+    return _pool_limits
+
+
+def origin_of(url: str) -> str:
+    """``scheme://host:port`` of a URL: the unit a connection pool serves."""
+    parsed = httpx.URL(url)
+    return f"{parsed.scheme}://{parsed.host}:{parsed.port or ''}"
+
+
+def shared_client(url: str | None = None) -> httpx.Client:
+    """One HTTP client per provider origin per process: building one costs
+    ~50 ms of CPU (TLS setup) and a fresh client also pays a new TCP and TLS
+    handshake on every turn. Each origin has a pool of its own
+    (:class:`PoolLimits`), so one busy provider never takes another's
+    connections. Timeouts are set per request, so one client serves every
+    agent. A forked child gets clients of its own."""
+    global _shared_pid
+    key = origin_of(url) if url else ""
+    with _shared_lock:
+        if _shared_pid != os.getpid():
+            _shared.clear()
             _shared_pid = os.getpid()
-        return _shared
+        client = _shared.get(key)
+        if client is None:
+            client = _shared[key] = httpx.Client(limits=_pool_limits.httpx_limits())
+        return client
 
 
 def backoff_delay(policy: RetryPolicy, attempt: int) -> float:
@@ -173,6 +215,20 @@ def server_wait(response: httpx.Response, body_text: str,
         except (ValueError, TypeError):
             wait = None
     return wait
+
+
+async def _sleep_async(seconds: float, should_abort: Callable[[], bool] | None) -> None:
+    """:func:`_sleep` on an asyncio loop (``should_abort`` must not block)."""
+    import asyncio
+
+    deadline = time.monotonic() + seconds
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        if should_abort is not None and should_abort():
+            raise AbortedError("the loop was paused or stopped during a retry wait")
+        await asyncio.sleep(min(remaining, 0.5))
 
 
 def _sleep(seconds: float, should_abort: Callable[[], bool] | None) -> None:
@@ -291,9 +347,11 @@ class Send:
         self, url: str, payload: dict[str, Any], *, headers: dict[str, str],
         params: dict[str, str] | None, read_timeout: float, connect_timeout: float,
         policy: RetryPolicy | None, secrets: list[str] | None,
-        should_abort: Callable[[], bool] | None, client: httpx.Client | None,
+        should_abort: Callable[[], bool] | None,
+        client: httpx.Client | httpx.AsyncClient | None,
         retry_after_from_body: Callable[[Any], float | None] | None, stream: bool,
         limits: TurnLimits | None = None, record: WireRecord | None = None,
+        pool_timeout: float | None = None,
     ) -> None:
         self.url = url
         self.limits = limits or TurnLimits()
@@ -303,12 +361,16 @@ class Send:
         self.headers = headers
         self.params = params
         self.read_timeout = read_timeout
+        #: How long a request waits for a free connection of its origin's pool
+        #: (SOLIDLOOP_LLM_POOL_TIMEOUT; the connect timeout when not given).
+        self.pool_timeout = pool_timeout if pool_timeout is not None else connect_timeout
         self.timeout = httpx.Timeout(connect=connect_timeout, read=read_timeout,
-                                     write=read_timeout, pool=connect_timeout)
+                                     write=read_timeout, pool=self.pool_timeout)
         self.policy = policy or RetryPolicy()
         self.secrets = secrets or []
         self.should_abort = should_abort
-        self.http = client or shared_client()
+        #: An ``httpx.Client``; an ``httpx.AsyncClient`` for :meth:`run_async`.
+        self.http: Any = client or shared_client(url)
         self.retry_after_from_body = retry_after_from_body
         self.stream = stream
         #: ``record``: made by :func:`request_record` for this same request.
@@ -355,29 +417,59 @@ class Send:
         An attempt ends in its result, in a wait and the next attempt (the
         policy allowed a repeat: see :meth:`reject` and :func:`map_exceptions`),
         or in a ProviderError, which leaves with the wire record in ``wire``.
+        :meth:`run_async` is the same loop for an awaitable exchange.
         """
         started = time.monotonic()
         try:
             number = 0
             while True:
                 number += 1
-                attempt = Attempt(number, self.stream)
-                self.record.attempts.append(attempt.entry)
+                attempt = self.begin(number)
                 try:
                     with map_exceptions(self, attempt):
                         return exchange(attempt)
                 except _Retry as retry:
-                    attempt.entry["retry_in_s"] = round(retry.delay, 3)
-                    remaining = self.limits.remaining()
-                    # Never wait past the turn's deadline: the next attempt then
-                    # fails on it at once (attempt_timeout).
-                    _sleep(retry.delay if remaining is None else min(retry.delay, max(
-                        remaining, 0.0)), self.should_abort)
+                    _sleep(self.wait_before_retry(attempt, retry), self.should_abort)
         except ProviderError as exc:
             exc.wire = self.record  # the failed turn's wire log
             raise
         finally:
             self.record.duration_ms = (time.monotonic() - started) * 1000
+
+    async def run_async(self, exchange: Callable[[Attempt], Awaitable[T]]) -> T:
+        """:meth:`run` for an exchange on an asyncio loop (llm/aio.py): the same
+        attempts, failure mapping and waits, the waits awaited."""
+        started = time.monotonic()
+        try:
+            number = 0
+            while True:
+                number += 1
+                attempt = self.begin(number)
+                try:
+                    with map_exceptions(self, attempt):
+                        return await exchange(attempt)
+                except _Retry as retry:
+                    await _sleep_async(self.wait_before_retry(attempt, retry),
+                                       self.should_abort)
+        except ProviderError as exc:
+            exc.wire = self.record
+            raise
+        finally:
+            self.record.duration_ms = (time.monotonic() - started) * 1000
+
+    def begin(self, number: int) -> Attempt:
+        """Attempt ``number``, its entry on the wire record."""
+        attempt = Attempt(number, self.stream)
+        self.record.attempts.append(attempt.entry)
+        return attempt
+
+    def wait_before_retry(self, attempt: Attempt, retry: _Retry) -> float:
+        """The wait before the next attempt, noted on this one. Never past the
+        turn's deadline: the next attempt then fails on it at once
+        (attempt_timeout)."""
+        attempt.entry["retry_in_s"] = round(retry.delay, 3)
+        remaining = self.limits.remaining()
+        return retry.delay if remaining is None else min(retry.delay, max(remaining, 0.0))
 
     def reject(self, response: httpx.Response, body_text: str, attempt: Attempt) -> NoReturn:
         """A non-2xx response: repeated when :func:`retry_delay` allows it, else the
@@ -420,6 +512,8 @@ def map_exceptions(send: Send, attempt: Attempt) -> Iterator[None]:
     ====================================  ==========================  =====================
     ``httpx.ConnectError``,               ProviderError               yes, with backoff
     ``httpx.ConnectTimeout``              ("cannot connect")          (nothing was sent)
+    ``httpx.PoolTimeout``                 ProviderUnavailableError    yes, with backoff
+                                          ("no free connection")      (nothing was sent)
     any other ``httpx.TimeoutException``  ProviderError               never
     any other ``httpx.TransportError``    ProviderResponseError       streams only, before
                                           ("broke")                   content was handed
@@ -434,6 +528,24 @@ def map_exceptions(send: Send, attempt: Attempt) -> Iterator[None]:
         yield
     except TurnLimitError:
         raise  # the exchange logged the attempt and the record already
+    except httpx.PoolTimeout as exc:
+        # Every connection of the origin's pool stayed busy: the request never
+        # left this process, so it is repeated like a connection that never
+        # opened; past the retries the provider counts as unavailable (the turn
+        # is deferred, never failed on it).
+        limits = _pool_limits
+        attempt.log(error=f"pool timeout: no free connection within {send.pool_timeout:g}s")
+        if send.past_deadline():
+            send.fail(attempt)
+            raise TurnLimitError("turn_timeout", send.limits.timeout_message()) from exc
+        if attempt.number <= send.policy.retries:
+            raise _Retry(jittered(send.policy, attempt.number)) from None
+        send.fail(attempt)
+        raise ProviderUnavailableError(
+            f"no free connection to {origin_of(send.shown_url)} within {send.pool_timeout:g}s: "
+            f"this process's {limits.max_connections} connections to it were all busy "
+            "(nothing was sent). Raise SOLIDLOOP_LLM_MAX_CONNECTIONS or "
+            "SOLIDLOOP_LLM_POOL_TIMEOUT") from exc
     except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
         # The connection never opened: nothing was sent, so a retry is safe.
         attempt.log(error=f"connect failed: {exc}")
@@ -512,6 +624,7 @@ def post_json(
     retry_after_from_body: Callable[[Any], float | None] | None = None,
     limits: TurnLimits | None = None,
     record: WireRecord | None = None,
+    pool_timeout: float | None = None,
 ) -> tuple[Any, WireRecord]:
     """POST ``payload`` and return the parsed JSON body plus the wire record
     (``record`` when given: :func:`request_record` of this request).
@@ -523,13 +636,41 @@ def post_json(
                 connect_timeout=connect_timeout, policy=policy, secrets=secrets,
                 should_abort=should_abort, client=client,
                 retry_after_from_body=retry_after_from_body, stream=False, limits=limits,
-                record=record)
+                record=record, pool_timeout=pool_timeout)
     return send.run(partial(_json_attempt, send)), send.record
+
+
+async def post_json_async(url: str, payload: dict[str, Any], *, client: httpx.AsyncClient,
+                          **options: Any) -> tuple[Any, WireRecord]:
+    """:func:`post_json` on an asyncio loop, through ``client`` (llm/aio.py):
+    the same arguments, retry loop, failure mapping and wire record.
+    ``should_abort`` must not block (it is called on the loop)."""
+    send = Send(url, payload, params=options.pop("params", None),
+                connect_timeout=options.pop("connect_timeout", 10.0), client=client,
+                policy=options.pop("policy", None), secrets=options.pop("secrets", None),
+                should_abort=options.pop("should_abort", None),
+                retry_after_from_body=options.pop("retry_after_from_body", None),
+                stream=False, **options)
+
+    async def attempt_once(attempt: Attempt) -> Any:
+        response = await send.http.post(send.url, **{"headers": send.headers, **send.body()},
+                                        params=send.params,
+                                        timeout=send.attempt_timeout(attempt))
+        return json_answer(send, attempt, response)
+
+    return await send.run_async(attempt_once), send.record
 
 
 def _json_attempt(send: Send, attempt: Attempt) -> Any:
     response = send.http.post(send.url, **{"headers": send.headers, **send.body()},
                               params=send.params, timeout=send.attempt_timeout(attempt))
+    return json_answer(send, attempt, response)
+
+
+def json_answer(send: Send, attempt: Attempt, response: httpx.Response) -> Any:
+    """A whole (non-streamed) response, read: its JSON body, or the attempt's
+    failure (a status to reject, a body that is not JSON). Shared by the
+    thread and the asyncio exchange."""
     status = response.status_code
     attempt.log(status=status)
     if status >= 400:

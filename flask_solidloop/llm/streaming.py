@@ -52,6 +52,7 @@ def post_stream(
     client: httpx.Client | None = None,
     limits: TurnLimits | None = None,
     record: WireRecord | None = None,
+    pool_timeout: float | None = None,
 ) -> tuple[AssistantTurn, WireRecord, dict[str, Any]]:
     """Stream one response; return the assembled turn, the wire record and metrics
     (``ttft_ms`` (absent when no text streamed), ``thinking_ms``, ``duration_ms``,
@@ -62,9 +63,28 @@ def post_stream(
                 connect_timeout=connect_timeout, policy=policy, secrets=secrets,
                 should_abort=should_abort, client=client,
                 retry_after_from_body=retry_after_from_body, stream=True, limits=limits,
-                record=record)
+                record=record, pool_timeout=pool_timeout)
     turn, metrics = send.run(
         lambda attempt: _stream_attempt(send, attempt, make_aggregator(), on_delta))
+    return turn, send.record, metrics
+
+
+async def post_stream_async(
+    url: str, payload: dict[str, Any], *, client: httpx.AsyncClient,
+    make_aggregator: Callable[[], StreamAggregator],
+    on_delta: Callable[[StreamDelta], None] | None = None, **options: Any,
+) -> tuple[AssistantTurn, WireRecord, dict[str, Any]]:
+    """:func:`post_stream` on an asyncio loop, through ``client`` (llm/aio.py):
+    the same arguments, retry loop, reading and wire record. ``should_abort``
+    and ``on_delta`` are called on the loop: neither may block."""
+    send = Send(url, payload, params=options.pop("params", None),
+                connect_timeout=options.pop("connect_timeout", 10.0), client=client,
+                policy=options.pop("policy", None), secrets=options.pop("secrets", None),
+                should_abort=options.pop("should_abort", None),
+                retry_after_from_body=options.pop("retry_after_from_body", None),
+                stream=True, **options)
+    turn, metrics = await send.run_async(
+        lambda attempt: stream_attempt_async(send, attempt, make_aggregator(), on_delta))
     return turn, send.record, metrics
 
 
@@ -148,93 +168,154 @@ def _stream_attempt(
 ) -> tuple[AssistantTurn, dict[str, Any]]:
     """One attempt: open the stream, feed every event to ``aggregator``, hand the
     visible text to ``on_delta``; the assembled turn and the attempt's metrics."""
-    should_abort = send.should_abort
-    first_delta_at: float | None = None
-    # Thinking time: from the first reasoning piece to the first answer piece, for
-    # every reasoning shape the dialects hand over as StreamDelta.reasoning
-    # (reasoning_content / reasoning fields, a leading <think>, Anthropic thinking
-    # blocks, Gemini thought parts).
-    first_reasoning_at: float | None = None
-    first_answer_at: float | None = None
-    received = 0
-    chars = 0
-    limits = send.limits
+    read = StreamRead(send, attempt, aggregator, on_delta)
     with send.http.stream("POST", send.url, **{"headers": send.headers, **send.body()},
                           params=send.params, timeout=send.attempt_timeout(attempt)
                           ) as response:
-        attempt.entry["status"] = response.status_code
         if response.status_code >= 400:
-            body_text = response.read().decode(errors="replace")
-            attempt.log(body=send.redact(body_text[:2000]))
-            send.reject(response, body_text, attempt)
-        send.record.status = response.status_code
-        send.record.rate_headers = rate_headers(response.headers)
-        parser = SSEParser()
-        next_check = time.monotonic() + ABORT_CHECK_SECONDS
+            read.refused(response, response.read())
+        read.opened(response)
         for raw in response.iter_bytes():
-            if should_abort is not None and time.monotonic() >= next_check:
-                next_check = time.monotonic() + ABORT_CHECK_SECONDS
-                if should_abort():
-                    # Closing the response ends the generation (and its bill).
-                    raise AbortedError("the loop was paused or stopped while streaming")
-            received += len(raw)
-            for event in parser.feed(raw):
-                attempt.events += 1
-                delta = aggregator.feed(event)
-                if delta:
-                    now = time.monotonic()
-                    if first_delta_at is None:
-                        first_delta_at = now
-                    if delta.reasoning and first_reasoning_at is None:
-                        first_reasoning_at = now
-                    if delta.content and first_answer_at is None:
-                        first_answer_at = now
-                    attempt.handed = True  # the latch: from here on, never retried
-                    chars += len(delta.content) + len(delta.reasoning)
-                    if on_delta is not None:
-                        on_delta(delta)
-            if limits.max_output_chars is not None and chars > limits.max_output_chars:
-                _end_at_limit(send, attempt, received, chars, "max_output_chars")
-                raise TurnLimitError("max_output_chars", limits.length_message(chars))
-            if send.past_deadline():
-                _end_at_limit(send, attempt, received, chars, "turn_timeout")
-                raise TurnLimitError("turn_timeout", limits.timeout_message())
-        for event in parser.close():
+            read.chunk(raw)
+        read.close(response.status_code)
+    return read.result()
+
+
+async def stream_attempt_async(
+    send: Send, attempt: Attempt, aggregator: StreamAggregator,
+    on_delta: Callable[[StreamDelta], None] | None,
+) -> tuple[AssistantTurn, dict[str, Any]]:
+    """:func:`_stream_attempt` on an asyncio loop (``send.http`` an
+    ``httpx.AsyncClient``): the same reading, fed by ``aiter_bytes``."""
+    read = StreamRead(send, attempt, aggregator, on_delta)
+    async with send.http.stream("POST", send.url, **{"headers": send.headers, **send.body()},
+                                params=send.params, timeout=send.attempt_timeout(attempt)
+                                ) as response:
+        if response.status_code >= 400:
+            read.refused(response, await response.aread())
+        read.opened(response)
+        async for raw in response.aiter_bytes():
+            read.chunk(raw)
+        read.close(response.status_code)
+    return read.result()
+
+
+class StreamRead:
+    """How one streamed attempt is read, whatever delivers its bytes: the
+    events fed to the aggregator, the visible text handed to ``on_delta``
+    (the latch), the abort checks, the turn's limits, the summary and the
+    metrics. :func:`_stream_attempt` (threads) and
+    :func:`stream_attempt_async` (the asyncio loop) feed it alike."""
+
+    def __init__(self, send: Send, attempt: Attempt, aggregator: StreamAggregator,
+                 on_delta: Callable[[StreamDelta], None] | None) -> None:
+        self.send = send
+        self.attempt = attempt
+        self.aggregator = aggregator
+        self.on_delta = on_delta
+        self.first_delta_at: float | None = None
+        # Thinking time: from the first reasoning piece to the first answer piece, for
+        # every reasoning shape the dialects hand over as StreamDelta.reasoning
+        # (reasoning_content / reasoning fields, a leading <think>, Anthropic thinking
+        # blocks, Gemini thought parts).
+        self.first_reasoning_at: float | None = None
+        self.first_answer_at: float | None = None
+        self.received = 0
+        self.chars = 0
+        self.parser = SSEParser()
+        self.next_check = 0.0
+        self.turn: AssistantTurn | None = None
+
+    def refused(self, response: httpx.Response, body: bytes) -> None:
+        """A 4xx/5xx answer: retried or failed (Send.reject always raises)."""
+        body_text = body.decode(errors="replace")
+        self.attempt.entry["status"] = response.status_code
+        self.attempt.log(body=self.send.redact(body_text[:2000]))
+        self.send.reject(response, body_text, self.attempt)
+
+    def opened(self, response: httpx.Response) -> None:
+        self.attempt.entry["status"] = response.status_code
+        self.send.record.status = response.status_code
+        self.send.record.rate_headers = rate_headers(response.headers)
+        self.next_check = time.monotonic() + ABORT_CHECK_SECONDS
+
+    def chunk(self, raw: bytes) -> None:
+        send, attempt, limits = self.send, self.attempt, self.send.limits
+        should_abort = send.should_abort
+        if should_abort is not None and time.monotonic() >= self.next_check:
+            self.next_check = time.monotonic() + ABORT_CHECK_SECONDS
+            if should_abort():
+                # Closing the response ends the generation (and its bill).
+                raise AbortedError("the loop was paused or stopped while streaming")
+        self.received += len(raw)
+        for event in self.parser.feed(raw):
             attempt.events += 1
-            aggregator.feed(event)
-        if attempt.events == 0 and not aggregator.finished:
-            _empty_stream(send, attempt, response.status_code, received)
-        turn = aggregator.result()
+            delta = self.aggregator.feed(event)
+            if delta:
+                now = time.monotonic()
+                if self.first_delta_at is None:
+                    self.first_delta_at = now
+                if delta.reasoning and self.first_reasoning_at is None:
+                    self.first_reasoning_at = now
+                if delta.content and self.first_answer_at is None:
+                    self.first_answer_at = now
+                attempt.handed = True  # the latch: from here on, never retried
+                self.chars += len(delta.content) + len(delta.reasoning)
+                if self.on_delta is not None:
+                    self.on_delta(delta)
+        if limits.max_output_chars is not None and self.chars > limits.max_output_chars:
+            _end_at_limit(send, attempt, self.received, self.chars, "max_output_chars")
+            raise TurnLimitError("max_output_chars", limits.length_message(self.chars))
+        if send.past_deadline():
+            _end_at_limit(send, attempt, self.received, self.chars, "turn_timeout")
+            raise TurnLimitError("turn_timeout", limits.timeout_message())
+
+    def close(self, status: int) -> None:
+        """The stream ended: the last events, and the answer checked whole."""
+        send, attempt, limits = self.send, self.attempt, self.send.limits
+        for event in self.parser.close():
+            attempt.events += 1
+            self.aggregator.feed(event)
+        if attempt.events == 0 and not self.aggregator.finished:
+            _empty_stream(send, attempt, status, self.received)
+        turn = self.turn = self.aggregator.result()
         total = output_chars(turn)  # tool-call arguments stream as no visible text
         if limits.max_output_chars is not None and total > limits.max_output_chars:
-            _end_at_limit(send, attempt, received, total, "max_output_chars")
+            _end_at_limit(send, attempt, self.received, total, "max_output_chars")
             raise TurnLimitError("max_output_chars", limits.length_message(total))
-    duration = time.monotonic() - attempt.started
-    output = turn.usage.output_tokens if turn.usage else 0
-    estimated = not output
-    if estimated:
-        # No usage from the server (llama-cpp-python ignores include_usage): the
-        # same characters / 4 estimate the turn's usage_estimate uses, labelled.
-        output = estimate_output_tokens(turn)
-    metrics: dict[str, Any] = {"duration_ms": round(duration * 1000, 1),
-                               "output_tokens": output}
-    metrics.update(output_rate(output, duration, first_delta_at - attempt.started
-                               if first_delta_at is not None else None))
-    if estimated:
-        metrics["output_tokens_estimated"] = True
-    if first_reasoning_at is not None:
-        # An answer that only called tools after thinking: its thinking ran to the end.
-        end = first_answer_at if first_answer_at is not None else attempt.started + duration
-        metrics["thinking_ms"] = round(max(end - first_reasoning_at, 0.0) * 1000, 1)
-    attempt.entry.update(duration_ms=round(duration * 1000, 1), events=attempt.events,
-                         bytes=received)
-    send.record.response_body = {
-        "stream_summary": {
-            "events": attempt.events, "bytes": received, "finish_reason": turn.finish_reason,
-            "content_chars": len(turn.content or ""),
-            "reasoning_chars": len(turn.reasoning or ""),
-            "tool_calls": [c.name for c in turn.tool_calls],
-            "usage": turn.usage.to_dict() if turn.usage else None,
+
+    def result(self) -> tuple[AssistantTurn, dict[str, Any]]:
+        """The assembled turn and the attempt's metrics, its summary on record."""
+        send, attempt, turn = self.send, self.attempt, self.turn
+        assert turn is not None
+        duration = time.monotonic() - attempt.started
+        output = turn.usage.output_tokens if turn.usage else 0
+        estimated = not output
+        if estimated:
+            # No usage from the server (llama-cpp-python ignores include_usage): the
+            # same characters / 4 estimate the turn's usage_estimate uses, labelled.
+            output = estimate_output_tokens(turn)
+        metrics: dict[str, Any] = {"duration_ms": round(duration * 1000, 1),
+                                   "output_tokens": output}
+        metrics.update(output_rate(output, duration, self.first_delta_at - attempt.started
+                                   if self.first_delta_at is not None else None))
+        if estimated:
+            metrics["output_tokens_estimated"] = True
+        if self.first_reasoning_at is not None:
+            # An answer that only called tools after thinking: its thinking ran to the end.
+            end = self.first_answer_at if self.first_answer_at is not None \
+                else attempt.started + duration
+            metrics["thinking_ms"] = round(max(end - self.first_reasoning_at, 0.0) * 1000, 1)
+        attempt.entry.update(duration_ms=round(duration * 1000, 1), events=attempt.events,
+                             bytes=self.received)
+        send.record.response_body = {
+            "stream_summary": {
+                "events": attempt.events, "bytes": self.received,
+                "finish_reason": turn.finish_reason,
+                "content_chars": len(turn.content or ""),
+                "reasoning_chars": len(turn.reasoning or ""),
+                "tool_calls": [c.name for c in turn.tool_calls],
+                "usage": turn.usage.to_dict() if turn.usage else None,
+            }
         }
-    }
-    return turn, metrics
+        return turn, metrics

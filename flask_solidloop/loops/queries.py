@@ -133,6 +133,13 @@ def is_owned(session: SessionLike, loop_id: int, token: uuid.UUID) -> bool:
         and row.execution_token == token
 
 
+def owned_among(session: SessionLike, turns: Sequence[tuple[int, uuid.UUID]]) -> set[Any]:
+    """Of ``turns`` (loop id, token), those still owning their running loop, in one read."""
+    rows = session.execute(select(Loop.id, Loop.execution_token).where(
+        Loop.id.in_([t[0] for t in turns]), Loop.status == LoopStatus.RUNNING)).all()
+    return {(row.id, row.execution_token) for row in rows} & set(turns)
+
+
 def run_elapsed_seconds(session: SessionLike, loop_id: int) -> float | None:
     """Seconds since this run's first claim, by the database clock."""
     elapsed = session.scalar(

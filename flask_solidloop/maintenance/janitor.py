@@ -20,10 +20,18 @@ seconds (:func:`prune_if_due`).
   often never send DELETE), together with their ``mcp_inbound`` events
 * ``solidloop_workers`` rows of workers stopped or silent longer than
   ``SOLIDLOOP_WORKER_RETENTION`` (each worker's heartbeat prunes them too)
+* ended loops (``completed``, ``failed``) that ended longer ago than
+  ``SOLIDLOOP_LOOP_RETENTION`` (None by default: kept forever), with their
+  messages, tool calls, wire-log and stream events, after the host's
+  ``on_loop_archive`` hooks have seen each one, ``SOLIDLOOP_LOOP_PURGE_BATCH_SIZE``
+  loops per transaction (:func:`purge_loops`; the statements and the rule of
+  what holds a loop back are the loop store's: loops/store/retention.py,
+  docs/decisions/0030-loop-retention.md)
 
-Never deleted, whatever their age: the events and jobs of a loop that has not
-ended (any status but ``completed`` and ``failed``: a loop waiting weeks for an
-approval keeps its wire log), queued and running jobs, dead-lettered jobs
+Never deleted, whatever their age: a loop that has not ended (any status but
+``completed`` and ``failed``), and its events and jobs (a loop waiting weeks
+for an approval keeps its wire log); an ended loop that a queued or running
+job or a leased tool call still needs; queued and running jobs, dead-lettered jobs
 (someone has to look at them), and RQ-style jobs that have not ended or whose
 TTL has not passed, with their deliveries in ``solidloop_jobs`` (the record
 reads its args from them). Those rules are in the statements themselves, so no sweep
@@ -39,12 +47,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from sqlalchemy import text
 
 from ..config import Config
+from ..loops import store
 from ..models.loop import TERMINAL_STATUSES
 from ..queue import sql
 from ..state import SolidLoopState
@@ -190,11 +199,16 @@ class PruneReport:
     inbound_sessions: int = 0
     workers: int = 0
     spend: int = 0
+    #: Ended loops deleted, each with all its rows.
+    loops: int = 0
+    #: Loops an ``on_loop_archive`` hook kept by raising (not a count of rows).
+    loops_kept: int = 0
     duration_ms: float = 0.0
 
     def counts(self) -> dict[str, int]:
         """Rows per table (what the pass's record stores)."""
-        return {name: value for name, value in vars(self).items() if name != "duration_ms"}
+        return {name: value for name, value in vars(self).items()
+                if name not in ("duration_ms", "loops_kept")}
 
     @property
     def pruned(self) -> int:
@@ -244,12 +258,16 @@ def rules(config: Config) -> list[Rule]:
                         f"{_days(config.worker_retention)} (SOLIDLOOP_WORKER_RETENTION)"),
         Rule("spend", f"subjects' ledger rows older than {_days(spend_retention(config))} "
                       "(SOLIDLOOP_SPEND_RETENTION, at least the subject budget's window)"),
+        Rule("loops", kept("SOLIDLOOP_LOOP_RETENTION", config.loop_retention,
+                           "loops that ended more than {age} ago, with their messages, "
+                           "tool calls and events")),
     ]
 
 
 #: What no sweep deletes, whatever the settings (``prune --dry-run`` says it).
-NEVER_DELETED = ("events and jobs of loops not yet ended (init, queued, running, waiting, "
-                 "paused), queued and running jobs, dead-lettered jobs, RQ-style jobs "
+NEVER_DELETED = ("loops not yet ended (init, queued, running, waiting, paused) and their "
+                 "events and jobs, ended loops with a queued or running job or a leased "
+                 "tool call, queued and running jobs, dead-lettered jobs, RQ-style jobs "
                  "not yet ended or inside their TTL, and their deliveries")
 
 
@@ -285,6 +303,52 @@ def _prune_workers(state: SolidLoopState) -> int:
     return deleted
 
 
+@dataclass
+class LoopPurge:
+    """What :func:`purge_loops` did in one pass."""
+
+    deleted: int = 0
+    #: ``(loop id, error)`` of the loops an ``on_loop_archive`` hook kept.
+    kept: list[tuple[int, BaseException]] = field(default_factory=list)
+
+
+def purge_loops(state: SolidLoopState, retention: int | None = None) -> LoopPurge:
+    """Delete the loops that ended longer than ``retention`` seconds ago
+    (default SOLIDLOOP_LOOP_RETENTION; None there: nothing), a batch of
+    SOLIDLOOP_LOOP_PURGE_BATCH_SIZE per transaction, oldest first, each after
+    the host's ``on_loop_archive`` hooks. A loop a hook keeps is passed over
+    (the pass's cursor moves on) and tried again at the next pass; the pass
+    logs them in one line."""
+    seconds = state.config.loop_retention if retention is None else retention
+    purge = LoopPurge()
+    if seconds is None:
+        return purge
+    hooks = tuple(state.extension.loop_archive_hooks)
+    age = timedelta(seconds=seconds)
+    batch = state.config.loop_purge_batch_size
+    cursor = store.retention.START
+    session = state.db.session
+    while True:
+        try:
+            done = store.purge_ended_loops(session, age=age, batch=batch, after=cursor,
+                                           hooks=hooks)
+        except Exception:
+            session.rollback()
+            raise
+        purge.deleted += done.deleted
+        purge.kept += done.kept
+        cursor = done.cursor
+        if done.taken < batch:
+            break
+    if purge.kept:
+        loop_id, error = purge.kept[0]
+        logger.warning("on_loop_archive raised for %d loop(s) this pass, which were kept "
+                       "and are tried again at the next pass (first: loop %s: %s: %s)",
+                       len(purge.kept), loop_id, type(error).__name__,
+                       str(error).splitlines()[0] if str(error) else "")
+    return purge
+
+
 def prune(state: SolidLoopState) -> PruneReport:
     """One janitor sweep over every table with a retention."""
     started = time.perf_counter()
@@ -303,6 +367,9 @@ def prune(state: SolidLoopState) -> PruneReport:
                 counted=True)
         report.workers = _prune_workers(state)
         report.spend = _prune(state, _PRUNE_SPEND, _age(spend_retention(config)))
+        if config.loop_retention is not None:
+            purge = purge_loops(state)
+            report.loops, report.loops_kept = purge.deleted, len(purge.kept)
     except Exception as exc:
         state.db.session.rollback()
         report.duration_ms = (time.perf_counter() - started) * 1000
@@ -314,10 +381,10 @@ def prune(state: SolidLoopState) -> PruneReport:
     runs.record(state, "prune", duration_ms=report.duration_ms, total=report.pruned,
                 counts=report.counts())
     logger.info("janitor pruned %d event(s), %d job(s), %d expired host job(s), %d "
-                "result(s), %d inbound MCP session(s), %d worker row(s) and %d ledger "
-                "row(s) in %.1f ms", report.events, report.jobs, report.host_jobs,
-                report.results, report.inbound_sessions, report.workers, report.spend,
-                report.duration_ms)
+                "result(s), %d inbound MCP session(s), %d worker row(s), %d ledger "
+                "row(s) and %d ended loop(s) in %.1f ms", report.events, report.jobs,
+                report.host_jobs, report.results, report.inbound_sessions, report.workers,
+                report.spend, report.loops, report.duration_ms)
     return report
 
 
@@ -343,6 +410,9 @@ def preview(state: SolidLoopState) -> PruneReport:
             report.inbound_sessions = count(_OLD_INBOUND_SESSIONS,
                                             _age(config.mcp_inbound_session_retention))
         report.spend = count(_OLD_SPEND, _age(spend_retention(config)))
+        if config.loop_retention is not None:
+            report.loops = store.count_ended_loops(
+                session, age=timedelta(seconds=config.loop_retention))
         cursor = session.connection().connection.cursor()
         try:
             cursor.execute(sql.WORKER_PRUNE_COUNT, {"age": config.worker_retention})

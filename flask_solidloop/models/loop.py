@@ -98,6 +98,11 @@ class Loop(Timestamps, Base):
               postgresql_where=text("held_by = 'subject'")),
         Index("ix_solidloop_loops_held_agent", "agent_name", "held_since",
               postgresql_where=text("held_by = 'agent'")),
+        # The loop retention's scan (docs/decisions/0030-loop-retention.md):
+        # ended loops, oldest first. A running loop's updates change neither
+        # column, so they stay HOT; a loop pays for the entry when it ends.
+        Index("ix_solidloop_loops_ended", "finished_at", "id",
+              postgresql_where=text("status IN ('completed','failed')")),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)

@@ -122,6 +122,9 @@ class LlmContext(TurnContext):
     #: The request's budget and rate-limit reservations (limits/admission.py),
     #: settled after its answer; None when no limit applies.
     admitted: Admitted | None = None
+    #: Set by the runtime in async mode (SOLIDLOOP_LLM_IO): NetworkCalling
+    #: hands the request to the process's I/O loop instead of sending it.
+    hand_off: bool = False
 
 
 @dataclass

@@ -25,12 +25,16 @@ the durability guarantees.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from functools import partial
+from typing import Any, NoReturn
 
 from ..dbapi import is_transient
 from ..errors import (
@@ -42,16 +46,17 @@ from ..errors import (
     ProviderAnswerError,
     ProviderConnectionLostError,
     ProviderError,
+    SolidLoopError,
     TurnLimitError,
     is_provider_outage,
 )
 from ..limits import admission, rates
 from ..llm import pricing, reasoning, tool_text
-from ..llm.client import RetryPolicy, TurnLimits, post_json, request_record
+from ..llm.client import RetryPolicy, TurnLimits, post_json, post_json_async, request_record
 from ..llm.dialect import RenderOptions, StreamDelta
 from ..llm.redact import is_secret_header, redact_secrets
 from ..llm.registry import get_dialect
-from ..llm.streaming import output_chars, post_stream
+from ..llm.streaming import output_chars, post_stream, post_stream_async
 from ..llm.types import ChatMessage
 from ..loops import queries, store
 from ..mcp.registry import ToolRegistry
@@ -69,44 +74,51 @@ class ErrorHandling:
         self.next_step = next_step
 
     def __call__(self, ctx: LlmContext) -> Any:
-        try:
-            return self.next_step(ctx)
-        except LostLeaseError:
-            raise
-        except LimitExceededError as exc:
-            ctx.session.rollback()
-            message = f"BudgetExceededError: {exc}" \
-                if isinstance(exc, BudgetExceededError) else str(exc)
-            if isinstance(exc, BudgetExceededError):
-                logger.info("loop %s: %s", ctx.loop_id, message)
-            _end_turn(ctx, to="paused", error_message=message)
-        except HistoryTooLargeError as exc:
-            ctx.session.rollback()
-            logger.warning("loop %s: %s", ctx.loop_id, exc)
-            _end_turn(ctx, to="failed", error_message=f"{type(exc).__name__}: {exc}")
-        except AbortedError:
-            ctx.session.rollback()
-            logger.info("loop %s: the turn stopped: the loop was paused or stopped", ctx.loop_id)
-        except ProviderError as exc:
-            store.recover(ctx.session)
-            # Exception text can quote a request (and so a key): scrub it first.
-            message = redact_urls_in(redact_secrets(f"{type(exc).__name__}: {exc}",
-                                                    ctx.secrets))
-            if ctx.admitted is not None and ctx.admitted.wait > 0 \
-                    and getattr(exc, "retry_after", None) is not None:
-                # A rate-limited key refused with a wait: every worker is off
-                # the key until then, and this turn goes at the block's end.
-                _defer_to(ctx, ctx.admitted, ctx.admitted.wait, error_message=message)
-                return None
-            if is_provider_outage(exc) and _defer(
-                    ctx, message, max_attempts=BROKEN_RESPONSE_DEFERRALS
-                    if isinstance(exc, ProviderConnectionLostError) else None):
-                return None
-            if isinstance(exc, TurnLimitError) and ctx.partial is not None:
-                ctx.partial.keep()  # what arrived stays on the failed shell
-            logger.warning("loop %s: provider error: %s", ctx.loop_id, message)
-            _end_turn(ctx, to="failed", error_message=message)
-        return None
+        return handle_errors(ctx, lambda: self.next_step(ctx))
+
+
+def handle_errors(ctx: LlmContext, step: Callable[[], Any]) -> Any:
+    """ErrorHandling's work: run ``step`` (the rest of the stack), and turn the
+    failures a turn can expect into recorded outcomes under the fence. The
+    end of a handed-off turn (:class:`HandedOff`) runs inside it too."""
+    try:
+        return step()
+    except LostLeaseError:
+        raise
+    except LimitExceededError as exc:
+        ctx.session.rollback()
+        message = f"BudgetExceededError: {exc}" \
+            if isinstance(exc, BudgetExceededError) else str(exc)
+        if isinstance(exc, BudgetExceededError):
+            logger.info("loop %s: %s", ctx.loop_id, message)
+        _end_turn(ctx, to="paused", error_message=message)
+    except HistoryTooLargeError as exc:
+        ctx.session.rollback()
+        logger.warning("loop %s: %s", ctx.loop_id, exc)
+        _end_turn(ctx, to="failed", error_message=f"{type(exc).__name__}: {exc}")
+    except AbortedError:
+        ctx.session.rollback()
+        logger.info("loop %s: the turn stopped: the loop was paused or stopped", ctx.loop_id)
+    except ProviderError as exc:
+        store.recover(ctx.session)
+        # Exception text can quote a request (and so a key): scrub it first.
+        message = redact_urls_in(redact_secrets(f"{type(exc).__name__}: {exc}",
+                                                ctx.secrets))
+        if ctx.admitted is not None and ctx.admitted.wait > 0 \
+                and getattr(exc, "retry_after", None) is not None:
+            # A rate-limited key refused with a wait: every worker is off
+            # the key until then, and this turn goes at the block's end.
+            _defer_to(ctx, ctx.admitted, ctx.admitted.wait, error_message=message)
+            return None
+        if is_provider_outage(exc) and _defer(
+                ctx, message, max_attempts=BROKEN_RESPONSE_DEFERRALS
+                if isinstance(exc, ProviderConnectionLostError) else None):
+            return None
+        if isinstance(exc, TurnLimitError) and ctx.partial is not None:
+            ctx.partial.keep()  # what arrived stays on the failed shell
+        logger.warning("loop %s: provider error: %s", ctx.loop_id, message)
+        _end_turn(ctx, to="failed", error_message=message)
+    return None
 
 
 #: Deferrals a turn gets, in one outage, for a connection that broke after its
@@ -325,6 +337,7 @@ class NetworkCalling:
             headers=headers, params=rendered.params or None,
             read_timeout=settings.read_timeout or config.default_read_timeout,
             connect_timeout=settings.connect_timeout, policy=policy,
+            pool_timeout=config.llm_pool_timeout,
             # The key and every secret-looking configured header value are
             # scrubbed from anything stored, wherever they appear.
             secrets=[v for v in ([api_key] if api_key else [])
@@ -343,41 +356,145 @@ class NetworkCalling:
         # No transaction may stay open across the network call: it would pin a
         # connection, hold locks and trip idle_in_transaction_session_timeout.
         store.end_transaction(ctx.session)
+        request = OutgoingRequest(url=url, payload=rendered.payload, streaming=streaming,
+                                  dialect=dialect, model=settings.model, common=common,
+                                  record=record, slot_at=slot_at)
+        if ctx.hand_off:
+            # Async mode (runtime/llm_io.py): the process's I/O loop sends it and
+            # a commit thread runs the rest (resume); this thread goes back for
+            # other jobs, the turn's lease still renewed by the process.
+            ctx.requested = True
+            ctx.adopt_next = False  # no thread waits here to continue the loop
+            if streaming:
+                ctx.partial = PartialWriter(ctx)
+            raise HandedOff(ctx, request, partial(self.resume, ctx, request))
         if slot_at is not None:
             # The rest of a short wait for the reserved slot, slept after the
             # record: its write then does not push the request past the slot.
             time.sleep(max(0.0, slot_at - time.monotonic()))
         ctx.requested = True
-        started = time.monotonic()
+        request.started = time.monotonic()
+        answer: tuple[Any, ...]
         try:
             if streaming:
-                partial = ctx.partial = PartialWriter(ctx)
-                ctx.response, ctx.wire, ctx.metrics = post_stream(
-                    url, rendered.payload, make_aggregator=dialect.aggregator,
-                    on_delta=partial, record=record, **common)
+                partial_writer = ctx.partial = PartialWriter(ctx)
+                answer = post_stream(url, rendered.payload, make_aggregator=dialect.aggregator,
+                                     on_delta=partial_writer, record=record, **common)
             else:
-                body, ctx.wire = post_json(url, rendered.payload, record=record, **common)
-                ctx.metrics = {"duration_ms": round((time.monotonic() - started) * 1000, 1)}
-                ctx.response = dialect.parse(body)
-                _check_length(ctx.response, common["limits"], ctx.wire)
+                answer = post_json(url, rendered.payload, record=record, **common)
+            request.took(ctx, answer)
             _follow_continuations(ctx, dialect, url, rendered.payload, streaming, common)
         except ProviderError as exc:
-            # Keep the record we have: a 2xx whose body would not parse is exactly
-            # the response someone will want to look at.
-            ctx.wire = exc.wire or ctx.wire
-            if ctx.admitted is not None:
-                _settle_failed(ctx, exc)
-            raise
+            _failed(ctx, exc)
         finally:
             if ctx.partial is not None:
                 ctx.partial.close()
+        return self.answered(ctx, request)
+
+    def resume(self, ctx: LlmContext, request: OutgoingRequest,
+               error: BaseException | None) -> Any:
+        """A handed-off turn, its exchange over (``error``: how it failed): the
+        rest of this step and of the stack, as :meth:`__call__` would have run
+        it (on a commit thread, inside :func:`handle_errors`)."""
+        try:
+            if error is not None:
+                raise error
+            _follow_continuations(ctx, request.dialect, request.url, request.payload,
+                                  request.streaming, request.common)
+        except ProviderError as exc:
+            _failed(ctx, exc)
+        finally:
+            if ctx.partial is not None:
+                ctx.partial.close()
+        return self.answered(ctx, request)
+
+    def answered(self, ctx: LlmContext, request: OutgoingRequest) -> Any:
+        """The answer is in ``ctx.response``: settle its reservations, then the
+        rest of the stack."""
+        assert ctx.response is not None
         if ctx.admitted is not None:
-            _settle(ctx, settings.model)
-        if not streaming and ctx.response.usage and ctx.response.usage.output_tokens:
-            seconds = max(time.monotonic() - started, 1e-6)
+            _settle(ctx, request.model)
+        if not request.streaming and ctx.response.usage and ctx.response.usage.output_tokens:
+            seconds = max(time.monotonic() - request.started, 1e-6)
             ctx.metrics["output_tokens_per_s"] = round(
                 ctx.response.usage.output_tokens / seconds, 1)
         return self.next_step(ctx)
+
+
+def _failed(ctx: LlmContext, exc: ProviderError) -> NoReturn:
+    # Keep the record we have: a 2xx whose body would not parse is exactly
+    # the response someone will want to look at.
+    ctx.wire = exc.wire or ctx.wire
+    if ctx.admitted is not None:
+        _settle_failed(ctx, exc)
+    raise exc
+
+
+@dataclass
+class OutgoingRequest:
+    """A turn's request, rendered and on record, not sent yet: what
+    NetworkCalling sends itself (thread mode) or hands to the process's I/O
+    loop (:class:`HandedOff`)."""
+
+    url: str
+    payload: dict[str, Any]
+    streaming: bool
+    dialect: Any
+    model: str | None
+    #: The send path's keyword arguments (headers, policy, limits, ...).
+    common: dict[str, Any]
+    record: Any
+    #: When a rate-limit slot lets it go (``time.monotonic()``); None: now.
+    slot_at: float | None = None
+    #: ``time.monotonic()`` when it was sent.
+    started: float = 0.0
+
+    def took(self, ctx: LlmContext, answer: tuple[Any, ...]) -> None:
+        """Put what the send path returned on the turn."""
+        if self.streaming:
+            ctx.response, ctx.wire, ctx.metrics = answer
+            return
+        body, ctx.wire = answer
+        ctx.metrics = {"duration_ms": round((time.monotonic() - self.started) * 1000, 1)}
+        ctx.response = self.dialect.parse(body)
+        _check_length(ctx.response, self.common["limits"], ctx.wire)
+
+    async def send_async(self, ctx: LlmContext, client: Any,
+                         should_abort: Callable[[], bool]) -> None:
+        """Send it on an asyncio loop through ``client`` (an
+        ``httpx.AsyncClient``), through the same retry loop as the threads';
+        ``should_abort`` must not block. The answer goes onto the turn as
+        :meth:`took` puts it; a failure raises."""
+        if self.slot_at is not None:
+            await asyncio.sleep(max(0.0, self.slot_at - time.monotonic()))
+        common = {**self.common, "should_abort": should_abort}
+        self.started = time.monotonic()
+        answer: tuple[Any, ...]
+        if self.streaming:
+            answer = await post_stream_async(self.url, self.payload, client=client,
+                                             make_aggregator=self.dialect.aggregator,
+                                             on_delta=ctx.partial, record=self.record,
+                                             **common)
+        else:
+            answer = await post_json_async(self.url, self.payload, client=client,
+                                           record=self.record, **common)
+        self.took(ctx, answer)
+
+
+class HandedOff(SolidLoopError):
+    """Raised by NetworkCalling in async mode once the request is on record: it
+    unwinds the turn thread's stack to the runtime (runtime/llm_io.py), which
+    sends ``request`` on the process's I/O loop and, when it is over, runs
+    ``resume(error)`` on a commit thread. Only stacks whose steps before
+    NetworkCalling are the built-in ones hand off (``StackPlan.hands_off``):
+    none of them catches it, and ``runtime/turns._guarded`` lets it through."""
+
+    def __init__(self, ctx: LlmContext, request: OutgoingRequest,
+                 resume: Callable[[BaseException | None], Any]) -> None:
+        super().__init__("handed off to the I/O loop")
+        self.ctx = ctx
+        self.request = request
+        self.resume = resume
 
 
 def _record_request(ctx: LlmContext, record: Any) -> None:
@@ -565,6 +682,11 @@ class PartialWriter:
         #: Tool calls written as text are the parser's, not the reader's: an observer
         #: never sees their markup, not even half a tag.
         self.text_filter = tool_text.visible_text if _hides_tool_markup(ctx) else None
+        #: Async mode (runtime/llm_io.py): deltas arrive on the I/O loop, which must
+        #: not wait on the database; a due flush is handed to ``defer``, which runs
+        #: :meth:`flush` on a commit thread (coalesced: one pending flush writes
+        #: all the text so far). None: flushes run where the deltas arrive.
+        self.defer: Callable[[PartialWriter], None] | None = None
         watch_arrivals.listen(ctx.state.broker)
         if watch_arrivals.register(ctx.loop_id, self):
             self.watcher_arrived()
@@ -579,8 +701,14 @@ class PartialWriter:
         if self.arrival:
             self.arrival = False
             self.pace.watched = True
-            self.flush()
+            self._flush_due()
         elif self.pace.due(time.monotonic()):
+            self._flush_due()
+
+    def _flush_due(self) -> None:
+        if self.defer is not None:
+            self.defer(self)  # async mode: on a commit thread, coalesced
+        else:
             self.flush()
 
     def close(self) -> None:

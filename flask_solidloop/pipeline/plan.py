@@ -19,6 +19,10 @@ the next LLM turn's shape without building that stack:
 * ``parses_tool_text``: ToolCallXmlParser is in the LLM stack (streamed
   partials then hide call markup; so does an agent that prompts its tools as
   text, an option read per turn).
+* ``hands_off``: the steps before NetworkCalling are ErrorHandling and
+  AgentInitialization alone, so in async mode (SOLIDLOOP_LLM_IO) the turn
+  thread may hand the request to the I/O loop and the rest of the stack run
+  on a commit thread: no host middleware wraps the network call.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class StackPlan:
     read_history: bool
     fuse_outcome: bool
     parses_tool_text: bool
+    hands_off: bool = False
 
     @classmethod
     def of(cls, llm: Sequence[MiddlewareClass], tool: Sequence[MiddlewareClass]) -> StackPlan:
@@ -62,7 +67,9 @@ class StackPlan:
             read_history=initialization is not None
             and all(m is ErrorHandling for m in llm[:initialization]),
             fuse_outcome=_follows(tool, ToolExecution, ResponseCreation),
-            parses_tool_text=ToolCallXmlParser in llm)
+            parses_tool_text=ToolCallXmlParser in llm,
+            hands_off=llm[:2] == (ErrorHandling, AgentInitialization)
+            and llm[2:3] == (NetworkCalling,))
 
     @property
     def next_turn(self) -> NextTurn:

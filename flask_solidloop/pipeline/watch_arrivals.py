@@ -39,16 +39,17 @@ _heard: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def listen(broker: Any) -> None:
-    """Hear arrivals on ``broker``'s listener (once per listener): a broker
-    without one (not ours) leaves the turns to their own pace."""
-    listener = getattr(broker, "listener", None)
-    if listener is None or not hasattr(listener, "on_notify"):
+    """Hear arrivals on ``broker``'s listener (once per broker; the actors'
+    declaration calls it, so the channel is LISTENed with the first queue): a
+    broker without a listener (not ours) leaves the turns to their own pace."""
+    on_notify = getattr(broker, "on_notify", None)
+    if on_notify is None:
         return
     with _lock:
-        if listener in _heard:
+        if broker in _heard:
             return
-        _heard.add(listener)
-    listener.on_notify(loops_sql.WATCH_CHANNEL, arrived)
+        _heard.add(broker)
+    on_notify(loops_sql.WATCH_CHANNEL, arrived)
 
 
 def register(loop_id: int, turn: Arrivable) -> bool:
@@ -66,6 +67,17 @@ def unregister(loop_id: int, turn: Arrivable) -> None:
         ref = _turns.get(loop_id)
         if ref is not None and ref() in (None, turn):
             del _turns[loop_id]
+
+
+def pending(loop_id: int) -> bool:
+    """Whether an arrival for the loop was heard and not yet flushed by its turn
+    (or remembered for a turn to come): for diagnostics and tests."""
+    with _lock:
+        ref = _turns.get(loop_id)
+        turn = ref() if ref is not None else None
+        if turn is None:
+            return loop_id in _recent
+    return bool(getattr(turn, "arrival", False))
 
 
 def arrived(payload: str) -> None:

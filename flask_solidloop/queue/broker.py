@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -194,6 +194,7 @@ class PostgresBroker(dramatiq.Broker):
         self._pool_lock = threading.Lock()
         self._listener: Listener | None = None
         self._listener_lock = threading.Lock()
+        self._notify_handlers: dict[str, Callable[[str], None]] = {}
         self._last_recover = 0.0
         #: URLs of sessions already checked by check_session (the check runs once per engine).
         self._session_urls: set[str] = set()
@@ -239,7 +240,20 @@ class PostgresBroker(dramatiq.Broker):
         with self._listener_lock:
             if self._listener is None or self._listener.pid != os.getpid():
                 self._listener = Listener(self.conninfo, self._poke)
+                for channel, handler in self._notify_handlers.items():
+                    self._listener.on_notify(channel, handler)
             return self._listener
+
+    def on_notify(self, channel: str, handler: Callable[[str], None]) -> None:
+        """Hand the notifications of ``channel`` to ``handler`` on this process's
+        listener while it runs (:meth:`Listener.on_notify`), and on the listener
+        of a forked child too."""
+        with self._listener_lock:
+            self._notify_handlers[channel] = handler
+            listener = self._listener if self._listener is not None \
+                and self._listener.pid == os.getpid() else None
+        if listener is not None:
+            listener.on_notify(channel, handler)
 
     def _poke(self, channel: str) -> None:
         self._run(jobs_sql.NOTIFY, (channel,))

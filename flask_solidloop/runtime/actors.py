@@ -17,10 +17,13 @@ NO_TIME_LIMIT_MS = 30 * 24 * 3600 * 1000
 def declare_actors(state: SolidLoopState) -> dict[str, dramatiq.Actor]:
     """Bind llm_turn, tool_call, wait_timeout and maintenance to ``state.broker``."""
     from ..maintenance import run_maintenance
+    from ..pipeline import watch_arrivals
     from .inline import run_chain
     from .job_log import logged_job
     from .turns import llm_turn_job, run_adopted, tool_call_job, wait_timeout_job
 
+    # The streaming turns of a worker hear a watcher's arrival (decision 0031).
+    watch_arrivals.listen(state.broker)
     config = state.config
     common: dict[str, Any] = {"max_retries": config.job_max_retries, "min_backoff": 1000,
                               "max_backoff": 30000}

@@ -36,8 +36,10 @@ from ..loops.store import Adopted, AdoptedLlmTurn, AdoptedToolCall
 from ..models import Loop, ToolCall
 from ..models.loop import LoopStatus
 from ..pipeline.context import LlmContext, ToolContext
+from ..pipeline.llm_stack import HandedOff, handle_errors
 from ..pipeline.plan import stack_plan
 from ..state import SolidLoopState
+from . import llm_io
 from .job_log import logged_job
 
 logger = logging.getLogger("flask_solidloop.turns")
@@ -158,6 +160,9 @@ def run_llm_turn(state: SolidLoopState, loop: Loop, *, adopt: bool = False,
     ctx = LlmContext(state=state, session=session, loop_id=loop_id, execution_token=token,
                      agent=agent, lease=lease_handle, claim=claim, shell_id=claim.shell_id,
                      plan=plan, adopt_next=adopt)
+    # Async mode: the request goes to the process's I/O loop (runtime/llm_io.py).
+    io = llm_io.current(state) if plan.hands_off else None
+    ctx.hand_off = io is not None
 
     def database_failed(exc: BaseException) -> None:
         # The claim committed before the stack ran, so a rollback does not undo
@@ -185,11 +190,39 @@ def run_llm_turn(state: SolidLoopState, loop: Loop, *, adopt: bool = False,
                               body_limit=state.config.wire_body_limit,
                               repeat_history=state.config.event_repeat_history)
 
+    label = f"llm_turn: loop {loop_id}"
+    handed: HandedOff | None = None
     try:
-        _guarded(ctx, lambda: plan.llm_handler()(ctx), f"llm_turn: loop {loop_id}",
-                 fail=fail, database_failed=database_failed)
+        _guarded(ctx, lambda: plan.llm_handler()(ctx), label, fail=fail,
+                 database_failed=database_failed)
+    except HandedOff as handoff:
+        handed = handoff
     finally:
-        lease_handle.release()
+        if handed is None:
+            lease_handle.release()
+    if handed is not None:
+        assert io is not None
+        resume = handed.resume
+
+        def finish(error: BaseException | None) -> None:
+            # On a commit thread: the rest of the turn, as the stack would have
+            # run it here, fenced and failed the same way; then the lease goes.
+            try:
+                _guarded(ctx, lambda: handle_errors(ctx, lambda: resume(error)), label,
+                         fail=fail, database_failed=database_failed)
+            finally:
+                lease_handle.release()
+            if ctx.history_chars >= TRIM_AFTER_CHARS:
+                ctx.history, ctx.claim, ctx.wire = [], None, None
+                release_free_memory()
+
+        try:
+            io.hand(handed, finish)
+        except BaseException:
+            lease_handle.release()  # never handed: the lease lapses, the reaper heals
+            raise
+        logger.debug("llm_turn: loop %s: the request went to the I/O loop", loop_id)
+        return None
     adopted_next = ctx.adopted
     if ctx.history_chars >= TRIM_AFTER_CHARS:
         # Drop what still holds the history (the claim's copy, the wire record's
@@ -233,6 +266,8 @@ def _guarded(ctx: LlmContext | ToolContext, run: Callable[[], None], label: str,
     session = ctx.session
     try:
         run()
+    except HandedOff:
+        raise  # not a failure: the turn goes on on the I/O loop (run_llm_turn)
     except LostLeaseError as exc:
         store.recover(session)
         logger.info("%s: lease lost, yielding: %s", label, exc)

@@ -7,7 +7,14 @@ triggers), below the faces (``extension``, ``agent``, ``admin``).
 """
 
 from .events import KINDS, TERMINAL_KINDS, StreamEvent, parse_after, read_events
-from .follow import SETTLED_STATUSES, follow, hub_for, mark_watched, wait_settled
+from .follow import (
+    SETTLED_STATUSES,
+    follow,
+    hub_for,
+    mark_watched,
+    require_loop,
+    wait_settled,
+)
 from .hub import LISTEN_APPLICATION_NAME, LiveHub
 from .sse import HEADERS, RETRY_MS, frame, sse_response
 
@@ -26,6 +33,7 @@ __all__ = [
     "mark_watched",
     "parse_after",
     "read_events",
+    "require_loop",
     "sse_response",
     "wait_settled",
 ]

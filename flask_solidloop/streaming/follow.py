@@ -21,6 +21,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 from ..dbapi import is_transient
+from ..errors import InvalidArgumentError
 from ..loops import store
 from ..state import SolidLoopState
 from ..urls import libpq_url
@@ -197,3 +198,15 @@ def wait_settled(state: SolidLoopState, loop_id: int, timeout: float | None,
             hub.wait(loop_id, seen, left)
     finally:
         hub.unwatch(loop_id)
+
+
+def require_loop(state: SolidLoopState, loop_id: int) -> None:
+    """InvalidArgumentError, in one line, when the loop does not exist (never
+    did, or SOLIDLOOP_LOOP_RETENTION deleted it): what ``events()`` says
+    before it follows a loop. One read on a session of its own, so the
+    caller's session and transaction are left alone."""
+    with Session(engine_of(state)) as session:
+        if session.scalar(_STATUS, {"loop_id": loop_id}) is None:
+            raise InvalidArgumentError(
+                f"there is no loop {loop_id}: it never existed, or it ended and "
+                "SOLIDLOOP_LOOP_RETENTION deleted it")

@@ -107,3 +107,54 @@ def test_the_default_janitor_in_workers_never_deletes_a_running_loops_rows(
     finally:
         # The slow tool's thread sleeps on: no clean shutdown to wait for.
         kill_group(workers, signal.SIGKILL)
+
+
+def loop_rows(session, loop_id: int) -> int:
+    """The loop's own row and every row that goes with it."""
+    return scalar(session, "SELECT (SELECT count(*) FROM solidloop_loops WHERE id = :id) + "
+                           "(SELECT count(*) FROM solidloop_messages WHERE loop_id = :id) + "
+                           "(SELECT count(*) FROM solidloop_tool_calls WHERE loop_id = :id) + "
+                           "(SELECT count(*) FROM solidloop_events WHERE loop_id = :id) + "
+                           "(SELECT count(*) FROM solidloop_stream_events WHERE loop_id = :id)",
+                  id=loop_id)
+
+
+def test_workers_delete_loops_past_the_loop_retention_and_never_a_live_one(
+        app, session, llm, pg, effects, monkeypatch, tmp_path):
+    """SOLIDLOOP_LOOP_RETENTION set in the workers: their janitor deletes an
+    ended loop past it with all its rows, and keeps a young ended loop, a
+    running loop and a paused one, however old their finished_at looks (a loop
+    resumed after an old end)."""
+    llm.script("finish", {"content": "finished"})
+    old = Assistant.start(message="finish").id
+    young = Assistant.start(message="finish").id
+    run(app)
+    pg.execute("UPDATE solidloop_loops SET finished_at = now() - interval '3 days' "
+               "WHERE id = %s", (old,))
+    paused = Assistant.start(message="finish later").id
+    pg.execute("UPDATE solidloop_jobs SET state = 'done', finished_at = now() "
+               "WHERE loop_id = %s", (paused,))
+    pg.execute("UPDATE solidloop_loops SET status = 'paused', finished_at = now() - interval "
+               "'400 days' WHERE id = %s", (paused,))
+    slow_calls(llm, 600)  # a tool that outlives the test: the loop stays running
+    live = SlowAgent.start(message="slow please").id
+    assert loop_rows(session, old) > 1
+    monkeypatch.setenv("SOLIDLOOP_TEST_APP_CONFIG", json.dumps(
+        {**CONFIG, "SOLIDLOOP_LOOP_RETENTION": 86400}))
+    log = tmp_path / "workers.log"
+    workers = spawn_workers(WORKER_CMD, log=log)
+    try:
+        poll(session, lambda: running_calls(session, live), what="the slow tool to start")
+        pg.execute("UPDATE solidloop_loops SET finished_at = now() - interval '400 days' "
+                   "WHERE id = %s", (live,))
+        kept = {loop_id: loop_rows(session, loop_id) for loop_id in (young, paused, live)}
+        poll(session, lambda: loop_rows(session, old) == 0,
+             what=f"the workers' janitor to delete the old loop\n{log}")
+        after = sweeps(session) + 3
+        poll(session, lambda: sweeps(session) >= after, what="three more sweeps")
+        assert {loop_id: loop_rows(session, loop_id) for loop_id in kept} == kept
+        assert scalar(session, "SELECT status FROM solidloop_loops WHERE id = :id",
+                      id=live) == "running"
+        assert workers.poll() is None, log.read_text()[-4000:]
+    finally:
+        kill_group(workers, signal.SIGKILL)

@@ -69,7 +69,7 @@ def test_a_reap_and_a_prune_pass_each_upsert_their_row(app, state, session, pg):
     assert after["prune"]["passes"] == 2 and after["prune"]["total"] == 0
     assert after["prune"]["last_ok"] is True and after["prune"]["holder"] == worker_identity()
     assert set(after["prune"]["counts"]) == {"events", "jobs", "host_jobs", "results",
-                                             "inbound_sessions", "workers", "spend"}
+                                             "inbound_sessions", "workers", "spend", "loops"}
     assert after["reap"]["updated_at"] == second["updated_at"]  # the other row is untouched
 
 

@@ -221,7 +221,7 @@ def test_prune_dry_run_on_a_seeded_database_prints_what_would_go(app, state, ses
     total = 4 + seeded["done_jobs"] + 1 + 1
     assert lines[0] == (f"prune --dry-run: nothing deleted; a sweep now would delete "
                         f"{total} row(s):")
-    assert lines[1:8] == [
+    assert lines[1:9] == [
         "  events                  4  wire-log events older than 30 days, of ended loops or "
         "of none (SOLIDLOOP_EVENT_RETENTION)",
         f"  jobs             {seeded['done_jobs']:>8}  done jobs finished more than 7 days ago, "
@@ -234,9 +234,10 @@ def test_prune_dry_run_on_a_seeded_database_prints_what_would_go(app, state, ses
         "  workers                 0  worker rows stopped or silent for more than 1 day "
         "(SOLIDLOOP_WORKER_RETENTION)",
         "  spend                   0  subjects' ledger rows older than 31 days "
-        "(SOLIDLOOP_SPEND_RETENTION, at least the subject budget's window)"]
-    assert lines[8].startswith("never deleted: events and jobs of loops not yet ended")
-    assert len(lines) == 9
+        "(SOLIDLOOP_SPEND_RETENTION, at least the subject budget's window)",
+        "  loops                   0  none: SOLIDLOOP_LOOP_RETENTION is None (kept forever)"]
+    assert lines[9].startswith("never deleted: loops not yet ended")
+    assert len(lines) == 10
     # Nothing deleted, no pass recorded.
     assert {t: count(pg, f"SELECT count(*) FROM {t}") for t in before} == before
     assert count(pg, "SELECT count(*) FROM solidloop_maintenance_runs") == 0

@@ -13,6 +13,7 @@ import pytest
 from flask_solidloop import streaming
 from flask_solidloop.loops import sql as loops_sql
 from flask_solidloop.loops import store
+from flask_solidloop.pipeline import watch_arrivals
 from flask_solidloop.testing import drain as drain_jobs
 from flask_solidloop.urls import libpq_url
 
@@ -76,15 +77,16 @@ def test_a_listener_hands_other_channels_to_their_handler(app):
 @pytest.mark.parametrize("deltas", [True, False])
 def test_a_watcher_arriving_mid_answer_gets_the_text_so_far_at_once(llm, database_url, deltas):
     # Nobody watches when the request goes out, and the slow pace is far longer
-    # than the answer: without the arrival the turn would write its text once,
-    # at its end.
+    # than the test: without the arrival the turn would write its text once, at
+    # its end. The emulator holds the answer mid-way twice: while the arrival
+    # reaches the turn, then while the test reads what the arrival flushed.
     app = create_app(SOLIDLOOP_STREAM_UPDATE_INTERVAL=1000.0,
                      SOLIDLOOP_STREAM_MAX_HZ=20.0 if deltas else 0.0,
                      SOLIDLOOP_OBSERVED_STREAM_UPDATE_INTERVAL=0.1)
     state = app.extensions["solidloop"]
     listener = state.broker.listener
     assert listener.subscribe("solidloop_llm")  # what a worker's consumers do
-    llm.fault_next("slow_stream", seconds=0.03)
+    llm.fault_next("held_stream", after=3, again=60)
     llm.script("tell me", {"content": WORDS})
     errors: list[BaseException] = []
     try:
@@ -100,13 +102,20 @@ def test_a_watcher_arriving_mid_answer_gets_the_text_so_far_at_once(llm, databas
         worker = threading.Thread(target=run)
         worker.start()
         with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 60
             while not conn.execute(
                     "SELECT 1 FROM solidloop_events WHERE loop_id = %s AND kind = 'llm_request'",
                     (loop_id,)).fetchone():
                 assert time.monotonic() < deadline, "the request never went on record"
                 time.sleep(0.02)
+            while llm.held() != 1:  # three events in, the answer waits
+                assert time.monotonic() < deadline, "the stream never reached its stop"
+                time.sleep(0.02)
             streaming.mark_watched(state, loop_id)
+            while not watch_arrivals.pending(loop_id):
+                assert time.monotonic() < deadline, "the arrival never reached the turn"
+                time.sleep(0.02)
+            llm.release_held()  # the next token flushes what the turn has
             if deltas:
                 first = None
                 for event in state.extension.events(loop_id, timeout=30, app=app):
@@ -123,12 +132,11 @@ def test_a_watcher_arriving_mid_answer_gets_the_text_so_far_at_once(llm, databas
                     row = conn.execute(
                         "SELECT content, status FROM solidloop_messages WHERE loop_id = %s "
                         "AND role = 'assistant'", (loop_id,)).fetchone()
-                    assert row is not None
-                    if row[1] != "processing":
-                        break
+                    assert row is not None and row[1] == "processing"
                     partial = row[0] or ""
                     time.sleep(0.02)
                 assert 0 < len(partial) < len(WORDS) and WORDS.startswith(partial)
+            llm.release_held()
         worker.join(60)
         assert not worker.is_alive() and not errors, errors
         if deltas:
@@ -139,5 +147,7 @@ def test_a_watcher_arriving_mid_answer_gets_the_text_so_far_at_once(llm, databas
             assert before.count("text_delta") >= 2
             assert "".join(e.text for e in events if e.kind == "text_delta") == WORDS
     finally:
+        llm.release_held()
+        llm.release_held()
         listener.unsubscribe("solidloop_llm")
         state.stop_renewer()

@@ -47,6 +47,9 @@ def test_defaults_match_the_seed():
     ("SOLIDLOOP_LLM_RETRY_MAX_DELAY", "x", "positive number"),
     ("SOLIDLOOP_LLM_RETRY_STATUSES", [429, 999], "100..599"),
     ("SOLIDLOOP_LLM_RETRY_STATUSES", ["abc"], "status codes"),
+    ("SOLIDLOOP_LLM_IO", "asyncio", "'threads' (the default) or 'async'"),
+    ("SOLIDLOOP_LLM_MAX_CONNECTIONS", 0, "positive integer"),
+    ("SOLIDLOOP_LLM_IO_MAX_INFLIGHT", 0, "positive integer"),
 ])
 def test_invalid_values_name_key_and_rule(key, value, fragment):
     with pytest.raises(ConfigurationError) as info:
@@ -67,7 +70,7 @@ def test_strings_from_the_environment_are_accepted():
 
 
 RETENTIONS = ("SOLIDLOOP_EVENT_RETENTION", "SOLIDLOOP_FINISHED_JOB_RETENTION",
-              "SOLIDLOOP_MCP_INBOUND_SESSION_RETENTION")
+              "SOLIDLOOP_MCP_INBOUND_SESSION_RETENTION", "SOLIDLOOP_LOOP_RETENTION")
 
 
 def test_retention_is_on_by_default_and_none_keeps_forever():
@@ -91,6 +94,18 @@ def test_retention_is_on_by_default_and_none_keeps_forever():
     set_ = Config.from_mapping({key: "3600" for key in RETENTIONS})
     assert set_.event_retention == set_.finished_job_retention == 3600
     assert Config.from_mapping({"SOLIDLOOP_JANITOR_INTERVAL": 0}).janitor_interval == 0.0
+
+
+def test_loops_are_kept_forever_unless_a_loop_retention_is_set():
+    """Decision 0030: SOLIDLOOP_LOOP_RETENTION is off by default, and takes the
+    other retentions' forms."""
+    config = Config.from_mapping({})
+    assert (config.loop_retention, config.loop_purge_batch_size) == (None, 100)
+    for spelling in (None, "none", "forever"):
+        assert Config.from_mapping({"SOLIDLOOP_LOOP_RETENTION": spelling}).loop_retention is None
+    assert Config.from_mapping({"SOLIDLOOP_LOOP_RETENTION": "7776000"}).loop_retention == 7776000
+    with pytest.raises(ConfigurationError, match="SOLIDLOOP_LOOP_PURGE_BATCH_SIZE"):
+        Config.from_mapping({"SOLIDLOOP_LOOP_PURGE_BATCH_SIZE": 0})
 
 
 def test_null_from_the_environment_keeps_forever(monkeypatch):

@@ -4,7 +4,9 @@ no network: httpx.MockTransport."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -15,10 +17,18 @@ from flask_solidloop.errors import (
     ProviderHTTPError,
     ProviderResponseError,
     ProviderUnavailableError,
+    TurnLimitError,
 )
-from flask_solidloop.llm.client import AbortedError, RetryPolicy, WireRecord, post_json
+from flask_solidloop.llm.client import (
+    AbortedError,
+    RetryPolicy,
+    TurnLimits,
+    WireRecord,
+    post_json,
+    post_json_async,
+)
 from flask_solidloop.llm.openai import OpenAIAggregator
-from flask_solidloop.llm.streaming import post_stream
+from flask_solidloop.llm.streaming import post_stream, post_stream_async
 
 URL = "http://llm.test/v1/chat/completions"
 SECRET = "sk-test-secret"
@@ -66,7 +76,36 @@ def send_stream(http, policy=POLICY, **extra):
     return turn, record
 
 
-SENDERS = {"json": (send_json, ok_json), "stream": (send_stream, ok_stream)}
+def _on_a_loop(http):
+    """The same mock transport, through an httpx.AsyncClient."""
+    return httpx.AsyncClient(transport=http._transport)
+
+
+def send_json_async(http, policy=POLICY, **extra):
+    async def go():
+        async with _on_a_loop(http) as aclient:
+            return await post_json_async(
+                URL, {"key": SECRET}, headers={"Authorization": f"Bearer {SECRET}"},
+                read_timeout=5, policy=policy, secrets=[SECRET], client=aclient, **extra)
+    return asyncio.run(go())
+
+
+def send_stream_async(http, policy=POLICY, **extra):
+    async def go():
+        async with _on_a_loop(http) as aclient:
+            turn, record, _ = await post_stream_async(
+                URL, {"key": SECRET}, headers={"Authorization": f"Bearer {SECRET}"},
+                read_timeout=5, policy=policy, secrets=[SECRET], client=aclient,
+                make_aggregator=OpenAIAggregator, **extra)
+            return turn, record
+    return asyncio.run(go())
+
+
+#: Every entry point: the threads' and the asyncio loop's (async LLM I/O), one
+#: retry loop and one failure mapping for all four.
+SENDERS = {"json": (send_json, ok_json), "stream": (send_stream, ok_stream),
+           "json_async": (send_json_async, ok_json),
+           "stream_async": (send_stream_async, ok_stream)}
 
 
 def test_a_fresh_provider_error_has_no_wire_record():
@@ -95,7 +134,8 @@ def test_both_entry_points_share_the_retry_loop(mode):
     (httpx.ConnectTimeout, ProviderUnavailableError, 3),
     (httpx.ReadTimeout, ProviderError, 1),
     (httpx.WriteTimeout, ProviderError, 1),
-    (httpx.PoolTimeout, ProviderError, 1),
+    # Nothing was sent: retried, then the provider counts as unavailable.
+    (httpx.PoolTimeout, ProviderUnavailableError, 3),
 ])
 def test_httpx_exceptions_are_mapped_once(mode, raised, expected, requests):
     send, _ = SENDERS[mode]
@@ -112,7 +152,7 @@ def test_httpx_exceptions_are_mapped_once(mode, raised, expected, requests):
 def test_a_broken_connection_is_repeated_only_on_a_stream_before_content(mode):
     send, ok = SENDERS[mode]
     http = client(httpx.ReadError, ok())
-    if mode == "stream":
+    if mode.startswith("stream"):
         turn, record = send(http)
         assert turn.content == "hi" and len(record.attempts) == 2
         assert record.attempts[0]["handed_content"] is False
@@ -157,3 +197,23 @@ def test_a_rate_limited_keys_short_wait_is_slept_no_longer_than_the_inline_wait(
     _, record = send(http, policy=policy)
     waits = [a["retry_in_s"] for a in record.attempts[:2]]
     assert all(0.01 <= wait <= 0.05 for wait in waits), waits
+
+
+@pytest.mark.parametrize("mode", ["stream", "stream_async"])
+def test_a_stream_ends_at_the_turns_output_limit(mode):
+    send, ok = SENDERS[mode]
+    with pytest.raises(TurnLimitError, match="max_output_chars") as info:
+        send(client(ok()), limits=TurnLimits(max_output_chars=1))
+    assert info.value.wire is not None and "max_output_chars" in info.value.wire.error
+    summary = info.value.wire.response_body["stream_summary"]
+    assert summary["ended_by"] == "max_output_chars"
+
+
+@pytest.mark.parametrize("mode", SENDERS)
+def test_no_attempt_starts_past_the_turns_deadline(mode):
+    send, ok = SENDERS[mode]
+    http = client(ok())
+    spent = TurnLimits(timeout=1.0, deadline=time.monotonic() - 1)
+    with pytest.raises(TurnLimitError, match="turn_timeout") as info:
+        send(http, limits=spent)
+    assert http.calls == [] and info.value.wire.error == "turn_timeout before the attempt"

@@ -12,7 +12,8 @@ One module per concern: ``llm_turn``, ``tool_turn``, ``commands`` (creation and
 the host's commands), ``heals`` (the reaper's repairs), ``wirelog`` (what the
 events keep), ``adopted`` (what a commit claimed for its thread), ``ending``
 (the host's hooks, run in the transaction that ends a loop), ``caps`` (a capped
-loop's admission, a new loop's fair rank) and ``transaction``. Lease *renewal*
+loop's admission, a new loop's fair rank), ``retention`` (ended loops deleted,
+after the host's archive hooks) and ``transaction``. Lease *renewal*
 is the one write elsewhere: leases.py, on the renewer's own connection.
 """
 
@@ -64,6 +65,13 @@ from .llm_turn import (
     requeue_llm_turn,
     take_capacity_slot,
 )
+from .retention import (
+    ArchivedLoop,
+    LoopArchiveHook,
+    PurgedBatch,
+    count_ended_loops,
+    purge_ended_loops,
+)
 from .tool_turn import (
     CallFacts,
     NextTurn,
@@ -105,6 +113,7 @@ __all__ = [
     "Adopted",
     "AdoptedLlmTurn",
     "AdoptedToolCall",
+    "ArchivedLoop",
     "CallFacts",
     "CallWait",
     "Caps",
@@ -113,11 +122,13 @@ __all__ = [
     "DueWait",
     "FinishedTurn",
     "LlmClaim",
+    "LoopArchiveHook",
     "LoopEndHook",
     "LoopEnds",
     "NewLoop",
     "NewToolCall",
     "NextTurn",
+    "PurgedBatch",
     "SentMessage",
     "ToolClaim",
     "ToolOutcome",
@@ -130,6 +141,7 @@ __all__ = [
     "checkpoint_tool_call",
     "claim_llm_turn",
     "claim_tool_call",
+    "count_ended_loops",
     "create_loop",
     "create_loops",
     "decide",
@@ -158,6 +170,7 @@ __all__ = [
     "mark_watched",
     "open_shell",
     "pause",
+    "purge_ended_loops",
     "record_delta",
     "record_partial",
     "record_request",

@@ -50,6 +50,9 @@ status) are consumed one per chat request, in the order queued, whatever the dia
     llm.fault_next("retry_info", retry_delay="2s")            # Gemini RetryInfo 429 body
     llm.fault_next("slow_prefill", seconds=0.5)               # silence before the first byte
     llm.fault_next("slow_stream", seconds=0.2)                # silence between chunks
+    llm.fault_next("held_stream", after=3)                    # 3 events, then wait for
+    llm.held()                                                # 1 while it waits
+    llm.release_held()                                        # ... for this
     llm.fault_next("disconnect_mid_stream", after=3)          # 3 events, then a closed socket
     llm.fault_next("interrupted_stream", after=3)             # 3 events, then [DONE] (openai)
     llm.fault_next("error_mid_stream", after=3)               # the dialect's in-stream error

@@ -10,7 +10,8 @@ import datetime as dt
 import email.utils
 import itertools
 import json
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ...errors import InvalidArgumentError
@@ -30,6 +31,7 @@ FAULT_OPTIONS: dict[str, dict[str, Any]] = {
     "slow_prefill": {"seconds": 1.0},
     "slow_stream": {"seconds": 0.2},
     "endless_stream": {"seconds": 0.05},
+    "held_stream": {"after": 1, "again": None, "seconds": 30.0},
     "disconnect_mid_stream": {"after": None, "torn": False},
     "interrupted_stream": {"after": None},
     "error_mid_stream": {"after": None, "message": None, "body": None},
@@ -188,8 +190,10 @@ def _position(after: int | None, total: int, default: int) -> int:
     return min(total, default if after is None else after)
 
 
-def deliver(rendered: Rendered, fault: Fault | None, dialect: str) -> Response:
-    """The response for ``rendered``, shaped by a stream fault if one was drawn."""
+def deliver(rendered: Rendered, fault: Fault | None, dialect: str,
+            hold: Callable[[float], None] | None = None) -> Response:
+    """The response for ``rendered``, shaped by a stream fault if one was drawn.
+    ``hold(seconds)`` blocks a ``held_stream`` until the test releases it."""
     kind = fault.kind if fault is not None else None
     opts = fault.options if fault is not None else {}
     if rendered.events is None:  # a JSON answer
@@ -242,7 +246,26 @@ def deliver(rendered: Rendered, fault: Fault | None, dialect: str) -> Response:
     elif kind == "endless_stream":
         response.pieces = _endless(events, pieces, rendered.framing, dialect)
         response.delay, response.chunked = float(opts["seconds"]), True
+    elif kind == "held_stream":
+        stops = sorted({_position(opts["after"], len(pieces) - 1, 1),
+                        *([] if opts["again"] is None
+                          else [_position(opts["again"], len(pieces) - 1, 1)])})
+        response.pieces = _held(pieces, stops, float(opts["seconds"]), hold)
+        response.chunked = True
     return response
+
+
+def _held(pieces: list[bytes], stops: list[int], seconds: float,
+          hold: Callable[[float], None] | None) -> Iterator[bytes]:
+    """The pieces, stopping before each index of ``stops`` until released (or
+    ``seconds`` pass: a test that forgets to release does not hang)."""
+    for index, piece in enumerate(pieces):
+        if index in stops:
+            if hold is not None:
+                hold(seconds)
+            else:
+                time.sleep(seconds)
+        yield piece
 
 
 def _finishes(chunk: dict[str, Any]) -> bool:

@@ -18,6 +18,7 @@ model."""
 from __future__ import annotations
 
 import re
+import threading
 import time
 from typing import Any
 from urllib.parse import parse_qs
@@ -114,6 +115,12 @@ class LLMEmulator(LocalServer[RecordedRequest]):
         self.tool_support = tool_support
         self._scripts: list[Script] = []
         self._faults: list[Fault] = []
+        #: Releases of held streams (``held_stream``): one per stop; ``_ahead``
+        #: counts the stops not yet passed, so no release outlives them.
+        self._held = threading.Semaphore(0)
+        self._ahead = 0
+        self._released = 0
+        self._waiting = 0
         self._rate = RateLimiter()
         if rate_limits is not None:
             self._rate.set(check_limits(dict(rate_limits)), None)
@@ -182,10 +189,39 @@ class LLMEmulator(LocalServer[RecordedRequest]):
         * ``"malformed_chunk"``: after ``after`` events [1], a data line that is not JSON
           (``data`` [a truncated object]); the stream then continues normally.
         * ``"no_usage"``: no usage anywhere in the answer (stream or not).
+        * ``"held_stream"``: send ``after`` events [1], then hold the stream until
+          :meth:`release_held` (or ``seconds`` [30.0] pass); with ``again``, hold
+          once more before that event: a test acts while the answer is mid-way.
         """
         fault = make_fault(kind, times, options)
         with self._lock:
             self._faults.append(fault)
+
+    def release_held(self) -> None:
+        """Let a held stream (``held_stream``) go on past its next stop: the one
+        it waits at, or the next it reaches. A release with no stop ahead is
+        dropped (it cannot leak into a later test's stream)."""
+        with self._lock:
+            if self._released >= self._ahead:
+                return
+            self._released += 1
+        self._held.release()
+
+    def held(self) -> int:
+        """How many streams wait at a stop now (``held_stream``)."""
+        with self._lock:
+            return self._waiting
+
+    def _hold(self, seconds: float) -> None:
+        with self._lock:
+            self._waiting += 1
+        try:
+            self._held.acquire(timeout=seconds)
+        finally:
+            with self._lock:
+                self._waiting -= 1
+                self._ahead -= 1
+                self._released = max(0, self._released - 1)
 
     def rate_limit(
         self,
@@ -223,6 +259,8 @@ class LLMEmulator(LocalServer[RecordedRequest]):
             self._scripts.clear()
             self._faults.clear()
             self._requests.clear()
+            self._held = threading.Semaphore(0)
+            self._ahead = self._released = 0
         self._rate.reset()
 
     # ---- request handling ------------------------------------------------------------
@@ -345,7 +383,10 @@ class LLMEmulator(LocalServer[RecordedRequest]):
             )
         else:
             rendered = openai.render(parsed, normalised, stream=stream, with_usage=with_usage)
-        return deliver(rendered, fault, dialect), rendered.usage
+        if kind == "held_stream" and fault is not None and rendered.events is not None:
+            with self._lock:
+                self._ahead += 1 + (fault.options["again"] is not None)
+        return deliver(rendered, fault, dialect, hold=self._hold), rendered.usage
 
     def _take_fault(self) -> Fault | None:
         with self._lock:
