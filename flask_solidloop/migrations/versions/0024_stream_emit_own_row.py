@@ -32,7 +32,7 @@ NOTIFY payload); a later migration that changes it again must start from
 this text.
 
 Revision ID: 0024
-Revises: 0019
+Revises: 0023
 Create Date: 2026-12-20 10:00:00
 
 """
@@ -42,7 +42,7 @@ from alembic import op
 
 # revision identifiers, used by Alembic.
 revision: str = '0024'
-down_revision: str | Sequence[str] | None = '0019'
+down_revision: str | Sequence[str] | None = '0023'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
