@@ -6,6 +6,8 @@ Run it from the project root with the project's virtualenv (DBOS is in the
     python bench/turns.py                      # 200 loops x 5 LLM turns, 3 reps, ~3 min
     python bench/turns.py --loops 50 --reps 1
     python bench/turns.py --against HEAD~3 --no-dbos   # A/B: this tree against HEAD~3
+    python bench/turns.py --cluster-port 5446          # on a throwaway cluster of its own
+    python bench/turns.py --wire-log summary           # ours with SOLIDLOOP_WIRE_LOG = "summary"
 
 The workload: ``--loops`` loops of ``--turns`` LLM turns against the LLM
 emulator (instant answers, in this process), with one no-op tool call in
@@ -67,6 +69,16 @@ and the run says so. A/B lines, PASS/MISS: turns/s >= 0.9x REV's, worker
 CPU/turn and Postgres CPU/turn <= 1.1x REV's (no more than 10% worse).
 An A/A (``--against HEAD`` on a clean tree) shows how far apart two equal
 builds land at the sizes used; small sizes are smoke checks only.
+
+The server: by default the PostgreSQL on 127.0.0.1:5432. Its WAL figures
+(bytes, commits, by table) are server-wide, so any other load on it lands in
+them. ``--cluster-port PORT`` runs everything on a throwaway cluster instead:
+initdb'ed (as the postgres user when run as root) in a temporary directory,
+started on 127.0.0.1:PORT with initdb's defaults (fsync, full-page writes,
+checkpoints every 5 min or 1 GB of WAL, as the shared server has) and
+``shared_buffers`` 128MB, a ``CHECKPOINT`` before each measured run (so no run
+pays another's full-page images), and stopped and removed at the end, on
+Ctrl-C, SIGTERM or an error too. Its WAL is this run's alone.
 """
 
 from __future__ import annotations
@@ -99,7 +111,9 @@ sys.path.insert(0, str(BENCH))
 OURS_DB = "solidloop_bench_turns"
 AGAINST_DB = "solidloop_bench_turns_against"
 DBOS_DB = "solidloop_bench_turns_dbos"
-PG = "postgresql://postgres@127.0.0.1:5432"
+#: The server every system runs on (--cluster-port moves it to a throwaway cluster).
+PG_PORT = 5432
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 WORKER_PROCESSES = 2
 #: --against: how much worse than REV's a figure may be and still PASS.
@@ -122,6 +136,10 @@ class Run:
     completion: list[float] = field(default_factory=list)
     #: The file the workers imported flask_solidloop from (checked builds only).
     imports: str | None = None
+    #: --wal-by-table: each table's rows inserted, updated, HOT-updated during the run.
+    rows: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    #: --statements: the top statements' lines.
+    statements: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -136,10 +154,12 @@ class Build:
     tree: Path = ROOT
     own_migrations: bool = False
     probe: Path | None = None
+    #: SOLIDLOOP_WIRE_LOG for this build's workers (--wire-log; None: the default).
+    wire_log: str | None = None
 
     @property
     def url(self) -> str:
-        return f"postgresql+psycopg://postgres@127.0.0.1:5432/{self.database}"
+        return f"postgresql+psycopg://postgres@127.0.0.1:{PG_PORT}/{self.database}"
 
     @property
     def imports_log(self) -> Path | None:
@@ -147,12 +167,97 @@ class Build:
 
     def python_env(self) -> dict[str, str]:
         """The environment of a process that imports from ``tree``: its bench/
-        and root first on PYTHONPATH (the probe's directory last)."""
+        and root first on PYTHONPATH (the probe's directory last); this tree's
+        build with ``--wire-log``'s SOLIDLOOP_WIRE_LOG."""
         paths = [self.tree / "bench", self.tree, *([self.probe] if self.probe else [])]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, paths)))
+        env.pop("SOLIDLOOP_BENCH_WIRE_LOG", None)
+        if self.wire_log:
+            env["SOLIDLOOP_BENCH_WIRE_LOG"] = self.wire_log
         if self.imports_log is not None:
             env["SOLIDLOOP_BENCH_IMPORTS"] = str(self.imports_log)
         return env
+
+
+# -- the server ----------------------------------------------------------------------------
+
+
+def pg_url(database: str = "postgres") -> str:
+    return f"postgresql://postgres@127.0.0.1:{PG_PORT}/{database}"
+
+
+class Cluster:
+    """--cluster-port: a PostgreSQL cluster of this run's own, initdb'ed in a
+    temporary directory as the postgres user, removed by :meth:`stop`."""
+
+    def __init__(self, port: int, statements: bool = False) -> None:
+        self.port = port
+        self.statements = statements
+        self.data = Path(tempfile.mkdtemp(prefix="solidloop-turns-pg-"))
+
+    def _as_postgres(self, *cmd: str) -> None:
+        prefix = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        done = subprocess.run(prefix + list(cmd), capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"turns.py: --cluster-port {self.port}: {Path(cmd[0]).name} "
+                             f"failed: {(done.stderr or done.stdout).strip()[-500:]}")
+
+    def start(self) -> Cluster:
+        if os.geteuid() == 0:
+            shutil.chown(self.data, "postgres")
+        self._as_postgres(str(PG_BIN / "initdb"), "-D", str(self.data), "-A", "trust",
+                          "-U", "postgres")
+        self._as_postgres(
+            str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-l", str(self.data / "log"), "-w",
+            "-o", f"-p {self.port} -k /tmp -c listen_addresses=127.0.0.1 "
+                  "-c max_connections=100 -c shared_buffers=128MB"
+                  + (" -c shared_preload_libraries=pg_stat_statements"
+                     if self.statements else ""), "start")
+        return self
+
+    def stop(self) -> None:
+        try:
+            if (self.data / "postmaster.pid").exists():
+                self._as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-m", "fast",
+                                  "-w", "stop")
+        finally:
+            shutil.rmtree(self.data, ignore_errors=True)
+
+
+#: Set by main() with --cluster-port: measured runs begin with a CHECKPOINT.
+_OWN_CLUSTER = False
+
+
+def settle(database: str | None = None) -> None:
+    """Before a measured run on a cluster of our own: a CHECKPOINT, so the run
+    does not pay for full-page images of pages an earlier run dirtied (and
+    with --statements, pg_stat_statements emptied)."""
+    if _OWN_CLUSTER:
+        sql("CHECKPOINT")
+    if _STATEMENTS and database is not None:
+        sql("CREATE EXTENSION IF NOT EXISTS pg_stat_statements", database)
+        sql("SELECT pg_stat_statements_reset()", database)
+
+
+#: Set by main() with --statements: pg_stat_statements on the throwaway cluster.
+_STATEMENTS = False
+
+
+def top_statements(database: str, turns: int, limit: int = 25) -> list[str]:
+    """--statements: the statements of ``database`` by WAL bytes, as lines of
+    calls, WAL bytes and execution ms per turn (the harness's own included)."""
+    rows = sql("SELECT s.calls, s.wal_bytes, s.total_exec_time, "
+               "regexp_replace(s.query, '\\s+', ' ', 'g') FROM pg_stat_statements s "
+               f"JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = '{database}' "
+               "ORDER BY s.wal_bytes DESC, s.total_exec_time DESC", database)
+    total_wal = sum(int(r[1]) for r in rows) / turns
+    total_ms = sum(r[2] for r in rows) / turns
+    lines = [f"  {'calls':>6} {'WAL B':>7} {'exec ms':>7}   per turn "
+             f"(all statements: {total_wal:.0f} B, {total_ms:.2f} ms)"]
+    for calls, wal, ms, query in rows[:limit]:
+        lines.append(f"  {calls / turns:6.2f} {int(wal) / turns:7.0f} {ms / turns:7.3f}   "
+                     f"{query[:150]}")
+    return lines
 
 
 # -- measuring -------------------------------------------------------------------------
@@ -185,7 +290,7 @@ def tree(pid: int) -> list[int]:
 def sql(query: str, database: str = "postgres") -> list[tuple]:
     import psycopg
 
-    with psycopg.connect(f"{PG}/{database}", autocommit=True) as conn:
+    with psycopg.connect(pg_url(database), autocommit=True) as conn:
         cursor = conn.execute(query)
         return cursor.fetchall() if cursor.description else []
 
@@ -251,6 +356,13 @@ def wal_by_table(start: str, end: str, database: str) -> collections.Counter[str
             table = owners.get(relation.group(2), "(other)")
         totals[table] += int(size.group(1))
     return totals
+
+
+def row_writes(database: str) -> dict[str, tuple[int, int, int]]:
+    """Each table's inserted, updated and HOT-updated rows so far (pg_stat_user_tables)."""
+    return {name: (int(ins), int(upd), int(hot)) for name, ins, upd, hot in sql(
+        "SELECT relname, n_tup_ins, n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables",
+        database)}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -474,8 +586,10 @@ def run_ours(build: Build, script: Script, loops: int, prefix: str) -> Run:
             if build.imports_log is not None:
                 run.imports = checked_imports(build, workers)
             script.reset()
+            settle(build.database)
             cpu0 = sum(proc_cpu(p) for p in tree(workers.pid))
             pg0 = backends(build.database)
+            rows0 = row_writes(build.database)
             xacts0, lsn0 = server_counters(build.database)
             started = time.monotonic()
             ids = starter.start(prefix, loops)
@@ -486,6 +600,9 @@ def run_ours(build: Build, script: Script, loops: int, prefix: str) -> Run:
             run.pg_cpu = sum(cpu - pg0.get(pid, 0.0) for pid, cpu in pg1.items())
             time.sleep(1.5)  # let the server flush its statistics
             xacts1, lsn1 = server_counters(build.database)
+            run.rows = {name: tuple(a - b for a, b in zip(now, rows0.get(name, (0, 0, 0)),
+                                                          strict=True))  # type: ignore[misc]
+                        for name, now in row_writes(build.database).items()}
             run.xacts, run.wal = xacts1 - xacts0, wal_bytes(lsn0, lsn1)
             run.commits = wal_commits(lsn0, lsn1)
             run.wal_range = (lsn0, lsn1, build.database)
@@ -495,6 +612,8 @@ def run_ours(build: Build, script: Script, loops: int, prefix: str) -> Run:
             if failed:
                 raise SystemExit(f"{build.name}: {len(failed)} loops did not complete")
             run.turns = sum(r.step_count for r in rows)
+            if _STATEMENTS:
+                run.statements = top_statements(build.database, max(run.turns, 1))
             (epoch,), = session.execute(select(func.min(Loop.created_at)).where(
                 Loop.id.in_(ids))).all()
             run.completion = [(r.finished_at - epoch).total_seconds() for r in rows]
@@ -518,7 +637,7 @@ def wait_for_loops(ids: list[int], database: str) -> None:
     as cheap as DBOS's ``get_result`` polls."""
     import psycopg
 
-    with psycopg.connect(f"{PG}/{database}", autocommit=True) as conn:
+    with psycopg.connect(pg_url(database), autocommit=True) as conn:
         for loop_id in ids:
             while conn.execute(
                     "SELECT status NOT IN ('completed', 'failed', 'paused') "
@@ -528,9 +647,10 @@ def wait_for_loops(ids: list[int], database: str) -> None:
 
 def run_dbos(emulator, script: Script, loops: int, prefix: str) -> Run:
     fresh_database(DBOS_DB)
+    settle(DBOS_DB)
     script.reset()
     proc = subprocess.Popen(
-        [sys.executable, str(BENCH / "turns_dbos.py"), "--url", f"{PG}/{DBOS_DB}",
+        [sys.executable, str(BENCH / "turns_dbos.py"), "--url", pg_url(DBOS_DB),
          "--llm", emulator.base_url, "--loops", str(loops), "--prefix", prefix],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # DBOS creates its schema at launch and warms up: measure the server from the
@@ -540,6 +660,7 @@ def run_dbos(emulator, script: Script, loops: int, prefix: str) -> Run:
             and proc.poll() is None:
         time.sleep(0.005)
     pg0 = backends(DBOS_DB)
+    rows0 = row_writes(DBOS_DB)
     xacts0, lsn0 = server_counters(DBOS_DB)
     out, err = proc.communicate(timeout=900)
     if proc.returncode != 0:
@@ -551,11 +672,16 @@ def run_dbos(emulator, script: Script, loops: int, prefix: str) -> Run:
     run.pg_cpu = sum(cpu - pg0.get(pid, 0.0) for pid, cpu in _last_backends.items())
     time.sleep(1.5)
     xacts1, lsn1 = server_counters(DBOS_DB)
+    run.rows = {name: tuple(a - b for a, b in zip(now, rows0.get(name, (0, 0, 0)),
+                                                  strict=True))  # type: ignore[misc]
+                for name, now in row_writes(DBOS_DB).items()}
     run.xacts, run.wal = xacts1 - xacts0, wal_bytes(lsn0, lsn1)
     run.commits = wal_commits(lsn0, lsn1)
     run.wal_range = (lsn0, lsn1, DBOS_DB)
     run.turns = script.requests(prefix + " ")
     run.gaps = script.gaps(prefix + " ")
+    if _STATEMENTS:
+        run.statements = top_statements(DBOS_DB, max(run.turns, 1))
     return run
 
 
@@ -678,6 +804,10 @@ class Measured:
     alone: dict[str, list[float]]
     #: --wal-by-table: each system's WAL by table (last rep), and its turns.
     wal_tables: dict[str, tuple[collections.Counter[str], int]] = field(default_factory=dict)
+    #: --wal-by-table: each system's rows written by table (last rep).
+    row_tables: dict[str, dict[str, tuple[int, int, int]]] = field(default_factory=dict)
+    #: --statements: each system's top statements (last rep).
+    statements: dict[str, list[str]] = field(default_factory=dict)
 
 
 def rotated(systems: list[str], rep: int) -> list[str]:
@@ -702,6 +832,9 @@ def measure(args: argparse.Namespace, systems: list[str], builds: dict[str, Buil
             if args.wal_by_table and many.wal_range is not None:
                 # Before the one-loop run drops the database.
                 measured.wal_tables[system] = (wal_by_table(*many.wal_range), max(many.turns, 1))
+                measured.row_tables[system] = many.rows
+            if many.statements:
+                measured.statements[system] = many.statements
             if build is None:
                 one = run_dbos(emulator, script, 1, f"alone{rep}")
             else:
@@ -838,13 +971,19 @@ def print_checks(medians: dict[str, dict[str, float | None]], against: str | Non
         print(f"  {label:{width}} {verdict(ok)}{note}")
 
 
-def print_wal_tables(wal_tables: dict[str, tuple[collections.Counter[str], int]]) -> None:
+def print_wal_tables(wal_tables: dict[str, tuple[collections.Counter[str], int]],
+                     row_tables: dict[str, dict[str, tuple[int, int, int]]]) -> None:
     for system, (tables, turns) in sorted(wal_tables.items()):
         print(f"\nWAL bytes / turn by table, {system} (last rep, "
-              f"{sum(tables.values()) / turns:.0f} in all):")
+              f"{sum(tables.values()) / turns:.0f} in all), and rows inserted, updated "
+              "(HOT) / turn:")
+        rows = row_tables.get(system, {})
         for table, size in tables.most_common():
             if size / turns >= 1:
-                print(f"  {size / turns:8.0f}  {table}")
+                ins, upd, hot = rows.get(table, (0, 0, 0))
+                written = (f"  ins {ins / turns:4.2f}  upd {upd / turns:4.2f} "
+                           f"({hot / turns:4.2f})" if ins or upd else "")
+                print(f"  {size / turns:8.0f}  {table:34}{written}")
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -862,9 +1001,20 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--against", metavar="REV",
                         help="A/B: also run git revision REV (a hash, HEAD~3, a tag) as "
                              "ours@<short hash>, from a temporary worktree")
+    parser.add_argument("--cluster-port", type=int, metavar="PORT",
+                        help="run on a throwaway PostgreSQL cluster initdb'ed on PORT (its WAL "
+                             "is this run's alone), removed at the end")
+    parser.add_argument("--wire-log", choices=("full", "summary"),
+                        help="SOLIDLOOP_WIRE_LOG for this tree's workers (default: the "
+                             "setting's default); --against REV runs with its own default")
+    parser.add_argument("--statements", action="store_true",
+                        help="with --cluster-port: print each system's statements per turn by "
+                             "WAL (pg_stat_statements, last rep)")
     parser.add_argument("--no-dbos", action="store_true",
                         help="leave DBOS out (a quicker A/B; needs --against)")
     args = parser.parse_args()
+    if args.statements and args.cluster_port is None:
+        parser.error("--statements needs --cluster-port (it loads pg_stat_statements)")
     if args.no_dbos and not args.against:
         parser.error("--no-dbos needs --against: without DBOS ours has nothing to compare with")
     return args
@@ -876,11 +1026,18 @@ def exit_on_sigterm(signum: int, frame: object) -> None:
 
 
 def main() -> None:
+    global PG_PORT, _OWN_CLUSTER, _STATEMENTS
     args = parse_args()
     commit = resolve(args.against) if args.against else None
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     with contextlib.ExitStack() as stack:
-        builds = {"ours": Build("ours", OURS_DB)}
+        if args.cluster_port is not None:
+            cluster = Cluster(args.cluster_port, args.statements)
+            stack.callback(cluster.stop)
+            cluster.start()
+            PG_PORT, _OWN_CLUSTER, _STATEMENTS = args.cluster_port, True, args.statements
+            print(f"on a throwaway cluster at 127.0.0.1:{PG_PORT} ({cluster.data})", flush=True)
+        builds = {"ours": Build("ours", OURS_DB, wire_log=args.wire_log)}
         against = None
         if commit is not None:
             against = against_build(commit, stack.enter_context(checkout(commit)))
@@ -902,7 +1059,10 @@ def main() -> None:
     print_checks(medians, against and against.name)
     if commit is not None and against is not None:
         print("\n" + "\n".join(describe(commit, against)))
-    print_wal_tables(measured.wal_tables)
+    print_wal_tables(measured.wal_tables, measured.row_tables)
+    for system, lines in sorted(measured.statements.items()):
+        print(f"\nStatements by WAL, {system} (last rep):")
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":

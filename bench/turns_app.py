@@ -2,7 +2,7 @@
 
 Loaded as ``FLASK_APP='turns_app:create_app()'`` with bench/ on PYTHONPATH;
 SOLIDLOOP_BENCH_DATABASE_URL and SOLIDLOOP_BENCH_LLM_URL come from the
-environment.
+environment, and SOLIDLOOP_BENCH_WIRE_LOG, when set, is SOLIDLOOP_WIRE_LOG.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ def create_app() -> Flask:
     app.config["SQLALCHEMY_DATABASE_URI"] = os.environ["SOLIDLOOP_BENCH_DATABASE_URL"]
     pool = int(os.environ.get("SOLIDLOOP_BENCH_POOL", "6"))
     app.config["SQLALCHEMY_ENGINE_OPTIONS"] = {"pool_size": pool, "max_overflow": 2}
+    if os.environ.get("SOLIDLOOP_BENCH_WIRE_LOG"):
+        app.config["SOLIDLOOP_WIRE_LOG"] = os.environ["SOLIDLOOP_BENCH_WIRE_LOG"]
     db.init_app(app)
     solidloop.init_app(app, db=db)
     return app

@@ -212,6 +212,18 @@ def _admin_stream_seconds(key: str, value: Any) -> float:
     return number
 
 
+#: SOLIDLOOP_WIRE_LOG's values: bodies kept (up to SOLIDLOOP_EVENT_BODY_LIMIT), or not.
+WIRE_LOG_DETAILS = ("full", "summary")
+
+
+def _wire_log(key: str, value: Any) -> str:
+    text = str(value).strip().lower() if isinstance(value, str) else value
+    if text not in WIRE_LOG_DETAILS:
+        raise ConfigurationError(key, value, "must be 'full' (bodies kept) or 'summary' "
+                                             "(metadata, sizes and SHA-256 only)")
+    return str(text)
+
+
 def _origins(key: str, value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [part for part in value.replace(",", " ").split() if part]
@@ -426,6 +438,12 @@ SETTINGS: tuple[Setting, ...] = (
             "Characters of a request, response or tool result kept in a wire-log event; a "
             "larger body is kept as an excerpt with its size and SHA-256 (a tool's full "
             "result stays on its tool call)."),
+    Setting("SOLIDLOOP_WIRE_LOG", "full", _wire_log,
+            "How much of each exchange the wire log keeps: 'full' keeps the request and "
+            "response bodies (each up to SOLIDLOOP_EVENT_BODY_LIMIT); 'summary' keeps their "
+            "metadata (URL, headers, model, status, attempts, timings, token usage) and each "
+            "body part's size and SHA-256, no text. The conversation stays whole on the "
+            "loop's messages and tool calls either way."),
     Setting("SOLIDLOOP_EVENT_REPEAT_HISTORY", False, _bool,
             "Keep each LLM request's whole conversation in its wire-log event. By default an "
             "event keeps the conversation from the model's last answer on, and the count "
@@ -527,6 +545,7 @@ class Config:
     default_output_estimate: int
     tool_output_limit: int
     event_body_limit: int
+    wire_log: str
     event_repeat_history: bool
     mcp_inbound_session_retention: int | None
     mcp_max_request_body: int
@@ -560,6 +579,13 @@ class Config:
                 "unknown setting: " + ", ".join(hints) + f"; known settings: {', '.join(_BY_KEY)}",
             )
         return cls(**values)
+
+    @property
+    def wire_body_limit(self) -> int:
+        """The body limit every wire-log writer passes: SOLIDLOOP_EVENT_BODY_LIMIT,
+        or 0 with SOLIDLOOP_WIRE_LOG = "summary" (loops/store/wirelog.SUMMARY:
+        no body, a summary)."""
+        return 0 if self.wire_log == "summary" else self.event_body_limit
 
     # Lease arithmetic lives here so every lease has one source.
 

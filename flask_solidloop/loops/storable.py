@@ -171,7 +171,7 @@ def conversation_tail(body: Any) -> Any:
     return body
 
 
-def history_digest(turns: list[Any]) -> str:
+def history_digest(turns: Any) -> str:
     """SHA-256 of ``turns`` as compact JSON with sorted keys (see conversation_tail).
     Hashed as it is encoded, piece by piece: a history of megabytes is never
     held a second and a third time, as a JSON string and its bytes."""

@@ -59,7 +59,7 @@ class _Writer:
                 state = get_state(self.app)
                 try:
                     inbound.record_events(state.db.session, batch,
-                                                body_limit=state.config.event_body_limit)
+                                                body_limit=state.config.wire_body_limit)
                 finally:
                     state.db.session.remove()
         except Exception:

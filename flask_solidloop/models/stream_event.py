@@ -1,7 +1,9 @@
 """A loop's event stream, one row per event (docs/decisions/0024-loop-event-stream.md).
 
 Written only by the database: the triggers of migration 0017 and
-``solidloop_stream_delta()`` (a streaming turn's flush). Read by
+``solidloop_stream_delta()`` (a streaming turn's flush). No foreign key to the
+loop (migration 0024: its check locked the loop row once more per event); a
+statement trigger on the loops table deletes a deleted loop's events. Read by
 flask_solidloop.streaming, which joins the message and the tool call an event
 names (they are immutable once the event exists).
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, DateTime, ForeignKey, Sequence, String, Text, func
+from sqlalchemy import BigInteger, DateTime, Sequence, String, Text, func
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -29,8 +31,7 @@ class StreamEventRow(Base):
 
     __tablename__ = "solidloop_stream_events"
 
-    loop_id: Mapped[int] = mapped_column(
-        ForeignKey("solidloop_loops.id", ondelete="CASCADE"), primary_key=True)
+    loop_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     id: Mapped[int] = mapped_column(BigInteger, EVENT_IDS, primary_key=True,
                                     server_default=EVENT_IDS.next_value())
     kind: Mapped[str] = mapped_column(String(30), nullable=False)

@@ -179,7 +179,7 @@ def _end_turn(ctx: LlmContext, *, to: str, error_message: str) -> None:
         store.with_database_retry(
             lambda: store.end_turn(ctx.session, ctx.loop_id, ctx.execution_token, to=to,
                                    error_message=error_message, shell_id=ctx.shell_id,
-                                   wire=ctx.wire, body_limit=ctx.state.config.event_body_limit,
+                                   wire=ctx.wire, body_limit=ctx.state.config.wire_body_limit,
                                    repeat_history=ctx.state.config.event_repeat_history,
                                    ends=store.loop_ends(ctx.state, ctx.agent.agent_name),
                                    event_id=ctx.request_event_id),
@@ -510,7 +510,7 @@ def _record_request(ctx: LlmContext, record: Any) -> None:
     config = ctx.state.config
     recorded = store.record_request(
         ctx.session, ctx.loop_id, ctx.execution_token, shell_id=ctx.shell_id, wire=record,
-        body_limit=config.event_body_limit, repeat_history=config.event_repeat_history)
+        body_limit=config.wire_body_limit, repeat_history=config.event_repeat_history)
     ctx.request_event_id, ctx.watched = recorded.event_id, recorded.watched
     ctx.wire = record
 

@@ -68,7 +68,7 @@ class ToolExecution:
         outcome = _retried(ctx, lambda: store.checkpoint_tool_call(
             ctx.state, ctx.session, facts, token=ctx.execution_token,
             lease=ctx.lease_token, result=result, duration_ms=duration_ms,
-            body_limit=ctx.state.config.event_body_limit), "the result")
+            body_limit=ctx.state.config.wire_body_limit), "the result")
         ctx.tool_call, ctx.result = outcome.call, outcome.result
         return self.next_step(ctx)
 
@@ -290,7 +290,7 @@ class ResponseCreation:
                 ctx.state, ctx.session, facts, token=ctx.execution_token,
                 lease=lease, result=unrecorded.result,
                 duration_ms=unrecorded.duration_ms,
-                body_limit=ctx.state.config.event_body_limit,
+                body_limit=ctx.state.config.wire_body_limit,
                 answer_text=lambda stored: answer_text(stored, limit), sequential=sequential,
                 adopt=ctx.adopt_next, next_turn=next_turn,
                 # The lock-free statement may roll back and start over, which

@@ -187,7 +187,7 @@ def run_llm_turn(state: SolidLoopState, loop: Loop, *, adopt: bool = False,
                               error_message=error, ends=store.loop_ends(state, agent.agent_name),
                               wire=ctx.wire, event_id=ctx.request_event_id,
                               shell_id=ctx.shell_id,
-                              body_limit=state.config.event_body_limit,
+                              body_limit=state.config.wire_body_limit,
                               repeat_history=state.config.event_repeat_history)
 
     label = f"llm_turn: loop {loop_id}"

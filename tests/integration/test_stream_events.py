@@ -318,3 +318,61 @@ def test_wait_returns_once_the_loop_settles(app, session, llm, drain):
     waiter.join(30)
     assert results == ["completed"]
     assert Agent_wait(app, 999999999, 1) is None
+
+
+def test_an_event_holds_the_loop_row_until_commit_whether_or_not_it_wrote_it(
+        app, session, database_url):
+    """Ids of one loop commit in order because every event's transaction holds
+    the loop row until it commits: one that wrote the row holds it already
+    (migration 0024: no second lock), any other locks it. Either way another
+    transaction's event of the loop waits, and its id comes after."""
+    import psycopg
+
+    from flask_solidloop.queue.broker import libpq_url
+
+    from .row_locks import loop_row_locked
+
+    loop = Assistant.start(message="hello")
+    url = libpq_url(database_url)
+    emit = "SELECT solidloop_stream_emit(%s, %s, NULL, NULL, NULL, NULL)"
+    for wrote_row in (True, False):
+        with psycopg.connect(url) as writer, psycopg.connect(url) as other, \
+                psycopg.connect(url, autocommit=True) as probe:
+            if wrote_row:  # as a turn's end does, before its events
+                writer.execute("UPDATE solidloop_loops SET updated_at = now() WHERE id = %s",
+                               (loop.id,))
+            writer.execute(emit, (loop.id, "tool_call"))
+            writer.execute(emit, (loop.id, "tool_call"))
+            assert loop_row_locked(probe, loop.id, timeout=1), wrote_row
+
+            def emit_other(other=other) -> None:
+                other.execute(emit, (loop.id, "tool_result"))
+                other.commit()
+
+            waiter = threading.Thread(target=emit_other)
+            waiter.start()
+            waiter.join(0.5)
+            assert waiter.is_alive(), "another transaction's event waits for the row"
+            writer.commit()
+            waiter.join(10)
+            assert not waiter.is_alive()
+            assert not loop_row_locked(probe, loop.id, timeout=0.2)
+        kinds = [e.kind for e in all_events(app.extensions["solidloop"], loop.id)]
+        # the waiting transaction's event comes after the holder's two
+        assert kinds[-3:] == ["tool_call", "tool_call", "tool_result"], wrote_row
+    assert kinds.count("tool_call") == 4
+
+
+def test_deleting_loops_deletes_their_events_and_no_others(app, session):
+    """Stream events leave with their loop (a statement trigger on the loops
+    table since migration 0024, in place of a cascading foreign key)."""
+    gone = [Assistant.start(message=f"gone {n}").id for n in range(3)]
+    kept = Assistant.start(message="kept").id
+    count = ("SELECT loop_id, count(*) FROM solidloop_stream_events "
+             "WHERE loop_id = ANY(:ids) GROUP BY loop_id")
+    before = dict(session.execute(text(count), {"ids": [*gone, kept]}).all())
+    assert set(before) == {*gone, kept}
+    session.execute(text("DELETE FROM solidloop_loops WHERE id = ANY(:ids)"), {"ids": gone})
+    session.commit()
+    after = dict(session.execute(text(count), {"ids": [*gone, kept]}).all())
+    assert after == {kept: before[kept]}

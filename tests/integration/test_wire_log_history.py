@@ -92,3 +92,63 @@ def test_tools_that_change_are_logged_whole_again():
     assert same[TOOLS_OMITTED] == {"field": "tools", "count": 1, "sha256": history_digest(first)}
     assert logged(other, history_digest(first))["tools"] == other
     assert logged(first, None)["tools"] == first
+
+
+def test_summary_wire_log_keeps_metadata_and_digests_and_no_text(database_url, llm):
+    """SOLIDLOOP_WIRE_LOG = "summary": each event keeps the exchange's metadata
+    (URL, status, attempts, model, token usage) and every body part as its
+    size and SHA-256; no text the model, the user or a tool wrote is in the
+    log, and the conversation is whole on the loop's messages. The admin's
+    wire log says what a summary keeps."""
+    import json
+
+    from flask_solidloop.loops.store.wirelog import digest
+    from flask_solidloop.models import Message, ToolCall
+
+    llm.reset()
+    llm.script("secret question", {"tool_calls": [{"name": "add",
+                                                   "arguments": {"a": 20, "b": 22}}]})
+    llm.script(lambda body: body["messages"][-1].get("content") == "42",
+               {"content": "the private answer is 42"})
+    app = create_app(SOLIDLOOP_WIRE_LOG="summary")
+    from ..support.support_app import solidloop
+
+    app.register_blueprint(solidloop.admin_blueprint(authorize=lambda request: True),
+                           url_prefix="/admin")
+    with app.app_context():
+        loop_id = Assistant.start(message="a secret question").id
+        run(app)
+        session = app.extensions["sqlalchemy"].session
+        events = list(session.scalars(select(Event).where(Event.loop_id == loop_id)
+                                      .order_by(Event.id)))
+        assert [e.kind for e in events] == ["llm_request", "tool_call", "llm_request"]
+        sent = [request.json for request in llm.requests]
+        for event, as_sent in zip([events[0], events[2]], sent, strict=True):
+            payload = event.payload
+            assert payload["detail"] == "summary" and event.status_code == 200
+            assert event.duration_ms is not None and payload["attempts"]
+            body = payload["request"]["body"]
+            assert body["model"] == as_sent["model"]
+            assert body["messages"] == digest(as_sent["messages"])
+            assert body["messages"]["count"] == len(as_sent["messages"])
+            assert body["tools"]["count"] == len(as_sent["tools"])
+            response = payload["response"]["body"]
+            assert response["usage"] and response["choices"]["count"] == 1
+        call = events[1].payload
+        assert (call["detail"], call["name"], call["result"]["isError"]) == \
+            ("summary", "add", False)
+        assert call["arguments"] == digest({"a": 20, "b": 22})
+        logged = json.dumps([e.payload for e in events])
+        for text in ("secret", "private", "You are", '"text"'):
+            assert text not in logged, text
+        # the conversation itself is kept whole
+        contents = [m.content for m in session.scalars(
+            select(Message).where(Message.loop_id == loop_id).order_by(Message.id))]
+        assert "a secret question" in contents and "the private answer is 42" in contents
+        assert session.scalars(select(ToolCall.arguments).where(
+            ToolCall.loop_id == loop_id)).one() == {"a": 20, "b": 22}
+        page = app.test_client().get(f"/admin/loops/{loop_id}").get_data(as_text=True)
+        assert page.count('class="muted wire-summary"') == 3
+        session.remove()
+        for engine in app.extensions["sqlalchemy"].engines.values():
+            engine.dispose()

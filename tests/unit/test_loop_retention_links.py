@@ -42,6 +42,12 @@ def test_what_goes_with_the_loop_goes_by_a_cascade():
     for name, column in retention.DELETED_WITH_THE_LOOP.items():
         keys = [fk for fk in tables[name].columns[column].foreign_keys
                 if fk.column.table.name == "solidloop_loops"]
+        if name in retention.DELETED_BY_TRIGGER:
+            # a statement trigger on the loops table deletes them (migration
+            # 0024; tests/integration/test_stream_events.py and the retention
+            # tests check the rows go): no foreign key to check them per row
+            assert retention.DELETED_BY_TRIGGER[name] == column and not keys, name
+            continue
         assert keys and keys[0].ondelete == "CASCADE", name
     for name, column in retention.LEFT.items():
         assert not tables[name].columns[column].foreign_keys, name

@@ -92,3 +92,37 @@ def test_secrets_are_redacted_wherever_they_hide_in_a_body():
     # Non-ASCII text, and a value JSON cannot encode, on its own.
     assert redact_secrets({"t": f"\u00e9{key}\u00e9"}, [key]) == {"t": f"\u00e9{REDACTED}\u00e9"}
     assert redact_secrets(f"plain {key}", [key]) == f"plain {REDACTED}"
+
+
+def test_a_summary_keeps_names_numbers_and_usage_and_digests_everything_else():
+    import hashlib
+    import json
+
+    from flask_solidloop.loops.store.wirelog import SUMMARY, digest, event_payload, summary
+
+    body = {"model": "claude-x", "max_tokens": 100, "stream": True, "temperature": None,
+            "system": "You are a secret agent", "messages": [{"role": "user", "content": "hi"}],
+            "id": "x" * 201, "usage": {"input_tokens": 3}, "stop_reason": "end_turn"}
+    kept = summary(body)
+    assert {k: kept[k] for k in ("model", "max_tokens", "stream", "temperature", "usage",
+                                 "stop_reason")} == \
+        {k: body[k] for k in ("model", "max_tokens", "stream", "temperature", "usage",
+                              "stop_reason")}
+    encoded = json.dumps(body["messages"], ensure_ascii=False, sort_keys=True,
+                         separators=(",", ":"))
+    assert kept["messages"] == {"size": 6, "count": 1,
+                                "sha256": hashlib.sha256(encoded.encode()).hexdigest()}
+    # content-like text, and a name too long to be one, only as size and hash
+    assert kept["system"] == {"size": 22, "sha256": hashlib.sha256(
+        b'"You are a secret agent"').hexdigest()}
+    assert set(kept["id"]) == {"size", "sha256"}
+    assert summary("an SSE text") == digest("an SSE text") and summary(None) is None
+    payload = event_payload({"url": "u", "request": {"headers": {}, "body": body},
+                             "response": {"status": 200, "body": ["chunk"]},
+                             "arguments": {"q": "secret"}, "result": {"content": [],
+                                                                        "isError": True}},
+                            SUMMARY)
+    assert payload["detail"] == "summary" and "secret" not in json.dumps(payload)
+    assert payload["response"]["body"]["count"] == 1
+    assert payload["result"]["isError"] is True and set(payload["arguments"]) == \
+        {"size", "sha256"}

@@ -321,7 +321,7 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
         "message_meta": Jsonb(meta),
         "usage": Jsonb(usage.to_dict()) if usage is not None else None,
         "message_cost": turn_cost if usage is not None else None,
-        **llm_event(wire, body_limit=state.config.event_body_limit,
+        **llm_event(wire, body_limit=state.config.wire_body_limit,
                     repeat_history=repeat_history, tools=tools, event_id=event_id,
                     tools_logged=logged_tools.get((loop_id, born)) if born is not None else None),
     }
@@ -508,7 +508,7 @@ def defer_for_capacity(state: SolidLoopState, session: SessionLike, loop_id: int
             "loop_id": loop_id, "token": token, "shell_id": shell_id,
             "slot": Jsonb(slot) if slot is not None else None,
             # Before a request there is no record: no event (payload NULL).
-            **llm_event(wire, body_limit=config.event_body_limit, error=error_message,
+            **llm_event(wire, body_limit=config.wire_body_limit, error=error_message,
                         repeat_history=config.event_repeat_history, event_id=event_id)},
                  ) is None:
         session.rollback()
@@ -572,7 +572,7 @@ def defer_llm_turn(state: SolidLoopState, session: SessionLike, loop_id: int,
     config = state.config
     params = {"loop_id": loop_id, "token": token, "error_message": error,
               "max_wait": max_wait, "max_attempts": max_attempts, "shell_id": shell_id,
-              **llm_event(wire, body_limit=config.event_body_limit, error=error,
+              **llm_event(wire, body_limit=config.wire_body_limit, error=error,
                           repeat_history=config.event_repeat_history, event_id=event_id)}
     row = fetch_row(session, sql.DEFER_TURN, params)
     if row is None:

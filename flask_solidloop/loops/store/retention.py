@@ -3,7 +3,8 @@ each with all its rows, after the host's ``on_loop_archive`` hooks have seen it
 (docs/decisions/0030-loop-retention.md).
 
 A loop goes with its messages, tool calls, wire-log events, stream events and
-MCP sessions (the foreign keys cascade, in the deleting statement). Its done
+MCP sessions (the foreign keys cascade, and the stream events' statement
+trigger deletes them, in the deleting statement). Its done
 and dead-lettered jobs, and its subject's spend ledger rows, stay for their
 own rules (:data:`LEFT`); what may hold a loop back is in loops/sql/retention.py.
 
@@ -34,13 +35,21 @@ logger = logging.getLogger("flask_solidloop.store")
 
 #: Columns that name a loop, per table, and what the retention does with them
 #: (tests/unit/test_loop_retention_links.py keeps this complete):
-#: ``cascade``: deleted with the loop (a foreign key ``ON DELETE CASCADE``).
+#: ``cascade``: deleted with the loop (a foreign key ``ON DELETE CASCADE``, or,
+#: for the tables in :data:`DELETED_BY_TRIGGER`, a statement trigger on the
+#: loops table).
 DELETED_WITH_THE_LOOP: dict[str, str] = {
     "solidloop_messages": "loop_id",
     "solidloop_tool_calls": "loop_id",
     "solidloop_events": "loop_id",
     "solidloop_stream_events": "loop_id",
     "solidloop_mcp_sessions": "loop_id",
+}
+#: Deleted with the loop by ``solidloop_stream_loops_deleted``, an ``AFTER
+#: DELETE ... FOR EACH STATEMENT`` trigger on the loops table (migration 0024:
+#: a foreign key's check locked the loop row once more per stream event).
+DELETED_BY_TRIGGER: dict[str, str] = {
+    "solidloop_stream_events": "loop_id",
 }
 #: Left to their own rules: done jobs to SOLIDLOOP_FINISHED_JOB_RETENTION (a
 #: queued or running job holds its loop back: loops/sql/retention.py),

@@ -106,7 +106,7 @@ def decide(state: SolidLoopState, session: SessionLike, tool_call_id: int, *,
         canonical, notes = canonical_result(call, result)
         stored = canonical.to_mcp()
         params.update(tool_event(CallFacts.of(call), stored, canonical, 0.0,
-                                 state.config.event_body_limit),
+                                 state.config.wire_body_limit),
                       result=Jsonb(stored), is_success=not canonical.is_error,
                       error_kind=canonical.error_kind, meta=Jsonb(notes) if notes else None)
     else:

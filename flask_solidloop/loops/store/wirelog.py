@@ -7,6 +7,12 @@ model's last answer on (storable.conversation_tail); and tool declarations
 already logged whole for a loop are named by count and digest (see
 :class:`LoggedTools`). Secrets are redacted before a record reaches here (the
 send path scrubs them from the wire record).
+
+``SOLIDLOOP_WIRE_LOG = "summary"`` reaches here as a body limit of
+:data:`SUMMARY` (Config.wire_body_limit): an event then keeps no body at all,
+only each body's :func:`summary` (its metadata fields, and each part's size
+and SHA-256), and says so (``"detail": "summary"``). The conversation itself
+is kept whole on the loop's messages and tool calls either way.
 """
 
 from __future__ import annotations
@@ -17,21 +23,88 @@ from typing import TYPE_CHECKING, Any
 
 from psycopg.types.json import Jsonb
 
+from ...llm.client import text_size
 from .. import storable
 
 if TYPE_CHECKING:
     from ...llm.client import WireRecord
     from ...mcp.toolset import ToolResult
 
+#: The body limit of ``SOLIDLOOP_WIRE_LOG = "summary"``: no body, a summary.
+SUMMARY = 0
+#: Top-level text fields a summary keeps as they are: names and ids, never
+#: content (every dialect's model, ids, object types and stop reasons).
+_SUMMARY_TEXT_FIELDS = frozenset({
+    "model", "id", "object", "type", "role", "stop_reason", "finish_reason",
+    "modelVersion", "responseId", "system_fingerprint", "service_tier", "jsonrpc",
+    "method"})
+#: Top-level fields a summary keeps whole: token counts.
+_SUMMARY_WHOLE_FIELDS = frozenset({"usage", "usageMetadata"})
+#: A kept text field longer than this is summarized like content.
+_SUMMARY_TEXT_MAX = 200
+
+
+def digest(value: Any) -> dict[str, Any]:
+    """``value``'s size (characters of its strings), SHA-256 (of its compact
+    JSON, keys sorted: storable.history_digest, hashed as it is encoded, so a
+    history of megabytes is never held again as text) and, for a list, its
+    count: what a summary keeps of a body or of one of its parts."""
+    try:
+        kept: dict[str, Any] = {"size": text_size(value),
+                                "sha256": storable.history_digest(value)}
+    except RecursionError:  # nested deeper than Python walks: named, not hashed
+        return {"unhashable": f"{type(value).__name__} nested too deep"}
+    if isinstance(value, list | tuple):
+        kept["count"] = len(value)
+    return kept
+
+
+def summary(body: Any) -> Any:
+    """A body as ``SOLIDLOOP_WIRE_LOG = "summary"`` keeps it: of an object, its
+    numbers, booleans and nulls, its names and ids (model, id, type, stop
+    reason: short text fields named in _SUMMARY_TEXT_FIELDS), its token
+    counts whole, and every other field (messages, tools, choices, content,
+    text, arguments) as its :func:`digest`; any other body as its digest.
+    No text the model or a tool wrote survives."""
+    if not isinstance(body, dict):
+        return None if body is None else digest(body)
+    kept: dict[str, Any] = {}
+    for key, value in body.items():
+        metadata = (value is None or isinstance(value, bool | int | float)
+                    or (key in _SUMMARY_WHOLE_FIELDS and isinstance(value, dict))
+                    or (key in _SUMMARY_TEXT_FIELDS and isinstance(value, str)
+                        and len(value) <= _SUMMARY_TEXT_MAX))
+        kept[key] = value if metadata else digest(value)
+    return kept
+
 
 def event_payload(payload: dict[str, Any], limit: int) -> dict[str, Any]:
-    """A wire-log payload with each large body cut to an excerpt, made storable."""
+    """A wire-log payload with each large body cut to an excerpt, made
+    storable; with ``limit`` :data:`SUMMARY`, every body, argument and result
+    as its :func:`summary`, and the payload marked ``"detail": "summary"``."""
+    if limit == SUMMARY:
+        return _summarized(payload)
     for part in ("request", "response"):
         section = payload.get(part)
         if isinstance(section, dict) and "body" in section:
             section["body"], _ = storable.excerpt(section["body"], limit)
     if "result" in payload:
         payload["result"], _ = storable.excerpt(payload["result"], limit)
+    cleaned, _, _ = storable.json_value(payload)
+    return cleaned  # type: ignore[no-any-return]
+
+
+def _summarized(payload: dict[str, Any]) -> dict[str, Any]:
+    for part in ("request", "response"):
+        section = payload.get(part)
+        if isinstance(section, dict) and "body" in section:
+            section["body"] = summary(section["body"])
+    for part in ("arguments", "result"):
+        if part in payload:
+            value = payload[part]
+            payload[part] = (summary(value) if part == "result" and isinstance(value, dict)
+                             else digest(value) if value is not None else None)
+    payload["detail"] = "summary"
     cleaned, _, _ = storable.json_value(payload)
     return cleaned  # type: ignore[no-any-return]
 
@@ -73,8 +146,9 @@ def request_payload(payload: dict[str, Any], body_limit: int, *, repeat_history:
     """A wire record's payload (WireRecord.to_payload) as the log keeps it: its
     request body cut to the conversation from the model's last answer on
     (unless ``repeat_history``) and the tools named when the log holds them
-    (``tools_logged``; see :func:`llm_event`), each large body an excerpt."""
-    if not repeat_history:
+    (``tools_logged``; see :func:`llm_event`), each large body an excerpt; or,
+    with ``body_limit`` :data:`SUMMARY`, the request's :func:`summary`."""
+    if not repeat_history and body_limit != SUMMARY:
         body = storable.conversation_tail(payload["request"]["body"])
         if tools_logged is not None and (
                 tools if tools is not None else storable.tools_digest(body)) == tools_logged:
