@@ -19,6 +19,7 @@ import time
 import dramatiq
 
 from flask_solidloop.config import QUEUE_LLM, QUEUE_MAINTENANCE, QUEUE_TOOL
+from flask_solidloop.loops.sql import WATCH_CHANNEL
 from flask_solidloop.queue.listener import LISTENER_APPLICATION_NAME
 from flask_solidloop.queue.sql import CHANNEL_PREFIX
 from flask_solidloop.urls import libpq_url
@@ -88,9 +89,10 @@ def test_consumers_of_three_queues_share_one_listen_backend(app, broker, pg):
         listener = broker.listener
         assert all(c.listener is listener for c in consumers)
         # PostgreSQL's own view of the listener's session (pg_listening_channels()
-        # run on it): every queue's channel, plus its control channel.
+        # run on it): every queue's channel, its control channel, and the
+        # channel of watchers' arrivals (decision 0031), on the same backend.
         assert listener.listening() == {CHANNEL_PREFIX + q for q in queues} | {
-            listener.control_channel}
+            listener.control_channel, WATCH_CHANNEL}
         # The consumers' claim connections listen on nothing.
         assert [own_listening_channels(c) for c in consumers] == [[], [], []]
         # Exactly one listener backend on this database (earlier tests' listeners
