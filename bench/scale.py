@@ -44,7 +44,7 @@ PARTS: list[tuple[str, str, list[str], list[str]]] = [
     ("pgbouncer", "scale_pgbouncer.py", [], ["--quick"]),
     ("idle", "scale_idle.py", [], ["--quick"]),
     ("growth", "growth.py", [], ["--loops", "40"]),
-    ("turns", "turns.py", [], ["--reps", "1"]),
+    ("turns", "turns.py", ["--cluster-port", "5446"], ["--reps", "1", "--cluster-port", "5446"]),
 ]
 
 
