@@ -4,7 +4,7 @@ Run it from the project root with the project's virtualenv::
 
     python bench/scale.py                      # every part, about 40 minutes
     python bench/scale.py --quick              # every part's quick form
-    python bench/scale.py --only idle,unwatched
+    python bench/scale.py --only inflight,unwatched
     python bench/scale.py --report scale.md    # also write the tables to a file
 
 Each part is a script of its own (its docstring says what it runs and how it
@@ -17,7 +17,6 @@ initdbs for itself (but ``growth``), so no part disturbs the next:
   watches against partial text off; 50 of them followed by SSE clients;
 * ``pgbouncer`` (bench/scale_pgbouncer.py): 8 worker processes behind
   PgBouncer in transaction mode against the same fleet direct;
-* ``idle`` (bench/scale_idle.py): 32 idle worker processes against 4;
 * ``growth`` (bench/growth.py): table and index bytes per turn, and what
   loop retention reclaims (on the machine's server, database
   ``solidloop_bench_growth``);
@@ -42,7 +41,6 @@ PARTS: list[tuple[str, str, list[str], list[str]]] = [
     ("inflight", "scale_inflight.py", [], ["--quick"]),
     ("unwatched", "scale_unwatched.py", [], ["--quick"]),
     ("pgbouncer", "scale_pgbouncer.py", [], ["--quick"]),
-    ("idle", "scale_idle.py", [], ["--quick"]),
     ("growth", "growth.py", [], ["--loops", "40"]),
     ("turns", "turns.py", ["--cluster-port", "5446"], ["--reps", "1", "--cluster-port", "5446"]),
 ]
