@@ -22,7 +22,7 @@ NAME = "flask_solidloop"
 #: Bottom first. Units of one rank may import each other (never in a cycle).
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "config", "models", "migrations", "urls", "wire", "_typing", "_version", "dbapi",
-     "jsontext", "limit_spec", "pooler"),
+     "jsontext", "limit_spec", "pooler", "telemetry"),
     ("llm", "mcp", "queue", "leases"),
     # signals: blinker notifications sent by loops.store after its commits.
     ("state", "database", "signals"),
