@@ -8,6 +8,8 @@ documents every entry and a test checks the two agree. Values are read once, at
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
@@ -113,6 +115,27 @@ def _rate_limits(key: str, value: Any) -> Any:
     from .limit_spec import rate_limits_setting
 
     return rate_limits_setting(key, value)
+
+
+def _port(key: str, value: Any) -> int:
+    port = _integer(key, value, minimum=1)
+    if port > 65535:
+        raise ConfigurationError(key, value, "must be a TCP port (1-65535)")
+    return port
+
+
+def _host(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigurationError(key, value, "must be a non-empty address (e.g. 127.0.0.1)")
+    return value.strip()
+
+
+def _optional_path(key: str, value: Any) -> str | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str | os.PathLike):
+        raise ConfigurationError(key, value, "must be a directory path, or unset")
+    return os.fspath(value)
 
 
 def _bool(key: str, value: Any) -> bool:
@@ -481,6 +504,18 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds a turn's end or a tool's outcome is retried in place when the database "
             "fails under it (while the step still holds its lease), before the step is left "
             "to its lease and the reaper."),
+    Setting("SOLIDLOOP_METRICS", False, _bool,
+            "Worker processes record Prometheus metrics (multiprocess mode) and one "
+            "process per host serves them on SOLIDLOOP_METRICS_HOST:SOLIDLOOP_METRICS_PORT; "
+            "needs the metrics extra (prometheus-client)."),
+    Setting("SOLIDLOOP_METRICS_PORT", 9191, _port,
+            "The port of the workers' metrics endpoint (one per host)."),
+    Setting("SOLIDLOOP_METRICS_HOST", "127.0.0.1", _host,
+            "The address the workers' metrics endpoint binds; 0.0.0.0 to be scraped from "
+            "other hosts."),
+    Setting("SOLIDLOOP_METRICS_DIR", None, _optional_path,
+            "The multiprocess directory the worker processes write their metrics to; unset: "
+            "$PROMETHEUS_MULTIPROC_DIR if set, else <tmp>/solidloop-metrics-<port>."),
 )
 
 _BY_KEY = {s.key: s for s in SETTINGS}
@@ -559,6 +594,10 @@ class Config:
     tool_quarantine_limit: int
     max_history_bytes: int | None
     tool_max_attempts: int
+    metrics: bool
+    metrics_port: int
+    metrics_host: str
+    metrics_dir: str | None
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> Config:
@@ -586,6 +625,13 @@ class Config:
         or 0 with SOLIDLOOP_WIRE_LOG = "summary" (loops/store/wirelog.SUMMARY:
         no body, a summary)."""
         return 0 if self.wire_log == "summary" else self.event_body_limit
+
+    @property
+    def metrics_directory(self) -> str:
+        """The metrics multiprocess directory: SOLIDLOOP_METRICS_DIR, else
+        $PROMETHEUS_MULTIPROC_DIR, else one per port under the temp directory."""
+        return (self.metrics_dir or os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+                or os.path.join(tempfile.gettempdir(), f"solidloop-metrics-{self.metrics_port}"))
 
     # Lease arithmetic lives here so every lease has one source.
 

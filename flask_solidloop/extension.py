@@ -399,6 +399,8 @@ class SolidLoop:
             retention=config.worker_retention))
         for middleware in _maintenance_in_workers(state):
             broker.add_middleware(middleware)
+        if config.metrics:
+            broker.add_middleware(_metrics_middleware(state))
         state.bind_actors(declare_actors(state))
         self.jobs.bind(state)
         if config.pooler_check:
@@ -407,6 +409,20 @@ class SolidLoop:
         from .cli import solidloop_cli
 
         app.cli.add_command(solidloop_cli)
+
+
+def _metrics_middleware(state: SolidLoopState) -> Any:
+    """SOLIDLOOP_METRICS's middleware (runtime/metrics.py); refused, naming the
+    extra, without prometheus-client."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        raise SetupError(
+            "SOLIDLOOP_METRICS is on but prometheus-client is not installed: "
+            "pip install 'flask-solidloop[metrics]'") from None
+    from .runtime.metrics import metrics_middleware
+
+    return metrics_middleware(state)
 
 
 def _maintenance_in_workers(state: SolidLoopState) -> list[PeriodicTaskMiddleware]:

@@ -64,6 +64,7 @@ from typing import Any
 import psycopg
 
 from .errors import LostLeaseError
+from .telemetry import metrics
 
 logger = logging.getLogger("flask_solidloop.renewer")
 
@@ -311,6 +312,7 @@ class LeaseRenewer:
                          len(live) - len(lapsed))
             for registration in lapsed:
                 registration.lost_event.set()
+                metrics.lease_lost(registration.kind, "renewal_failed")
 
     def _renew(self, live: list[Registration], sent_at: float) -> None:
         if self._conn is None or self._conn.closed:
@@ -346,6 +348,7 @@ class LeaseRenewer:
                     logger.debug("%s %s: %s; its lease has ended", kind, registration.row_id,
                                  "answered" if kind == "tool" else "its turn ended")
                 else:
+                    metrics.lease_lost(kind, "taken_over")
                     logger.info("%s %s: lease lost (taken over)", kind, registration.row_id)
 
 

@@ -1,6 +1,7 @@
 """The admin blueprint's views: dashboard, loops (list, page, live stream,
 actions, bulk actions), jobs, workers and limits (rate-limit keys, subjects'
-budgets); the approvals views are admin/approvals.py's, registered here.
+budgets), and ``metrics`` (Prometheus's text format, runtime/metrics.py); the
+approvals views are admin/approvals.py's, registered here.
 
 Reads go through ``loops.queries`` (``jobs.control`` for job rows,
 ``maintenance.runs`` for the last reaper and janitor passes), changes through
@@ -37,6 +38,7 @@ from ..maintenance import runs as maintenance_runs
 from ..models import RESUMABLE_STATUSES, Loop
 from ..models.loop import ALL_STATUSES
 from ..queue.middleware.worker_registry import MISSED_BEATS, WorkerRow, list_workers
+from ..runtime import metrics as runtime_metrics
 from ..spending import AgentLimits, Gauge, loop_budget, rate_keys, subjects, tightest
 from ..state import SolidLoopState, get_state
 from ..streaming import HEADERS
@@ -196,6 +198,19 @@ def create_blueprint(*, authorize: security.Authorize | None,
             return list_workers(session.connection().connection, recent=recent)
         finally:
             session.rollback()
+
+    @bp.get("/metrics")
+    def metrics() -> Any:
+        """The fleet's figures, and with SOLIDLOOP_METRICS the counters of the
+        processes that share this host's metrics directory, for Prometheus."""
+        st = state()
+        try:
+            body = runtime_metrics.exposition(
+                st, st.config.metrics_directory if st.config.metrics else None)
+        except ImportError:  # prometheus-client is not installed
+            return Response("metrics need prometheus-client: pip install "
+                            "'flask-solidloop[metrics]'\n", status=501, mimetype="text/plain")
+        return Response(body, content_type=runtime_metrics.CONTENT_TYPE)
 
     @bp.get("/")
     def dashboard() -> Any:

@@ -482,6 +482,16 @@ def loop_agents(session: SessionLike, limit: int = 200) -> list[str]:
     return list(found)
 
 
+def waiting_calls(session: SessionLike) -> dict[str, int]:
+    """Tool calls waiting for a decision (``approval``) or a result (``result``),
+    by what they wait for (the awaiting index covers exactly these rows)."""
+    rows = session.execute(
+        select(ToolCall.waits_for, func.count())
+        .where(ToolCall.waits_for.is_not(None), ToolCall.decision.is_(None))
+        .group_by(ToolCall.waits_for))
+    return {str(kind): int(count) for kind, count in rows}
+
+
 def _first_id_since(session: SessionLike, table: str, since: datetime) -> int | None:
     """The smallest id of ``table`` created at or after ``since``, by a binary
     search on the primary key (ids grow with ``created_at``); None if none is."""

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from ..errors import SolidLoopError
 from ..loops import queries, store
 from ..state import SolidLoopState
+from ..telemetry import metrics
 from . import runs
 
 logger = logging.getLogger("flask_solidloop.reaper")
@@ -112,6 +113,7 @@ def reap(state: SolidLoopState) -> ReapReport:
     state.last_reaped_at = time.time()
     runs.record(state, "reap", duration_ms=report.duration_ms, total=report.healed,
                 counts=report.counts())
+    metrics.reaper_pass(report.counts())
     if report.healed:
         logger.warning("reaper healed: %s", report.summary())
     else:

@@ -181,6 +181,11 @@ class ToolResult:
         data["isError"] = bool(self.is_error)
         return data
 
+    @property
+    def outcome(self) -> str:
+        """``ok``, ``error``, or the error's kind (``timeout``, ...): the metrics' label."""
+        return (self.error_kind or "error") if self.is_error else "ok"
+
     @classmethod
     def error(cls, message: str) -> ToolResult:
         """An error result holding ``message`` as its only text block."""

@@ -60,6 +60,7 @@ from ..llm.streaming import output_chars, post_stream, post_stream_async
 from ..llm.types import ChatMessage
 from ..loops import queries, store
 from ..mcp.registry import ToolRegistry
+from ..telemetry import metrics
 from ..urls import redact_urls_in
 from . import watch_arrivals
 from .builder import Handler
@@ -98,6 +99,7 @@ def handle_errors(ctx: LlmContext, step: Callable[[], Any]) -> Any:
         _end_turn(ctx, to="failed", error_message=f"{type(exc).__name__}: {exc}")
     except AbortedError:
         ctx.session.rollback()
+        _count(ctx, "aborted")
         logger.info("loop %s: the turn stopped: the loop was paused or stopped", ctx.loop_id)
     except ProviderError as exc:
         store.recover(ctx.session)
@@ -142,6 +144,7 @@ def _defer(ctx: LlmContext, message: str, *, max_attempts: int | None = None) ->
                                     max_attempts=max_attempts, wire=ctx.wire,
                                     shell_id=ctx.shell_id, event_id=ctx.request_event_id)
     if deferred is not None:
+        _count(ctx, "deferred", message)
         logger.warning("loop %s: the provider is out (%s); deferred %d time(s) since %s, next "
                        "try in %.0fs", ctx.loop_id, message, deferred.attempts,
                        deferred.since.isoformat(timespec="seconds"), deferred.delay_seconds)
@@ -175,6 +178,7 @@ def _minutes(loop: Any) -> str:
 def _end_turn(ctx: LlmContext, *, to: str, error_message: str) -> None:
     if ctx.lease is not None and ctx.lease.lost():
         return  # not ours any more: the reaper or the new generation decides
+    _count(ctx, to, error_message)
     try:
         store.with_database_retry(
             lambda: store.end_turn(ctx.session, ctx.loop_id, ctx.execution_token, to=to,
@@ -192,6 +196,18 @@ def _end_turn(ctx: LlmContext, *, to: str, error_message: str) -> None:
         logger.warning("loop %s: the database failed as the turn ended (%s): it is left "
                        "to its lease, and the reaper queues it again", ctx.loop_id,
                        type(exc).__name__)
+
+
+def _count(ctx: LlmContext, outcome: str, error_message: str | None = None) -> None:
+    """An LLM turn that ended without an answer, for the metrics (nothing while
+    they are off): its outcome, and its error's failure class (the admin's)."""
+    if metrics.enabled():
+        try:
+            model = ctx.agent.provider().model
+        except Exception:  # a broken definition is what failed the turn
+            model = None
+        metrics.llm_turn(ctx.agent.agent_name, model, outcome, error=None if error_message
+                         is None else queries.classify_failure(error_message))
 
 
 class AgentInitialization:
@@ -554,6 +570,8 @@ def _defer_to(ctx: LlmContext, admitted: admission.Admitted, wait: float, *,
                                         wire=ctx.wire, event_id=ctx.request_event_id,
                                         error_message=error_message, shell_id=ctx.shell_id)
     if deferred:
+        _count(ctx, "deferred")
+        metrics.rate_limit_deferral("llm")
         logger.info("loop %s: no rate-limit capacity on %s; deferred %.1fs to its slot",
                     ctx.loop_id, ", ".join(admitted.reservation.keys)
                     if admitted.reservation else "its keys", wait)
@@ -898,6 +916,8 @@ class ResponseParsing:
             still_ours=ctx.still_ours, what=f"loop {ctx.loop_id}: the turn's end")
         ctx.message, ctx.adopted = finished.message, finished.adopted
         ctx.committed = True
+        metrics.llm_turn(ctx.agent.agent_name, model, "ok", usage=response.usage,
+                         cost=turn_cost, timing=ctx.metrics)
         return self.next_step(ctx)
 
 

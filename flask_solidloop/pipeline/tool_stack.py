@@ -34,6 +34,7 @@ from ..loops import queries, store
 from ..mcp.registry import ToolRegistry, call_on_server
 from ..mcp.toolset import CallContext, ToolResult
 from ..models import ToolCall
+from ..telemetry import metrics
 from . import tool_session, tool_threads
 from .builder import Handler
 from .context import ToolContext, UnrecordedResult
@@ -59,6 +60,7 @@ class ToolExecution:
         # Read now: the tool's run ends the session's transaction (expiring it).
         facts = ctx.facts = store.CallFacts.of(call)
         result, duration_ms = self._run(ctx, call)
+        metrics.tool_call(ctx.agent.agent_name, call.tool_name, result.outcome, duration_ms)
         if ctx.plan is not None and ctx.plan.fuse_outcome:
             # Nothing between the two steps: ResponseCreation records the result
             # and its answer in one statement (see ResponseCreation.__call__).
@@ -195,6 +197,7 @@ def _tool_capacity(ctx: ToolContext, call: ToolCall) -> bool:
         ctx.state, ctx.session, loop_id=ctx.loop_id, tool_call_id=ctx.tool_call_id,
         execution_token=ctx.execution_token, lease_token=ctx.lease_token,
         delay_ms=int(delay * 1000))
+    metrics.rate_limit_deferral("tool")
     logger.info("tool_call %s: no capacity on %s; %s in %.1fs", ctx.tool_call_id, key,
                 "deferred" if handed else "not ours any more, dropped", delay)
     return False

@@ -347,3 +347,28 @@ SELECT w.identity, w.host, w.pid, w.queues, w.threads, w.started_at, w.last_seen
                                   >= now() - make_interval(secs => %(recent)s))
  ORDER BY w.stopped_at IS NOT NULL, w.started_at DESC, w.identity
 """
+
+# -- the fleet's figures, read at each metrics scrape (runtime/metrics.py) ----------
+
+#: Per queue: jobs due and waiting, jobs scheduled for later, jobs running, and
+#: the age in seconds of the oldest due one (0 when none waits). Reads only the
+#: live rows (the partial indexes cover them), never the finished ones.
+QUEUE_FIGURES = """
+SELECT queue_name,
+       count(*) FILTER (WHERE state = 'queued' AND eta <= now()),
+       count(*) FILTER (WHERE state = 'queued' AND eta > now()),
+       count(*) FILTER (WHERE state = 'running'),
+       coalesce(extract(epoch FROM now() - min(eta) FILTER (
+           WHERE state = 'queued' AND eta <= now())), 0)::float8
+  FROM solidloop_jobs
+ WHERE state IN ('queued', 'running')
+ GROUP BY queue_name
+"""
+#: Worker processes alive (heard from within ``%(silent)s`` seconds, not
+#: stopped) and lost (silent longer, never stopped cleanly), in the registry.
+WORKER_FIGURES = """
+SELECT count(*) FILTER (WHERE last_seen_at >= now() - make_interval(secs => %(silent)s)),
+       count(*) FILTER (WHERE last_seen_at < now() - make_interval(secs => %(silent)s))
+  FROM solidloop_workers
+ WHERE stopped_at IS NULL
+"""

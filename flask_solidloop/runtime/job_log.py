@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..queue.current_job import current_job
+from ..telemetry import metrics
 
 logger = logging.getLogger("flask_solidloop.jobs")
 
@@ -61,6 +62,7 @@ def logged_job(kind: str, *, loop_id: int | None = None, agent: str | None = Non
     ``inline``: the thread that ran the loop's previous step continued with
     this one (runtime/inline.py); its lines say ``inline``, and its start line
     is DEBUG."""
+    metrics.step(kind, inline)
     ids = _ids(kind, loop_id=loop_id, agent=agent, tool_call_id=tool_call_id)
     ids["solidloop_inline"] = inline
     what = _describe(ids)
