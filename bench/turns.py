@@ -118,6 +118,12 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 WORKER_PROCESSES = 2
 #: --against: how much worse than REV's a figure may be and still PASS.
 AB_TOLERANCE = 0.10
+#: --metrics: the build with SOLIDLOOP_METRICS on, its database and its endpoint's port.
+METRICS_BUILD = "ours+metrics"
+METRICS_DB = "solidloop_bench_turns_metrics"
+METRICS_PORT = int(os.environ.get("SOLIDLOOP_BENCH_METRICS_PORT", "19191"))
+#: --metrics: how much of ours' turns/s metrics may cost and still PASS.
+METRICS_TOLERANCE = 0.03
 
 
 @dataclass
@@ -156,6 +162,9 @@ class Build:
     probe: Path | None = None
     #: SOLIDLOOP_WIRE_LOG for this build's workers (--wire-log; None: the default).
     wire_log: str | None = None
+    #: --metrics: the port of this build's workers' metrics endpoint (SOLIDLOOP_METRICS
+    #: on, its directory a fresh one); None: metrics off.
+    metrics_port: int | None = None
 
     @property
     def url(self) -> str:
@@ -174,6 +183,9 @@ class Build:
         env.pop("SOLIDLOOP_BENCH_WIRE_LOG", None)
         if self.wire_log:
             env["SOLIDLOOP_BENCH_WIRE_LOG"] = self.wire_log
+        env.pop("SOLIDLOOP_BENCH_METRICS_PORT", None)
+        if self.metrics_port is not None:
+            env["SOLIDLOOP_BENCH_METRICS_PORT"] = str(self.metrics_port)
         if self.imports_log is not None:
             env["SOLIDLOOP_BENCH_IMPORTS"] = str(self.imports_log)
         return env
@@ -548,6 +560,48 @@ class Starter:
             self.proc.wait()
 
 
+class Scraper:
+    """--metrics: scrape the workers' endpoint once a second, as Prometheus would,
+    for the length of a measured run (a failed scrape stops the bench)."""
+
+    def __init__(self, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}/metrics"
+        self.done = threading.Event()
+        self.scrapes = 0
+        self.error: Exception | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import urllib.request
+
+        # The server is a process dramatiq's master forks once its workers are
+        # up; it loads the app, which takes seconds on a busy machine.
+        deadline = time.monotonic() + 60
+        while not self.done.is_set():
+            try:
+                with urllib.request.urlopen(self.url, timeout=5) as response:
+                    response.read()
+                self.scrapes += 1
+            except Exception as exc:
+                if self.scrapes or time.monotonic() > deadline:
+                    self.error = exc
+                    return
+                self.done.wait(0.2)
+                continue
+            self.done.wait(1.0)
+
+    def wait_ready(self) -> None:
+        while not self.scrapes and self.error is None and self.thread.is_alive():
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+        if self.error is not None:
+            raise SystemExit(f"turns.py --metrics: scraping {self.url} failed: {self.error}")
+
+
 def run_ours(build: Build, script: Script, loops: int, prefix: str) -> Run:
     from sqlalchemy import func, select
 
@@ -585,6 +639,10 @@ def run_ours(build: Build, script: Script, loops: int, prefix: str) -> Run:
             # After the warm-up, as the run without a probe: the same sequence.
             if build.imports_log is not None:
                 run.imports = checked_imports(build, workers)
+            # --metrics: its server up (it loads the app) before the clock starts.
+            scraper = Scraper(build.metrics_port) if build.metrics_port else None
+            if scraper is not None:
+                scraper.wait_ready()
             script.reset()
             settle(build.database)
             cpu0 = sum(proc_cpu(p) for p in tree(workers.pid))
@@ -595,6 +653,8 @@ def run_ours(build: Build, script: Script, loops: int, prefix: str) -> Run:
             ids = starter.start(prefix, loops)
             wait_for_loops(ids, build.database)
             run.wall = time.monotonic() - started
+            if scraper is not None:
+                scraper.stop()
             run.worker_cpu = sum(proc_cpu(p) for p in tree(workers.pid)) - cpu0
             pg1 = backends(build.database)
             run.pg_cpu = sum(cpu - pg0.get(pid, 0.0) for pid, cpu in pg1.items())
@@ -885,12 +945,16 @@ def print_table(args: argparse.Namespace, measured: Measured,
                 against: str | None) -> dict[str, dict[str, float | None]]:
     """The table: each system's medians (DBOS, REV, ours), then ours' ratios to
     REV and to DBOS; returns the medians, the one-loop-alone gaps included."""
-    shown = [s for s in ("dbos", against, "ours") if s in measured.figures]
-    headers = {"dbos": "DBOS 3.4", "ours": "ours", **({against: against} if against else {})}
-    ratios = [(f"ours ÷ {against}", against)] if against else []
+    shown = [s for s in ("dbos", against, "ours", METRICS_BUILD) if s in measured.figures]
+    headers = {"dbos": "DBOS 3.4", "ours": "ours", METRICS_BUILD: METRICS_BUILD,
+               **({against: against} if against else {})}
+    #: (header, numerator, denominator) of each ratio column.
+    ratios = [(f"ours ÷ {against}", "ours", against)] if against else []
     if "dbos" in shown:
-        ratios.append(("ours ÷ DBOS" if against else "ratio", "dbos"))
-    widths = [max(7, len(header)) for header, _ in ratios]
+        ratios.append(("ours ÷ DBOS" if against else "ratio", "ours", "dbos"))
+    if METRICS_BUILD in shown:
+        ratios.append(("metrics ÷ ours", METRICS_BUILD, "ours"))
+    widths = [max(7, len(header)) for header, _, _ in ratios]
 
     def line(label: str, cells: list[str], ratio_texts: list[str]) -> str:
         return (f"{label:38}" + "".join(f" {text:>20}" for text in cells)
@@ -898,7 +962,7 @@ def print_table(args: argparse.Namespace, measured: Measured,
 
     print(f"\n{args.loops} loops x {args.turns} LLM turns, a no-op tool call in each gap, "
           f"8 concurrent turns; median (min-max) of {args.reps} reps")
-    print(line("metric", [headers[s] for s in shown], [header for header, _ in ratios]))
+    print(line("metric", [headers[s] for s in shown], [header for header, _, _ in ratios]))
     medians: dict[str, dict[str, float | None]] = {s: {} for s in shown}
     for metric in measured.figures["ours"][0]:
         texts = []
@@ -906,15 +970,16 @@ def print_table(args: argparse.Namespace, measured: Measured,
             mid, text = cell([r[metric] for r in measured.figures[system]])
             medians[system][metric] = mid
             texts.append(text)
-        print(line(metric, texts, [ratio(medians["ours"][metric], medians[base][metric])
-                                   for _, base in ratios]))
+        print(line(metric, texts, [ratio(medians[top][metric], medians[base][metric])
+                                   for _, top, base in ratios]))
     for system in shown:
         medians[system]["alone p50"] = percentile(measured.alone[system], 0.5)
         medians[system]["alone p99"] = percentile(measured.alone[system], 0.99)
     for label in ("alone p50", "alone p99"):
         print(line(f"one loop alone: turn gap {label.split()[1]} ms",
                    [f"{medians[s][label]:.1f}" for s in shown],
-                   [ratio(medians["ours"][label], medians[base][label]) for _, base in ratios]))
+                   [ratio(medians[top][label], medians[base][label])
+                    for _, top, base in ratios]))
     return medians
 
 
@@ -962,6 +1027,11 @@ def ab_checks(o: dict, old: dict, name: str) -> list[tuple[str, bool | None, str
 
 def print_checks(medians: dict[str, dict[str, float | None]], against: str | None) -> None:
     rows = [(label, ok, "") for label, ok in targets(medians["ours"], medians.get("dbos"))]
+    if METRICS_BUILD in medians:
+        on, off = medians[METRICS_BUILD]["LLM turns/s"], medians["ours"]["LLM turns/s"]
+        rows.append((f"metrics on: turns/s >= {1 - METRICS_TOLERANCE:.2f}x off",
+                     None if not on or not off else on >= (1 - METRICS_TOLERANCE) * off,
+                     f" ({ratio(on, off)})"))
     if against:
         rows += [(label, ok, f" ({r})") for label, ok, r in
                  ab_checks(medians["ours"], medians[against], against)]
@@ -1010,13 +1080,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--statements", action="store_true",
                         help="with --cluster-port: print each system's statements per turn by "
                              "WAL (pg_stat_statements, last rep)")
+    parser.add_argument("--metrics", action="store_true",
+                        help=f"also run ours with SOLIDLOOP_METRICS on as {METRICS_BUILD!r} "
+                             "(its workers' endpoint scraped once a second during the run)")
     parser.add_argument("--no-dbos", action="store_true",
-                        help="leave DBOS out (a quicker A/B; needs --against)")
+                        help="leave DBOS out (a quicker A/B; needs --against or --metrics)")
     args = parser.parse_args()
     if args.statements and args.cluster_port is None:
         parser.error("--statements needs --cluster-port (it loads pg_stat_statements)")
-    if args.no_dbos and not args.against:
-        parser.error("--no-dbos needs --against: without DBOS ours has nothing to compare with")
+    if args.no_dbos and not (args.against or args.metrics):
+        parser.error("--no-dbos needs --against or --metrics: without DBOS ours has nothing "
+                     "to compare with")
     return args
 
 
@@ -1038,6 +1112,9 @@ def main() -> None:
             PG_PORT, _OWN_CLUSTER, _STATEMENTS = args.cluster_port, True, args.statements
             print(f"on a throwaway cluster at 127.0.0.1:{PG_PORT} ({cluster.data})", flush=True)
         builds = {"ours": Build("ours", OURS_DB, wire_log=args.wire_log)}
+        if args.metrics:
+            builds[METRICS_BUILD] = Build(METRICS_BUILD, METRICS_DB, wire_log=args.wire_log,
+                                          metrics_port=METRICS_PORT)
         against = None
         if commit is not None:
             against = against_build(commit, stack.enter_context(checkout(commit)))

@@ -2,12 +2,14 @@
 
 Loaded as ``FLASK_APP='turns_app:create_app()'`` with bench/ on PYTHONPATH;
 SOLIDLOOP_BENCH_DATABASE_URL and SOLIDLOOP_BENCH_LLM_URL come from the
-environment, and SOLIDLOOP_BENCH_WIRE_LOG, when set, is SOLIDLOOP_WIRE_LOG.
+environment, and SOLIDLOOP_BENCH_WIRE_LOG, when set, is SOLIDLOOP_WIRE_LOG;
+SOLIDLOOP_BENCH_METRICS_PORT, when set, turns SOLIDLOOP_METRICS on with that port.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 
 from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
@@ -43,6 +45,12 @@ def create_app() -> Flask:
     app.config["SQLALCHEMY_ENGINE_OPTIONS"] = {"pool_size": pool, "max_overflow": 2}
     if os.environ.get("SOLIDLOOP_BENCH_WIRE_LOG"):
         app.config["SOLIDLOOP_WIRE_LOG"] = os.environ["SOLIDLOOP_BENCH_WIRE_LOG"]
+    if os.environ.get("SOLIDLOOP_BENCH_METRICS_PORT"):
+        # bench/turns.py --metrics: metrics on, in a directory of this port's.
+        port = int(os.environ["SOLIDLOOP_BENCH_METRICS_PORT"])
+        app.config.update(SOLIDLOOP_METRICS=True, SOLIDLOOP_METRICS_PORT=port,
+                          SOLIDLOOP_METRICS_DIR=os.path.join(
+                              tempfile.gettempdir(), f"solidloop-bench-metrics-{port}"))
     db.init_app(app)
     solidloop.init_app(app, db=db)
     return app
