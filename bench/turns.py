@@ -576,8 +576,8 @@ class Scraper:
         import urllib.request
 
         # The server is a process dramatiq's master forks once its workers are
-        # up; it loads the app, which takes seconds on a busy machine.
-        deadline = time.monotonic() + 60
+        # up; it loads the app, which takes seconds (a minute on a loaded machine).
+        deadline = time.monotonic() + 180
         while not self.done.is_set():
             try:
                 with urllib.request.urlopen(self.url, timeout=5) as response:
