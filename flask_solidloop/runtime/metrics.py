@@ -1,19 +1,20 @@
 """The metrics of a worker fleet: the dramatiq middleware that turns them on in
-each worker process, the one server per host that serves them, and the
+each worker process, the one endpoint per host that serves them, and the
 collector of the figures only the database knows.
 
 The instruments and their hooks are telemetry/metrics.py's; this module is
-the part that needs the app: it runs in worker processes and in the process
-the dramatiq master forks for the server (docs/decisions/0034-metrics.md).
+the part that needs the app (docs/decisions/0034-metrics.md).
 
 * :func:`metrics_middleware`: dramatiq's own Prometheus middleware (its
   message counts and durations by queue and actor), pointed at our
-  multiprocess directory, without its server; at each worker process's boot
-  it turns our instruments on and counts loop ends from our signals.
-* :func:`serve`: the server, a dramatiq fork (one per master, so one per
-  host). It loads the app of ``FLASK_APP``, removes the files of processes
-  no longer alive (a previous run's), and answers every GET with the
-  directory's values and the fleet's figures.
+  multiprocess directory, without its forked server; at each worker
+  process's boot it turns our instruments on, counts loop ends from our
+  signals, and starts a :class:`ServerSlot`.
+* :class:`ServerSlot`: every worker process tries to bind the host's port;
+  the one that does serves the directory's values and the fleet's figures,
+  the others try again every few seconds (one endpoint per host, taken over
+  when its holder exits). The holder first removes the files a previous
+  run's dead processes left.
 * :class:`FleetCollector`: queue depth and the oldest due job's age per
   queue, tool calls waiting for a decision or a result, live and lost worker
   processes; read at each scrape, a few indexed aggregates. The admin's
@@ -25,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -33,7 +35,7 @@ from ..loops import queries
 from ..queue import sql as queue_sql
 from ..queue.middleware.worker_registry import MISSED_BEATS
 from ..signals import loop_completed, loop_failed, loop_paused
-from ..state import SolidLoopState, get_state
+from ..state import SolidLoopState
 from ..telemetry import metrics
 
 logger = logging.getLogger("flask_solidloop.metrics")
@@ -54,12 +56,15 @@ def metrics_middleware(state: SolidLoopState) -> Any:
     directory = state.config.metrics_directory
 
     class SolidLoopMetrics(prometheus.Prometheus):
-        """dramatiq's message figures into our directory; our instruments on at
-        boot; our own server as the fork."""
+        """dramatiq's message figures into our directory, and our instruments,
+        on at each worker process's boot; the host's server, held by one of
+        them (:class:`ServerSlot`). dramatiq's own fork is not used."""
+
+        slot: ServerSlot | None = None
 
         @property
         def forks(self) -> list[Any]:
-            return [serve]
+            return []
 
         def after_process_boot(self, broker: Any) -> None:
             metrics.enable(directory)
@@ -68,6 +73,14 @@ def metrics_middleware(state: SolidLoopState) -> Any:
             prometheus.DB_PATH = directory
             super().after_process_boot(broker)
             count_loop_ends()
+
+        def after_worker_boot(self, broker: Any, worker: Any) -> None:
+            self.slot = ServerSlot(state, directory)
+            self.slot.start()
+
+        def before_worker_shutdown(self, broker: Any, worker: Any) -> None:
+            if self.slot is not None:
+                self.slot.stop()
 
         def after_worker_shutdown(self, broker: Any, worker: Any) -> None:
             prometheus.DB_PATH = directory
@@ -188,20 +201,25 @@ def exposition(state: SolidLoopState, directory: str | None) -> bytes:
 # -- the server: one per host ------------------------------------------------------------
 
 _PID_FILE = re.compile(r"_(\d+)\.db$")
+#: Seconds between a worker process's tries to take the host's port.
+RETRY_SECONDS = 5.0
 
 
-def remove_dead_files(directory: str) -> int:
-    """Remove the value files of processes no longer alive (a previous run's);
-    how many. Counters they held start again from the live processes' values,
-    which Prometheus reads as a counter reset."""
+def remove_dead_files(directory: str, *, before: float) -> int:
+    """Remove the value files of processes no longer alive that were last
+    written before ``before`` (a previous run's); how many. The files of
+    workers that died in this run stay, so the counters they hold do not
+    drop."""
     removed = 0
     for name in os.listdir(directory):
         found = _PID_FILE.search(name)
         if found is None or _alive(int(found.group(1))):
             continue
+        path = os.path.join(directory, name)
         try:
-            os.remove(os.path.join(directory, name))
-            removed += 1
+            if os.stat(path).st_mtime < before:
+                os.remove(path)
+                removed += 1
         except FileNotFoundError:
             pass
     return removed
@@ -217,8 +235,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _run_started_at() -> float | None:
+    """When this fleet's run began: the start of this process's parent (the
+    dramatiq master), from /proc; None where that cannot be told."""
+    try:
+        return os.stat(f"/proc/{os.getppid()}").st_ctime
+    except OSError:
+        return None
+
+
 def make_server(state: SolidLoopState, host: str, port: int,
-                directory: str) -> ThreadingHTTPServer:
+                directory: str | None) -> ThreadingHTTPServer:
     """An HTTP server answering every GET with :func:`exposition`."""
 
     class Handler(BaseHTTPRequestHandler):
@@ -243,22 +270,51 @@ def make_server(state: SolidLoopState, host: str, port: int,
     return server
 
 
-def serve() -> int:
-    """The fork function of :func:`metrics_middleware`: load the app of
-    ``FLASK_APP`` and serve its metrics until the master stops this process."""
-    from flask.cli import ScriptInfo
+class ServerSlot:
+    """The host's one metrics endpoint, held by one worker process.
 
-    app = ScriptInfo(app_import_path=os.environ.get("FLASK_APP")).load_app()
-    state = get_state(app)
-    config = state.config
-    directory = config.metrics_directory
-    os.makedirs(directory, exist_ok=True)
-    removed = remove_dead_files(directory)
-    server = make_server(state, config.metrics_host, config.metrics_port, directory)
-    logger.info("metrics: serving http://%s:%d/metrics from %s (%d files of dead processes "
-                "removed)", config.metrics_host, config.metrics_port, directory, removed)
-    try:
-        server.serve_forever()
-    finally:
-        server.server_close()
-    return 0
+    Every worker process runs one daemon thread that tries to bind
+    SOLIDLOOP_METRICS_HOST:SOLIDLOOP_METRICS_PORT; the first to bind serves
+    (the others' binds fail: the port is taken) and the rest try again every
+    :data:`RETRY_SECONDS`, so when the holder exits, another takes the port
+    over within seconds. No process of its own is needed, and it does not
+    depend on when the dramatiq master starts its forks."""
+
+    def __init__(self, state: SolidLoopState, directory: str) -> None:
+        self.state, self.directory = state, directory
+        self.stopping = threading.Event()
+        self.server: ThreadingHTTPServer | None = None
+        self.thread = threading.Thread(target=self._run, name="solidloop-metrics",
+                                       daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        server = self.server
+        if server is not None:
+            server.shutdown()
+        self.thread.join(timeout=5)
+
+    def _run(self) -> None:
+        config = self.state.config
+        while not self.stopping.is_set():
+            try:
+                server = make_server(self.state, config.metrics_host, config.metrics_port,
+                                     self.directory)
+            except OSError:
+                self.stopping.wait(RETRY_SECONDS)  # another process holds it
+                continue
+            self.server = server
+            started = _run_started_at()
+            removed = 0 if started is None else remove_dead_files(self.directory,
+                                                                  before=started)
+            logger.info("metrics: serving http://%s:%d/metrics from %s (%d files of a "
+                        "previous run removed)", config.metrics_host, config.metrics_port,
+                        self.directory, removed)
+            try:
+                server.serve_forever(poll_interval=0.5)
+            finally:
+                server.server_close()
+                self.server = None

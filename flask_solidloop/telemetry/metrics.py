@@ -89,7 +89,7 @@ class _Instruments:
         self.tool_seconds = histogram("tool_call_seconds", "Tool run latency.",
                                       ("tool", "outcome"), TOOL_BUCKETS)
         self.steps = counter("steps", "Turn jobs run: delivered by the queue, or inline.",
-                             ("job", "mode"))
+                             ("kind", "mode"))
         self.lease_losses = counter("lease_losses", "Leases this worker found gone.",
                                     ("kind", "reason"))
         self.takeovers = counter("lease_takeovers", "Expired leases the reaper took over.",
@@ -181,11 +181,11 @@ def tool_call(agent: str | None, tool: str | None, outcome: str, duration_ms: fl
     _m.tool_seconds.labels(tool, outcome).observe(duration_ms / 1000)
 
 
-def step(job: str, inline: bool) -> None:
+def step(kind: str, inline: bool) -> None:
     """A turn job started: delivered by the queue, or continued inline."""
     if not _on:
         return
-    _m.steps.labels(job, "inline" if inline else "delivered").inc()
+    _m.steps.labels(kind, "inline" if inline else "delivered").inc()
 
 
 def lease_lost(kind: str, reason: str) -> None:

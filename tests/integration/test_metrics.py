@@ -96,8 +96,8 @@ def test_answered_turns_tokens_cost_and_tool_calls(priced_app, llm, metrics_dir)
     assert value(found, "solidloop_tool_call_seconds_count", tool="add", outcome="ok") == 1
     # Every step is counted once, delivered or inline.
     steps = found["solidloop_steps_total"]
-    assert sum(v for k, v in steps.items() if ("job", "llm_turn") in k) == 2
-    assert sum(v for k, v in steps.items() if ("job", "tool_call") in k) == 3
+    assert sum(v for k, v in steps.items() if ("kind", "llm_turn") in k) == 2
+    assert sum(v for k, v in steps.items() if ("kind", "tool_call") in k) == 3
     assert value(found, "solidloop_loops_ended_total", status="completed", failure_class="") == 1
     # No label carries an id.
     for name, series in found.items():
