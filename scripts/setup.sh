@@ -5,7 +5,7 @@
 #                                   127.0.0.1:5432 and a virtualenv in .venv with
 #                                   flask-solidloop and its runtime dependencies
 #   bash scripts/setup.sh --tests   the same, plus what the test suite needs: the
-#                                   test extras, Debian's chromium and pgbouncer, the
+#                                   test extras, Debian's chromium, pgbouncer and prometheus, the
 #                                   MCP peers, Node 22 and the MCP conformance suites
 #
 # With CI set (CI=true), --tests is implied: CI installs everything, so no test
@@ -29,7 +29,7 @@ in_ci=""
 case "${CI:-}" in ""|0|false|False|FALSE) ;; *) in_ci=1 tests=1 ;; esac
 
 started=$SECONDS
-if [ -n "$tests" ]; then steps=7; else steps=3; fi
+if [ -n "$tests" ]; then steps=8; else steps=3; fi
 step() { echo "setup: [$1/$steps] $2 ($((SECONDS - started))s)" >&2; }
 
 PG_PORT="${PGPORT:-5432}"
@@ -171,11 +171,38 @@ else
 fi
 # -- end PgBouncer tests
 
+# -- Prometheus tests: Debian's prometheus (its promtool checks the shipped alert
+# rules; the tests start the server themselves, with a config and data directory
+# of their own, on a free port). Its recommends (node-exporter) are left out,
+# and the package's own service is stopped and disabled if the install started
+# it, so nothing of it holds a port.
+step 6 "Debian's prometheus for the metrics tests"
+if [ -x /usr/bin/prometheus ] && [ -x /usr/bin/promtool ]; then
+  echo "setup:       prometheus already installed" >&2
+elif [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+  with_progress setup "installing prometheus (apt-get)" sh -c \
+    'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus'
+  if command -v systemctl >/dev/null 2>&1; then
+    systemctl disable --now prometheus >/dev/null 2>&1 || true
+  fi
+  if command -v service >/dev/null 2>&1; then
+    service prometheus stop >/dev/null 2>&1 || true
+  fi
+elif [ -n "$in_ci" ]; then
+  echo "setup: cannot apt-get install prometheus here (needs root and apt-get); CI runs" \
+       "the metrics tests, so install Debian's prometheus first" >&2
+  exit 1
+else
+  echo "setup: cannot apt-get install prometheus here (needs root and apt-get);" \
+       "the Prometheus tests will skip" >&2
+fi
+# -- end Prometheus tests
+
 # The real MCP servers the tests talk to (npm and PyPI packages, pinned).
-step 6 "MCP peers for the stdio tests"
+step 7 "MCP peers for the stdio tests"
 bash scripts/mcp_peers.sh >&2
 # Node 22 and the official MCP conformance suite (both versions), pinned.
-step 7 "Node 22 and the MCP conformance suites"
+step 8 "Node 22 and the MCP conformance suites"
 bash scripts/mcp_conformance.sh >&2
 echo "setup: ready for the tests in $((SECONDS - started))s (PostgreSQL on 127.0.0.1:$PG_PORT," \
-     "virtualenv in .venv with the test extras, chromium, pgbouncer, MCP peers, conformance suites)" >&2
+     "virtualenv in .venv with the test extras, chromium, pgbouncer, prometheus, MCP peers, conformance suites)" >&2

@@ -183,3 +183,64 @@ def test_admin_metrics_view_is_behind_authorize(app, session, metrics_dir):
     assert shown.status_code == 200
     assert shown.content_type.startswith("text/plain; version=0.0.4")
     assert b"solidloop_queue_jobs" in shown.data
+
+
+def test_one_endpoint_per_host_taken_over_when_its_holder_stops(app, tmp_path, monkeypatch):
+    """Two worker processes' slots contend for one port: one serves, and when it
+    stops the other takes the port over."""
+    import time
+    import urllib.request
+
+    from ..support.prometheus import free_port
+
+    port = free_port()
+    state = app.extensions["solidloop"]
+    monkeypatch.setattr(state, "config", state.config.__class__(
+        **{**vars(state.config), "metrics_port": port}))
+    monkeypatch.setattr(runtime_metrics, "RETRY_SECONDS", 0.2)
+    directory = str(tmp_path)
+    first, second = (runtime_metrics.ServerSlot(state, directory) for _ in range(2))
+
+    def serving(slot) -> bool:
+        return slot.server is not None
+
+    def wait(check) -> None:
+        deadline = time.monotonic() + 10
+        while not check():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+    first.start()
+    wait(lambda: serving(first))
+    second.start()
+    try:
+        time.sleep(0.6)  # a few of the second's tries: the port is taken
+        assert not serving(second)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+            assert b"solidloop_database_up 1.0" in answer.read()
+        first.stop()
+        wait(lambda: serving(second))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+            assert b"solidloop_queue_jobs" in answer.read()
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_a_previous_runs_dead_files_are_removed(tmp_path):
+    import os
+    import subprocess
+    import time
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    old = tmp_path / f"counter_{dead.pid}.db"
+    recent = tmp_path / f"histogram_{dead.pid}.db"
+    live = tmp_path / f"counter_{os.getpid()}.db"
+    for path in (old, recent, live):
+        path.write_bytes(b"x")
+    past = time.time() - 3600
+    os.utime(old, (past, past))
+    os.utime(live, (past, past))
+    assert runtime_metrics.remove_dead_files(str(tmp_path), before=time.time() - 60) == 1
+    assert not old.exists() and recent.exists() and live.exists()
