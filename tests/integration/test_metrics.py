@@ -244,3 +244,28 @@ def test_a_previous_runs_dead_files_are_removed(tmp_path):
     os.utime(live, (past, past))
     assert runtime_metrics.remove_dead_files(str(tmp_path), before=time.time() - 60) == 1
     assert not old.exists() and recent.exists() and live.exists()
+
+
+def test_a_lease_taken_over_is_counted_and_a_turn_that_ended_is_not(state, session, pg,
+                                                                      metrics_dir):
+    from flask_solidloop.leases import LeaseRenewer
+    from flask_solidloop.queue.broker import libpq_url
+
+    from .loop_states import running_loop
+
+    ended_id, ended_token = running_loop(session)
+    taken_id, taken_token = running_loop(session)
+    renewer = LeaseRenewer(libpq_url(state.broker.url))
+    try:
+        renewer.register(ended_id, ended_token, lease_seconds=30, ceiling_seconds=3600)
+        renewer.register(taken_id, taken_token, lease_seconds=30, ceiling_seconds=3600)
+        pg.execute("UPDATE solidloop_loops SET status = 'completed', execution_token = NULL, "
+                   "lease_expires_at = NULL WHERE id = %s", (ended_id,))
+        pg.execute("UPDATE solidloop_loops SET status = 'queued', execution_token = NULL, "
+                   "lease_expires_at = NULL WHERE id = %s", (taken_id,))
+        renewer.renew_once()
+    finally:
+        renewer.stop()
+    found = samples(metrics_dir)
+    assert value(found, "solidloop_lease_losses_total", kind="loop", reason="taken_over") == 1
+    assert sum(found["solidloop_lease_losses_total"].values()) == 1
