@@ -8,6 +8,7 @@ Run it from the project root with the project's virtualenv (DBOS is in the
     python bench/turns.py --against HEAD~3 --no-dbos   # A/B: this tree against HEAD~3
     python bench/turns.py --cluster-port 5446          # on a throwaway cluster of its own
     python bench/turns.py --wire-log summary           # ours with SOLIDLOOP_WIRE_LOG = "summary"
+    python bench/turns.py --metrics --no-dbos --cluster-port 5446   # metrics on against off
 
 The workload: ``--loops`` loops of ``--turns`` LLM turns against the LLM
 emulator (instant answers, in this process), with one no-op tool call in
@@ -16,6 +17,10 @@ each gap between two LLM turns, 8 turns running at once:
 * **ours**: `dramatiq flask_solidloop.worker --processes 2 --threads 4` on
   bench/turns_app.py (an in-process toolset), loops started in one commit;
 * **ours@<short hash>** (with ``--against REV``): the same, on REV's code;
+* **ours+metrics** (with ``--metrics``): ours with SOLIDLOOP_METRICS on (port
+  19191, or SOLIDLOOP_BENCH_METRICS_PORT), its endpoint scraped once a second
+  through each measured run as Prometheus would; the table adds "metrics ÷
+  ours" and a PASS/MISS for turns/s at least 0.97x ours';
 * **DBOS**: bench/turns_dbos.py in a process of its own, the loop as a
   workflow whose LLM calls and tool calls are steps, from a queue with
   concurrency 8 (queue poll 0.1 s); ``--no-dbos`` leaves it out.
