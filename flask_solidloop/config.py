@@ -351,7 +351,12 @@ SETTINGS: tuple[Setting, ...] = (
             "Jobs one worker thread runs inline after a delivered job before it hands the "
             "loop's next job back to the queue (so a long loop yields its thread now and then)."),
     Setting("SOLIDLOOP_POLL_INTERVAL", 1.0, _positive_float,
-            "Seconds a consumer waits for a NOTIFY before polling the job table anyway."),
+            "Seconds between a consumer's looks at the job table while its process's "
+            "LISTEN connection is down (or not LISTENing on its queue yet)."),
+    Setting("SOLIDLOOP_IDLE_POLL_INTERVAL", 30.0, _positive_float,
+            "Seconds between a consumer's looks at the job table while its process's LISTEN "
+            "connection hears its queue: every enqueue notifies (delayed jobs too), so this "
+            "is only a safety net; never below SOLIDLOOP_POLL_INTERVAL."),
     Setting("SOLIDLOOP_DATABASE_URL", None, lambda _k, v: v,
             "The URL of the connections the extension opens itself, which keep a session "
             "(consumers, LISTEN, lease renewer, advisory locks, worker registry): the same "
@@ -518,6 +523,7 @@ class Config:
     inline_continuation: bool
     inline_max_hops: int
     poll_interval: float
+    idle_poll_interval: float
     database_url: str | None
     pooler_check: bool
     event_retention: int | None
