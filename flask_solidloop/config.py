@@ -255,7 +255,7 @@ SETTINGS: tuple[Setting, ...] = (
             "it after one TTL."),
     Setting("SOLIDLOOP_REAPER_INTERVAL", 2.0, _non_negative_float,
             "Seconds between reaper passes run inside worker processes (one pass at a time "
-            "across all workers, by an advisory lock); 0 turns the in-worker reaper off."),
+            "across the fleet: one leading process runs them); 0 turns the in-worker reaper off."),
     Setting("SOLIDLOOP_LEASE_MARGIN", 10, _positive_int,
             "Seconds a tool call or tool phase that no worker holds may wait for its job before "
             "the reaper enqueues it again."),
@@ -359,7 +359,7 @@ SETTINGS: tuple[Setting, ...] = (
             "is only a safety net; never below SOLIDLOOP_POLL_INTERVAL."),
     Setting("SOLIDLOOP_DATABASE_URL", None, lambda _k, v: v,
             "The URL of the connections the extension opens itself, which keep a session "
-            "(consumers, LISTEN, lease renewer, advisory locks, worker registry): the same "
+            "(the broker's pool and consumers, LISTEN, lease renewer, worker registry): the same "
             "database as SQLALCHEMY_DATABASE_URI, reached directly or through a session-mode "
             "pooler. Defaults to SQLALCHEMY_DATABASE_URI."),
     Setting("SOLIDLOOP_POOLER_CHECK", True, _bool,
