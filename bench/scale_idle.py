@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import turns  # noqa: E402
+import turns
 
 REAPER_INTERVAL = 2.0  # SOLIDLOOP_REAPER_INTERVAL's default, which turns_app keeps
 
