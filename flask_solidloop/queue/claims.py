@@ -37,12 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import dramatiq
-from dramatiq.middleware import SkipMessage
 
-
-class ClaimLapsedError(SkipMessage):
-    """A claimed job reached a worker thread after its claim lapsed: it is
-    handed back to its queue (or already runs elsewhere), never run here."""
+from ..errors import ClaimLapsedError
 
 
 def start_bound(job_lease: float) -> float:

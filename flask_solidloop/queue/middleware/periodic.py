@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import dramatiq
 import psycopg
 
+from ...errors import SetupError
 from ...leases import worker_identity
 from .. import sql
 
@@ -65,7 +66,8 @@ class PeriodicTaskMiddleware(dramatiq.Middleware):
                  conninfo: str | None = None, broker: PostgresBroker | None = None,
                  ttl: float | None = None) -> None:
         if conninfo is None and broker is None:
-            raise ValueError("pass conninfo= or broker=")
+            raise SetupError(f"periodic task {name!r}: pass conninfo= (its own connection) "
+                             "or broker= (the broker's pool)")
         self.name = name
         self.interval = float(interval)
         #: Seconds a leadership lasts without renewal.

@@ -83,7 +83,7 @@ class WorkerRegistryMiddleware(dramatiq.Middleware):
                      "pid": os.getpid(), "queues": Jsonb(queues), "threads": threads}
         try:
             self._execute(sql.WORKER_REGISTER, self._row)
-        except psycopg.Error:
+        except (psycopg.Error, BrokerUnavailableError):
             logger.exception("worker registry: could not register %s; retrying with "
                              "the next heartbeat", self.identity)
         self._stop.clear()
@@ -97,7 +97,7 @@ class WorkerRegistryMiddleware(dramatiq.Middleware):
         if thread is not None:
             thread.join(timeout)
         if self.identity is not None:
-            with contextlib.suppress(psycopg.Error):
+            with contextlib.suppress(psycopg.Error, BrokerUnavailableError):
                 self._execute(sql.WORKER_STOPPED, {"identity": self.identity})
         conn, self._conn = self._conn, None
         if conn is not None:
@@ -108,7 +108,7 @@ class WorkerRegistryMiddleware(dramatiq.Middleware):
         while not self._stop.wait(self.interval):
             try:
                 self.beat()
-            except psycopg.Error as exc:
+            except (psycopg.Error, BrokerUnavailableError) as exc:
                 logger.warning("worker registry: heartbeat of %s failed (%s); retrying in "
                                "%.0fs", self.identity, " ".join(str(exc).split()),
                                self.interval)
@@ -129,10 +129,7 @@ class WorkerRegistryMiddleware(dramatiq.Middleware):
     def _execute(self, statement: str, params: dict[str, Any]) -> int:
         """Run ``statement``; how many rows it returned or changed."""
         if self._run_statement is not None:
-            try:
-                return len(self._run_statement(statement, params))
-            except BrokerUnavailableError as exc:
-                raise psycopg.OperationalError(str(exc)) from exc
+            return len(self._run_statement(statement, params))
         if self._conn is None or self._conn.closed:
             self._conn = psycopg.connect(self.conninfo, autocommit=True, connect_timeout=10,
                                          application_name="solidloop-worker-registry")
