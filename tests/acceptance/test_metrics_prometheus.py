@@ -48,6 +48,7 @@ def promql_value(server, query: str) -> float | None:
     return float(result[0]["value"][1]) if result else None
 
 
+@pytest.mark.timeout(480)  # each wait below is bounded; a loaded machine boots workers slowly
 def test_prometheus_scrapes_workers_and_counts_the_turns_our_tables_show(
         app, session, llm, tmp_path, monkeypatch):
     require()
@@ -71,13 +72,13 @@ def test_prometheus_scrapes_workers_and_counts_the_turns_our_tables_show(
 
         # The server is a process the dramatiq master forks once its workers
         # are up; it loads the app first.
-        wait_until(endpoint_up, timeout=120, what="no metrics endpoint",
+        wait_until(endpoint_up, timeout=180, what="no metrics endpoint",
                    log=lambda: log.read_text()[-4000:])
         with prometheus([f"127.0.0.1:{port}"]) as server:
             wait_until(server.targets_up, timeout=60, what="the target is not up",
                        log=server.log)
             loop_ids = [Assistant.start(message=f"add please #{i}").id for i in range(LOOPS)]
-            wait_for(session, loop_ids, timeout=90, proc=workers, log=log)
+            wait_for(session, loop_ids, timeout=180, proc=workers, log=log)
             assert_completed_once(session, loop_ids)
 
             # What our tables show: every answered LLM turn is a completed
