@@ -55,6 +55,14 @@ START_MANY = (
     "ORDER BY loop_id, rank) "
     "SELECT count(*) AS started FROM loops")
 
+#: A run's trace context (telemetry/tracing.new_run), written only while tracing
+#: is on: one loop's (a resume), or many loops' (a bulk start).
+LOOP_TRACE = "SELECT trace FROM solidloop_loops WHERE id = %(loop_id)s"
+SET_TRACE = "UPDATE solidloop_loops SET trace = %(trace)s WHERE id = %(loop_id)s"
+SET_TRACES = (
+    "UPDATE solidloop_loops l SET trace = t.trace::jsonb "
+    "FROM unnest(%(ids)s::bigint[], %(traces)s::text[]) AS t(id, trace) WHERE l.id = t.id")
+
 #: The frozen flag of a loop that stays where it is (paused, init); or lifted.
 SET_FROZEN = ("UPDATE solidloop_loops SET frozen = %(frozen)s, updated_at = now() "
               "WHERE id = %(loop_id)s AND frozen <> %(frozen)s RETURNING id")
