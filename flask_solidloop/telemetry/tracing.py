@@ -46,9 +46,9 @@ from .._version import __version__
 
 __all__ = [
     "CHAT", "EXECUTE_TOOL", "INVOKE_AGENT", "SpanKind", "capture_content", "carried",
-    "carrying", "child", "configure", "content", "enabled", "end_run", "end_span", "job_span",
-    "lapsed_attempt", "new_run", "note_error", "parse_traceparent", "span", "start_span",
-    "trace_id_of", "use",
+    "carrying", "child", "configure", "content", "current_traceparent", "enabled", "end_job",
+    "end_run", "end_span", "lapsed_attempt", "new_run", "note_error", "parse_traceparent",
+    "span", "start_job", "start_span", "trace_id_of", "use",
 ]
 
 INVOKE_AGENT = "invoke_agent"
@@ -273,24 +273,38 @@ def span(name: str, **attributes: Any) -> Iterator[Span | None]:
             raise
 
 
-@contextlib.contextmanager
-def job_span(name: str, traceparent: str | None, *,
-             attributes: Mapping[str, Any] | None = None) -> Iterator[Span | None]:
-    """A consumer span for one job run under the context it carried (a host
-    job's), current inside; jobs it enqueues carry it on."""
+def current_traceparent() -> str | None:
+    """The ``traceparent`` of the current span (a traced request's, a job's);
+    None when there is none or tracing is off."""
+    if _tracer() is None:
+        return None
+    current = trace.get_current_span().get_span_context()
+    return _format(current) if current.is_valid else None
+
+
+def start_job(name: str, traceparent: str | None, *,
+              attributes: Mapping[str, Any] | None = None) -> Any:
+    """A ``CONSUMER`` span for one host job, under the context it carried,
+    current until :func:`end_job` (jobs it enqueues carry it on); None when off."""
     tracer = _tracer()
     if tracer is None:
-        yield None
-        return
+        return None
     current = tracer.start_span(name, context=_parent(traceparent), kind=SpanKind.CONSUMER,
                                 attributes=_clean(attributes))
+    token = otel_context.attach(trace.set_span_in_context(current))
+    return current, token
+
+
+def end_job(job: Any, error: BaseException | None) -> None:
+    """End a job's span (:func:`start_job`), an error when ``error``."""
+    if job is None:
+        return
+    current, token = job
     try:
-        with use(current), carrying(_format(current.get_span_context())):
-            yield current
-    except BaseException as exc:
-        _mark_error(current, exc)
-        raise
+        otel_context.detach(token)
     finally:
+        if error is not None:
+            _mark_error(current, error)
         current.end()
 
 

@@ -1,0 +1,121 @@
+"""The spans only our rows can tell: a run's ``invoke_agent`` span when the run
+ends, and a lapsed attempt's span with its takeover's (docs/decisions/0033-tracing.md).
+
+A run ends in whichever process makes its last transition (a worker's turn,
+the admin's stop, the reaper): the loop's signals fire there after the commit,
+and :func:`connect` listens to them, reading the run's context off the loop
+row (one read per ended run, only while tracing is on). A worker killed
+mid-turn ends none of its spans; the reaper that takes the turn over emits
+the attempt's span from the times on record (the claim's last write, the
+lease's lapse), marked as an error, then its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import select
+
+from .. import signals
+from ..leases import worker_identity
+from ..models import Loop
+from ..telemetry import tracing
+
+if TYPE_CHECKING:
+    from flask import Flask
+
+    from ..state import SolidLoopState
+
+logger = logging.getLogger("flask_solidloop.traces")
+
+
+def connect(app: Flask, state: SolidLoopState) -> None:
+    """Emit each ended run's ``invoke_agent`` span in the process that ended it."""
+
+    def ended(outcome: str) -> Any:
+        def receiver(sender: Any, *, loop_id: int, error: str | None = None,
+                     reason: str | None = None, **_: Any) -> None:
+            if tracing.enabled():
+                end_run(state, loop_id, outcome, error=error if outcome == "failed" else None,
+                        reason=reason)
+        return receiver
+
+    for signal, outcome in ((signals.loop_completed, "completed"),
+                            (signals.loop_failed, "failed"),
+                            (signals.loop_paused, "paused")):
+        signal.connect_via(app, weak=False)(ended(outcome))
+
+
+def end_run(state: SolidLoopState, loop_id: int, outcome: str, *, error: str | None = None,
+            reason: str | None = None) -> bool:
+    """The run's ``invoke_agent`` span, read off its loop (a connection of its
+    own: the caller's session may be anywhere in its work)."""
+    columns = (Loop.trace, Loop.agent_name, Loop.input_tokens, Loop.output_tokens, Loop.cost,
+               Loop.step_count)
+    try:
+        with state.db.engine.connect() as connection:
+            row = connection.execute(select(*columns).where(Loop.id == loop_id)).first()
+    except Exception:
+        logger.warning("loop %s: its run's span could not be read", loop_id, exc_info=True)
+        return False
+    if row is None or not row.trace:
+        return False
+    return tracing.end_run(row.trace, agent=row.agent_name, error=error, attributes={
+        "gen_ai.conversation.id": str(loop_id),
+        "gen_ai.usage.input_tokens": int(row.input_tokens),
+        "gen_ai.usage.output_tokens": int(row.output_tokens),
+        "solidloop.cost": float(row.cost),
+        "solidloop.steps": int(row.step_count),
+        "solidloop.outcome": outcome,
+        "solidloop.pause_reason": reason,
+    })
+
+
+def _ns(at: datetime | None) -> int | None:
+    return int(at.timestamp() * 1e9) if at is not None else None
+
+
+def took_over_turns(rows: Sequence[Sequence[Any]]) -> None:
+    """For each LLM turn the reaper took over (loops/sql.HEAL_EXPIRED_LLM's
+    rows): the lapsed attempt's ``chat`` span, an error, and the takeover's."""
+    if not rows or not tracing.enabled():
+        return
+    for loop_id, run, agent, holder, claimed, lapsed in rows:
+        _took_over(run, loop_id, tracing.CHAT, holder=holder, start=claimed, lapsed=lapsed,
+                   attributes={"gen_ai.operation.name": tracing.CHAT,
+                               "gen_ai.agent.name": agent})
+
+
+def took_over_calls(rows: Sequence[Sequence[Any]]) -> None:
+    """For each tool call the reaper took over (loops/sql.HEAL_STALLED_TOOLS's
+    rows) from a holder: the lapsed attempt's ``execute_tool`` span and the
+    takeover's."""
+    if not rows or not tracing.enabled():
+        return
+    for call_id, loop_id, _, _, name, provider_id, holder, claimed, lapsed, run, agent in rows:
+        if holder is None:
+            continue  # a lease minted for a job that never ran: no attempt
+        _took_over(run, loop_id, f"{tracing.EXECUTE_TOOL} {name}", holder=holder,
+                   start=claimed, lapsed=lapsed, attributes={
+                       "gen_ai.operation.name": tracing.EXECUTE_TOOL,
+                       "gen_ai.tool.name": name, "gen_ai.tool.call.id": provider_id or str(call_id),
+                       "gen_ai.agent.name": agent, "solidloop.tool_call.id": call_id})
+
+
+def _took_over(run: Any, loop_id: int, name: str, *, holder: str | None,
+               start: datetime | None, lapsed: datetime | None,
+               attributes: dict[str, Any]) -> None:
+    traceparent = run.get("traceparent") if isinstance(run, dict) else None
+    if traceparent is None:
+        return
+    common = {"gen_ai.conversation.id": str(loop_id)}
+    tracing.lapsed_attempt(traceparent, name, start_ns=_ns(start), end_ns=_ns(lapsed),
+                           attributes={**attributes, **common,
+                                       "solidloop.lease_holder": holder})
+    span = tracing.start_span("solidloop.takeover", traceparent, attributes={
+        **common, "solidloop.lease_holder": worker_identity(),
+        "solidloop.lapsed_holder": holder, "solidloop.taken_over": name})
+    tracing.end_span(span)
