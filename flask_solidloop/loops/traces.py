@@ -39,8 +39,10 @@ def connect(app: Flask, state: SolidLoopState) -> None:
         def receiver(sender: Any, *, loop_id: int, error: str | None = None,
                      reason: str | None = None, **_: Any) -> None:
             if tracing.enabled():
-                end_run(state, loop_id, outcome, error=error if outcome == "failed" else None,
-                        reason=reason)
+                # After the turn that ended the run, if one did: its span ends first.
+                tracing.after_turn(lambda: end_run(
+                    state, loop_id, outcome, error=error if outcome == "failed" else None,
+                    reason=reason))
         return receiver
 
     for signal, outcome in ((signals.loop_completed, "completed"),

@@ -36,7 +36,7 @@ def turn(span: Any, loop: Loop) -> Iterator[None]:
     if span is None:
         yield
         return
-    with tracing.use(span), tracing.carrying(run_traceparent(loop)):
+    with tracing.use(span, turn=True), tracing.carrying(run_traceparent(loop)):
         yield
 
 

@@ -24,7 +24,7 @@ import contextvars
 import json
 import random
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -45,10 +45,10 @@ from opentelemetry.trace import (
 from .._version import __version__
 
 __all__ = [
-    "CHAT", "EXECUTE_TOOL", "INVOKE_AGENT", "SpanKind", "capture_content", "carried",
-    "carrying", "child", "configure", "content", "current_traceparent", "enabled", "end_job",
-    "end_run", "end_span", "lapsed_attempt", "new_run", "note_error", "parse_traceparent",
-    "span", "start_job", "start_span", "trace_id_of", "use",
+    "CHAT", "EXECUTE_TOOL", "INVOKE_AGENT", "SpanKind", "after_turn", "capture_content",
+    "carried", "carrying", "child", "configure", "content", "current_traceparent", "enabled",
+    "end_job", "end_run", "end_span", "lapsed_attempt", "new_run", "note_error",
+    "parse_traceparent", "span", "start_job", "start_span", "trace_id_of", "use",
 ]
 
 INVOKE_AGENT = "invoke_agent"
@@ -66,6 +66,11 @@ _carried: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 #: minted at its start).
 _preset: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
     "solidloop_preset_ids", default=None)
+#: The turn span current in this context (:func:`use` with ``turn``), and what
+#: waits for each turn span's end (:func:`after_turn`), by the span's id.
+_turn: contextvars.ContextVar[Span | None] = contextvars.ContextVar(
+    "solidloop_turn_span", default=None)
+_after: dict[int, list[Callable[[], None]]] = {}
 
 
 def configure(*, capture: bool) -> None:
@@ -91,6 +96,11 @@ class _PresetIds:
     def generate_trace_id(self) -> int:
         preset = _preset.get()
         return preset[0] if preset is not None else int(self.inner.generate_trace_id())
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else the SDK asks (is_trace_id_random, ...): the generator's
+        # own answer (our preset ids are drawn at random too, new_run).
+        return getattr(self.inner, name)
 
 
 def _tracer() -> Any:
@@ -234,6 +244,18 @@ def end_span(span: Span | None, *, attributes: Mapping[str, Any] | None = None,
     if error is not None:
         _mark_error(span, error)
     span.end()
+    for run in _after.pop(id(span), ()):
+        run()
+
+
+def after_turn(run: Callable[[], None]) -> None:
+    """Run ``run`` once the current turn's span has ended (a run's root, which
+    must end after the turn that ended the run), or now outside a turn."""
+    current = _turn.get()
+    if current is None:
+        run()
+    else:
+        _after.setdefault(id(current), []).append(run)
 
 
 def _mark_error(span: Span, error: BaseException | str) -> None:
@@ -243,15 +265,19 @@ def _mark_error(span: Span, error: BaseException | str) -> None:
 
 
 @contextlib.contextmanager
-def use(span: Span | None) -> Iterator[None]:
-    """``span`` is the current span inside (children attach to it)."""
+def use(span: Span | None, *, turn: bool = False) -> Iterator[None]:
+    """``span`` is the current span inside (children attach to it); ``turn``:
+    it is a turn's (:func:`after_turn` waits for its end)."""
     if span is None:
         yield
         return
     token = otel_context.attach(trace.set_span_in_context(span))
+    turn_token = _turn.set(span) if turn else None
     try:
         yield
     finally:
+        if turn_token is not None:
+            _turn.reset(turn_token)
         otel_context.detach(token)
 
 

@@ -640,6 +640,10 @@ def create_app(**config) -> Flask:
         logging.getLogger("flask_solidloop.jobs").setLevel(app.config["TEST_JOBS_LOG_LEVEL"])
     db.init_app(app)
     solidloop.init_app(app, db=db)
+    # A worker subprocess of a tracing test: the OTel SDK, exporting to its receiver.
+    from .otel import install_from_environment
+
+    install_from_environment()
     drop = os.environ.get(DROP_PATTERN_ENV)
     if drop:
         # A worker subprocess of a fault test: drop the connection under the
