@@ -70,7 +70,7 @@ _preset: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar
 #: waits for each turn span's end (:func:`after_turn`), by the span's id.
 _turn: contextvars.ContextVar[Span | None] = contextvars.ContextVar(
     "solidloop_turn_span", default=None)
-_after: dict[int, list[Callable[[], None]]] = {}
+_after: dict[int, list[Callable[[], object]]] = {}
 
 
 def configure(*, capture: bool) -> None:
@@ -248,7 +248,7 @@ def end_span(span: Span | None, *, attributes: Mapping[str, Any] | None = None,
         run()
 
 
-def after_turn(run: Callable[[], None]) -> None:
+def after_turn(run: Callable[[], object]) -> None:
     """Run ``run`` once the current turn's span has ended (a run's root, which
     must end after the turn that ended the run), or now outside a turn."""
     current = _turn.get()
