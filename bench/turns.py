@@ -8,6 +8,7 @@ Run it from the project root with the project's virtualenv (DBOS is in the
     python bench/turns.py --against HEAD~3 --no-dbos   # A/B: this tree against HEAD~3
     python bench/turns.py --cluster-port 5446          # on a throwaway cluster of its own
     python bench/turns.py --wire-log summary           # ours with SOLIDLOOP_WIRE_LOG = "summary"
+    python bench/turns.py --tracing --no-dbos          # tracing on against tracing off
 
 The workload: ``--loops`` loops of ``--turns`` LLM turns against the LLM
 emulator (instant answers, in this process), with one no-op tool call in
@@ -40,6 +41,13 @@ min-max, and every figure of ours as a ratio to DBOS (and to REV):
   (a loop of ``--alone-turns`` LLM turns per rep, so the percentiles rest on
   some dozens of gaps);
 * loop completion time p50/p99: from the start of all loops to each end.
+
+Tracing (``--tracing``): ours runs with the OpenTelemetry SDK installed in
+its workers and in the harness that starts the loops (a BatchSpanProcessor
+over an exporter that drops what it is given: the cost of making the spans,
+not of shipping them), against **untraced**, the same tree without an SDK,
+interleaved like ``--against``'s builds; the check: turns/s >= 0.95x
+untraced's.
 
 Targets (issue 10): turns/s >= 1.5x DBOS; worker CPU/turn <= 0.7x and
 Postgres CPU/turn <= 1x; durable commits/turn <= 4 and WAL/turn <= DBOS;
@@ -109,6 +117,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
 
 OURS_DB = "solidloop_bench_turns"
+#: --tracing: the build without an SDK that ours (traced) is compared with.
+UNTRACED = "untraced"
+#: --tracing: the most tracing may cost in turns/s.
+TRACING_TOLERANCE = 0.05
 AGAINST_DB = "solidloop_bench_turns_against"
 DBOS_DB = "solidloop_bench_turns_dbos"
 #: The server every system runs on (--cluster-port moves it to a throwaway cluster).
@@ -156,6 +168,8 @@ class Build:
     probe: Path | None = None
     #: SOLIDLOOP_WIRE_LOG for this build's workers (--wire-log; None: the default).
     wire_log: str | None = None
+    #: --tracing: the OpenTelemetry SDK in this build's workers and loop starter.
+    tracing: bool = False
 
     @property
     def url(self) -> str:
@@ -172,8 +186,11 @@ class Build:
         paths = [self.tree / "bench", self.tree, *([self.probe] if self.probe else [])]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, paths)))
         env.pop("SOLIDLOOP_BENCH_WIRE_LOG", None)
+        env.pop("SOLIDLOOP_BENCH_TRACING", None)
         if self.wire_log:
             env["SOLIDLOOP_BENCH_WIRE_LOG"] = self.wire_log
+        if self.tracing:
+            env["SOLIDLOOP_BENCH_TRACING"] = "1"
         if self.imports_log is not None:
             env["SOLIDLOOP_BENCH_IMPORTS"] = str(self.imports_log)
         return env
@@ -562,6 +579,9 @@ def run_ours(build: Build, script: Script, loops: int, prefix: str) -> Run:
     workers = start_workers(build)
     starter = Starter(build, turns_app)
     run = Run(build.name)
+    # A traced build's loops start traced, as a traced host's would (their run's
+    # context stored, their first jobs carrying it).
+    turns_app.set_tracing(build.tracing)
     try:
         with app.app_context():
             session = turns_app.db.session
@@ -619,6 +639,7 @@ def run_ours(build: Build, script: Script, loops: int, prefix: str) -> Run:
             run.completion = [(r.finished_at - epoch).total_seconds() for r in rows]
             session.remove()
     finally:
+        turns_app.set_tracing(False)
         starter.close()
         try:
             os.killpg(workers.pid, 15)
@@ -886,7 +907,8 @@ def print_table(args: argparse.Namespace, measured: Measured,
     """The table: each system's medians (DBOS, REV, ours), then ours' ratios to
     REV and to DBOS; returns the medians, the one-loop-alone gaps included."""
     shown = [s for s in ("dbos", against, "ours") if s in measured.figures]
-    headers = {"dbos": "DBOS 3.4", "ours": "ours", **({against: against} if against else {})}
+    headers = {"dbos": "DBOS 3.4", "ours": "ours (tracing)" if args.tracing else "ours",
+               **({against: against} if against else {})}
     ratios = [(f"ours ÷ {against}", against)] if against else []
     if "dbos" in shown:
         ratios.append(("ours ÷ DBOS" if against else "ratio", "dbos"))
@@ -962,7 +984,12 @@ def ab_checks(o: dict, old: dict, name: str) -> list[tuple[str, bool | None, str
 
 def print_checks(medians: dict[str, dict[str, float | None]], against: str | None) -> None:
     rows = [(label, ok, "") for label, ok in targets(medians["ours"], medians.get("dbos"))]
-    if against:
+    if against == UNTRACED:
+        ours, base = medians["ours"]["LLM turns/s"], medians[against]["LLM turns/s"]
+        ok = None if ours is None or not base else ours >= (1 - TRACING_TOLERANCE) * base
+        rows.append((f"tracing: turns/s >= {1 - TRACING_TOLERANCE:.2f}x {UNTRACED}", ok,
+                     f" ({ratio(ours, base)})"))
+    elif against:
         rows += [(label, ok, f" ({r})") for label, ok, r in
                  ab_checks(medians["ours"], medians[against], against)]
     width = max(40, *(len(label) for label, _, _ in rows))
@@ -1010,13 +1037,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--statements", action="store_true",
                         help="with --cluster-port: print each system's statements per turn by "
                              "WAL (pg_stat_statements, last rep)")
+    parser.add_argument("--tracing", action="store_true",
+                        help="ours with the OpenTelemetry SDK (spans made, then dropped), "
+                             "against the same tree untraced")
     parser.add_argument("--no-dbos", action="store_true",
-                        help="leave DBOS out (a quicker A/B; needs --against)")
+                        help="leave DBOS out (a quicker A/B; needs --against or --tracing)")
     args = parser.parse_args()
     if args.statements and args.cluster_port is None:
         parser.error("--statements needs --cluster-port (it loads pg_stat_statements)")
-    if args.no_dbos and not args.against:
-        parser.error("--no-dbos needs --against: without DBOS ours has nothing to compare with")
+    if args.no_dbos and not (args.against or args.tracing):
+        parser.error("--no-dbos needs --against or --tracing: without DBOS ours has nothing "
+                     "to compare with")
+    if args.tracing and args.against:
+        parser.error("--tracing compares ours with itself untraced: leave --against out")
     return args
 
 
@@ -1037,8 +1070,12 @@ def main() -> None:
             cluster.start()
             PG_PORT, _OWN_CLUSTER, _STATEMENTS = args.cluster_port, True, args.statements
             print(f"on a throwaway cluster at 127.0.0.1:{PG_PORT} ({cluster.data})", flush=True)
-        builds = {"ours": Build("ours", OURS_DB, wire_log=args.wire_log)}
+        builds = {"ours": Build("ours", OURS_DB, wire_log=args.wire_log,
+                                tracing=args.tracing)}
         against = None
+        if args.tracing:
+            against = Build(UNTRACED, OURS_DB + "_untraced", wire_log=args.wire_log)
+            builds[UNTRACED] = against
         if commit is not None:
             against = against_build(commit, stack.enter_context(checkout(commit)))
             builds[against.name] = against
