@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
+import os
 import random
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -103,9 +104,19 @@ class _PresetIds:
         return getattr(self.inner, name)
 
 
+#: The API's global provider, and whether the environment names one
+#: (OTEL_PYTHON_TRACER_PROVIDER, which the API loads on first use).
+_UNSET = object()
+_PROVIDER_FROM_ENV = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
+
+
 def _tracer() -> Any:
-    """Our tracer when an SDK is the global provider; None otherwise (the
-    cheap path: one global read and one isinstance)."""
+    """Our tracer when an SDK is the global provider; None otherwise. The
+    path with nothing installed reads one module attribute (the API's own
+    getter looks the environment up on every call); should that attribute
+    go, the public getter answers instead."""
+    if getattr(trace, "_TRACER_PROVIDER", _UNSET) is None and not _PROVIDER_FROM_ENV:
+        return None
     provider = trace.get_tracer_provider()
     if provider is _state["provider"]:
         return _state["tracer"]
