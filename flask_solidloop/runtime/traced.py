@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..leases import worker_identity
 from ..llm import pricing
@@ -23,43 +23,60 @@ from ..urls import redact_urls_in
 PROVIDERS = {"openai": "openai", "anthropic": "anthropic", "gemini": "gcp.gemini"}
 
 
-def run_traceparent(loop: Loop | None) -> str | None:
-    """The loop run's ``traceparent`` (its invoke_agent span), if it has one."""
-    run = loop.trace if loop is not None else None
-    return run.get("traceparent") if isinstance(run, dict) else None
+class TurnRun(NamedTuple):
+    """What a turn's spans need of its loop (and tool call), read before its
+    claim: the claim's commit expires the objects, and reading them after
+    would cost a SELECT (and a transaction) per turn."""
+
+    traceparent: str | None
+    loop_id: int
+    agent_name: str
+    start_ns: int
+    call_id: int | None = None
+    call_name: str | None = None
+    provider_call_id: str | None = None
+
+
+def run_of(loop: Loop, call: ToolCall | None = None) -> TurnRun | None:
+    """The turn's :class:`TurnRun`, started now; None when tracing is off."""
+    if not tracing.enabled():
+        return None
+    run = loop.trace
+    return TurnRun(run.get("traceparent") if isinstance(run, dict) else None, loop.id,
+                   loop.agent_name, time.time_ns(),
+                   *((call.id, call.name, call.call_id) if call is not None else ()))
 
 
 @contextlib.contextmanager
-def turn(span: Any, loop: Loop) -> Iterator[None]:
+def turn(span: Any, run: TurnRun | None) -> Iterator[None]:
     """The turn's span is current inside, and the jobs it enqueues carry the
     run's context (nothing when tracing is off: ``span`` is None)."""
-    if span is None:
+    if span is None or run is None:
         yield
         return
-    with tracing.use(span, turn=True), tracing.carrying(run_traceparent(loop)):
+    with tracing.use(span, turn=True), tracing.carrying(run.traceparent):
         yield
 
 
-def chat_started(loop: Loop, agent: Any, token: Any, *, start_ns: int,
-                 inline: bool) -> Any:
-    """The ``chat {model}`` span of an LLM turn just claimed (started at
-    ``start_ns``, before its claim), with a child span for the claim."""
-    if not tracing.enabled():
+def chat_started(run: TurnRun | None, agent: Any, token: Any, *, inline: bool) -> Any:
+    """The ``chat {model}`` span of an LLM turn just claimed (started when
+    :func:`run_of` was read, before its claim), with a child span for the claim."""
+    if run is None:
         return None
     settings = agent.provider()
     span = tracing.start_span(
-        f"{tracing.CHAT} {settings.model}", run_traceparent(loop),
-        kind=tracing.SpanKind.CLIENT, start_ns=start_ns, attributes={
+        f"{tracing.CHAT} {settings.model}", run.traceparent,
+        kind=tracing.SpanKind.CLIENT, start_ns=run.start_ns, attributes={
             "gen_ai.operation.name": tracing.CHAT,
             "gen_ai.provider.name": PROVIDERS.get(settings.dialect, settings.dialect),
             "gen_ai.request.model": settings.model,
-            "gen_ai.conversation.id": str(loop.id),
-            "gen_ai.agent.name": loop.agent_name,
+            "gen_ai.conversation.id": str(run.loop_id),
+            "gen_ai.agent.name": run.agent_name,
             "solidloop.generation": str(token),
             "solidloop.lease_holder": worker_identity(),
             "solidloop.delivery": "inline" if inline else "delivered",
         })
-    tracing.child(span, "solidloop.claim", start_ns=start_ns)
+    tracing.child(span, "solidloop.claim", start_ns=run.start_ns)
     return span
 
 
@@ -105,26 +122,25 @@ def chat_ended(span: Any, ctx: Any, error: BaseException | None = None) -> None:
     tracing.end_span(span, attributes=attributes, error=error)
 
 
-def tool_started(loop: Loop, call: ToolCall, token: Any, *, start_ns: int,
-                 inline: bool) -> Any:
+def tool_started(run: TurnRun | None, token: Any, *, inline: bool) -> Any:
     """The ``execute_tool {tool}`` span of a tool call, with its claim's span."""
-    if not tracing.enabled():
+    if run is None:
         return None
     span = tracing.start_span(
-        f"{tracing.EXECUTE_TOOL} {call.name}", run_traceparent(loop), start_ns=start_ns,
+        f"{tracing.EXECUTE_TOOL} {run.call_name}", run.traceparent, start_ns=run.start_ns,
         attributes={
             "gen_ai.operation.name": tracing.EXECUTE_TOOL,
-            "gen_ai.tool.name": call.name,
-            "gen_ai.tool.call.id": call.call_id or str(call.id),
+            "gen_ai.tool.name": run.call_name,
+            "gen_ai.tool.call.id": run.provider_call_id or str(run.call_id),
             "gen_ai.tool.type": "function",
-            "gen_ai.conversation.id": str(loop.id),
-            "gen_ai.agent.name": loop.agent_name,
-            "solidloop.tool_call.id": call.id,
+            "gen_ai.conversation.id": str(run.loop_id),
+            "gen_ai.agent.name": run.agent_name,
+            "solidloop.tool_call.id": run.call_id,
             "solidloop.generation": str(token),
             "solidloop.lease_holder": worker_identity(),
             "solidloop.delivery": "inline" if inline else "delivered",
         })
-    tracing.child(span, "solidloop.claim", start_ns=start_ns)
+    tracing.child(span, "solidloop.claim", start_ns=run.start_ns)
     return span
 
 
@@ -174,6 +190,3 @@ def _urls(value: Any) -> Any:
     return value
 
 
-def now_ns() -> int:
-    """The wall clock a span's start is taken from, only when tracing is on."""
-    return time.time_ns() if tracing.enabled() else 0

@@ -146,14 +146,15 @@ def run_llm_turn(state: SolidLoopState, loop: Loop, *, adopt: bool = False,
             return None
 
     # The claim commits here, and only here, before the stack runs.
-    started = traced.now_ns()
+    # Read off the loop before the claim (after it, the object is expired).
+    turn_run = traced.run_of(loop)
     claim = adopted.claim if adopted is not None else store.claim_llm_turn(
         session, loop_id, lease_seconds=lease, open_shell=plan.open_shell,
         read_history=plan.read_history)
     if claim is None:
         return None
     token = claim.token
-    span = traced.chat_started(loop, agent, token, start_ns=started, inline=adopted is not None)
+    span = traced.chat_started(turn_run, agent, token, inline=adopted is not None)
     # From here the lease is renewed by this process's renewer until the turn ends.
     renewer = state.renewer()
     lease_handle = RenewerHandle(renewer, renewer.register(
@@ -195,7 +196,7 @@ def run_llm_turn(state: SolidLoopState, loop: Loop, *, adopt: bool = False,
     label = f"llm_turn: loop {loop_id}"
     handed: HandedOff | None = None
     try:
-        with traced.turn(span, loop):
+        with traced.turn(span, turn_run):
             _guarded(ctx, lambda: plan.llm_handler()(ctx), label, fail=fail,
                      database_failed=database_failed)
     except HandedOff as handoff:
@@ -214,7 +215,7 @@ def run_llm_turn(state: SolidLoopState, loop: Loop, *, adopt: bool = False,
             # On a commit thread: the rest of the turn, as the stack would have
             # run it here, fenced and failed the same way; then the lease goes.
             try:
-                with traced.turn(span, loop):
+                with traced.turn(span, turn_run):
                     _guarded(ctx, lambda: handle_errors(ctx, lambda: resume(error)), label,
                              fail=fail, database_failed=database_failed)
             finally:
@@ -314,7 +315,8 @@ def run_tool_call(state: SolidLoopState, call: ToolCall, loop: Loop, execution_t
     tool_lease = RenewerHandle(None, None)
     if adopted is not None:
         ctx.lease_token = adopted.lease_token
-    started = traced.now_ns()
+    # Read off the call and its loop now: the claim's commit expires them.
+    turn_run = traced.run_of(loop, call)
     span = None
 
     def run() -> None:
@@ -350,9 +352,8 @@ def run_tool_call(state: SolidLoopState, call: ToolCall, loop: Loop, execution_t
             ))
         ctx.lease_token = lease_token
         ctx.tool_call = queries.get_tool_call(session, tool_call_id)
-        span = traced.tool_started(loop, call, token, start_ns=started,
-                                   inline=adopted is not None)
-        with traced.turn(span, loop):
+        span = traced.tool_started(turn_run, token, inline=adopted is not None)
+        with traced.turn(span, turn_run):
             plan.tool_handler()(ctx)
 
     def fail(error: str) -> bool:
