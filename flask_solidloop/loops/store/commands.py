@@ -54,8 +54,9 @@ def create_loop(state: SolidLoopState, session: SessionLike, *, agent_name: str,
     ``enqueue``, its first llm_turn job. The caller commits, and may add its
     own writes to the same transaction. ``budget``: the loop's own limits."""
     rank = fair_ranks(state, session, [(subject_type, subject_id)])[0]
-    # The run's trace context (None when tracing is off): its first job carries it.
-    run = tracing.new_run()
+    # The run's trace context (None when tracing is off): its first job carries
+    # it. A loop created without its job has no run yet: its resume begins one.
+    run = tracing.new_run() if enqueue else None
     loop = Loop(agent_name=agent_name, subject_type=subject_type, subject_id=subject_id,
                 status=LoopStatus.QUEUED if enqueue else LoopStatus.INIT,
                 state=dict(loop_state), budget=budget or None, fair_rank=rank, trace=run)
@@ -106,7 +107,7 @@ def create_loops(state: SolidLoopState, session: SessionLike, *, agent_name: str
         "messages": [content for content, _ in contents],
         "metas": [json.dumps(meta) for _, meta in contents],
         "system_prompt": system_content, "system_meta": json.dumps(system_meta)})
-    runs = [tracing.new_run() for _ in ids] if tracing.enabled() else None
+    runs = [tracing.new_run() for _ in ids] if enqueue and tracing.enabled() else None
     if runs is not None:  # tracing on: each loop's run context, one statement more
         execute(session, sql.SET_TRACES, {"ids": ids, "traces": [json.dumps(r) for r in runs]})
     if enqueue:
