@@ -163,3 +163,19 @@ def test_with_no_sdk_nothing_is_stored_or_carried(app, session, llm, drain):
     assert drain() == 1
     assert session.get(Loop, loop.id).status == "completed"
     assert json.dumps(session.get(Loop, loop.id).trace) == "null"
+
+
+def test_loops_started_together_each_get_a_run_their_jobs_carry(app, session, llm, drain,
+                                                                  spans):
+    llm.script("many", {"content": "ok"})
+    ids = list(Assistant.start_many(["many 1", "many 2"]))
+    runs = {loop_id: session.get(Loop, loop_id).trace for loop_id in ids}
+    assert len({run["traceparent"] for run in runs.values()}) == 2
+    carried = {job.loop_id: job.message["options"]["traceparent"]
+               for job in session.scalars(select(Job))}
+    assert carried == {loop_id: run["traceparent"] for loop_id, run in runs.items()}
+    session.rollback()
+    assert drain() == 2
+    roots = named(spans, "invoke_agent assistant")
+    assert sorted(hexid(root.context.span_id, 16) for root in roots) == \
+        sorted(run["traceparent"].split("-")[2] for run in runs.values())
