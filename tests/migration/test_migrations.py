@@ -313,7 +313,7 @@ def test_0014_counts_lapsed_runs_on_tool_calls_and_downgrades(scratch_url):
 
 
 def test_0026_adds_the_loop_trace_and_downgrades(scratch_url):
-    upgrade(scratch_url, "0024")
+    upgrade(scratch_url, "0025")
     with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
         conn.execute("INSERT INTO solidloop_loops (agent_name, status) VALUES ('a', 'running')")
     upgrade(scratch_url, "0026")
@@ -321,7 +321,7 @@ def test_0026_adds_the_loop_trace_and_downgrades(scratch_url):
         # A loop started before the column has no trace context.
         assert conn.execute("SELECT trace FROM solidloop_loops").fetchone() == (None,)
         conn.execute("UPDATE solidloop_loops SET trace = '{\"traceparent\": \"x\"}'")
-    downgrade(scratch_url, "0024")
+    downgrade(scratch_url, "0025")
     with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
         columns = {r[0] for r in conn.execute(
             "SELECT column_name FROM information_schema.columns "

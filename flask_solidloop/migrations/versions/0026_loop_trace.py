@@ -9,7 +9,7 @@
   stay HOT.
 
 Revision ID: 0026
-Revises: 0024
+Revises: 0025
 Create Date: 2026-12-03 10:00:00
 
 """
@@ -21,7 +21,7 @@ from sqlalchemy.dialects import postgresql
 
 # revision identifiers, used by Alembic.
 revision: str = '0026'
-down_revision: str | Sequence[str] | None = '0024'
+down_revision: str | Sequence[str] | None = '0025'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
