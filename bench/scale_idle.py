@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,12 +79,14 @@ def measure(build: turns.Build, processes: int, window: float) -> Idle:
     env = dict(build.python_env(), FLASK_APP="turns_app:create_app()",
                SOLIDLOOP_BENCH_DATABASE_URL=build.url,
                SOLIDLOOP_BENCH_LLM_URL="http://127.0.0.1:9/unused")
-    workers = subprocess.Popen(
-        [sys.executable, "-m", "dramatiq", "flask_solidloop.worker", "--processes",
-         str(processes), "--threads", "4"], cwd=build.tree, env=env,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    log = Path(tempfile.gettempdir()) / f"scale_idle-{build.database}-{processes}.log"
+    with open(log, "wb") as out:
+        workers = subprocess.Popen(
+            [sys.executable, "-m", "dramatiq", "flask_solidloop.worker", "--processes",
+             str(processes), "--threads", "4"], cwd=build.tree, env=env,
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 60 + 5 * processes
+        deadline = time.monotonic() + 120 + 10 * processes
         while True:
             (registered,), = turns.sql("SELECT count(*) FROM solidloop_workers WHERE "
                                        "stopped_at IS NULL", build.database)
@@ -91,7 +94,7 @@ def measure(build: turns.Build, processes: int, window: float) -> Idle:
                 break
             if workers.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"scale_idle.py: {build.name}: {registered} of {processes} "
-                                 "worker processes registered")
+                                 f"worker processes registered (their log: {log})")
             time.sleep(0.5)
         time.sleep(5.0)
         start_tx, start_passes = counters(build.database), reap_passes(build.database)

@@ -433,6 +433,9 @@ def _maintenance_in_workers(state: SolidLoopState) -> list[PeriodicTaskMiddlewar
 
     config = state.config
     tasks: list[PeriodicTaskMiddleware] = []
+    # The reaper's leader recovers expired jobs each pass: the consumers of
+    # every process need not (one pass per interval for the fleet).
+    state.broker.recover_in_consumers = config.reaper_interval <= 0
     if config.reaper_interval > 0:
         tasks.append(ReaperTaskMiddleware("reaper", config.reaper_interval,
                                           in_app_context(reap), broker=state.broker))

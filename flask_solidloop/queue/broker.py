@@ -208,6 +208,9 @@ class PostgresBroker(dramatiq.Broker):
         self._listener_lock = threading.Lock()
         self._notify_handlers: dict[str, Callable[[str], None]] = {}
         self._last_recover = 0.0
+        #: Whether consumers run recovery passes themselves: True unless the
+        #: in-worker reaper, whose passes begin with one, runs (decision 0029).
+        self.recover_in_consumers = True
         #: URLs of sessions already checked by check_session (the check runs once per engine).
         self._session_urls: set[str] = set()
 
@@ -476,8 +479,10 @@ class PostgresBroker(dramatiq.Broker):
     # -- maintenance -----------------------------------------------------------
 
     def recover_expired(self, connection: Any = None) -> int:
-        """Return jobs whose holder stopped renewing to the queue. Idempotent."""
-        params = {"max_deliveries": self.max_deliveries}
+        """Return jobs whose holder stopped renewing to the queue, and apply
+        continuation-first's starvation bound (``promote_after``), in one
+        statement. Idempotent."""
+        params = {"max_deliveries": self.max_deliveries, "promote_after": self.promote_after}
         rows = self._run(jobs_sql.RECOVER, params) if connection is None else execute_on(
             connection, jobs_sql.RECOVER, params, fetch=True
         )
@@ -500,14 +505,16 @@ class PostgresBroker(dramatiq.Broker):
         execute_on(connection, jobs_sql.CANCEL_LOOP_JOBS, (reason, loop_id))
 
     def maybe_recover_expired(self) -> None:
+        """A consumer's own recovery pass, every quarter of the job lease, unless
+        the reaper runs it in the workers (``recover_in_consumers`` False)."""
+        if not self.recover_in_consumers:
+            return
         now = time.monotonic()
         if now - self._last_recover < max(self.job_lease / 4, 1.0):
             return
         self._last_recover = now
         try:
             self.recover_expired()
-            if self.promote_after is not None:
-                self._run(jobs_sql.PROMOTE, (self.promote_after,))
         except BrokerConnectionError:
             raise
         except Exception:

@@ -76,12 +76,6 @@ NEXT_ETA = (
     "SELECT EXTRACT(EPOCH FROM (min(eta) - now())) FROM solidloop_jobs "
     "WHERE queue_name = %s AND state = 'queued'"
 )
-#: Continuation-first's starvation bound: a tier-1 job (a new loop's first turn,
-#: a host job) that has waited this long joins tier 0, where age decides.
-PROMOTE = (
-    "UPDATE solidloop_jobs SET tier = 0 WHERE state = 'queued' AND tier = 1 "
-    "AND eta < now() - make_interval(secs => %s)"
-)
 #: The ack, and an actor marking its own job done inside its state change's
 #: transaction: fenced on the lease token, so a stale holder changes nothing.
 MARK_DONE = (
@@ -115,6 +109,8 @@ RENEW = (
 )
 # A job whose holder died returns to the queue; one that has been delivered
 # max_deliveries times without an ack is presumed poisonous and dead-lettered.
+# The same statement applies continuation-first's starvation bound, given
+# ``promote_after``, so a recovery pass is one transaction.
 RECOVER = """
 WITH expired AS (
     SELECT id FROM solidloop_jobs
@@ -122,14 +118,23 @@ WITH expired AS (
      ORDER BY lease_until
      LIMIT 1000
      FOR UPDATE SKIP LOCKED
+), recovered AS (
+    UPDATE solidloop_jobs AS j
+       SET state = CASE WHEN j.attempts >= %(max_deliveries)s THEN 'dead' ELSE 'queued' END,
+           finished_at = CASE WHEN j.attempts >= %(max_deliveries)s THEN now() END,
+           last_error = 'job lease expired: the worker holding it stopped acknowledging',
+           lease_token = NULL, lease_until = NULL
+      FROM expired WHERE j.id = expired.id
+    RETURNING j.id, j.queue_name, j.state
+), promoted AS (
+    -- Continuation-first's starvation bound: a tier-1 job (a new loop's first
+    -- turn, a host job) that has waited promote_after seconds joins tier 0,
+    -- where age decides. None when promote_after is NULL.
+    UPDATE solidloop_jobs SET tier = 0
+     WHERE %(promote_after)s::float8 IS NOT NULL AND state = 'queued' AND tier = 1
+       AND eta < now() - make_interval(secs => %(promote_after)s::float8)
 )
-UPDATE solidloop_jobs AS j
-   SET state = CASE WHEN j.attempts >= %(max_deliveries)s THEN 'dead' ELSE 'queued' END,
-       finished_at = CASE WHEN j.attempts >= %(max_deliveries)s THEN now() END,
-       last_error = 'job lease expired: the worker holding it stopped acknowledging',
-       lease_token = NULL, lease_until = NULL
-  FROM expired WHERE j.id = expired.id
-RETURNING j.id, j.queue_name, j.state
+SELECT id, queue_name, state FROM recovered
 """
 #: A force-stopped loop's queued jobs are done, with the reason kept.
 CANCEL_LOOP_JOBS = (
