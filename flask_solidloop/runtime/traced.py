@@ -93,7 +93,8 @@ def chat_ended(span: Any, ctx: Any, error: BaseException | None = None) -> None:
         attributes.update({
             "gen_ai.response.model": raw.get("model") or raw.get("modelVersion") or model,
             "gen_ai.response.id": raw.get("id") or raw.get("responseId"),
-            "gen_ai.response.finish_reasons": [response.finish_reason or "stop"],
+            "gen_ai.response.finish_reasons":
+                [response.finish_reason] if response.finish_reason else None,
         })
         usage = response.usage
         if usage is not None:
