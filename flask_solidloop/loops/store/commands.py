@@ -96,6 +96,8 @@ def create_loops(state: SolidLoopState, session: SessionLike, *, agent_name: str
     contents = [storable.message_content(loop.message, None) for loop in loops]
     system_content, system_meta = storable.message_content(system_prompt, None) \
         if system_prompt else (None, {})
+    # Each loop's run's trace context, when tracing is on: its first job carries it.
+    runs = [tracing.new_run() for _ in ids] if enqueue and tracing.enabled() else None
     fetch_row(session, sql.START_MANY, {
         "ids": ids, "agent_name": agent_name,
         "status": (LoopStatus.QUEUED if enqueue else LoopStatus.INIT).value,
@@ -106,10 +108,8 @@ def create_loops(state: SolidLoopState, session: SessionLike, *, agent_name: str
         "states": [json.dumps(loop.state) for loop in loops],
         "messages": [content for content, _ in contents],
         "metas": [json.dumps(meta) for _, meta in contents],
-        "system_prompt": system_content, "system_meta": json.dumps(system_meta)})
-    runs = [tracing.new_run() for _ in ids] if enqueue and tracing.enabled() else None
-    if runs is not None:  # tracing on: each loop's run context, one statement more
-        execute(session, sql.SET_TRACES, {"ids": ids, "traces": [json.dumps(r) for r in runs]})
+        "system_prompt": system_content, "system_meta": json.dumps(system_meta),
+        "traces": [json.dumps(run) for run in runs] if runs is not None else [None] * len(ids)})
     if enqueue:
         state.dispatch.first_llm_turns(
             session, ids, traceparents=[r["traceparent"] for r in runs]  # type: ignore[index]
