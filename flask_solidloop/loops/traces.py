@@ -80,15 +80,28 @@ def _ns(at: datetime | None) -> int | None:
     return int(at.timestamp() * 1e9) if at is not None else None
 
 
-def took_over_turns(rows: Sequence[Sequence[Any]]) -> None:
+def took_over_turns(state: SolidLoopState, rows: Sequence[Sequence[Any]]) -> None:
     """For each LLM turn the reaper took over (loops/sql.HEAL_EXPIRED_LLM's
-    rows): the lapsed attempt's ``chat`` span, an error, and the takeover's."""
+    rows): the lapsed attempt's ``chat {model}`` span, an error, and the
+    takeover's."""
     if not rows or not tracing.enabled():
         return
     for loop_id, run, agent, holder, claimed, lapsed in rows:
-        _took_over(run, loop_id, tracing.CHAT, holder=holder, start=claimed, lapsed=lapsed,
+        model = _model(state, agent)
+        _took_over(run, loop_id, f"{tracing.CHAT} {model}" if model else tracing.CHAT,
+                   holder=holder, start=claimed, lapsed=lapsed,
                    attributes={"gen_ai.operation.name": tracing.CHAT,
-                               "gen_ai.agent.name": agent})
+                               "gen_ai.request.model": model, "gen_ai.agent.name": agent})
+
+
+def _model(state: SolidLoopState, agent_name: str) -> str | None:
+    """The model the agent asks for, as far as the reaper can tell (an agent
+    whose settings depend on the loop, or that is not registered here, has
+    none to give)."""
+    try:
+        return str(state.agent_for(agent_name).provider().model)
+    except Exception:
+        return None
 
 
 def took_over_calls(rows: Sequence[Sequence[Any]]) -> None:

@@ -179,3 +179,41 @@ def test_loops_started_together_each_get_a_run_their_jobs_carry(app, session, ll
     roots = named(spans, "invoke_agent assistant")
     assert sorted(hexid(root.context.span_id, 16) for root in roots) == \
         sorted(run["traceparent"].split("-")[2] for run in runs.values())
+
+
+def test_a_lapsed_llm_turn_is_reported_by_its_takeover(app, session, llm, drain, spans):
+    from datetime import timedelta
+
+    from sqlalchemy import func, update
+
+    from flask_solidloop.loops import store
+    from flask_solidloop.state import get_state
+
+    from .loop_states import running_loop
+
+    loop_id, _ = running_loop(session)
+    run = session.get(Loop, loop_id).trace
+    # Its worker died: the lease lapsed a moment ago, held by a process gone.
+    session.execute(update(Loop).where(Loop.id == loop_id).values(
+        lease_holder="gone:4242", updated_at=func.now() - timedelta(seconds=5),
+        lease_expires_at=func.now() - timedelta(seconds=1)))
+    session.commit()
+    assert store.heal_expired_llm(get_state(app), session) == [loop_id]
+    (lapsed,) = named(spans, "chat test-model")
+    (takeover,) = named(spans, "solidloop.takeover")
+    root_id = run["traceparent"].split("-")[2]
+    for span in (lapsed, takeover):
+        assert hexid(span.parent.span_id, 16) == root_id
+        assert hexid(span.context.trace_id, 32) == run["traceparent"].split("-")[1]
+    assert lapsed.status.status_code is StatusCode.ERROR
+    assert lapsed.attributes["error.type"] == "solidloop.lease_lapsed"
+    assert lapsed.attributes["solidloop.lease_holder"] == "gone:4242"
+    assert lapsed.end_time - lapsed.start_time >= 3_000_000_000  # claim to lapse, from rows
+    assert takeover.attributes["solidloop.lapsed_holder"] == "gone:4242"
+    # The turn runs again, in the same trace, and the run ends there.
+    llm.script("hello there", {"content": "back"})
+    assert drain() == 1
+    (chat,) = [s for s in named(spans, "chat test-model") if s is not lapsed]
+    (root,) = named(spans, "invoke_agent assistant")
+    assert chat.parent.span_id == root.context.span_id
+    assert hexid(root.context.span_id, 16) == root_id

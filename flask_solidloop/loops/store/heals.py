@@ -52,7 +52,7 @@ def heal_expired_llm(state: SolidLoopState, session: SessionLike) -> list[int]:
     for loop_id in ids:
         state.dispatch.llm_turn(session, loop_id)
     _commit_if(session, ids)
-    traces.took_over_turns(rows)
+    traces.took_over_turns(state, rows)
     return ids
 
 
