@@ -17,12 +17,10 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import select
-
 from .. import signals
 from ..leases import worker_identity
-from ..models import Loop
 from ..telemetry import tracing
+from . import sql
 
 if TYPE_CHECKING:
     from flask import Flask
@@ -53,24 +51,24 @@ def connect(app: Flask, state: SolidLoopState) -> None:
 
 def end_run(state: SolidLoopState, loop_id: int, outcome: str, *, error: str | None = None,
             reason: str | None = None) -> bool:
-    """The run's ``invoke_agent`` span, read off its loop (a connection of its
-    own: the caller's session may be anywhere in its work)."""
-    columns = (Loop.trace, Loop.agent_name, Loop.input_tokens, Loop.output_tokens, Loop.cost,
-               Loop.step_count)
+    """The run's ``invoke_agent`` span, read off its loop (not on the caller's
+    session, which may be anywhere in its work)."""
     try:
-        with state.db.engine.connect() as connection:
-            row = connection.execute(select(*columns).where(Loop.id == loop_id)).first()
+        # One pooled psycopg connection of the broker's: no SQLAlchemy
+        # connection is checked out (or opened) for it.
+        rows = state.broker._run(sql.RUN_ENDED, {"loop_id": loop_id})
     except Exception:
         logger.warning("loop %s: its run's span could not be read", loop_id, exc_info=True)
         return False
-    if row is None or not row.trace:
+    if not rows or not rows[0][0]:
         return False
-    return tracing.end_run(row.trace, agent=row.agent_name, error=error, attributes={
+    run, agent, input_tokens, output_tokens, cost, steps = rows[0]
+    return tracing.end_run(run, agent=agent, error=error, attributes={
         "gen_ai.conversation.id": str(loop_id),
-        "gen_ai.usage.input_tokens": int(row.input_tokens),
-        "gen_ai.usage.output_tokens": int(row.output_tokens),
-        "solidloop.cost": float(row.cost),
-        "solidloop.steps": int(row.step_count),
+        "gen_ai.usage.input_tokens": int(input_tokens),
+        "gen_ai.usage.output_tokens": int(output_tokens),
+        "solidloop.cost": float(cost),
+        "solidloop.steps": int(steps),
         "solidloop.outcome": outcome,
         "solidloop.pause_reason": reason,
     })

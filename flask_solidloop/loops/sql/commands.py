@@ -59,6 +59,10 @@ START_MANY = (
 #: A resumed run's trace context (telemetry/tracing.new_run), read and written
 #: only while tracing is on: the last run's, and the new one.
 LOOP_TRACE = "SELECT trace FROM solidloop_loops WHERE id = %(loop_id)s"
+#: What an ended run's span reads of its loop (loops/traces.py), on the broker's
+#: pool: its run's context, agent and totals.
+RUN_ENDED = ("SELECT trace, agent_name, input_tokens, output_tokens, cost, step_count "
+             "FROM solidloop_loops WHERE id = %(loop_id)s")
 SET_TRACE = "UPDATE solidloop_loops SET trace = %(trace)s WHERE id = %(loop_id)s"
 
 #: The frozen flag of a loop that stays where it is (paused, init); or lifted.
