@@ -9,6 +9,7 @@ Run it from the project root with the project's virtualenv (DBOS is in the
     python bench/turns.py --cluster-port 5446          # on a throwaway cluster of its own
     python bench/turns.py --wire-log summary           # ours with SOLIDLOOP_WIRE_LOG = "summary"
     python bench/turns.py --metrics --no-dbos --cluster-port 5446   # metrics on against off
+    python bench/turns.py --tracing --no-dbos          # tracing on against tracing off
 
 The workload: ``--loops`` loops of ``--turns`` LLM turns against the LLM
 emulator (instant answers, in this process), with one no-op tool call in
@@ -45,6 +46,13 @@ min-max, and every figure of ours as a ratio to DBOS (and to REV):
   (a loop of ``--alone-turns`` LLM turns per rep, so the percentiles rest on
   some dozens of gaps);
 * loop completion time p50/p99: from the start of all loops to each end.
+
+Tracing (``--tracing``): ours runs with the OpenTelemetry SDK installed in
+its workers and in the harness that starts the loops (a BatchSpanProcessor
+over an exporter that drops what it is given: the cost of making the spans,
+not of shipping them), against **untraced**, the same tree without an SDK,
+interleaved like ``--against``'s builds; the check: turns/s >= 0.95x
+untraced's.
 
 Targets (issue 10): turns/s >= 1.5x DBOS; worker CPU/turn <= 0.7x and
 Postgres CPU/turn <= 1x; durable commits/turn <= 4 and WAL/turn <= DBOS;
@@ -114,6 +122,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
 
 OURS_DB = "solidloop_bench_turns"
+#: --tracing: the build without an SDK that ours (traced) is compared with.
+UNTRACED = "untraced"
+#: --tracing: the most tracing may cost in turns/s.
+TRACING_TOLERANCE = 0.05
 AGAINST_DB = "solidloop_bench_turns_against"
 DBOS_DB = "solidloop_bench_turns_dbos"
 #: The server every system runs on (--cluster-port moves it to a throwaway cluster).
@@ -170,6 +182,8 @@ class Build:
     #: --metrics: the port of this build's workers' metrics endpoint (SOLIDLOOP_METRICS
     #: on, its directory a fresh one); None: metrics off.
     metrics_port: int | None = None
+    #: --tracing: the OpenTelemetry SDK in this build's workers and loop starter.
+    tracing: bool = False
 
     @property
     def url(self) -> str:
@@ -186,11 +200,14 @@ class Build:
         paths = [self.tree / "bench", self.tree, *([self.probe] if self.probe else [])]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, paths)))
         env.pop("SOLIDLOOP_BENCH_WIRE_LOG", None)
+        env.pop("SOLIDLOOP_BENCH_TRACING", None)
         if self.wire_log:
             env["SOLIDLOOP_BENCH_WIRE_LOG"] = self.wire_log
         env.pop("SOLIDLOOP_BENCH_METRICS_PORT", None)
         if self.metrics_port is not None:
             env["SOLIDLOOP_BENCH_METRICS_PORT"] = str(self.metrics_port)
+        if self.tracing:
+            env["SOLIDLOOP_BENCH_TRACING"] = "1"
         if self.imports_log is not None:
             env["SOLIDLOOP_BENCH_IMPORTS"] = str(self.imports_log)
         return env
@@ -622,6 +639,9 @@ def run_ours(build: Build, script: Script, loops: int, prefix: str) -> Run:
     workers = start_workers(build)
     starter = Starter(build, turns_app)
     run = Run(build.name)
+    # A traced build's loops start traced, as a traced host's would (their run's
+    # context stored, their first jobs carrying it).
+    turns_app.set_tracing(build.tracing)
     try:
         with app.app_context():
             session = turns_app.db.session
@@ -685,6 +705,7 @@ def run_ours(build: Build, script: Script, loops: int, prefix: str) -> Run:
             run.completion = [(r.finished_at - epoch).total_seconds() for r in rows]
             session.remove()
     finally:
+        turns_app.set_tracing(False)
         starter.close()
         try:
             os.killpg(workers.pid, 15)
@@ -952,8 +973,8 @@ def print_table(args: argparse.Namespace, measured: Measured,
     """The table: each system's medians (DBOS, REV, ours), then ours' ratios to
     REV and to DBOS; returns the medians, the one-loop-alone gaps included."""
     shown = [s for s in ("dbos", against, "ours", METRICS_BUILD) if s in measured.figures]
-    headers = {"dbos": "DBOS 3.4", "ours": "ours", METRICS_BUILD: METRICS_BUILD,
-               **({against: against} if against else {})}
+    headers = {"dbos": "DBOS 3.4", "ours": "ours (tracing)" if args.tracing else "ours",
+               METRICS_BUILD: METRICS_BUILD, **({against: against} if against else {})}
     #: (header, numerator, denominator) of each ratio column.
     ratios = [(f"ours ÷ {against}", "ours", against)] if against else []
     if "dbos" in shown:
@@ -1038,7 +1059,12 @@ def print_checks(medians: dict[str, dict[str, float | None]], against: str | Non
         rows.append((f"metrics on: turns/s >= {1 - METRICS_TOLERANCE:.2f}x off",
                      None if not on or not off else on >= (1 - METRICS_TOLERANCE) * off,
                      f" ({ratio(on, off)})"))
-    if against:
+    if against == UNTRACED:
+        ours, base = medians["ours"]["LLM turns/s"], medians[against]["LLM turns/s"]
+        ok = None if ours is None or not base else ours >= (1 - TRACING_TOLERANCE) * base
+        rows.append((f"tracing: turns/s >= {1 - TRACING_TOLERANCE:.2f}x {UNTRACED}", ok,
+                     f" ({ratio(ours, base)})"))
+    elif against:
         rows += [(label, ok, f" ({r})") for label, ok, r in
                  ab_checks(medians["ours"], medians[against], against)]
     width = max(40, *(len(label) for label, _, _ in rows))
@@ -1089,14 +1115,20 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--metrics", action="store_true",
                         help=f"also run ours with SOLIDLOOP_METRICS on as {METRICS_BUILD!r} "
                              "(its workers' endpoint scraped once a second during the run)")
+    parser.add_argument("--tracing", action="store_true",
+                        help="ours with the OpenTelemetry SDK (spans made, then dropped), "
+                             "against the same tree untraced")
     parser.add_argument("--no-dbos", action="store_true",
-                        help="leave DBOS out (a quicker A/B; needs --against or --metrics)")
+                        help="leave DBOS out (a quicker A/B; needs --against, --metrics or "
+                             "--tracing)")
     args = parser.parse_args()
     if args.statements and args.cluster_port is None:
         parser.error("--statements needs --cluster-port (it loads pg_stat_statements)")
-    if args.no_dbos and not (args.against or args.metrics):
-        parser.error("--no-dbos needs --against or --metrics: without DBOS ours has nothing "
-                     "to compare with")
+    if args.no_dbos and not (args.against or args.metrics or args.tracing):
+        parser.error("--no-dbos needs --against, --metrics or --tracing: without DBOS ours "
+                     "has nothing to compare with")
+    if args.tracing and args.against:
+        parser.error("--tracing compares ours with itself untraced: leave --against out")
     return args
 
 
@@ -1117,11 +1149,15 @@ def main() -> None:
             cluster.start()
             PG_PORT, _OWN_CLUSTER, _STATEMENTS = args.cluster_port, True, args.statements
             print(f"on a throwaway cluster at 127.0.0.1:{PG_PORT} ({cluster.data})", flush=True)
-        builds = {"ours": Build("ours", OURS_DB, wire_log=args.wire_log)}
+        builds = {"ours": Build("ours", OURS_DB, wire_log=args.wire_log,
+                                tracing=args.tracing)}
         if args.metrics:
             builds[METRICS_BUILD] = Build(METRICS_BUILD, METRICS_DB, wire_log=args.wire_log,
                                           metrics_port=METRICS_PORT)
         against = None
+        if args.tracing:
+            against = Build(UNTRACED, OURS_DB + "_untraced", wire_log=args.wire_log)
+            builds[UNTRACED] = against
         if commit is not None:
             against = against_build(commit, stack.enter_context(checkout(commit)))
             builds[against.name] = against

@@ -4,6 +4,9 @@ Loaded as ``FLASK_APP='turns_app:create_app()'`` with bench/ on PYTHONPATH;
 SOLIDLOOP_BENCH_DATABASE_URL and SOLIDLOOP_BENCH_LLM_URL come from the
 environment, and SOLIDLOOP_BENCH_WIRE_LOG, when set, is SOLIDLOOP_WIRE_LOG;
 SOLIDLOOP_BENCH_METRICS_PORT, when set, turns SOLIDLOOP_METRICS on with that port.
+SOLIDLOOP_BENCH_TRACING=1 (``--tracing``) installs the OpenTelemetry SDK in
+the worker: spans are made and batched as a host's would be, and dropped by
+an exporter that sends nothing (:func:`set_tracing`).
 """
 
 from __future__ import annotations
@@ -53,4 +56,34 @@ def create_app() -> Flask:
                               tempfile.gettempdir(), f"solidloop-bench-metrics-{port}"))
     db.init_app(app)
     solidloop.init_app(app, db=db)
+    if os.environ.get("SOLIDLOOP_BENCH_TRACING") == "1":
+        set_tracing(True)
     return app
+
+
+def set_tracing(on: bool) -> None:
+    """The OpenTelemetry SDK as the process's tracer provider (a
+    BatchSpanProcessor over an exporter that drops every span), or none. The
+    API lets a process set its provider once; the harness switches between
+    builds, so this resets it as the SDK's own tests do."""
+    from opentelemetry import trace
+    from opentelemetry.util._once import Once
+
+    trace._TRACER_PROVIDER_SET_ONCE = Once()  # type: ignore[attr-defined]
+    trace._TRACER_PROVIDER = None  # type: ignore[attr-defined]
+    if not on:
+        return
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import (
+        BatchSpanProcessor,
+        SpanExporter,
+        SpanExportResult,
+    )
+
+    class Dropped(SpanExporter):
+        def export(self, spans):  # type: ignore[no-untyped-def]
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(Dropped()))
+    trace.set_tracer_provider(provider)

@@ -149,6 +149,15 @@ def _bool(key: str, value: Any) -> bool:
     raise ConfigurationError(key, value, "must be a bool (true/false, 1/0, yes/no, on/off)")
 
 
+def _trace_url(key: str, value: Any) -> str | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str) or "{trace_id}" not in value:
+        raise ConfigurationError(key, value, "must be a URL template containing {trace_id}, "
+                                 "e.g. 'https://tempo.example/trace/{trace_id}', or None")
+    return value
+
+
 def _non_negative_float(key: str, value: Any) -> float:
     if value in (0, "0", 0.0):
         return 0.0
@@ -521,6 +530,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("SOLIDLOOP_METRICS_DIR", None, _optional_path,
             "The multiprocess directory the worker processes write their metrics to; unset: "
             "$PROMETHEUS_MULTIPROC_DIR if set, else <tmp>/solidloop-metrics-<port>."),
+    Setting("SOLIDLOOP_OTEL_CAPTURE_CONTENT", False, _bool,
+            "Record message content (prompts, completions, tool arguments and results) on "
+            "the OpenTelemetry spans, redacted as the wire log is; off by default."),
+    Setting("SOLIDLOOP_TRACE_URL", None, _trace_url,
+            "A URL template with {trace_id}: the admin links each loop's trace id to it "
+            "(your tracing backend's trace page); None shows the id alone."),
 )
 
 _BY_KEY = {s.key: s for s in SETTINGS}
@@ -596,6 +611,8 @@ class Config:
     worker_retention: int
     approval_timeout: float | None
     database_retry_seconds: float
+    otel_capture_content: bool
+    trace_url: str | None
     provider_outage_max_wait: float
     tool_quarantine_limit: int
     max_history_bytes: int | None

@@ -22,7 +22,7 @@ from .config import Config
 from .errors import AgentDefinitionError, ConfigurationError, InvalidArgumentError, SetupError
 from .jobs import JobRegistry, Queue
 from .leases import RenewerSlot
-from .loops import control
+from .loops import control, traces
 from .loops.store import LoopArchiveHook, LoopEndHook
 from .maintenance.janitor import prune_if_due, runs_in_workers
 from .maintenance.reaper import reap
@@ -37,6 +37,7 @@ from .queue.middleware import (
     LeaseRenewerMiddleware,
     LogRedactionMiddleware,
     PeriodicTaskMiddleware,
+    TracingMiddleware,
     WorkerRegistryMiddleware,
 )
 from .queue.middleware.periodic import JanitorTaskMiddleware, ReaperTaskMiddleware
@@ -44,6 +45,7 @@ from .runtime.actors import declare_actors
 from .runtime.llm_io import LlmIoMiddleware
 from .state import EXTENSION_KEY, SolidLoopState
 from .streaming import StreamEvent
+from .telemetry import tracing
 from .urls import install_log_redaction, libpq_url, redact_url
 
 if TYPE_CHECKING:
@@ -395,6 +397,7 @@ class SolidLoop:
         broker.add_middleware(LlmIoMiddleware(state))
         broker.add_middleware(LeaseRenewerMiddleware(state.leases))
         broker.add_middleware(LogRedactionMiddleware())
+        broker.add_middleware(TracingMiddleware())
         broker.add_middleware(WorkerRegistryMiddleware(
             libpq_url(broker.url), interval=config.worker_heartbeat,
             retention=config.worker_retention))
@@ -404,6 +407,10 @@ class SolidLoop:
             broker.add_middleware(_metrics_middleware(state))
         state.bind_actors(declare_actors(state))
         self.jobs.bind(state)
+        # Spans (docs/decisions/0033-tracing.md): content capture, and each ended
+        # run's invoke_agent span in the process that ended it.
+        tracing.configure(capture=config.otel_capture_content)
+        traces.connect(app, state)
         if config.pooler_check:
             _watch_engine(app, db, config)
         app.extensions[EXTENSION_KEY] = state

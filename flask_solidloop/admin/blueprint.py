@@ -42,6 +42,7 @@ from ..runtime import metrics as runtime_metrics
 from ..spending import AgentLimits, Gauge, loop_budget, rate_keys, subjects, tightest
 from ..state import SolidLoopState, get_state
 from ..streaming import HEADERS
+from ..telemetry import tracing
 from . import approvals, filters, format, live, passes, security
 
 logger = logging.getLogger("flask_solidloop.admin")
@@ -142,10 +143,19 @@ def create_blueprint(*, authorize: security.Authorize | None,
         if require_token and current_app.secret_key:
             token = security.csrf_token(str(current_app.secret_key), identity())
         return {"sl_nav": NAV, "sl": format, "sl_bp": name, "sl_csrf": token,
-                "sl_subject": subject, "sl_failure": failure_of,
+                "sl_subject": subject, "sl_failure": failure_of, "sl_trace": trace_of,
                 "sl_actions": ACTIONS, "sl_bulk_actions": BULK_ACTIONS,
                 "sl_statuses": ALL_STATUSES, "sl_failures": queries.FAILURE_CLASS_NAMES,
                 "sl_resumable": RESUMABLE_STATUSES}
+
+    def trace_of(loop: Loop) -> dict[str, str | None] | None:
+        """The loop's current run's trace id, linked by SOLIDLOOP_TRACE_URL."""
+        trace_id = tracing.trace_id_of(loop.trace)
+        if trace_id is None:
+            return None
+        template = state().config.trace_url
+        return {"id": trace_id,
+                "url": template.replace("{trace_id}", trace_id) if template else None}
 
     def subject(loop: Loop) -> SubjectLink | None:
         if loop.subject_type is None and loop.subject_id is None:

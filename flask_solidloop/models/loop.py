@@ -176,6 +176,10 @@ class Loop(Timestamps, Base):
     # A conversation's queued messages (loops/store/conversation.py): sent while
     # the loop was live, not yet in its history, oldest first; NULL when none.
     inbox: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONB(none_as_null=True))
+    # The current run's OpenTelemetry context (telemetry/tracing.new_run): its
+    # invoke_agent span's traceparent, its parent, start and previous run;
+    # NULL when tracing was off when it started.
+    trace: Mapped[dict[str, Any] | None] = mapped_column(JSONB(none_as_null=True))
 
     messages: Mapped[list[Message]] = relationship(
         back_populates="loop", order_by="Message.id", lazy="select", passive_deletes=True

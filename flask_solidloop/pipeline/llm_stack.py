@@ -61,6 +61,7 @@ from ..llm.types import ChatMessage
 from ..loops import queries, store
 from ..mcp.registry import ToolRegistry
 from ..telemetry import metrics
+from ..telemetry import tracing
 from ..urls import redact_urls_in
 from . import watch_arrivals
 from .builder import Handler
@@ -103,6 +104,7 @@ def handle_errors(ctx: LlmContext, step: Callable[[], Any]) -> Any:
         logger.info("loop %s: the turn stopped: the loop was paused or stopped", ctx.loop_id)
     except ProviderError as exc:
         store.recover(ctx.session)
+        tracing.note_error(exc)
         # Exception text can quote a request (and so a key): scrub it first.
         message = redact_urls_in(redact_secrets(f"{type(exc).__name__}: {exc}",
                                                 ctx.secrets))
@@ -901,19 +903,20 @@ class ResponseParsing:
             ))
         shell_id = ctx.shell_id
         # Retried in place while the lease holds: the answer is paid for.
-        finished = store.with_database_retry(
-            lambda: store.finish_llm_turn(
-                ctx.state, ctx.session, loop_id=ctx.loop_id, token=ctx.execution_token,
-                shell_id=shell_id, response=response, meta=meta, turn_cost=turn_cost,
-                calls=calls, wire=ctx.wire,
-                sequential=bool(ctx.agent.option("sequential_tool_calls")),
-                adopt=ctx.adopt_next, on_wait=ctx.agent.on_wait,
-                ends=store.loop_ends(ctx.state, ctx.agent.agent_name),
-                streamed=ctx.partial.sent_text if ctx.partial is not None
-                and ctx.partial.deltas else None,
-                event_id=ctx.request_event_id),
-            session=ctx.session, seconds=ctx.state.config.database_retry_seconds,
-            still_ours=ctx.still_ours, what=f"loop {ctx.loop_id}: the turn's end")
+        with tracing.span("solidloop.commit"):
+            finished = store.with_database_retry(
+                lambda: store.finish_llm_turn(
+                    ctx.state, ctx.session, loop_id=ctx.loop_id, token=ctx.execution_token,
+                    shell_id=shell_id, response=response, meta=meta, turn_cost=turn_cost,
+                    calls=calls, wire=ctx.wire,
+                    sequential=bool(ctx.agent.option("sequential_tool_calls")),
+                    adopt=ctx.adopt_next, on_wait=ctx.agent.on_wait,
+                    ends=store.loop_ends(ctx.state, ctx.agent.agent_name),
+                    streamed=ctx.partial.sent_text if ctx.partial is not None
+                    and ctx.partial.deltas else None,
+                    event_id=ctx.request_event_id),
+                session=ctx.session, seconds=ctx.state.config.database_retry_seconds,
+                still_ours=ctx.still_ours, what=f"loop {ctx.loop_id}: the turn's end")
         ctx.message, ctx.adopted = finished.message, finished.adopted
         ctx.committed = True
         metrics.llm_turn(ctx.agent.agent_name, model, "ok", usage=response.usage,

@@ -35,6 +35,7 @@ from ..mcp.registry import ToolRegistry, call_on_server
 from ..mcp.toolset import CallContext, ToolResult
 from ..models import ToolCall
 from ..telemetry import metrics
+from ..telemetry import tracing
 from . import tool_session, tool_threads
 from .builder import Handler
 from .context import ToolContext, UnrecordedResult
@@ -283,33 +284,34 @@ class ResponseCreation:
         if ctx.facts is None:
             assert ctx.tool_call is not None
             ctx.facts = store.CallFacts.of(ctx.tool_call)
-        unrecorded, ctx.unrecorded = ctx.unrecorded, None
-        if unrecorded is not None:
-            # ToolExecution ran the tool and left its result to us: the result
-            # and the answer are one statement (the answer renders the stored result).
-            lease, facts = ctx.lease_token, ctx.facts
-            assert lease is not None
-            outcome = _retried(ctx, lambda: store.checkpoint_and_answer_tool_call(
-                ctx.state, ctx.session, facts, token=ctx.execution_token,
-                lease=lease, result=unrecorded.result,
-                duration_ms=unrecorded.duration_ms,
-                body_limit=ctx.state.config.wire_body_limit,
-                answer_text=lambda stored: answer_text(stored, limit), sequential=sequential,
-                adopt=ctx.adopt_next, next_turn=next_turn,
-                # The lock-free statement may roll back and start over, which
-                # would drop the tool's writes: not when it joins them.
-                sole_call=ctx.sole_call and not ctx.joined),
-                "the result and its answer")
-            ctx.tool_call, ctx.result = outcome.call, outcome.result
-        else:
-            result, facts = ctx.result, ctx.facts
-            assert result is not None
-            # Not answered for a duplicate delivery (already answered): nothing to do.
-            outcome = _retried(ctx, lambda: store.answer_tool_call(
-                ctx.state, ctx.session, facts, token=ctx.execution_token,
-                lease=ctx.lease_token, content=answer_text(result, limit),
-                is_error=result.is_error, sequential=sequential, adopt=ctx.adopt_next,
-                next_turn=next_turn), "the answer")
+        with tracing.span("solidloop.commit"):
+            unrecorded, ctx.unrecorded = ctx.unrecorded, None
+            if unrecorded is not None:
+                # ToolExecution ran the tool and left its result to us: the result
+                # and the answer are one statement (the answer renders the stored result).
+                lease, facts = ctx.lease_token, ctx.facts
+                assert lease is not None
+                outcome = _retried(ctx, lambda: store.checkpoint_and_answer_tool_call(
+                    ctx.state, ctx.session, facts, token=ctx.execution_token,
+                    lease=lease, result=unrecorded.result,
+                    duration_ms=unrecorded.duration_ms,
+                    body_limit=ctx.state.config.wire_body_limit,
+                    answer_text=lambda stored: answer_text(stored, limit), sequential=sequential,
+                    adopt=ctx.adopt_next, next_turn=next_turn,
+                    # The lock-free statement may roll back and start over, which
+                    # would drop the tool's writes: not when it joins them.
+                    sole_call=ctx.sole_call and not ctx.joined),
+                    "the result and its answer")
+                ctx.tool_call, ctx.result = outcome.call, outcome.result
+            else:
+                result, facts = ctx.result, ctx.facts
+                assert result is not None
+                # Not answered for a duplicate delivery (already answered): nothing to do.
+                outcome = _retried(ctx, lambda: store.answer_tool_call(
+                    ctx.state, ctx.session, facts, token=ctx.execution_token,
+                    lease=ctx.lease_token, content=answer_text(result, limit),
+                    is_error=result.is_error, sequential=sequential, adopt=ctx.adopt_next,
+                    next_turn=next_turn), "the answer")
         ctx.adopted = outcome.adopted
         ctx.committed = True
         return self.next_step(ctx)

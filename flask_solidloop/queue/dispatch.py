@@ -14,6 +14,7 @@ from typing import Any
 import dramatiq
 
 from .._typing import SessionLike
+from ..telemetry import tracing
 from .broker import PostgresBroker
 
 
@@ -31,6 +32,10 @@ class Dispatcher:
               loop_id: int | None = None, delay_ms: int | None = None,
               continuation: bool = True) -> None:
         options: dict[str, Any] = {"solidloop_loop_id": loop_id}
+        # The loop run's trace context, so the job's span joins the run's trace.
+        traceparent = tracing.carried()
+        if traceparent is not None:
+            options["traceparent"] = traceparent
         if continuation and self.continuation_first:
             options["solidloop_continuation"] = True
         message = actor.message_with_options(args=args, **options)
@@ -43,12 +48,16 @@ class Dispatcher:
         self._send(session, self.actors["llm_turn"], (loop_id,), loop_id=loop_id,
                    delay_ms=delay_ms, continuation=not first)
 
-    def first_llm_turns(self, session: SessionLike, loop_ids: list[int]) -> int:
+    def first_llm_turns(self, session: SessionLike, loop_ids: list[int], *,
+                        traceparents: list[str] | None = None) -> int:
         """The first LLM turns of many new loops, in one statement with one NOTIFY
-        (Agent.start_many); the same jobs :meth:`llm_turn` writes with ``first``."""
+        (Agent.start_many); the same jobs :meth:`llm_turn` writes with ``first``
+        (each carrying its loop's ``traceparents`` when tracing is on)."""
         actor = self.actors["llm_turn"]
-        messages = [actor.message_with_options(args=(loop_id,), solidloop_loop_id=loop_id)
-                    for loop_id in loop_ids]
+        messages = [actor.message_with_options(
+            args=(loop_id,), solidloop_loop_id=loop_id,
+            **({"traceparent": traceparents[n]} if traceparents else {}))  # type: ignore[arg-type]
+            for n, loop_id in enumerate(loop_ids)]
         return self.broker.enqueue_many(messages, connection=session)
 
     def tool_call(

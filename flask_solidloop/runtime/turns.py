@@ -39,7 +39,7 @@ from ..pipeline.context import LlmContext, ToolContext
 from ..pipeline.llm_stack import HandedOff, handle_errors
 from ..pipeline.plan import stack_plan
 from ..state import SolidLoopState
-from . import llm_io
+from . import llm_io, traced
 from .job_log import logged_job
 
 logger = logging.getLogger("flask_solidloop.turns")
@@ -146,12 +146,15 @@ def run_llm_turn(state: SolidLoopState, loop: Loop, *, adopt: bool = False,
             return None
 
     # The claim commits here, and only here, before the stack runs.
+    # Read off the loop before the claim (after it, the object is expired).
+    turn_run = traced.run_of(loop)
     claim = adopted.claim if adopted is not None else store.claim_llm_turn(
         session, loop_id, lease_seconds=lease, open_shell=plan.open_shell,
         read_history=plan.read_history)
     if claim is None:
         return None
     token = claim.token
+    span = traced.chat_started(turn_run, agent, token, inline=adopted is not None)
     # From here the lease is renewed by this process's renewer until the turn ends.
     renewer = state.renewer()
     lease_handle = RenewerHandle(renewer, renewer.register(
@@ -193,10 +196,14 @@ def run_llm_turn(state: SolidLoopState, loop: Loop, *, adopt: bool = False,
     label = f"llm_turn: loop {loop_id}"
     handed: HandedOff | None = None
     try:
-        _guarded(ctx, lambda: plan.llm_handler()(ctx), label, fail=fail,
-                 database_failed=database_failed)
+        with traced.turn(span, turn_run):
+            _guarded(ctx, lambda: plan.llm_handler()(ctx), label, fail=fail,
+                     database_failed=database_failed)
     except HandedOff as handoff:
         handed = handoff
+    except BaseException as exc:
+        traced.chat_ended(span, ctx, exc)
+        raise
     finally:
         if handed is None:
             lease_handle.release()
@@ -208,21 +215,25 @@ def run_llm_turn(state: SolidLoopState, loop: Loop, *, adopt: bool = False,
             # On a commit thread: the rest of the turn, as the stack would have
             # run it here, fenced and failed the same way; then the lease goes.
             try:
-                _guarded(ctx, lambda: handle_errors(ctx, lambda: resume(error)), label,
-                         fail=fail, database_failed=database_failed)
+                with traced.turn(span, turn_run):
+                    _guarded(ctx, lambda: handle_errors(ctx, lambda: resume(error)), label,
+                             fail=fail, database_failed=database_failed)
             finally:
                 lease_handle.release()
+                traced.chat_ended(span, ctx)
             if ctx.history_chars >= TRIM_AFTER_CHARS:
                 ctx.history, ctx.claim, ctx.wire = [], None, None
                 release_free_memory()
 
         try:
             io.hand(handed, finish)
-        except BaseException:
+        except BaseException as exc:
             lease_handle.release()  # never handed: the lease lapses, the reaper heals
+            traced.chat_ended(span, ctx, exc)
             raise
         logger.debug("llm_turn: loop %s: the request went to the I/O loop", loop_id)
         return None
+    traced.chat_ended(span, ctx)
     adopted_next = ctx.adopted
     if ctx.history_chars >= TRIM_AFTER_CHARS:
         # Drop what still holds the history (the claim's copy, the wire record's
@@ -304,9 +315,12 @@ def run_tool_call(state: SolidLoopState, call: ToolCall, loop: Loop, execution_t
     tool_lease = RenewerHandle(None, None)
     if adopted is not None:
         ctx.lease_token = adopted.lease_token
+    # Read off the call and its loop now: the claim's commit expires them.
+    turn_run = traced.run_of(loop, call)
+    span = None
 
     def run() -> None:
-        nonlocal tool_lease
+        nonlocal tool_lease, span
         agent = ctx.agent = state.agent_for(loop.agent_name, loop)
         plan = ctx.plan = stack_plan(state, agent)
         lease_seconds = state.config.liveness_ttl
@@ -338,7 +352,9 @@ def run_tool_call(state: SolidLoopState, call: ToolCall, loop: Loop, execution_t
             ))
         ctx.lease_token = lease_token
         ctx.tool_call = queries.get_tool_call(session, tool_call_id)
-        plan.tool_handler()(ctx)
+        span = traced.tool_started(turn_run, token, inline=adopted is not None)
+        with traced.turn(span, turn_run):
+            plan.tool_handler()(ctx)
 
     def fail(error: str) -> bool:
         return store.end_turn(session, loop_id, token, to=LoopStatus.FAILED,
@@ -368,11 +384,16 @@ def run_tool_call(state: SolidLoopState, call: ToolCall, loop: Loop, execution_t
             f"tool_call {tool_call_id}: the database failed before the tool ran",
             "the call", "the call")
 
+    failed: BaseException | None = None
     try:
         _guarded(ctx, run, f"tool_call {tool_call_id}", fail=fail,
                  database_failed=database_failed)
+    except BaseException as exc:
+        failed = exc
+        raise
     finally:
         tool_lease.release()
+        traced.tool_ended(span, ctx, failed)
     return ctx.adopted
 
 

@@ -702,3 +702,25 @@ def test_dashboard_shows_a_failed_pass_and_its_redacted_error_as_text(
     reap(state)
     warned, line = _maintenance_line(client.get("/admin/").get_data(as_text=True), "reap")
     assert not warned and ", healed 0," in line and "Last failure" in line
+
+
+def test_the_loop_page_shows_its_trace_id_and_links_it_when_configured(app, session, client):
+    from flask_solidloop.state import get_state
+
+    loop = Assistant.start(message="hi")
+    page = client.get(f"/admin/loops/{loop.id}").get_data(as_text=True)
+    assert 'id="loop-trace"' not in page  # tracing was off: no context, no row
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    session.execute(text("UPDATE solidloop_loops SET trace = CAST(:t AS jsonb) WHERE id = :id"),
+                    {"t": json.dumps({"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}),
+                     "id": loop.id})
+    session.commit()
+    row = re.search(r'<tr id="loop-trace">.*?</tr>',
+                    client.get(f"/admin/loops/{loop.id}").get_data(as_text=True)).group(0)
+    assert f"<code>{trace_id}</code>" in row and "href" not in row
+    state = get_state(app)
+    state.config = dataclasses.replace(state.config,
+                                       trace_url="https://tempo.example/trace/{trace_id}")
+    row = re.search(r'<tr id="loop-trace">.*?</tr>',
+                    client.get(f"/admin/loops/{loop.id}").get_data(as_text=True)).group(0)
+    assert f'href="https://tempo.example/trace/{trace_id}"' in row

@@ -310,3 +310,21 @@ def test_0014_counts_lapsed_runs_on_tool_calls_and_downgrades(scratch_url):
             "WHERE table_name = 'solidloop_tool_calls'")}
         assert "lapsed_runs" not in columns
         assert conn.execute("SELECT count(*) FROM solidloop_tool_calls").fetchone() == (1,)
+
+
+def test_0026_adds_the_loop_trace_and_downgrades(scratch_url):
+    upgrade(scratch_url, "0025")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        conn.execute("INSERT INTO solidloop_loops (agent_name, status) VALUES ('a', 'running')")
+    upgrade(scratch_url, "0026")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        # A loop started before the column has no trace context.
+        assert conn.execute("SELECT trace FROM solidloop_loops").fetchone() == (None,)
+        conn.execute("UPDATE solidloop_loops SET trace = '{\"traceparent\": \"x\"}'")
+    downgrade(scratch_url, "0025")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        columns = {r[0] for r in conn.execute(
+            "SELECT column_name FROM information_schema.columns "
+            "WHERE table_name = 'solidloop_loops'")}
+        assert "trace" not in columns
+        assert conn.execute("SELECT status FROM solidloop_loops").fetchone() == ("running",)

@@ -652,6 +652,10 @@ def create_app(**config) -> Flask:
         # A worker process whose threads never take a job (stuck at boot), while
         # its consumers run: what a wedged process looks like to the queue.
         app.extensions["solidloop"].broker.add_middleware(WedgeWorkerThreads())
+    # A worker subprocess of a tracing test: the OTel SDK, exporting to its receiver.
+    from .otel import install_from_environment
+
+    install_from_environment()
     drop = os.environ.get(DROP_PATTERN_ENV)
     if drop:
         # A worker subprocess of a fault test: drop the connection under the

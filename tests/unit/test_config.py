@@ -177,3 +177,12 @@ def test_every_setting_is_documented():
     text = DOCS.read_text()
     missing = [s.key for s in SETTINGS if f"`{s.key}`" not in text]
     assert not missing, f"undocumented settings: {missing}"
+
+
+def test_the_trace_url_must_place_the_trace_id():
+    assert Config.from_mapping({}).trace_url is None
+    assert Config.from_mapping({"SOLIDLOOP_OTEL_CAPTURE_CONTENT": "on"}).otel_capture_content
+    url = "https://tempo.example/trace/{trace_id}"
+    assert Config.from_mapping({"SOLIDLOOP_TRACE_URL": url}).trace_url == url
+    with pytest.raises(ConfigurationError, match=r"\{trace_id\}"):
+        Config.from_mapping({"SOLIDLOOP_TRACE_URL": "https://tempo.example/trace/"})

@@ -36,17 +36,18 @@ LIVE_PER_SUBJECT = (
     "AS t(subject_type, subject_id, n) ORDER BY t.n")
 
 #: Many loops of one agent at once (Agent.start_many): each with its id, subject,
-#: fair rank, state and user message (its metadata saying whether the text was changed),
-#: the agent's system prompt when there is one (system before user, in id
-#: order, as create_loop writes them). The caller writes their first jobs.
+#: fair rank, state, run's trace context (NULL with tracing off) and user message
+#: (its metadata saying whether the text was changed), the agent's system prompt
+#: when there is one (system before user, in id order, as create_loop writes
+#: them). The caller writes their first jobs.
 START_MANY = (
     "WITH input AS (SELECT * FROM unnest(%(ids)s::bigint[], %(subject_types)s::text[], "
     "%(subject_ids)s::text[], %(fair_ranks)s::int[], %(states)s::text[], "
-    "%(messages)s::text[], %(metas)s::text[]) "
-    "AS t(id, subject_type, subject_id, fair_rank, state, message, meta)), "
+    "%(messages)s::text[], %(metas)s::text[], %(traces)s::text[]) "
+    "AS t(id, subject_type, subject_id, fair_rank, state, message, meta, trace)), "
     "loops AS (INSERT INTO solidloop_loops (id, agent_name, subject_type, subject_id, "
-    "fair_rank, status, state) SELECT id, %(agent_name)s, subject_type, subject_id, "
-    "fair_rank, %(status)s, state::jsonb FROM input RETURNING id), "
+    "fair_rank, status, state, trace) SELECT id, %(agent_name)s, subject_type, subject_id, "
+    "fair_rank, %(status)s, state::jsonb, trace::jsonb FROM input RETURNING id), "
     "messages AS (INSERT INTO solidloop_messages (loop_id, role, content, metadata) "
     "SELECT loop_id, role, content, meta FROM ("
     "SELECT id AS loop_id, 0 AS rank, 'system' AS role, %(system_prompt)s::text AS content, "
@@ -54,6 +55,15 @@ START_MANY = (
     "UNION ALL SELECT id, 1, 'user', message, meta::jsonb FROM input) AS m "
     "ORDER BY loop_id, rank) "
     "SELECT count(*) AS started FROM loops")
+
+#: A resumed run's trace context (telemetry/tracing.new_run), read and written
+#: only while tracing is on: the last run's, and the new one.
+LOOP_TRACE = "SELECT trace FROM solidloop_loops WHERE id = %(loop_id)s"
+#: What an ended run's span reads of its loop (loops/traces.py), on the broker's
+#: pool: its run's context, agent and totals.
+RUN_ENDED = ("SELECT trace, agent_name, input_tokens, output_tokens, cost, step_count "
+             "FROM solidloop_loops WHERE id = %(loop_id)s")
+SET_TRACE = "UPDATE solidloop_loops SET trace = %(trace)s WHERE id = %(loop_id)s"
 
 #: The frozen flag of a loop that stays where it is (paused, init); or lifted.
 SET_FROZEN = ("UPDATE solidloop_loops SET frozen = %(frozen)s, updated_at = now() "

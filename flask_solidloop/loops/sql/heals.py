@@ -20,11 +20,19 @@ _LIVE_CALL_JOB = ("EXISTS (SELECT 1 FROM solidloop_jobs j WHERE j.loop_id = t.lo
                   "AND j.actor_name = 'solidloop.tool_call' "
                   "AND j.message->'args'->>0 = t.id::text)")
 
-#: Running loops whose LLM lease expired.
-EXPIRED_LLM = (
-    f"SELECT l.id FROM solidloop_loops l WHERE l.status = {RUNNING} "
-    "AND l.lease_expires_at < now() ORDER BY l.lease_expires_at "
-    f"LIMIT {HEAL_BATCH} FOR UPDATE SKIP LOCKED")
+
+
+def _expired_llm(columns: str) -> str:
+    """Running loops whose LLM lease expired: ``columns`` of each."""
+    return (f"SELECT {columns} FROM solidloop_loops l WHERE l.status = {RUNNING} "
+            "AND l.lease_expires_at < now() ORDER BY l.lease_expires_at "
+            f"LIMIT {HEAL_BATCH} FOR UPDATE SKIP LOCKED")
+
+
+#: What a lapsed LLM attempt left on record: the run's trace context, the agent,
+#: the holder, when the turn was claimed (the loop's last write: renewals touch
+#: only the lease) and when its lease lapsed.
+_LAPSED_LLM = "l.id, l.trace, l.agent_name, l.lease_holder, l.updated_at, l.lease_expires_at"
 #: Tool phases with nothing left to answer and no live job.
 STUCK_TOOL_PHASE = (
     f"SELECT l.id FROM solidloop_loops l WHERE l.status = {RUNNING} "
@@ -50,8 +58,15 @@ def _requeue_picked(picked: str) -> str:
             "SELECT id FROM requeued")
 
 
-#: Expired LLM leases: the turn goes back to the queue.
-HEAL_EXPIRED_LLM = _requeue_picked(EXPIRED_LLM)
+#: Expired LLM leases: the turn goes back to the queue. Each row also says what
+#: the lapsed attempt left on record (_LAPSED_LLM), for its span.
+HEAL_EXPIRED_LLM = (
+    f"WITH picked AS ({_expired_llm(_LAPSED_LLM)}), "
+    f"requeued AS (UPDATE solidloop_loops l SET {REQUEUE_SET} FROM picked "
+    "WHERE l.id = picked.id RETURNING l.id), "
+    f"hidden AS ({hide_shells('SELECT id FROM requeued')}) "
+    "SELECT p.id, p.trace, p.agent_name, p.lease_holder, p.updated_at, p.lease_expires_at "
+    "FROM picked p JOIN requeued r ON r.id = p.id")
 #: A tool phase with nothing left to answer: the next LLM turn.
 HEAL_STUCK_TOOL_PHASE = _requeue_picked(STUCK_TOOL_PHASE)
 #: Queued loops with no live job: touched (their age starts over) for a new job.
@@ -66,7 +81,8 @@ HEAL_STUCK_QUEUED = (
 #: worker claims it: one that lapsed unclaimed ran nothing). Returns each call's
 #: id, loop, new lease and the loop's generation.
 HEAL_STALLED_TOOLS = (
-    "WITH picked AS (SELECT t.id, t.lease_token, t.loop_id, l.execution_token "
+    "WITH picked AS (SELECT t.id, t.lease_token, t.loop_id, l.execution_token, "
+    "t.name, t.call_id, t.lease_holder, t.updated_at, t.leased_until, l.trace, l.agent_name "
     "FROM solidloop_tool_calls t JOIN solidloop_loops l ON l.id = t.loop_id "
     "WHERE t.response_message_id IS NULL AND t.executed_at IS NULL "
     "AND t.lease_token IS NOT NULL AND t.leased_until < now() "
@@ -77,7 +93,9 @@ HEAL_STALLED_TOOLS = (
     "lapsed_runs = t.lapsed_runs + (t.lease_holder IS NOT NULL)::int "
     "FROM picked WHERE t.id = picked.id AND t.lease_token = picked.lease_token "
     "AND t.executed_at IS NULL RETURNING t.id, t.lease_token) "
-    "SELECT minted.id, picked.loop_id, minted.lease_token, picked.execution_token "
+    "SELECT minted.id, picked.loop_id, minted.lease_token, picked.execution_token, "
+    "picked.name, picked.call_id, picked.lease_holder, picked.updated_at, "
+    "picked.leased_until, picked.trace, picked.agent_name "
     "FROM minted JOIN picked ON picked.id = minted.id ORDER BY minted.id")
 #: Calls of a running tool phase that nobody holds (no lease, or executed and
 #: waiting for its answer) while the loop has no live job at all: their job was

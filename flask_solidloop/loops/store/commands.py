@@ -22,6 +22,7 @@ from ..._typing import SessionLike
 from ...mcp.toolset import ToolResult
 from ...models import Loop, Message, ToolCall
 from ...models.loop import LoopStatus
+from ...telemetry import tracing
 from .. import queries, sql, storable
 from .caps import fair_ranks
 from .ending import LoopEnds, run_loop_end_hooks
@@ -53,9 +54,12 @@ def create_loop(state: SolidLoopState, session: SessionLike, *, agent_name: str,
     ``enqueue``, its first llm_turn job. The caller commits, and may add its
     own writes to the same transaction. ``budget``: the loop's own limits."""
     rank = fair_ranks(state, session, [(subject_type, subject_id)])[0]
+    # The run's trace context (None when tracing is off): its first job carries
+    # it. A loop created without its job has no run yet: its resume begins one.
+    run = tracing.new_run() if enqueue else None
     loop = Loop(agent_name=agent_name, subject_type=subject_type, subject_id=subject_id,
                 status=LoopStatus.QUEUED if enqueue else LoopStatus.INIT,
-                state=dict(loop_state), budget=budget or None, fair_rank=rank)
+                state=dict(loop_state), budget=budget or None, fair_rank=rank, trace=run)
     session.add(loop)
     session.flush()
     if system_prompt:
@@ -63,7 +67,8 @@ def create_loop(state: SolidLoopState, session: SessionLike, *, agent_name: str,
     session.add(new_message(loop.id, "user", message))
     session.flush()
     if enqueue:
-        state.dispatch.llm_turn(session, loop.id, first=True)
+        with tracing.carrying(run["traceparent"] if run else None):
+            state.dispatch.llm_turn(session, loop.id, first=True)
     signals.send_after_commit(session, signals.loop_started, loop_id=loop.id, agent=agent_name)
     return loop
 
@@ -91,6 +96,8 @@ def create_loops(state: SolidLoopState, session: SessionLike, *, agent_name: str
     contents = [storable.message_content(loop.message, None) for loop in loops]
     system_content, system_meta = storable.message_content(system_prompt, None) \
         if system_prompt else (None, {})
+    # Each loop's run's trace context, when tracing is on: its first job carries it.
+    runs = [tracing.new_run() for _ in ids] if enqueue and tracing.enabled() else None
     fetch_row(session, sql.START_MANY, {
         "ids": ids, "agent_name": agent_name,
         "status": (LoopStatus.QUEUED if enqueue else LoopStatus.INIT).value,
@@ -101,9 +108,12 @@ def create_loops(state: SolidLoopState, session: SessionLike, *, agent_name: str
         "states": [json.dumps(loop.state) for loop in loops],
         "messages": [content for content, _ in contents],
         "metas": [json.dumps(meta) for _, meta in contents],
-        "system_prompt": system_content, "system_meta": json.dumps(system_meta)})
+        "system_prompt": system_content, "system_meta": json.dumps(system_meta),
+        "traces": [json.dumps(run) for run in runs] if runs is not None else [None] * len(ids)})
     if enqueue:
-        state.dispatch.first_llm_turns(session, ids)
+        state.dispatch.first_llm_turns(
+            session, ids, traceparents=[r["traceparent"] for r in runs]  # type: ignore[index]
+            if runs is not None else None)
     for loop_id in ids:
         signals.send_after_commit(session, signals.loop_started, loop_id=loop_id,
                                   agent=agent_name)
@@ -283,6 +293,21 @@ def resume(state: SolidLoopState, session: SessionLike, loop_id: int, allowed: I
         session.rollback()
         return False
     execute(session, sql.HIDE_SHELLS, {"loop_id": loop_id})
+    # A new run, a new invoke_agent span linked to the last (tracing on only).
+    run = None
+    if tracing.enabled():
+        last = fetch_row(session, sql.LOOP_TRACE, {"loop_id": loop_id})
+        run = tracing.new_run(last["trace"] if last is not None else None)
+        execute(session, sql.SET_TRACE, {"loop_id": loop_id, "trace": Jsonb(run)})
+    with tracing.carrying(run["traceparent"] if run else None):
+        return _resume_rest(state, session, loop_id, message=message, sequential=sequential,
+                            budget=budget, cancel_reason=cancel_reason)
+
+
+def _resume_rest(state: SolidLoopState, session: SessionLike, loop_id: int, *,
+                 message: str | None, sequential: Callable[[int], bool],
+                 budget: dict[str, float] | None, cancel_reason: str) -> bool:
+    """The rest of :func:`resume`, the loop locked and its shells hidden."""
     if budget:
         # Raised limits; a loop resumed with a budget has its spend decided by
         # the operator: its subject's budget no longer stops it.

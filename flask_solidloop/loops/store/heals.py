@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from ..._typing import SessionLike
-from .. import sql
+from .. import sql, traces
 from .llm_turn import calls_to_run
 from .transaction import commits, execute, fetch_rows
 
@@ -45,8 +45,15 @@ def _commit_if(session: SessionLike, healed: list[int]) -> None:
 @commits
 def heal_expired_llm(state: SolidLoopState, session: SessionLike) -> list[int]:
     """Running loops whose LLM lease expired: the generation rotated away, the
-    shells hidden, the turn queued again."""
-    return _requeued(state, session, sql.HEAL_EXPIRED_LLM, {})
+    shells hidden, the turn queued again; with tracing on, the lapsed
+    attempts' spans and the takeovers' (loops/traces.py)."""
+    rows = fetch_rows(session, sql.HEAL_EXPIRED_LLM, {})
+    ids = [row[0] for row in rows]
+    for loop_id in ids:
+        state.dispatch.llm_turn(session, loop_id)
+    _commit_if(session, ids)
+    traces.took_over_turns(state, rows)
+    return ids
 
 
 @commits
@@ -73,12 +80,13 @@ def heal_stalled_tools(state: SolidLoopState, session: SessionLike, *,
     """Unexecuted tool calls whose lease lapsed: a fresh lease (compare-and-set on
     the old one) goes to a new tool job, so healthy siblings are not fenced."""
     healed = []
-    for call_id, loop_id, lease, token in fetch_rows(
-            session, sql.HEAL_STALLED_TOOLS, {"ttl": timedelta(seconds=lease_seconds)}):
+    rows = fetch_rows(session, sql.HEAL_STALLED_TOOLS, {"ttl": timedelta(seconds=lease_seconds)})
+    for call_id, loop_id, lease, token, *_ in rows:
         state.dispatch.tool_call(session, call_id, token, loop_id=loop_id,
                                  reaper_lease_token=lease)
         healed.append(call_id)
     _commit_if(session, healed)
+    traces.took_over_calls(rows)
     return healed
 
 

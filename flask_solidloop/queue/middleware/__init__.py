@@ -8,6 +8,7 @@ from .log_redaction import LogRedactionMiddleware
 from .periodic import PeriodicTaskMiddleware
 from .queue_consumers import UnconsumedQueueWarningMiddleware
 from .scheduler import SchedulerMiddleware
+from .tracing import TracingMiddleware
 from .worker_registry import WorkerRegistryMiddleware
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "LogRedactionMiddleware",
     "PeriodicTaskMiddleware",
     "SchedulerMiddleware",
+    "TracingMiddleware",
     "UnconsumedQueueWarningMiddleware",
     "WorkerRegistryMiddleware",
 ]
