@@ -60,8 +60,7 @@ from ..llm.streaming import output_chars, post_stream, post_stream_async
 from ..llm.types import ChatMessage
 from ..loops import queries, store
 from ..mcp.registry import ToolRegistry
-from ..telemetry import metrics
-from ..telemetry import tracing
+from ..telemetry import metrics, tracing
 from ..urls import redact_urls_in
 from . import watch_arrivals
 from .builder import Handler

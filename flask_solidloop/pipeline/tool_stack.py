@@ -34,8 +34,7 @@ from ..loops import queries, store
 from ..mcp.registry import ToolRegistry, call_on_server
 from ..mcp.toolset import CallContext, ToolResult
 from ..models import ToolCall
-from ..telemetry import metrics
-from ..telemetry import tracing
+from ..telemetry import metrics, tracing
 from . import tool_session, tool_threads
 from .builder import Handler
 from .context import ToolContext, UnrecordedResult
