@@ -31,7 +31,7 @@ PENDING_REQUESTS = text(
     "AND m.status = 'processing', false) AS in_flight "
     "FROM solidloop_events e JOIN solidloop_loops l ON l.id = e.loop_id "
     "LEFT JOIN solidloop_messages m ON m.id = e.message_id "
-    f"WHERE e.loop_id = :loop_id AND e.kind = 'llm_request' AND e.{sql.REQUEST_PENDING} "
+    f"WHERE e.loop_id = :loop_id AND e.kind = 'llm_request' AND {sql.request_pending('e')} "
     "ORDER BY e.id")
 
 

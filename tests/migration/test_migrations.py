@@ -310,3 +310,26 @@ def test_0014_counts_lapsed_runs_on_tool_calls_and_downgrades(scratch_url):
             "WHERE table_name = 'solidloop_tool_calls'")}
         assert "lapsed_runs" not in columns
         assert conn.execute("SELECT count(*) FROM solidloop_tool_calls").fetchone() == (1,)
+
+
+def test_0027_answers_in_their_own_rows_and_the_downgrade_merges_them_back(scratch_url):
+    upgrade(scratch_url, "0027")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        loop_id = conn.execute("INSERT INTO solidloop_loops (agent_name, status) "
+                               "VALUES ('a', 'completed') RETURNING id").fetchone()[0]
+        answered, pending = (conn.execute(
+            "INSERT INTO solidloop_events (loop_id, kind, payload) VALUES "
+            "(%s, 'llm_request', '{\"request\": {\"body\": 1}}') RETURNING id",
+            (loop_id,)).fetchone()[0] for _ in range(2))
+        conn.execute("INSERT INTO solidloop_llm_answers (event_id, status_code, duration_ms, "
+                     "error, answer) VALUES (%s, 200, 12.5, NULL, '{\"response\": 2}')",
+                     (answered,))
+    downgrade(scratch_url, "0024")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        rows = conn.execute("SELECT id, status_code, duration_ms, payload FROM solidloop_events "
+                            "ORDER BY id").fetchall()
+        assert rows == [(answered, 200, 12.5, {"request": {"body": 1}, "response": 2}),
+                        (pending, None, None, {"request": {"body": 1}})]
+        assert conn.execute("SELECT to_regclass('solidloop_llm_answers')").fetchone() == (None,)
+        assert conn.execute("SELECT count(*) FROM pg_proc WHERE proname = "
+                            "'solidloop_llm_answers_events_deleted'").fetchone() == (0,)
