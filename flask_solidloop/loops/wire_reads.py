@@ -20,7 +20,7 @@ from . import sql
 #: first, each with the time since it was written (the database's clock) and
 #: whether its request is in flight: its turn still holds the loop (running,
 #: its LLM lease unexpired, its shell unfinished). Every exit of a turn that
-#: does not complete the row (a worker killed, a lease lost, a pause or a stop)
+#: does not answer it (a worker killed, a lease lost, a pause or a stop)
 #: fails and hides the shell, or lets the lease lapse: the row is then
 #: unanswered.
 PENDING_REQUESTS = text(
