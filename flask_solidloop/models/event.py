@@ -55,8 +55,9 @@ class Event(Timestamps, Base):
     message_id: Mapped[int | None] = mapped_column(BigInteger)
     tool_call_id: Mapped[int | None] = mapped_column(BigInteger)
     kind: Mapped[str] = mapped_column(String(50), nullable=False)
-    # The row's own columns. Every writer is SQL (loops/sql, mcp_server); the
-    # ORM reads them through the merged attributes below.
+    # The row's own columns, written by loops/sql and by an Event made here
+    # (the inbound MCP log: see __init__); read through the merged attributes
+    # below.
     own_status_code: Mapped[int | None] = mapped_column("status_code", Integer)
     own_duration_ms: Mapped[float | None] = mapped_column("duration_ms")
     own_error: Mapped[str | None] = mapped_column("error", Text)
@@ -79,3 +80,17 @@ class Event(Timestamps, Base):
     payload: Mapped[dict[str, Any]] = column_property(own_payload.op("||", return_type=JSONB)(
         func.coalesce(select(_ANSWERS.c.answer).where(_ANSWERS.c.event_id == id)
                       .scalar_subquery(), text("'{}'::jsonb"))))
+
+    def __init__(self, **values: Any) -> None:
+        """A new row, its ``payload``, ``status_code``, ``duration_ms`` and
+        ``error`` the row's own (the merged attributes are read-only; only
+        loops/sql writes an answer)."""
+        for name in _OWN:
+            if name in values:
+                values[f"own_{name}"] = values.pop(name)
+        super().__init__(**values)
+
+
+#: The attributes a reader gets merged with the answer, each over the row's
+#: own column ``own_<name>``.
+_OWN = ("payload", "status_code", "duration_ms", "error")
