@@ -324,7 +324,7 @@ def test_0027_answers_in_their_own_rows_and_the_downgrade_merges_them_back(scrat
         conn.execute("INSERT INTO solidloop_llm_answers (event_id, status_code, duration_ms, "
                      "error, answer) VALUES (%s, 200, 12.5, NULL, '{\"response\": 2}')",
                      (answered,))
-    downgrade(scratch_url, "0024")
+    downgrade(scratch_url, "0025")
     with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
         rows = conn.execute("SELECT id, status_code, duration_ms, payload FROM solidloop_events "
                             "ORDER BY id").fetchall()

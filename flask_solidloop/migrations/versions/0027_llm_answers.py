@@ -24,7 +24,7 @@ Rows completed before the upgrade keep their answer merged in the event's
 row; the downgrade merges the answers back into their rows.
 
 Revision ID: 0027
-Revises: 0024
+Revises: 0025
 Create Date: 2026-12-21 10:00:00
 
 """
@@ -36,7 +36,7 @@ from sqlalchemy.dialects import postgresql
 
 # revision identifiers, used by Alembic.
 revision: str = '0027'
-down_revision: str | Sequence[str] | None = '0024'
+down_revision: str | Sequence[str] | None = '0025'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
