@@ -20,7 +20,7 @@ from . import sql
 #: first, each with the time since it was written (the database's clock) and
 #: whether its request is in flight: its turn still holds the loop (running,
 #: its LLM lease unexpired, its shell unfinished). Every exit of a turn that
-#: does not complete the row (a worker killed, a lease lost, a pause or a stop)
+#: does not answer it (a worker killed, a lease lost, a pause or a stop)
 #: fails and hides the shell, or lets the lease lapse: the row is then
 #: unanswered.
 PENDING_REQUESTS = text(
@@ -31,7 +31,7 @@ PENDING_REQUESTS = text(
     "AND m.status = 'processing', false) AS in_flight "
     "FROM solidloop_events e JOIN solidloop_loops l ON l.id = e.loop_id "
     "LEFT JOIN solidloop_messages m ON m.id = e.message_id "
-    f"WHERE e.loop_id = :loop_id AND e.kind = 'llm_request' AND e.{sql.REQUEST_PENDING} "
+    f"WHERE e.loop_id = :loop_id AND e.kind = 'llm_request' AND {sql.request_pending('e')} "
     "ORDER BY e.id")
 
 

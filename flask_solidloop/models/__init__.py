@@ -11,6 +11,7 @@ from .event import Event
 from .host_job import HOST_JOB_STATUSES, HostJob, JobResult, PeriodicRun
 from .job import Job
 from .limits import RateBucket, Spend
+from .llm_answer import LlmAnswer
 from .loop import RESUMABLE_STATUSES, TERMINAL_STATUSES, Loop, LoopStatus
 from .maintenance_run import MaintenanceRun
 from .mcp_inbound import McpInboundSession
@@ -30,6 +31,7 @@ __all__ = [
     "Job",
     "JobResult",
     "Leader",
+    "LlmAnswer",
     "Loop",
     "LoopStatus",
     "MaintenanceRun",

@@ -521,8 +521,9 @@ def _record_request(ctx: LlmContext, record: Any) -> None:
     LostLeaseError here and sends nothing. One statement in autocommit (it
     joins the session's transaction when one is open, and commits it). The
     record is the turn's from now on, so
-    every exit (an error, a limit, a hand-back) completes the row with what
-    the attempts so far left on it."""
+    every exit (an error, a limit, a hand-back) answers it with what the
+    attempts so far left on it (a row of ``solidloop_llm_answers``: the
+    request's row is not written again)."""
     _check_lease(ctx)
     config = ctx.state.config
     recorded = store.record_request(

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select, text
 
+from flask_solidloop.loops import sql
 from flask_solidloop.models import Loop, Message, ToolCall
 
 from ..support.support_app import StreamingAssistant
@@ -57,7 +58,7 @@ def in_flight(session) -> int:
     """Requests on record and not answered yet, of running loops."""
     count = session.scalar(text(
         "SELECT count(*) FROM solidloop_events e JOIN solidloop_loops l ON l.id = e.loop_id "
-        "WHERE e.kind = 'llm_request' AND e.duration_ms IS NULL AND l.status = 'running'"))
+        f"WHERE e.kind = 'llm_request' AND {sql.request_pending('e')} AND l.status = 'running'"))
     session.rollback()
     return int(count or 0)
 

@@ -157,6 +157,7 @@ def test_api_key_never_reaches_the_database(app, session, llm, drain):
     assert llm.requests[0].headers["authorization"] == "Bearer sk-test-secret-123"
     dump = session.connection().exec_driver_sql(
         "SELECT string_agg(t::text, '') FROM (SELECT * FROM solidloop_events) t "
+        "UNION ALL SELECT string_agg(t::text, '') FROM (SELECT * FROM solidloop_llm_answers) t "
         "UNION ALL SELECT string_agg(t::text, '') FROM (SELECT * FROM solidloop_loops) t "
         "UNION ALL SELECT string_agg(t::text, '') FROM (SELECT * FROM solidloop_messages) t"
     ).scalars().all()
@@ -307,7 +308,8 @@ def test_secret_looking_custom_headers_never_reach_the_database(app, session, ll
     drain()
     assert llm.requests[-1].headers["x-portkey-api-key"] == "pk-very-secret"
     stored = session.connection().exec_driver_sql(
-        "SELECT payload::text FROM solidloop_events").scalar_one()
+        "SELECT e.payload::text || coalesce(a.answer::text, '') FROM solidloop_events e "
+        "LEFT JOIN solidloop_llm_answers a ON a.event_id = e.id").scalar_one()
     assert "pk-very-secret" not in stored and "cf-secret" not in stored
     assert "visible" in stored
 

@@ -289,7 +289,9 @@ def test_no_key_reaches_the_database_in_any_dialect(app, session, llm, dialect):
     agent.start(message="secret")
     run(app)
     dump = session.connection().exec_driver_sql(
-        "SELECT coalesce(string_agg(e::text, ''), '') FROM solidloop_events e").scalar_one()
+        "SELECT coalesce(string_agg(e::text || coalesce(a::text, ''), ''), '') "
+        "FROM solidloop_events e LEFT JOIN solidloop_llm_answers a ON a.event_id = e.id"
+    ).scalar_one()
     assert "sk-test-secret-123" not in dump and "[redacted]" in dump
 
 
@@ -387,7 +389,8 @@ def test_a_key_with_a_trailing_newline_is_cleaned_and_never_leaks(app, session, 
     assert row.status == "failed" and "control characters" in row.error_message
     dump = session.connection().exec_driver_sql(
         "SELECT coalesce(string_agg(t::text, ''), '') FROM (SELECT error_message FROM "
-        "solidloop_loops UNION ALL SELECT payload::text FROM solidloop_events) t").scalar_one()
+        "solidloop_loops UNION ALL SELECT payload::text FROM solidloop_events "
+        "UNION ALL SELECT answer::text FROM solidloop_llm_answers) t").scalar_one()
     assert "SECRET123" not in dump
 
 

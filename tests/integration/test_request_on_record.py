@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from flask_solidloop.errors import LostLeaseError
 from flask_solidloop.loops import store, wire_reads
-from flask_solidloop.models import Loop, Message
+from flask_solidloop.models import Event, Loop, Message
 from flask_solidloop.testing import drain as run_jobs
 from flask_solidloop.wire import WireRecord
 
@@ -84,9 +84,14 @@ class Turns:
 
 
 def llm_events(pg, loop_id: int) -> list[dict]:
+    """The loop's requests on record as a reader sees them: each row with its
+    answer's row merged in (models/event.py reads them the same way)."""
     cursor = pg.execute(
-        "SELECT id, message_id, status_code, duration_ms, error, payload FROM solidloop_events "
-        "WHERE loop_id = %s AND kind = 'llm_request' ORDER BY id", (loop_id,))
+        "SELECT e.id, e.message_id, coalesce(a.status_code, e.status_code) AS status_code, "
+        "coalesce(a.duration_ms, e.duration_ms) AS duration_ms, "
+        "coalesce(a.error, e.error) AS error, e.payload || coalesce(a.answer, '{}') AS payload "
+        "FROM solidloop_events e LEFT JOIN solidloop_llm_answers a ON a.event_id = e.id "
+        "WHERE e.loop_id = %s AND e.kind = 'llm_request' ORDER BY e.id", (loop_id,))
     names = [c.name for c in cursor.description]
     return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
 
@@ -118,6 +123,8 @@ def test_a_slow_answer_is_on_record_and_shown_in_flight_then_completed(app, llm,
         shell = pg.execute("SELECT status, is_hidden FROM solidloop_messages WHERE id = %s",
                            (pending["message_id"],)).fetchone()
         assert shell == ("processing", True)
+        (version,) = pg.execute("SELECT xmin::text FROM solidloop_events WHERE id = %s",
+                                (pending["id"],)).fetchone()
 
         with Session(app.extensions["sqlalchemy"].engine) as session:
             (flying,) = wire_reads.pending_requests(session, loop_id)
@@ -145,6 +152,16 @@ def test_a_slow_answer_is_on_record_and_shown_in_flight_then_completed(app, llm,
     assert payload["response"]["body"]["choices"][0]["message"]["content"] == "at last"
     assert [a["status"] for a in payload["attempts"]] == [200]
     assert payload["duration_ms"] == done["duration_ms"]
+    # The request's row was not written again: the answer is a row of its own.
+    own = pg.execute("SELECT xmin::text, status_code, duration_ms, payload FROM solidloop_events "
+                     "WHERE id = %s", (pending["id"],)).fetchone()
+    assert own == (version, None, None, pending["payload"])
+    assert pg.execute("SELECT count(*) FROM solidloop_llm_answers WHERE event_id = %s",
+                      (pending["id"],)).fetchone() == (1,)
+    with Session(app.extensions["sqlalchemy"].engine) as session:
+        (event,) = session.scalars(select(Event).where(Event.id == pending["id"])).all()
+        assert (event.status_code, event.duration_ms, event.error, event.payload) == (
+            200, done["duration_ms"], None, payload)
     assert pg.execute("SELECT status FROM solidloop_loops WHERE id = %s",
                       (loop_id,)).fetchone() == ("completed",)
     shown = status_output(app, loop_id)
@@ -166,6 +183,30 @@ def test_a_provider_error_completes_the_row_it_recorded(app, session, llm, drain
     assert event["payload"]["response"]["status"] == 400
     assert event["payload"]["request"]["body"]["messages"][-1]["content"] == "refused"
     assert wire_reads.pending_requests(session, loop_id) == []
+
+
+def test_deleted_events_take_their_answers_and_no_others(app, session, llm, drain, pg):
+    """No foreign key joins an answer to its request (migration 0027): the
+    events table's statement trigger deletes the answers of the events a
+    statement deletes, a loop's cascade (the loop retention) or the janitor's
+    delete by age alike."""
+    llm.script("one", {"content": "1"})
+    llm.script("two", {"content": "2"})
+    llm.script("three", {"content": "3"})
+    ids = [Assistant.start(message=m).id for m in ("one", "two", "three")]
+    drain()
+    events = {i: [e["id"] for e in llm_events(pg, i)] for i in ids}
+    assert all(len(found) == 1 for found in events.values()), events
+
+    def answered(loop_id):
+        return pg.execute("SELECT count(*) FROM solidloop_llm_answers WHERE event_id = ANY(%s)",
+                          (events[loop_id],)).fetchone()[0]
+
+    assert [answered(i) for i in ids] == [1, 1, 1]
+    pg.execute("DELETE FROM solidloop_loops WHERE id = %s", (ids[0],))  # cascades to its events
+    pg.execute("DELETE FROM solidloop_events WHERE id = ANY(%s)", (events[ids[1]],))
+    assert [answered(i) for i in ids] == [0, 0, 1]
+    assert pg.execute("SELECT count(*) FROM solidloop_llm_answers").fetchone() == (1,)
 
 
 def test_an_outage_deferral_completes_the_row_and_the_next_try_writes_its_own(

@@ -328,3 +328,26 @@ def test_0026_adds_the_loop_trace_and_downgrades(scratch_url):
             "WHERE table_name = 'solidloop_loops'")}
         assert "trace" not in columns
         assert conn.execute("SELECT status FROM solidloop_loops").fetchone() == ("running",)
+
+
+def test_0027_answers_in_their_own_rows_and_the_downgrade_merges_them_back(scratch_url):
+    upgrade(scratch_url, "0027")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        loop_id = conn.execute("INSERT INTO solidloop_loops (agent_name, status) "
+                               "VALUES ('a', 'completed') RETURNING id").fetchone()[0]
+        answered, pending = (conn.execute(
+            "INSERT INTO solidloop_events (loop_id, kind, payload) VALUES "
+            "(%s, 'llm_request', '{\"request\": {\"body\": 1}}') RETURNING id",
+            (loop_id,)).fetchone()[0] for _ in range(2))
+        conn.execute("INSERT INTO solidloop_llm_answers (event_id, status_code, duration_ms, "
+                     "error, answer) VALUES (%s, 200, 12.5, NULL, '{\"response\": 2}')",
+                     (answered,))
+    downgrade(scratch_url, "0026")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        rows = conn.execute("SELECT id, status_code, duration_ms, payload FROM solidloop_events "
+                            "ORDER BY id").fetchall()
+        assert rows == [(answered, 200, 12.5, {"request": {"body": 1}, "response": 2}),
+                        (pending, None, None, {"request": {"body": 1}})]
+        assert conn.execute("SELECT to_regclass('solidloop_llm_answers')").fetchone() == (None,)
+        assert conn.execute("SELECT count(*) FROM pg_proc WHERE proname = "
+                            "'solidloop_llm_answers_events_deleted'").fetchone() == (0,)

@@ -285,7 +285,7 @@ TRANSITION = (
 #: (its redacted request; no response, no duration yet: pending), fenced on the
 #: generation under the loop row's lock (``FOR SHARE``: a claim or an exit of
 #: another writer waits for it, and it for them). The write that ends the turn
-#: completes the same row (``llm_event``'s ``answered``). No row when the loop
+#: answers it in a row of its own (``llm_event``'s ``answered``). No row when the loop
 #: is no longer the writer's. ``watched``: whether someone watches the loop
 #: (its streaming turn then flushes fast from the start), read under the same lock.
 RECORD_REQUEST = (

@@ -90,30 +90,36 @@ def llm_event(source: str) -> str:
     (the fenced write that ends the turn), as two parts: ``event`` inserts it
     whole (none when ``%(payload)s`` is NULL: the turn has no wire record),
     when the turn recorded no request before sending it (``%(event_id)s``
-    NULL: a stack whose own step made the request); ``answered`` completes
-    the row recorded before the request (:data:`RECORD_REQUEST`): the
-    response, the attempts, the error and the timings merged into its payload
-    (``%(answer)s``; NULL when there is no record: the row keeps its request,
-    and its duration is the database's time since it was written). A row
-    completed already (``duration_ms`` set) is left as it is."""
+    NULL: a stack whose own step made the request); ``answered`` answers the
+    row recorded before the request (:data:`RECORD_REQUEST`) with a row of
+    ``solidloop_llm_answers``: the response, the attempts and the timings
+    (``%(answer)s``; NULL when there is none: the record keeps its request
+    alone), the status, the error, and the duration (without one, the
+    database's time since the request was recorded). The request's row is
+    not written again (an update would write the whole request a second
+    time: migration 0027). A request answered already (or inserted whole,
+    with its duration) is left as it is."""
     return (
         "event AS (INSERT INTO solidloop_events (loop_id, message_id, kind, status_code, "
         "duration_ms, error, payload) SELECT %(loop_id)s::bigint, %(shell_id)s::bigint, "
         "'llm_request', %(status_code)s::integer, %(duration_ms)s::float8, %(error)s::text, "
         f"%(payload)s::jsonb FROM {source} WHERE %(payload)s::jsonb IS NOT NULL "
         "AND %(event_id)s::bigint IS NULL), "
-        "answered AS (UPDATE solidloop_events SET status_code = %(status_code)s::integer, "
-        "duration_ms = coalesce(%(duration_ms)s::float8, "
-        "1000 * extract(epoch FROM clock_timestamp() - created_at)), error = %(error)s::text, "
-        "payload = payload || coalesce(%(answer)s::jsonb, '{}'::jsonb), updated_at = now() "
-        f"WHERE id = %(event_id)s::bigint AND duration_ms IS NULL "
-        f"AND EXISTS (SELECT 1 FROM {source}))")
+        "answered AS (INSERT INTO solidloop_llm_answers (event_id, status_code, duration_ms, "
+        "error, answer) SELECT r.id, %(status_code)s::integer, coalesce(%(duration_ms)s::float8, "
+        "1000 * extract(epoch FROM clock_timestamp() - r.created_at)), %(error)s::text, "
+        "coalesce(%(answer)s::jsonb, '{}'::jsonb) FROM solidloop_events r "
+        "WHERE r.id = %(event_id)s::bigint AND r.duration_ms IS NULL "
+        f"AND EXISTS (SELECT 1 FROM {source}) ON CONFLICT (event_id) DO NOTHING)")
 
 
-#: The marker of an ``llm_request`` row recorded before its request was sent
-#: and not completed yet: no duration. Every completed row has one (the send
-#: path times every request, failed ones too).
-REQUEST_PENDING = "duration_ms IS NULL"
+def request_pending(event: str) -> str:
+    """The condition on an ``llm_request`` row (alias ``event``) recorded before
+    its request was sent and not answered yet: no duration of its own (every
+    row inserted whole has one: the send path times every request, failed
+    ones too) and no answer (:func:`llm_event`)."""
+    return (f"{event}.duration_ms IS NULL AND NOT EXISTS "
+            f"(SELECT 1 FROM solidloop_llm_answers a WHERE a.event_id = {event}.id)")
 
 
 def tool_event(source: str, loop: str = "%(loop_id)s::bigint") -> str:

@@ -4,7 +4,8 @@ each with all its rows, after the host's ``on_loop_archive`` hooks have seen it
 
 A loop goes with its messages, tool calls, wire-log events, stream events and
 MCP sessions (the foreign keys cascade, and the stream events' statement
-trigger deletes them, in the deleting statement). Its done
+trigger deletes them, in the deleting statement; the events' own statement
+trigger deletes their LLM answers). Its done
 and dead-lettered jobs, and its subject's spend ledger rows, stay for their
 own rules (:data:`LEFT`); what may hold a loop back is in loops/sql/retention.py.
 
