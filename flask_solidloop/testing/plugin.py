@@ -91,16 +91,21 @@ def truncate_all(url: str) -> None:
         " AND d.deptype IN ('a', 'i')"
         " JOIN pg_class t ON t.oid = d.refobjid"
         " WHERE s.last_value IS NOT NULL AND t.relname = ANY({})").format(sql.Literal(names))
+    # Every table locked first, as one TRUNCATE of them all would: a previous
+    # test's process still writing is waited for, and its rows are seen.
+    lock = sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(
+        sql.SQL(", ").join(sql.Identifier(name) for name in names))
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
         for attempt in range(5):
             try:
-                dirty = {name for (name,) in conn.execute(used)}
-                dirty |= {name for (name,) in conn.execute(drawn)}
-                if not dirty:
-                    return
-                tables = [sql.Identifier(name) for name in names if name in dirty]
-                conn.execute(sql.SQL("TRUNCATE {} RESTART IDENTITY CASCADE").format(
-                    sql.SQL(", ").join(tables)))
+                with conn.transaction():
+                    conn.execute(lock)
+                    dirty = {name for (name,) in conn.execute(used)}
+                    dirty |= {name for (name,) in conn.execute(drawn)}
+                    if dirty:
+                        conn.execute(sql.SQL("TRUNCATE {} RESTART IDENTITY CASCADE").format(
+                            sql.SQL(", ").join(sql.Identifier(name) for name in names
+                                               if name in dirty)))
                 return
             except psycopg.errors.DeadlockDetected:
                 # A previous test's server or worker still finishing a write (its
