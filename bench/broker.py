@@ -301,9 +301,9 @@ class Ours:
     """Our PostgresBroker.
 
     ``async_claims`` (the "pg async claim" column, ``--async-claims``) is an
-    experiment, not a setting of the broker: the consumers' claim connections
-    run ``SET synchronous_commit = off``, so a claim's commit does not wait
-    for its WAL flush. It shows what the claim's fsync costs in the wake-up
+    experiment, not a setting of the broker: the broker's pool (where the
+    consumers claim and ack) runs ``synchronous_commit = off``, so a claim's
+    commit does not wait for its WAL flush. It shows what the claim's fsync costs in the wake-up
     path.
     """
 
@@ -314,8 +314,8 @@ class Ours:
 
     def setup(self) -> None:
         if self.async_claims:  # the plain column's setup has migrated the database
-            self.info = ("the same broker and database; its consumers' connections run "
-                         "SET synchronous_commit = off (an experiment, not a broker setting)")
+            self.info = ("the same broker and database; its pool's connections (claims, acks) run "
+                         "synchronous_commit = off (an experiment, not a broker setting)")
             return
         url = self.args.url
         ensure_database(url)
@@ -343,24 +343,30 @@ class Ours:
         of every claim that returned rows in ``claims``."""
         self._sql("TRUNCATE solidloop_jobs RESTART IDENTITY")
         broker = PostgresBroker(self.args.url, job_lease=60, poll_interval=1.0)
+        if self.async_claims:
+            # Claims (and acks) go through the broker's pool: make its connections
+            # commit asynchronously before the first one is opened.
+            from psycopg_pool import ConnectionPool
+
+            broker._pool = ConnectionPool(
+                broker.conninfo, min_size=1, max_size=4, open=True,
+                kwargs={"autocommit": True, "options": "-c synchronous_commit=off"},
+                name="solidloop-broker")
         consume = broker.consume
-        async_claims = self.async_claims
 
         def instrumented(queue_name: str, prefetch: int = 1, timeout: int = 30000) -> Any:
             consumer: Any = consume(queue_name, prefetch, timeout)
-            if async_claims:
-                consumer.conn.execute("SET synchronous_commit = off")
             if claims is not None:
-                claim = consumer._claim
+                look = consumer._look
 
-                def timed_claim() -> bool:
+                def timed_look() -> bool:
                     t0 = time.perf_counter()
-                    got = claim()
+                    got = look()
                     if got:
                         claims.append((t0, time.perf_counter()))
                     return got
 
-                consumer._claim = timed_claim
+                consumer._look = timed_look
             return consumer
 
         broker.consume = instrumented  # type: ignore[method-assign]

@@ -84,7 +84,7 @@ TABLES = ("solidloop_loops", "solidloop_messages", "solidloop_tool_calls",
 
 # (name, SQL, parameters): the reaper's queries in the order one pass runs them.
 QUERIES: list[tuple[str, str, dict[str, Any]]] = [
-    ("recover_jobs", broker_module.RECOVER, {"max_deliveries": 5}),
+    ("recover_jobs", broker_module.RECOVER, {"max_deliveries": 5, "promote_after": None}),
     ("expired_llm", heal_sql.EXPIRED_LLM, {}),
     ("stalled_tools", heal_sql.STALLED_TOOLS, {}),
     ("dropped_tools", heal_sql.DROPPED_TOOLS, {"grace": GRACE}),

@@ -190,9 +190,10 @@ class Cluster:
     """--cluster-port: a PostgreSQL cluster of this run's own, initdb'ed in a
     temporary directory as the postgres user, removed by :meth:`stop`."""
 
-    def __init__(self, port: int, statements: bool = False) -> None:
+    def __init__(self, port: int, statements: bool = False, max_connections: int = 100) -> None:
         self.port = port
         self.statements = statements
+        self.max_connections = max_connections
         self.data = Path(tempfile.mkdtemp(prefix="solidloop-turns-pg-"))
 
     def _as_postgres(self, *cmd: str) -> None:
@@ -210,7 +211,7 @@ class Cluster:
         self._as_postgres(
             str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-l", str(self.data / "log"), "-w",
             "-o", f"-p {self.port} -k /tmp -c listen_addresses=127.0.0.1 "
-                  "-c max_connections=100 -c shared_buffers=128MB"
+                  f"-c max_connections={self.max_connections} -c shared_buffers=128MB"
                   + (" -c shared_preload_libraries=pg_stat_statements"
                      if self.statements else ""), "start")
         return self

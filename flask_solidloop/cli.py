@@ -215,15 +215,19 @@ def _queue_names(ctx: click.Context, param: click.Parameter,
 @click.option("-m", "--module", "modules", multiple=True, metavar="MODULE",
               help="Also import this module in each worker process (repeatable): task "
                    "modules the app itself does not import.")
+@click.option("--dry-run", is_flag=True,
+              help="Print the command and the PostgreSQL connections these processes "
+                   "need, and start nothing.")
 @click.argument("dramatiq_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 def worker(ctx: click.Context, processes: int, threads: int, queues: tuple[str, ...],
-           modules: tuple[str, ...], dramatiq_args: tuple[str, ...]) -> None:
+           modules: tuple[str, ...], dry_run: bool, dramatiq_args: tuple[str, ...]) -> None:
     """Run dramatiq workers for this app's loops and jobs (extra args go to dramatiq).
 
-    Size the database pool as threads + 1 per process. A worker that consumes
-    an explicit queue list must include all three solidloop queues somewhere
-    in the fleet, or loops stall.
+    Size the database pool as threads + 1 per process (--dry-run prints the
+    whole connection budget). A worker that consumes an explicit queue list
+    must include all three solidloop queues somewhere in the fleet, or loops
+    stall.
     """
     info = ctx.find_object(ScriptInfo)
     import_path = info.app_import_path if info else None
@@ -237,6 +241,14 @@ def worker(ctx: click.Context, processes: int, threads: int, queues: tuple[str, 
     at = cmd.index("flask_solidloop.worker") + 1
     cmd[at:at] = list(modules)
     env = worker_env(import_path)
+    if dry_run:
+        click.echo(f"would start: FLASK_APP={shlex.quote(env['FLASK_APP'])} {shlex.join(cmd)}")
+        app = info.load_app() if info else None
+        if app is None:
+            raise click.UsageError("--dry-run needs the app: flask --app yourapp solidloop ...")
+        with app.app_context():
+            _print_connection_budget(processes=processes, threads=threads)
+        return
     # A line that can be pasted into a shell as it is: the interpreter included.
     click.echo(f"starting: FLASK_APP={shlex.quote(env['FLASK_APP'])} {shlex.join(cmd)}",
                err=True)
@@ -245,6 +257,39 @@ def worker(ctx: click.Context, processes: int, threads: int, queues: tuple[str, 
     # Become the dramatiq master process, so signals (SIGTERM from a process
     # manager, Ctrl-C) reach it directly and nothing is left orphaned.
     os.execvpe(cmd[0], cmd, env)
+
+
+def _print_connection_budget(*, processes: int, threads: int) -> None:
+    """The connections ``processes`` worker processes of ``threads`` threads
+    need at most, line by line, against the server's max_connections."""
+    from .runtime.worker import connection_budget
+
+    state = _state()
+    needs = connection_budget(state.config, threads=threads)
+    per_process = sum(need.count for need in needs)
+    click.echo(f"PostgreSQL connections per worker process (-t {threads}), at most:")
+    for need in needs:
+        click.echo(f"  {need.count:>4}  {need.what}")
+    click.echo(f"  {per_process:>4}  per process")
+    total = per_process * processes
+    click.echo(f"{total} for {processes} process(es) (-p {processes} x {per_process}), plus "
+               "your web processes' pools and any separate `flask solidloop reap`")
+    session = state.db.session
+    try:
+        limit = int(session.connection().exec_driver_sql("SHOW max_connections").scalar_one())
+        reserved = int(session.connection().exec_driver_sql(
+            "SHOW superuser_reserved_connections").scalar_one())
+    except Exception as exc:  # the plan is still worth printing
+        click.echo(f"(could not read max_connections: {' '.join(str(exc).split())})")
+        return
+    finally:
+        session.rollback()
+    usable = limit - reserved
+    verdict = "fits" if total <= usable else "does NOT fit: raise max_connections, or run " \
+        "fewer processes or threads, or put PgBouncer in front of the SQLAlchemy pools " \
+        "(docs/guides/pgbouncer.md)"
+    click.echo(f"PostgreSQL max_connections = {limit} ({usable} after "
+               f"superuser_reserved_connections): {verdict}")
 
 
 def _registry(identities: list[str] | None = None, recent: float | None = None) -> list:

@@ -255,7 +255,7 @@ SETTINGS: tuple[Setting, ...] = (
             "it after one TTL."),
     Setting("SOLIDLOOP_REAPER_INTERVAL", 2.0, _non_negative_float,
             "Seconds between reaper passes run inside worker processes (one pass at a time "
-            "across all workers, by an advisory lock); 0 turns the in-worker reaper off."),
+            "across the fleet: one leading process runs them); 0 turns the in-worker reaper off."),
     Setting("SOLIDLOOP_LEASE_MARGIN", 10, _positive_int,
             "Seconds a tool call or tool phase that no worker holds may wait for its job before "
             "the reaper enqueues it again."),
@@ -351,10 +351,15 @@ SETTINGS: tuple[Setting, ...] = (
             "Jobs one worker thread runs inline after a delivered job before it hands the "
             "loop's next job back to the queue (so a long loop yields its thread now and then)."),
     Setting("SOLIDLOOP_POLL_INTERVAL", 1.0, _positive_float,
-            "Seconds a consumer waits for a NOTIFY before polling the job table anyway."),
+            "Seconds between a consumer's looks at the job table while its process's "
+            "LISTEN connection is down (or not LISTENing on its queue yet)."),
+    Setting("SOLIDLOOP_IDLE_POLL_INTERVAL", 30.0, _positive_float,
+            "Seconds between a consumer's looks at the job table while its process's LISTEN "
+            "connection hears its queue: every enqueue notifies (delayed jobs too), so this "
+            "is only a safety net; never below SOLIDLOOP_POLL_INTERVAL."),
     Setting("SOLIDLOOP_DATABASE_URL", None, lambda _k, v: v,
             "The URL of the connections the extension opens itself, which keep a session "
-            "(consumers, LISTEN, lease renewer, advisory locks, worker registry): the same "
+            "(the broker's pool and consumers, LISTEN, lease renewer, worker registry): the same "
             "database as SQLALCHEMY_DATABASE_URI, reached directly or through a session-mode "
             "pooler. Defaults to SQLALCHEMY_DATABASE_URI."),
     Setting("SOLIDLOOP_POOLER_CHECK", True, _bool,
@@ -518,6 +523,7 @@ class Config:
     inline_continuation: bool
     inline_max_hops: int
     poll_interval: float
+    idle_poll_interval: float
     database_url: str | None
     pooler_check: bool
     event_retention: int | None

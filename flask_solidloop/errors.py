@@ -35,6 +35,7 @@ so a host can catch the whole family in one clause::
     └── BrokerError               the Postgres job queue could not do what was asked
         ├── BrokerUnavailableError  PostgreSQL did not answer the broker (dramatiq reconnects)
         ├── QueueNotDeclaredError   a message or consumer named a queue the broker does not have
+        ├── ClaimLapsedError      a claimed job reached a thread too late: handed back, not run
         └── JobError              a host job could not be declared, sent, found or run
             ├── JobEncodeError    the message encoder rejected an argument (at send)
             ├── InvalidJobError   an option, function, queue name, session or datetime
@@ -51,6 +52,7 @@ from __future__ import annotations
 from typing import Any
 
 from dramatiq.errors import BrokerConnectionError, QueueNotFound
+from dramatiq.middleware import SkipMessage
 
 from .wire import WireRecord
 
@@ -61,6 +63,7 @@ __all__ = [
     "BrokerError",
     "BrokerUnavailableError",
     "BudgetExceededError",
+    "ClaimLapsedError",
     "ConfigurationError",
     "ConversationBusyError",
     "DatabaseUnavailableError",
@@ -333,6 +336,13 @@ class BrokerUnavailableError(BrokerError, BrokerConnectionError):
 class QueueNotDeclaredError(BrokerError, QueueNotFound):
     """A message or a consumer named a queue the broker has not declared (it is
     dramatiq's ``QueueNotFound`` too, as dramatiq's broker contract expects)."""
+
+
+class ClaimLapsedError(BrokerError, SkipMessage):
+    """A claimed job reached a worker thread after its claim lapsed (it was not
+    started within half its lease, so its lease was not renewed and it may run
+    elsewhere): it is handed back to its queue, never run here. It is
+    dramatiq's ``SkipMessage`` too, so no other middleware runs for it."""
 
 
 class JobError(BrokerError):

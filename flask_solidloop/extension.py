@@ -376,6 +376,7 @@ class SolidLoop:
             url,
             job_lease=config.job_lease_seconds,
             poll_interval=config.poll_interval,
+            idle_poll_interval=config.idle_poll_interval,
             max_deliveries=config.job_max_deliveries,
             promote_after=(float(config.first_turn_max_wait) if config.continuation_first
                            else None),
@@ -412,7 +413,8 @@ class SolidLoop:
 def _maintenance_in_workers(state: SolidLoopState) -> list[PeriodicTaskMiddleware]:
     """The reaper (every SOLIDLOOP_REAPER_INTERVAL seconds) and the janitor
     (every SOLIDLOOP_JANITOR_INTERVAL seconds), run by worker processes
-    themselves: recovery and retention need nothing but workers."""
+    themselves, each by the fleet's leader for it: recovery and retention
+    need nothing but workers."""
     def in_app_context(task: Callable[[SolidLoopState], Any]) -> Callable[[], Any]:
         def run() -> Any:
             with state.app.app_context():
@@ -423,14 +425,16 @@ def _maintenance_in_workers(state: SolidLoopState) -> list[PeriodicTaskMiddlewar
         return run
 
     config = state.config
-    conninfo = libpq_url(state.broker.url)
     tasks: list[PeriodicTaskMiddleware] = []
+    # The reaper's leader recovers expired jobs each pass: the consumers of
+    # every process need not (one pass per interval for the fleet).
+    state.broker.recover_in_consumers = config.reaper_interval <= 0
     if config.reaper_interval > 0:
         tasks.append(ReaperTaskMiddleware("reaper", config.reaper_interval,
-                                          in_app_context(reap), conninfo=conninfo))
+                                          in_app_context(reap), broker=state.broker))
     if runs_in_workers(config):
         tasks.append(JanitorTaskMiddleware("janitor", config.janitor_interval,
-                                           in_app_context(prune_if_due), conninfo=conninfo))
+                                           in_app_context(prune_if_due), broker=state.broker))
     return tasks
 
 

@@ -120,7 +120,7 @@ def pooling_problem(*, session_url: str, session_probe: PoolingProbe,
     connections prepare statements (their ``prepare_threshold`` is not None).
     ``direct_url`` is SOLIDLOOP_DATABASE_URL, None when unset (the session URL
     then serves both); ``direct_probe`` is the probe of the URL the broker,
-    listener, renewer and advisory locks actually use."""
+    listener and renewer actually use."""
     prepare_fix = 'SQLALCHEMY_ENGINE_OPTIONS = {"connect_args": {"prepare_threshold": None}}'
     if direct_probe.transaction_pooled:
         # Both wrong: name both fixes in the one line, not one per attempt.
@@ -130,13 +130,13 @@ def pooling_problem(*, session_url: str, session_probe: PoolingProbe,
             return (f"SQLALCHEMY_DATABASE_URI ({redact_url(session_url)}) goes through a "
                     f"transaction-mode pooler ({direct_probe.evidence}), and with "
                     "SOLIDLOOP_DATABASE_URL unset the workers' LISTEN, lease renewer, "
-                    "consumers and advisory locks use it too, which such a pooler breaks; "
+                    "consumers and broker pool use it too, which such a pooler breaks; "
                     "set SOLIDLOOP_DATABASE_URL to a URL that reaches PostgreSQL directly "
                     f"(or through a session-mode pooler){also}, see {GUIDE}")
         return (f"SOLIDLOOP_DATABASE_URL ({redact_url(direct_url)}) goes through a "
                 f"transaction-mode pooler ({direct_probe.evidence}), but the workers' "
-                "LISTEN, lease renewer, consumers and advisory locks need a session of "
-                "their own; point SOLIDLOOP_DATABASE_URL at PostgreSQL directly (or "
+                "LISTEN (and the broker's pool, which prepares its statements) need a "
+                "session of their own; point SOLIDLOOP_DATABASE_URL at PostgreSQL directly (or "
                 f"through a session-mode pooler){also}, see {GUIDE}")
     if session_probe.transaction_pooled and session_prepares:
         return (f"SQLALCHEMY_DATABASE_URI ({redact_url(session_url)}) goes through a "

@@ -75,8 +75,10 @@ def record(state: SolidLoopState, task: str, *, duration_ms: float, total: int,
            counts: Mapping[str, int], error: BaseException | None = None) -> bool:
     """Upsert ``task``'s row for the pass that just ended; True when written.
 
-    Runs on the state's session, which the pass has left with no transaction
-    open; commits at once. Never raises (see the module docstring)."""
+    Runs on the state's session, in the transaction the pass left open (the
+    reaper's repairs that found nothing leave their reads to it, so an idle
+    pass is one transaction) or a new one; commits at once. Never raises (see
+    the module docstring)."""
     session = state.db.session
     params = {"task": task, "duration_ms": float(duration_ms), "ok": error is None,
               "total": int(total), "counts": json.dumps(dict(counts), sort_keys=True),

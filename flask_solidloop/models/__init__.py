@@ -18,7 +18,7 @@ from .mcp_session import McpSession
 from .message import Message
 from .stream_event import StreamEventRow
 from .tool_call import ToolCall
-from .worker import Worker
+from .worker import Leader, Worker
 
 __all__ = [
     "HOST_JOB_STATUSES",
@@ -29,6 +29,7 @@ __all__ = [
     "HostJob",
     "Job",
     "JobResult",
+    "Leader",
     "Loop",
     "LoopStatus",
     "MaintenanceRun",

@@ -1,9 +1,12 @@
-"""The worker registry row: one per dramatiq worker process, kept fresh by its heartbeat.
+"""The worker registry row (one per dramatiq worker process, kept fresh by its
+heartbeat) and the maintenance leaders (one row per in-worker periodic task).
 
 Written only by the heartbeat of queue/middleware/worker_registry.py (its SQL
 is in queue/sql.py) and pruned by the same heartbeat and by the janitor. What
 a worker *holds* is not stored here: it is read live from the lease holders of
 solidloop_loops and solidloop_tool_calls, which name the same ``host:pid``.
+A leader row is written only by queue/middleware/periodic.py (its SQL in
+queue/sql.py too).
 """
 
 from __future__ import annotations
@@ -39,3 +42,22 @@ class Worker(Base):
 
     def __repr__(self) -> str:
         return f"<Worker {self.identity}>"
+
+
+class Leader(Base):
+    """Which worker process runs one periodic task's passes, and until when."""
+
+    __tablename__ = "solidloop_leaders"
+
+    #: The task: ``reaper`` or ``janitor``.
+    name: Mapped[str] = mapped_column(String(100), primary_key=True)
+    #: ``host:pid:<instance>`` of the leading process's periodic thread.
+    holder: Mapped[str] = mapped_column(String(300), nullable=False)
+    #: The leadership lapses then unless the holder renews it (before each pass).
+    until: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    #: When this holder took the leadership.
+    since: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now(), nullable=False)
+
+    def __repr__(self) -> str:
+        return f"<Leader {self.name}: {self.holder}>"

@@ -25,7 +25,6 @@ reaper and operators query. An argument the encoder rejects raises at send.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -56,12 +55,10 @@ from ..errors import (
 )
 from ..urls import libpq_url, redact_url
 from . import sql as jobs_sql
+from .claims import Claim, ClaimBook, ClaimBookMiddleware
 from .listener import Listener
 
 logger = logging.getLogger("flask_solidloop.broker")
-
-#: application_name of each consumer's claim connection.
-CONSUMER_APPLICATION_NAME = "solidloop-consumer"
 
 #: dramatiq's own rule for queue names (dramatiq.actor enforces it too).
 QUEUE_NAME_RE = re.compile(r"[a-zA-Z_][a-zA-Z0-9._-]*")
@@ -162,7 +159,10 @@ class PostgresBroker(dramatiq.Broker):
     Parameters:
       url: a PostgreSQL URL (SQLAlchemy or libpq form).
       job_lease: seconds before an unacknowledged claimed job is redelivered.
-      poll_interval: seconds a consumer waits for a NOTIFY before polling anyway.
+      poll_interval: seconds between a consumer's looks at its queue while
+        the listener does not hear it (down, or not LISTENing yet).
+      idle_poll_interval: seconds between those looks while it does (every
+        enqueue notifies; this is a safety net).
       max_deliveries: deliveries without an ack before a job is dead-lettered.
     """
 
@@ -173,6 +173,7 @@ class PostgresBroker(dramatiq.Broker):
         middleware: list[dramatiq.Middleware] | None = None,
         job_lease: float = 60.0,
         poll_interval: float = 1.0,
+        idle_poll_interval: float = 30.0,
         max_deliveries: int = 5,
         promote_after: float | None = None,
         fair_share_quantum: float = 0.0,
@@ -193,6 +194,12 @@ class PostgresBroker(dramatiq.Broker):
         self.conninfo = libpq_url(url)
         self.job_lease = float(job_lease)
         self.poll_interval = float(poll_interval)
+        self.idle_poll_interval = max(float(idle_poll_interval), self.poll_interval)
+        #: This process's claims, shared by its consumers (queue/claims.py).
+        self.claims = ClaimBook(self.job_lease)
+        # First, so no other middleware has begun a message whose claim lapsed.
+        self.add_middleware(ClaimBookMiddleware(self.claims),
+                            before=type(self.middleware[0]) if self.middleware else None)
         self.max_deliveries = int(max_deliveries)
         self.queues: dict[str, None] = {}
         self._pool: ConnectionPool | None = None
@@ -201,6 +208,9 @@ class PostgresBroker(dramatiq.Broker):
         self._listener_lock = threading.Lock()
         self._notify_handlers: dict[str, Callable[[str], None]] = {}
         self._last_recover = 0.0
+        #: Whether consumers run recovery passes themselves: True unless the
+        #: in-worker reaper, whose passes begin with one, runs (decision 0029).
+        self.recover_in_consumers = True
         #: URLs of sessions already checked by check_session (the check runs once per engine).
         self._session_urls: set[str] = set()
 
@@ -343,8 +353,9 @@ class PostgresBroker(dramatiq.Broker):
             "tier": 0 if options.get("solidloop_continuation") else 1,
             "channel": jobs_sql.CHANNEL_PREFIX + message.queue_name,
         }
-        later = delay or (eta is not None and eta.timestamp() > time.time())
-        query = jobs_sql.INSERT if later else jobs_sql.INSERT_AND_NOTIFY
+        # Delayed jobs notify too: a consumer that LISTENs looks at its table only
+        # when told (or at its rare idle poll), and must learn the new due time.
+        query = jobs_sql.INSERT_AND_NOTIFY
         if connection is None:
             self._run(query, params)
         else:
@@ -409,8 +420,7 @@ class PostgresBroker(dramatiq.Broker):
             "eta": eta,
             "channel": jobs_sql.CHANNEL_PREFIX + message.queue_name,
         }
-        later = delay or (eta is not None and eta.timestamp() > time.time())
-        query = jobs_sql.HOST_JOB_ENQUEUE if later else jobs_sql.HOST_JOB_ENQUEUE_AND_NOTIFY
+        query = jobs_sql.HOST_JOB_ENQUEUE_AND_NOTIFY  # delayed ones too, as enqueue() says
         if connection is None:
             rows = self._run(query, params)
         else:
@@ -469,8 +479,10 @@ class PostgresBroker(dramatiq.Broker):
     # -- maintenance -----------------------------------------------------------
 
     def recover_expired(self, connection: Any = None) -> int:
-        """Return jobs whose holder stopped renewing to the queue. Idempotent."""
-        params = {"max_deliveries": self.max_deliveries}
+        """Return jobs whose holder stopped renewing to the queue, and apply
+        continuation-first's starvation bound (``promote_after``), in one
+        statement. Idempotent."""
+        params = {"max_deliveries": self.max_deliveries, "promote_after": self.promote_after}
         rows = self._run(jobs_sql.RECOVER, params) if connection is None else execute_on(
             connection, jobs_sql.RECOVER, params, fetch=True
         )
@@ -493,14 +505,16 @@ class PostgresBroker(dramatiq.Broker):
         execute_on(connection, jobs_sql.CANCEL_LOOP_JOBS, (reason, loop_id))
 
     def maybe_recover_expired(self) -> None:
+        """A consumer's own recovery pass, every quarter of the job lease, unless
+        the reaper runs it in the workers (``recover_in_consumers`` False)."""
+        if not self.recover_in_consumers:
+            return
         now = time.monotonic()
         if now - self._last_recover < max(self.job_lease / 4, 1.0):
             return
         self._last_recover = now
         try:
             self.recover_expired()
-            if self.promote_after is not None:
-                self._run(jobs_sql.PROMOTE, (self.promote_after,))
         except BrokerConnectionError:
             raise
         except Exception:
@@ -510,35 +524,43 @@ class PostgresBroker(dramatiq.Broker):
 class PostgresConsumer(Consumer):
     """Iterates over the jobs of one queue. Used by one ConsumerThread.
 
-    The consumer thread claims and renews on its own connection, which
-    LISTENs on nothing; it waits for work on the broker's shared
+    Every statement goes through the broker's pool (the consumer holds no
+    connection of its own); it waits for work on the broker's shared
     :class:`~flask_solidloop.queue.listener.Listener`, which wakes only the
-    consumers of the queue notified. Acks arrive from worker threads and go
-    through the broker's pool.
+    consumers of the queue notified. Every enqueue notifies, delayed ones
+    included, so a consumer whose queue's channel is LISTENed looks at the
+    table only when told, when a delayed job falls due, or every
+    ``idle_poll_interval`` as a safety net; while the listener is down it
+    polls every ``poll_interval``. It claims no more than the broker's
+    :class:`~flask_solidloop.queue.claims.ClaimBook` has room for (this
+    process's free threads) and renews only jobs that have started.
     """
 
     def __init__(self, broker: PostgresBroker, queue_name: str, prefetch: int, timeout: int):
         self.broker = broker
+        self.book = broker.claims
         self.queue_name = queue_name
         self.prefetch = max(1, prefetch)
         self.timeout = timeout / 1000.0
         self.buffer: deque[PostgresMessageProxy] = deque()
         self.held: dict[int, uuid.UUID] = {}
         self.held_lock = threading.Lock()
-        # Signalled whenever a held job is released (ack/nack/requeue), so a
-        # consumer whose prefetch window is full resumes claiming at once.
-        self.released = threading.Condition(self.held_lock)
         self.last_renewal = time.monotonic()
         #: Claim statements run, and waits a notification ended (the rest timed out).
         self.claims = 0
         self.wakeups = 0
-        self.conn = broker.connect(application_name=CONSUMER_APPLICATION_NAME)
+        #: When the table must be looked at again though nothing was notified
+        #: (the poll, or the next delayed job's due time); 0: at once.
+        self.next_look = 0.0
+        self.looked_at = 0.0
         self.listener = broker.listener
         # Returns once the queue's channel is LISTENed, so no commit can fall
         # between our first empty claim and the listening (or after a bounded
         # wait if the listener cannot connect: we poll until it does).
         self.listener.subscribe(queue_name)
         self._subscribed = True
+        #: The queue's wake-up generation when the table was last looked at.
+        self.seen = self.listener.generation(queue_name)
 
     def __next__(self) -> MessageProxy | None:
         try:
@@ -546,55 +568,96 @@ class PostgresConsumer(Consumer):
             self.broker.maybe_recover_expired()
             if self.buffer:
                 return self.buffer.popleft()
-            # Read before the claim: a notification landing after this read
-            # (even before the wait begins) ends the wait at once.
-            seen = self.listener.generation(self.queue_name)
-            if self._claim():
+            if self._due() and self._look():
                 return self.buffer.popleft()
-            self._wait(seen)
-            if self._claim():
+            self._wait()
+            if self._due() and self._look():
                 return self.buffer.popleft()
             return None
         except psycopg.OperationalError as exc:
             raise BrokerUnavailableError(str(exc)) from exc
 
-    def _claim(self) -> bool:
+    def _due(self) -> bool:
+        """Whether the table may hold a job for us now: a notification since
+        the last look, the poll or a delayed job's due time reached."""
+        now = time.monotonic()
+        return (self.listener.generation(self.queue_name) != self.seen
+                or now >= self.next_look
+                # The listener lost the queue since the look was planned: poll.
+                or (now - self.looked_at >= self.broker.poll_interval
+                    and not self.listener.hears(self.queue_name)))
+
+    def _look(self) -> bool:
+        """Claim what there is room for; plan the next look. True if it claimed."""
         with self.held_lock:
             room = self.prefetch - len(self.held)
-        if room <= 0:
-            return False
-        self.claims += 1
-        rows = self.conn.execute(jobs_sql.CLAIM, {
-            "lease": self.broker.job_lease, "queue": self.queue_name, "limit": room,
-        }).fetchall()
-        rows.sort(key=lambda row: row[0])
-        for job_id, lease_token, data, attempts in rows:
-            message: Message = decode_message(data)
-            with self.held_lock:
-                self.held[job_id] = lease_token
-            self.buffer.append(PostgresMessageProxy(message, job_id, lease_token, attempts))
-        return bool(rows)
+        reserved = self.book.reserve(room) if room > 0 else 0
+        if reserved <= 0:
+            return False  # no room: _wait waits for some, then the look is still due
+        # Read before the claim: a notification landing after this read (even
+        # before the wait begins) makes the next look due at once.
+        self.seen = self.listener.generation(self.queue_name)
+        self.looked_at = time.monotonic()
+        claims: list[Claim] = []
+        try:
+            self.claims += 1
+            sent_at = time.monotonic()
+            rows = self.broker._run(jobs_sql.CLAIM, {
+                "lease": self.broker.job_lease, "queue": self.queue_name, "limit": reserved,
+            })
+            rows.sort(key=lambda row: row[0])
+            for job_id, lease_token, data, attempts in rows:
+                message: Message = decode_message(data)
+                claims.append(Claim(job_id, lease_token, sent_at))
+                with self.held_lock:
+                    self.held[job_id] = lease_token
+                self.buffer.append(PostgresMessageProxy(message, job_id, lease_token, attempts))
+        finally:
+            self.book.settle(reserved, claims)
+        if len(claims) >= reserved:
+            self.next_look = 0.0  # the claim was cut short by room: there may be more
+        else:
+            self._plan_next_look()
+        return bool(claims)
 
-    def _wait(self, seen: int) -> None:
-        """Wait for work: a notification of this queue after ``seen``, the
-        next ETA of a delayed job, or the poll interval, whichever is first."""
-        wait = min(self.timeout, self.broker.poll_interval)
+    def _plan_next_look(self) -> None:
+        """After a claim that emptied the queue's due jobs: look again at the
+        next delayed job's due time, or after the poll interval (the long one
+        while the listener hears this queue)."""
+        hears = self.listener.hears(self.queue_name)
+        poll = self.broker.idle_poll_interval if hears else self.broker.poll_interval
+        rows = self.broker._run(jobs_sql.NEXT_ETA, (self.queue_name,))
+        if rows and rows[0][0] is not None:
+            poll = max(0.0, min(poll, float(rows[0][0])))
+        self.next_look = time.monotonic() + poll
+
+    def _wait(self) -> None:
+        """Wait for work, at most the consumer's timeout (so dramatiq can stop
+        or pause it) and never past the next renewal: room in the claim book
+        when there is none, else a notification of this queue or the next look."""
+        wait = min(self.timeout, self._until_renewal())
         with self.held_lock:
             full = len(self.held) >= self.prefetch
-            if full:
-                # Nothing can be claimed until a worker thread releases a job, and
-                # releases send no NOTIFY: wait for the release itself, not a NOTIFY.
-                # The claim that follows sees every row announced meanwhile.
-                self.released.wait(timeout=wait)
-        if full:
+        if full or not self.book.has_room():
+            # Nothing can be claimed until a job is released, and releases send
+            # no NOTIFY: wait for the release itself. The look that follows
+            # sees every row announced meanwhile (its generation moved).
+            self.book.wait_for_room(wait, also=lambda: len(self.held) < self.prefetch)
             return
-        row = self.conn.execute(jobs_sql.NEXT_ETA, (self.queue_name,)).fetchone()
-        if row and row[0] is not None:
-            wait = max(0.0, min(wait, float(row[0])))
+        wait = min(wait, self.next_look - time.monotonic())
+        if not self.listener.hears(self.queue_name):
+            wait = min(wait, self.looked_at + self.broker.poll_interval - time.monotonic())
         if wait <= 0:
             return
-        if self.listener.wait(self.queue_name, seen, wait):
+        if self.listener.wait(self.queue_name, self.seen, wait):
             self.wakeups += 1
+
+    def _until_renewal(self) -> float:
+        with self.held_lock:
+            holding = bool(self.held)
+        if not holding:
+            return float("inf")
+        return max(0.0, self.last_renewal + self.broker.job_lease / 3 - time.monotonic())
 
     def _renew_if_due(self) -> None:
         now = time.monotonic()
@@ -602,25 +665,31 @@ class PostgresConsumer(Consumer):
             return
         self.last_renewal = now
         with self.held_lock:
-            held = list(self.held.items())
-        if held:
-            self.conn.execute(jobs_sql.RENEW, (self.broker.job_lease,
-                                               [job_id for job_id, _ in held],
-                                               [token for _, token in held]))
+            held = dict(self.held)
+        # Only started jobs: a claim no thread has reached lapses (queue/claims.py).
+        started = self.book.started(list(held))
+        if started:
+            self.broker._run(jobs_sql.RENEW, (self.broker.job_lease, started,
+                                              [held[job_id] for job_id in started]))
 
     def _release(self, message: MessageProxy) -> tuple[int, uuid.UUID] | None:
         if not isinstance(message, PostgresMessageProxy):
             return None
         with self.held_lock:
             self.held.pop(message.job_id, None)
-            self.released.notify_all()
+        self.book.release(message.job_id)
         return message.job_id, message.lease_token
 
     def ack(self, message: MessageProxy) -> None:
+        lapsed = isinstance(message, PostgresMessageProxy) and self.book.lapsed(message.job_id)
         key = self._release(message)
+        if key and lapsed:
+            # Never run here (ClaimLapsedError): back to its queue unless another
+            # holder has it already (the requeue is fenced on our lease token).
+            self._requeue(key)
         # An actor that marked its job done in its own committed transaction
         # leaves nothing to acknowledge (the statement would match no row).
-        if key and not getattr(message, "done_in_transaction", False):
+        elif key and not getattr(message, "done_in_transaction", False):
             self.broker._run(jobs_sql.MARK_DONE, key)
 
     def nack(self, message: MessageProxy) -> None:
@@ -630,14 +699,22 @@ class PostgresConsumer(Consumer):
                      or str(getattr(message, "_exception", "")) or None)
             self.broker._run(jobs_sql.NACK, (error, *key))
 
+    def _requeue(self, key: tuple[int, uuid.UUID]) -> None:
+        """Hand a claimed job back, and wake the consumers of its queue (which
+        poll rarely while they LISTEN)."""
+        try:
+            if self.broker._run(jobs_sql.REQUEUE_AND_NOTIFY, {
+                    "id": key[0], "lease_token": key[1],
+                    "channel": jobs_sql.CHANNEL_PREFIX + self.queue_name}):
+                logger.info("job %s on %s handed back to its queue", key[0], self.queue_name)
+        except Exception:  # the lease will expire and redeliver it anyway
+            logger.warning("could not requeue job %s; its lease will expire", key[0])
+
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
         for message in [*messages, *self.buffer]:
             key = self._release(message)
             if key:
-                try:
-                    self.broker._run(jobs_sql.REQUEUE, key)
-                except Exception:  # the lease will expire and redeliver it anyway
-                    logger.warning("could not requeue job %s; its lease will expire", key[0])
+                self._requeue(key)
         self.buffer.clear()
 
     def close(self) -> None:
@@ -647,7 +724,3 @@ class PostgresConsumer(Consumer):
             if self._subscribed:
                 self._subscribed = False
                 self.listener.unsubscribe(self.queue_name)
-            with contextlib.suppress(Exception):
-                self.conn.close()
-
-

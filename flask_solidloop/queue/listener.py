@@ -7,9 +7,11 @@ consumer reads the generation before it claims and waits until it moves (or
 its poll timeout passes), so a notification that arrives between an empty
 claim and the wait is never lost.
 
-The listener is only a wake-up: while its connection is down, consumers
-time out of their waits and poll, as they always do. On reconnect it LISTENs
-again and bumps every generation, since notifications sent meanwhile are gone.
+While the listener hears a queue (:meth:`Listener.hears`), its consumers
+look at the table only when notified, when a delayed job falls due, or at a
+long idle poll; while its connection is down they poll every
+``poll_interval``. On reconnect it LISTENs again and bumps every generation,
+since notifications sent meanwhile are gone.
 
 Other parts of the process may hear a channel of their own on the same
 connection (:meth:`Listener.on_notify`): a handler is called with each
@@ -168,6 +170,16 @@ class Listener:
             if q is None:
                 return False
             return q.cond.wait_for(lambda: q.generation != seen, timeout)
+
+    def hears(self, queue_name: str) -> bool:
+        """Whether the live connection LISTENs on the queue's channel now (as
+        PostgreSQL confirmed): its consumers may then poll rarely, since every
+        enqueue notifies. Until the next reconnect, which bumps every
+        generation, no notification of it can be missed."""
+        with self._lock:
+            session = self._session
+            return (session is not None and session.backend_pid is not None
+                    and CHANNEL_PREFIX + queue_name in session.listening)
 
     # -- observability (tests, benchmarks) ------------------------------------------
 

@@ -76,12 +76,6 @@ NEXT_ETA = (
     "SELECT EXTRACT(EPOCH FROM (min(eta) - now())) FROM solidloop_jobs "
     "WHERE queue_name = %s AND state = 'queued'"
 )
-#: Continuation-first's starvation bound: a tier-1 job (a new loop's first turn,
-#: a host job) that has waited this long joins tier 0, where age decides.
-PROMOTE = (
-    "UPDATE solidloop_jobs SET tier = 0 WHERE state = 'queued' AND tier = 1 "
-    "AND eta < now() - make_interval(secs => %s)"
-)
 #: The ack, and an actor marking its own job done inside its state change's
 #: transaction: fenced on the lease token, so a stale holder changes nothing.
 MARK_DONE = (
@@ -98,10 +92,13 @@ NACK = (
     "UPDATE solidloop_jobs SET state = 'dead', finished_at = now(), lease_until = NULL, "
     "last_error = %s WHERE id = %s AND lease_token = %s AND state = 'running'"
 )
-REQUEUE = (
-    "UPDATE solidloop_jobs SET state = 'queued', lease_token = NULL, lease_until = NULL, "
-    "attempts = greatest(attempts - 1, 0) "
-    "WHERE id = %s AND lease_token = %s AND state = 'running'"
+#: A claim handed back (never run: a lapsed claim, a stopping worker), and the
+#: wake-up of its queue's consumers, who look at the table only when notified.
+REQUEUE_AND_NOTIFY = (
+    "WITH job AS (UPDATE solidloop_jobs SET state = 'queued', lease_token = NULL, "
+    "lease_until = NULL, attempts = greatest(attempts - 1, 0) "
+    "WHERE id = %(id)s AND lease_token = %(lease_token)s AND state = 'running' RETURNING 1) "
+    "SELECT pg_notify(%(channel)s, '') FROM job"
 )
 # Fenced on the lease token too: a consumer whose job was redelivered to
 # another holder must not keep extending the new holder's lease.
@@ -112,6 +109,8 @@ RENEW = (
 )
 # A job whose holder died returns to the queue; one that has been delivered
 # max_deliveries times without an ack is presumed poisonous and dead-lettered.
+# The same statement applies continuation-first's starvation bound, given
+# ``promote_after``, so a recovery pass is one transaction.
 RECOVER = """
 WITH expired AS (
     SELECT id FROM solidloop_jobs
@@ -119,14 +118,23 @@ WITH expired AS (
      ORDER BY lease_until
      LIMIT 1000
      FOR UPDATE SKIP LOCKED
+), recovered AS (
+    UPDATE solidloop_jobs AS j
+       SET state = CASE WHEN j.attempts >= %(max_deliveries)s THEN 'dead' ELSE 'queued' END,
+           finished_at = CASE WHEN j.attempts >= %(max_deliveries)s THEN now() END,
+           last_error = 'job lease expired: the worker holding it stopped acknowledging',
+           lease_token = NULL, lease_until = NULL
+      FROM expired WHERE j.id = expired.id
+    RETURNING j.id, j.queue_name, j.state
+), promoted AS (
+    -- Continuation-first's starvation bound: a tier-1 job (a new loop's first
+    -- turn, a host job) that has waited promote_after seconds joins tier 0,
+    -- where age decides. None when promote_after is NULL.
+    UPDATE solidloop_jobs SET tier = 0
+     WHERE %(promote_after)s::float8 IS NOT NULL AND state = 'queued' AND tier = 1
+       AND eta < now() - make_interval(secs => %(promote_after)s::float8)
 )
-UPDATE solidloop_jobs AS j
-   SET state = CASE WHEN j.attempts >= %(max_deliveries)s THEN 'dead' ELSE 'queued' END,
-       finished_at = CASE WHEN j.attempts >= %(max_deliveries)s THEN now() END,
-       last_error = 'job lease expired: the worker holding it stopped acknowledging',
-       lease_token = NULL, lease_until = NULL
-  FROM expired WHERE j.id = expired.id
-RETURNING j.id, j.queue_name, j.state
+SELECT id, queue_name, state FROM recovered
 """
 #: A force-stopped loop's queued jobs are done, with the reason kept.
 CANCEL_LOOP_JOBS = (
@@ -163,7 +171,6 @@ _HOST_JOB_ENQUEUE = (
     "coalesce(%(eta)s::timestamptz, now() + make_interval(secs => %(delay)s)) FROM h "
     "RETURNING id) "
 )
-HOST_JOB_ENQUEUE = _HOST_JOB_ENQUEUE + "SELECT job.id FROM job"
 HOST_JOB_ENQUEUE_AND_NOTIFY = (
     _HOST_JOB_ENQUEUE + "SELECT job.id, pg_notify(%(channel)s, '') FROM job"
 )
@@ -301,6 +308,32 @@ PERIODIC_CLAIM = (
     "RETURNING name, (xmax = 0) AS first"
 )
 
+# -- maintenance leaders (queue/middleware/periodic.py) ----------------------------
+# One row per in-worker periodic task. The UPDATE matches only for the holder or
+# once the leadership lapsed, so a follower's check writes and locks nothing.
+
+LEADER_TAKE = """
+WITH taken AS (
+    UPDATE solidloop_leaders
+       SET holder = %(holder)s, until = now() + make_interval(secs => %(ttl)s),
+           since = CASE WHEN holder = %(holder)s THEN since ELSE now() END
+     WHERE name = %(name)s AND (holder = %(holder)s OR until < now())
+    RETURNING since
+), first AS (  -- the task's first leader ever: no row yet
+    INSERT INTO solidloop_leaders (name, holder, until)
+    SELECT %(name)s, %(holder)s, now() + make_interval(secs => %(ttl)s)
+     WHERE NOT EXISTS (SELECT 1 FROM solidloop_leaders WHERE name = %(name)s)
+    ON CONFLICT (name) DO NOTHING
+    RETURNING since
+)
+SELECT since FROM taken UNION ALL SELECT since FROM first
+"""
+#: A clean shutdown hands the leadership over at once.
+LEADER_RELEASE = (
+    "UPDATE solidloop_leaders SET until = now() - interval '1 second' "
+    "WHERE name = %(name)s AND holder = %(holder)s"
+)
+
 # -- the worker registry (queue/middleware/worker_registry.py) ---------------------
 # One row per worker process, keyed by ``host:pid`` (the lease_holder value), so
 # a pid reused by a restarted container takes its row over instead of adding one.
@@ -314,15 +347,15 @@ ON CONFLICT (identity) DO UPDATE
 """
 WORKER_HEARTBEAT = (
     "UPDATE solidloop_workers SET last_seen_at = now() "
-    "WHERE identity = %(identity)s AND stopped_at IS NULL"
+    "WHERE identity = %(identity)s AND stopped_at IS NULL RETURNING 1"
 )
 WORKER_STOPPED = (
     "UPDATE solidloop_workers SET last_seen_at = now(), stopped_at = now() "
-    "WHERE identity = %(identity)s"
+    "WHERE identity = %(identity)s RETURNING 1"
 )
 #: Rows of workers that stopped, or went silent, longer than ``%(age)s`` seconds ago.
 _WORKERS_GONE = "coalesce(stopped_at, last_seen_at) < now() - make_interval(secs => %(age)s)"
-WORKER_PRUNE = "DELETE FROM solidloop_workers WHERE " + _WORKERS_GONE
+WORKER_PRUNE = "DELETE FROM solidloop_workers WHERE " + _WORKERS_GONE + " RETURNING 1"
 #: How many rows WORKER_PRUNE would delete (``flask solidloop prune --dry-run``).
 WORKER_PRUNE_COUNT = "SELECT count(*) FROM solidloop_workers WHERE " + _WORKERS_GONE
 #: The queues that live workers consume: registered, not stopped, and heard

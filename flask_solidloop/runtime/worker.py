@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 
 import dramatiq
 import psycopg
@@ -25,6 +26,7 @@ from flask.cli import ScriptInfo
 from sqlalchemy.exc import SQLAlchemyError
 
 from .. import pooler
+from ..config import Config
 from ..database import check_schema
 from ..errors import DatabaseUnavailableError, NotInitializedError, SetupError
 from ..pipeline import tool_threads
@@ -177,6 +179,38 @@ def restart_worker_processes(quarantined: int) -> None:
     log.error("%d abandoned tool threads in this process (SOLIDLOOP_TOOL_QUARANTINE_LIMIT): "
               "asking dramatiq to restart its worker processes to reclaim them", quarantined)
     os.kill(os.getppid(), signal.SIGHUP)
+
+
+#: The broker's pool: claims, acknowledgements, job renewals, heartbeats and
+#: the maintenance leaders' checks (queue/broker.py opens it with max_size 4).
+BROKER_POOL_MAX = 4
+
+
+@dataclass(frozen=True)
+class ConnectionNeed:
+    """One line of a worker process's connection budget."""
+
+    what: str
+    count: int
+
+
+def connection_budget(config: Config, *, threads: int) -> list[ConnectionNeed]:
+    """The PostgreSQL connections one worker process may hold at most, by use
+    (docs/guides/workers.md, "Database connections"): what ``flask solidloop
+    worker --dry-run`` prints, and what the fleet's sizing is checked against."""
+    needs = [ConnectionNeed("SQLAlchemy pool (pool_size + max_overflow): worker threads + 1",
+                            threads + 1)]
+    if config.llm_io == "async":
+        needs.append(ConnectionNeed("async LLM I/O: commit threads + the owners' check "
+                                    "(from the SQLAlchemy pool: add them to it)",
+                                    config.llm_io_commit_threads + 1))
+    needs += [
+        ConnectionNeed("lease renewer (solidloop-lease-renewer), while anything is leased", 1),
+        ConnectionNeed("queue listener (solidloop-listener), LISTEN for every queue", 1),
+        ConnectionNeed("broker pool: claims, acks, renewals, heartbeats, leader checks",
+                       BROKER_POOL_MAX),
+    ]
+    return needs
 
 
 #: dramatiq's exit code for "broker connection failed during worker startup".

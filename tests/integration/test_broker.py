@@ -358,8 +358,11 @@ def test_delay_is_stored_as_eta_and_gates_the_claim(app, state, broker, pg):
     with consuming(broker) as consumer:
         assert next(consumer) is None
         assert job(pg, job_id)["state"] == "queued"
+        # A row made due by hand: a NOTIFY on its queue's channel wakes the
+        # consumer (it would otherwise look at its next poll or due time).
         pg.execute("UPDATE solidloop_jobs SET eta = now() - interval '1 millisecond' "
                    "WHERE id = %s", (job_id,))
+        pg.execute("SELECT pg_notify(%s, '')", (CHANNEL_PREFIX + consumer.queue_name,))
         message = next(consumer)
         assert message is not None and message.job_id == job_id
         consumer.ack(message)

@@ -75,8 +75,9 @@ def wait_until(predicate, what):
         time.sleep(0.02)
 
 
-def own_listening_channels(consumer):
-    return [row[0] for row in consumer.conn.execute("SELECT pg_listening_channels()")]
+def consumer_backends(pg):
+    return pg.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = "
+                      "'solidloop-consumer' AND datname = current_database()").fetchone()[0]
 
 
 # -- one LISTEN backend per broker and process ------------------------------------------
@@ -93,8 +94,10 @@ def test_consumers_of_three_queues_share_one_listen_backend(app, broker, pg):
         # channel of watchers' arrivals (decision 0031), on the same backend.
         assert listener.listening() == {CHANNEL_PREFIX + q for q in queues} | {
             listener.control_channel, WATCH_CHANNEL}
-        # The consumers' claim connections listen on nothing.
-        assert [own_listening_channels(c) for c in consumers] == [[], [], []]
+        # The consumers claim through the broker's pool, whose connections
+        # listen on nothing, and hold no connection of their own.
+        assert broker._run("SELECT pg_listening_channels()") == []
+        assert consumer_backends(pg) == 0
         # Exactly one listener backend on this database (earlier tests' listeners
         # close their connections when their last consumer leaves).
         wait_until(lambda: listener_backends(pg) == [listener.backend_pid],
@@ -116,7 +119,7 @@ def test_a_real_worker_uses_one_listen_backend_for_all_its_queues(app, state, br
                    "the listener LISTENs on every consumed queue")
         wait_until(lambda: listener_backends(pg) == [listener.backend_pid],
                    "one listener backend")
-        assert all(own_listening_channels(c) == [] for c in consumers)
+        assert consumer_backends(pg) == 0  # they claim through the broker's pool
         job_id = send_job(state)  # the poll is an hour away: only the NOTIFY runs it
         wait_until(lambda: pg.execute("SELECT state FROM solidloop_jobs WHERE id = %s",
                                       (job_id,)).fetchone()[0] == "done", "the job ran")
@@ -182,13 +185,21 @@ def test_no_wake_up_is_lost_between_an_empty_claim_and_the_wait(app, state, brok
     assert received == sent
 
 
-def test_a_delayed_job_wakes_its_consumer_when_due_without_a_notify(app, state, broker, pg):
-    broker.poll_interval = HOUR
+def test_a_delayed_job_is_claimed_when_due_by_a_consumer_that_polls_hourly(app, state, broker,
+                                                                         pg):
+    broker.poll_interval = broker.idle_poll_interval = HOUR
     with consuming(broker) as consumer:
-        job_id = send_job(state, delay=1500)  # a delayed insert sends no NOTIFY
-        message = Next(consumer).join()
+        waiting = Next(consumer)
+        wait_until(lambda: consumer.claims >= 1, "the consumer looked at its empty queue")
+        # Its next look is an hour away: the delayed insert's NOTIFY tells it
+        # the new due time, and it claims the job then, not before.
+        job_id = send_job(state, delay=1500)
+        message = waiting.join()
+        assert consumer.wakeups == 1
+        if message is None:  # woken early, it found nothing due: it waits for the due time
+            message = Next(consumer).join()
         assert message is not None and message.job_id == job_id
-        assert consumer.wakeups == 0  # the ETA ended the wait, not a notification
+        assert consumer.wakeups == 1  # the due time ended the last wait, not a notification
         eta, started_at = pg.execute("SELECT eta, started_at FROM solidloop_jobs "
                                      "WHERE id = %s", (job_id,)).fetchone()
         assert started_at >= eta  # never claimed before it was due

@@ -5,7 +5,6 @@ from __future__ import annotations
 from sqlalchemy import select, text
 
 from flask_solidloop.models import Job, Loop
-from flask_solidloop.queue import sql as jobs_sql
 from flask_solidloop.state import get_state
 from flask_solidloop.testing import drain as run
 
@@ -47,7 +46,7 @@ def test_a_new_loop_waits_no_longer_than_the_bound(app, session, llm):
     session.execute(text("UPDATE solidloop_jobs SET eta = now() - interval '1 hour' "
                          "WHERE loop_id = :id AND state = 'queued'"), {"id": second})
     session.commit()
-    broker._run(jobs_sql.PROMOTE, (broker.promote_after,))
+    broker.recover_expired()  # the recovery pass applies the bound
     run(app, queues=("solidloop_llm",), max_jobs=1)
     session.expire_all()
     assert session.get(Loop, second).status != "queued"  # claimed first, by age

@@ -11,6 +11,7 @@ import os
 import threading
 import time
 
+import dramatiq
 from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import select
@@ -622,6 +623,13 @@ def notify_ticket_closed(loop: Loop, session) -> None:
     ticket_closed_notice.send_with_options(args=(loop.id,), session=session)
 
 
+class WedgeWorkerThreads(dramatiq.Middleware):
+    """Every worker thread blocks forever as it boots (tests/acceptance/test_fleet_workers.py)."""
+
+    def after_worker_thread_boot(self, broker, thread) -> None:
+        threading.Event().wait()
+
+
 def create_app(**config) -> Flask:
     import json
 
@@ -640,6 +648,10 @@ def create_app(**config) -> Flask:
         logging.getLogger("flask_solidloop.jobs").setLevel(app.config["TEST_JOBS_LOG_LEVEL"])
     db.init_app(app)
     solidloop.init_app(app, db=db)
+    if app.config.get("TEST_WEDGE_WORKER_THREADS"):
+        # A worker process whose threads never take a job (stuck at boot), while
+        # its consumers run: what a wedged process looks like to the queue.
+        app.extensions["solidloop"].broker.add_middleware(WedgeWorkerThreads())
     drop = os.environ.get(DROP_PATTERN_ENV)
     if drop:
         # A worker subprocess of a fault test: drop the connection under the

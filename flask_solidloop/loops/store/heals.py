@@ -2,6 +2,11 @@
 worker): each is one statement that picks its candidates with ``FOR UPDATE
 SKIP LOCKED`` and repairs them, and the jobs the repairs imply, in one commit.
 Reapers racing on one loop resolve to one repair; each is idempotent.
+
+A repair that found nothing commits nothing: its statement changed no row
+and locked none, and the session's transaction (reads only) goes on to the
+next case, so an idle pass is one transaction, not one per case (the pass's
+record ends it). A repair that changed something commits at once.
 """
 
 from __future__ import annotations
@@ -27,8 +32,14 @@ def _requeued(state: SolidLoopState, session: SessionLike, statement: str,
     ids = [row[0] for row in fetch_rows(session, statement, params)]
     for loop_id in ids:
         state.dispatch.llm_turn(session, loop_id)
-    session.commit()
+    _commit_if(session, ids)
     return ids
+
+
+def _commit_if(session: SessionLike, healed: list[int]) -> None:
+    """Commit the repairs, if any (see the module docstring)."""
+    if healed:
+        session.commit()
 
 
 @commits
@@ -52,7 +63,7 @@ def heal_stuck_queued(state: SolidLoopState, session: SessionLike, *,
     ids = [row[0] for row in fetch_rows(session, sql.HEAL_STUCK_QUEUED, {"grace": threshold})]
     for loop_id in ids:
         state.dispatch.llm_turn(session, loop_id)
-    session.commit()
+    _commit_if(session, ids)
     return ids
 
 
@@ -67,7 +78,7 @@ def heal_stalled_tools(state: SolidLoopState, session: SessionLike, *,
         state.dispatch.tool_call(session, call_id, token, loop_id=loop_id,
                                  reaper_lease_token=lease)
         healed.append(call_id)
-    session.commit()
+    _commit_if(session, healed)
     return healed
 
 
@@ -88,7 +99,7 @@ def heal_dropped_tools(state: SolidLoopState, session: SessionLike, *, grace: fl
             healed.append(call_id)
     if healed:
         execute(session, sql.TOUCH_CALLS, {"call_ids": healed})
-    session.commit()
+    _commit_if(session, healed)
     return healed
 
 
@@ -101,7 +112,7 @@ def heal_expired_waits(state: SolidLoopState, session: SessionLike, *,
     for call_id, loop_id in fetch_rows(session, sql.EXPIRED_WAITS, {"grace": grace}):
         state.dispatch.wait_timeout(session, call_id, loop_id=loop_id, delay_ms=0)
         healed.append(call_id)
-    session.commit()
+    _commit_if(session, healed)
     return healed
 
 
@@ -109,5 +120,5 @@ def heal_expired_waits(state: SolidLoopState, session: SessionLike, *,
 def heal_orphan_shells(session: SessionLike) -> list[int]:
     """``processing`` shells of loops that are not running: failed and hidden."""
     ids = [row[0] for row in fetch_rows(session, sql.HEAL_ORPHAN_SHELLS, {})]
-    session.commit()
+    _commit_if(session, ids)
     return ids

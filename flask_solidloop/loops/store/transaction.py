@@ -46,7 +46,9 @@ KIND = "solidloop_transaction"
 
 
 def commits(function: F) -> F:
-    """The function commits the session's transaction before it returns."""
+    """The function commits the session's transaction before it returns, when
+    it wrote anything (one that wrote nothing and locked nothing may leave a
+    read-only transaction open, for its caller to end)."""
     setattr(function, KIND, "commits")
     return function
 

@@ -3,13 +3,15 @@
 At boot a process registers ``host:pid`` (the value its leases carry in
 ``lease_holder``), its queues and thread count in ``solidloop_workers``; one
 daemon thread then refreshes ``last_seen_at`` every
-``SOLIDLOOP_WORKER_HEARTBEAT`` seconds on a dedicated autocommit connection
-(like the lease renewer: O(1) connections per process, never a pool slot a job
-needs), and a clean shutdown stamps ``stopped_at``. A row whose heartbeat went
-silent names a worker that died. The same thread deletes rows gone longer than
-``SOLIDLOOP_WORKER_RETENTION``, so the table stays small with no janitor
-configured. Every statement is in queue/sql.py; :func:`list_workers` is the
-read that ``flask solidloop workers``, ``status`` and the admin share, and
+``SOLIDLOOP_WORKER_HEARTBEAT`` seconds, one short statement through the
+broker's pool (never a pool slot a job needs, and no connection held between
+beats; a registry started outside a worker uses a connection of its own),
+and a clean shutdown stamps ``stopped_at``. A row whose heartbeat went
+silent names a worker that died. Every :data:`PRUNE_EVERY` beats the same
+thread deletes rows gone longer than ``SOLIDLOOP_WORKER_RETENTION``, so the
+table stays small with no janitor configured. Every statement is in
+queue/sql.py; :func:`list_workers` is the read that ``flask solidloop
+workers``, ``status`` and the admin share, and
 :func:`live_queues` the one that ``flask solidloop jobs`` and the enqueue-time
 warning about unconsumed queues share (queue/middleware/queue_consumers.py).
 
@@ -31,6 +33,7 @@ import dramatiq
 import psycopg
 from psycopg.types.json import Jsonb
 
+from ...errors import BrokerUnavailableError
 from ...leases import worker_identity
 from .. import sql
 
@@ -38,6 +41,8 @@ logger = logging.getLogger("flask_solidloop.workers")
 
 #: A worker that missed this many heartbeats in a row is reported lost.
 MISSED_BEATS = 3
+#: Heartbeats between two prunes of long-gone rows (and at the first beat).
+PRUNE_EVERY = 30
 
 
 class WorkerRegistryMiddleware(dramatiq.Middleware):
@@ -52,12 +57,16 @@ class WorkerRegistryMiddleware(dramatiq.Middleware):
         self._thread: threading.Thread | None = None
         self._conn: psycopg.Connection | None = None
         self._row: dict[str, Any] = {}
+        self._run_statement: Any = None
         #: Heartbeats written by this process (tests and the admin read it).
         self.beats = 0
 
     # -- dramatiq hooks -------------------------------------------------------------
 
     def after_worker_boot(self, broker: dramatiq.Broker, worker: Any) -> None:
+        run = getattr(broker, "_run", None)
+        if callable(run):
+            self._run_statement = run
         declared = worker.consumer_whitelist or broker.get_declared_queues()
         queues = sorted(q for q in declared if not q.endswith((".DQ", ".XQ")))
         self.start(queues=queues, threads=int(getattr(worker, "worker_threads", 0)))
@@ -74,7 +83,7 @@ class WorkerRegistryMiddleware(dramatiq.Middleware):
                      "pid": os.getpid(), "queues": Jsonb(queues), "threads": threads}
         try:
             self._execute(sql.WORKER_REGISTER, self._row)
-        except psycopg.Error:
+        except (psycopg.Error, BrokerUnavailableError):
             logger.exception("worker registry: could not register %s; retrying with "
                              "the next heartbeat", self.identity)
         self._stop.clear()
@@ -88,7 +97,7 @@ class WorkerRegistryMiddleware(dramatiq.Middleware):
         if thread is not None:
             thread.join(timeout)
         if self.identity is not None:
-            with contextlib.suppress(psycopg.Error):
+            with contextlib.suppress(psycopg.Error, BrokerUnavailableError):
                 self._execute(sql.WORKER_STOPPED, {"identity": self.identity})
         conn, self._conn = self._conn, None
         if conn is not None:
@@ -99,7 +108,7 @@ class WorkerRegistryMiddleware(dramatiq.Middleware):
         while not self._stop.wait(self.interval):
             try:
                 self.beat()
-            except psycopg.Error as exc:
+            except (psycopg.Error, BrokerUnavailableError) as exc:
                 logger.warning("worker registry: heartbeat of %s failed (%s); retrying in "
                                "%.0fs", self.identity, " ".join(str(exc).split()),
                                self.interval)
@@ -109,13 +118,18 @@ class WorkerRegistryMiddleware(dramatiq.Middleware):
                         conn.close()
 
     def beat(self) -> None:
-        """One heartbeat (re-registering if the row was pruned), then the prune."""
-        if self._execute(sql.WORKER_HEARTBEAT, {"identity": self.identity}) == 0:
+        """One heartbeat (re-registering if the row was pruned), and now and
+        then the prune."""
+        if not self._execute(sql.WORKER_HEARTBEAT, {"identity": self.identity}):
             self._execute(sql.WORKER_REGISTER, self._row)
-        self._execute(sql.WORKER_PRUNE, {"age": self.retention})
+        if self.beats % PRUNE_EVERY == 0:
+            self._execute(sql.WORKER_PRUNE, {"age": self.retention})
         self.beats += 1
 
     def _execute(self, statement: str, params: dict[str, Any]) -> int:
+        """Run ``statement``; how many rows it returned or changed."""
+        if self._run_statement is not None:
+            return len(self._run_statement(statement, params))
         if self._conn is None or self._conn.closed:
             self._conn = psycopg.connect(self.conninfo, autocommit=True, connect_timeout=10,
                                          application_name="solidloop-worker-registry")
