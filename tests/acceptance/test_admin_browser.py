@@ -90,8 +90,11 @@ def stack(app, llm, tmp_path, monkeypatch):
         kill_group(web)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def browser():
+    """One Chromium for the module (each test opens its own context, so no
+    cookie, storage or page carries over); not session-wide, so playwright's
+    event loop is gone before another module's asyncio code runs."""
     with playwright_sync.sync_playwright() as p:
         chromium = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         try:

@@ -2,14 +2,15 @@
 
 Restarting the shared cluster (the one every test database lives on) would
 cut every other test, benchmark and session using it. A test that needs a
-restart gets a cluster of its own instead: ``initdb`` in a temporary
-directory as the ``postgres`` user, on a free port of 127.0.0.1, restarted
+restart gets a cluster of its own instead: a copy of a data directory
+``initdb`` made once per process (as the ``postgres`` user), on a free port of 127.0.0.1, restarted
 with ``pg_ctl restart -m fast`` or ``-m immediate`` (a crash: recovery from
 the WAL on start), and removed afterwards.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -54,21 +55,26 @@ class ThrowawayCluster:
         self.max_connections = max_connections
         self.log = self.root / "server.log"
 
-    def _run(self, *argv: str, timeout: float = 120) -> None:
+    @staticmethod
+    def _run_as_server(*argv: str, timeout: float = 120, log: Path | None = None) -> None:
         command = list(argv)
         if os.geteuid() == 0:  # initdb and the server refuse to run as root
             command = ["runuser", "-u", "postgres", "--", *command]
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
-            log = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
+            tail = log.read_text(errors="replace")[-2000:] if log and log.exists() else ""
             raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): "
-                               f"{done.stderr[-2000:]}\n{log}")
+                               f"{done.stderr[-2000:]}\n{tail}")
+
+    def _run(self, *argv: str, timeout: float = 120) -> None:
+        self._run_as_server(*argv, timeout=timeout, log=self.log)
 
     def start(self) -> ThrowawayCluster:
         if os.geteuid() == 0:
             shutil.chown(self.root, "postgres", "postgres")
-        self._run(str(_bin("initdb")), "-D", str(self.data), "-A", "trust", "-U", "postgres",
-                  "--no-sync", "-E", "UTF8")
+        # A copy of one freshly initialised, never started data directory is the
+        # same cluster initdb would make; copying it is several times quicker.
+        self._run("cp", "-a", str(_initialised()), str(self.data))
         self.start_server()
         return self
 
@@ -99,6 +105,25 @@ class ThrowawayCluster:
         with contextlib.suppress(Exception):
             self._pg_ctl("stop", "-m", "immediate")
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+_pristine: Path | None = None
+
+
+def _initialised() -> Path:
+    """The data directory ``initdb`` made once for this process (never started:
+    each cluster starts from a copy of it); removed when the process exits."""
+    global _pristine
+    if _pristine is None:
+        root = Path(tempfile.mkdtemp(prefix="solidloop-pg-initdb-"))
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        if os.geteuid() == 0:
+            shutil.chown(root, "postgres", "postgres")
+        ThrowawayCluster._run_as_server(
+            str(_bin("initdb")), "-D", str(root / "data"), "-A", "trust", "-U", "postgres",
+            "--no-sync", "-E", "UTF8")
+        _pristine = root / "data"
+    return _pristine
 
 
 @contextlib.contextmanager
