@@ -17,6 +17,8 @@ initdbs for itself (but ``growth``), so no part disturbs the next:
   watches against partial text off; 50 of them followed by SSE clients;
 * ``pgbouncer`` (bench/scale_pgbouncer.py): 8 worker processes behind
   PgBouncer in transaction mode against the same fleet direct;
+* ``idle`` (bench/scale_idle.py): 4 and 32 idle worker processes, against the
+  commit before the fleet's change (e4c78a4);
 * ``growth`` (bench/growth.py): table and index bytes per turn, and what
   loop retention reclaims (on the machine's server, database
   ``solidloop_bench_growth``);
@@ -41,6 +43,7 @@ PARTS: list[tuple[str, str, list[str], list[str]]] = [
     ("inflight", "scale_inflight.py", [], ["--quick"]),
     ("unwatched", "scale_unwatched.py", [], ["--quick"]),
     ("pgbouncer", "scale_pgbouncer.py", [], ["--quick"]),
+    ("idle", "scale_idle.py", ["--against", "e4c78a4"], ["--against", "e4c78a4", "--quick"]),
     ("growth", "growth.py", [], ["--loops", "40"]),
     ("turns", "turns.py", ["--cluster-port", "5446"], ["--reps", "1", "--cluster-port", "5446"]),
 ]
