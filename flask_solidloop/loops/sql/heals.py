@@ -21,7 +21,6 @@ _LIVE_CALL_JOB = ("EXISTS (SELECT 1 FROM solidloop_jobs j WHERE j.loop_id = t.lo
                   "AND j.message->'args'->>0 = t.id::text)")
 
 
-
 def _expired_llm(columns: str) -> str:
     """Running loops whose LLM lease expired: ``columns`` of each."""
     return (f"SELECT {columns} FROM solidloop_loops l WHERE l.status = {RUNNING} "
@@ -33,6 +32,9 @@ def _expired_llm(columns: str) -> str:
 #: the holder, when the turn was claimed (the loop's last write: renewals touch
 #: only the lease) and when its lease lapsed.
 _LAPSED_LLM = "l.id, l.trace, l.agent_name, l.lease_holder, l.updated_at, l.lease_expires_at"
+#: Running loops whose LLM lease expired (HEAL_EXPIRED_LLM picks the same rows,
+#: with what their lapsed attempts left on record).
+EXPIRED_LLM = _expired_llm("l.id")
 #: Tool phases with nothing left to answer and no live job.
 STUCK_TOOL_PHASE = (
     f"SELECT l.id FROM solidloop_loops l WHERE l.status = {RUNNING} "
