@@ -146,10 +146,6 @@ class ClaimBook:
             if self._claims.pop(job_id, None) is not None:
                 self.room_freed.notify_all()
 
-    def held(self) -> int:
-        with self._lock:
-            return len(self._claims)
-
 
 class ClaimBookMiddleware(dramatiq.Middleware):
     """Sets the claim book's capacity at boot and starts claims as their jobs start."""

@@ -27,7 +27,6 @@ or through a connection of the thread's own (``conninfo=``).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import threading
 import time
@@ -49,13 +48,6 @@ logger = logging.getLogger("flask_solidloop.periodic")
 
 #: The shortest leadership: a leader silent this long (or three intervals) is replaced.
 MIN_TTL = 10.0
-
-
-def lock_key(name: str) -> int:
-    """A stable signed 64-bit advisory-lock key for ``name`` (hosts' own periodic
-    code may still use it; the maintenance tasks lead through solidloop_leaders)."""
-    digest = hashlib.sha256(f"solidloop:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "big", signed=True)
 
 
 class PeriodicTaskMiddleware(dramatiq.Middleware):
