@@ -35,9 +35,12 @@ from . import budgets, rates
 #: it. A request sent later than its slot is not covered by it: the buckets
 #: drained its amounts at the slot, so requests whose slots passed while no
 #: worker ran them (a fleet restarting, a loop paused) would all go at once,
-#: past the provider's burst. Such a turn reserves again. A job that comes more
-#: than :data:`SLOT_EARLY` before its slot (the worker's clock behind the
-#: database's) waits out the rest.
+#: past the provider's burst. Such a turn reserves again. A job that comes
+#: before its slot waits out the rest, never sending early: a delayed job falls
+#: due by its transaction's start, a few milliseconds before the slot the
+#: reservation computed, and the worker's clock may be behind the database's.
+#: A wait up to :data:`SLOT_EARLY` is slept inline whatever
+#: SOLIDLOOP_RATE_LIMIT_INLINE_WAIT says (deferring again would cost more).
 SLOT_EARLY = 0.25
 SLOT_LATE = 0.1
 
@@ -154,10 +157,9 @@ def admit(state: SolidLoopState, session: SessionLike, limits: TurnLimits, loop:
     held = _held(session, loop, token)
     if held is not None:
         admitted.held = True
-        # Early by more than the clocks may differ (a worker's clock behind the
-        # database's): the turn waits out the rest of its slot.
-        early = float(held.get("due") or 0) - time.time()
-        admitted.wait = early if early > SLOT_EARLY else 0.0
+        # Early (its job fell due by its transaction's start, or a worker's
+        # clock is behind the database's): the turn waits out the rest.
+        admitted.wait = max(float(held.get("due") or 0) - time.time(), 0.0)
         admitted.spend_id = held.get("spend_id")
         keys = tuple(k for k in held.get("keys", ()) if k in config.rate_limits)
         if keys:

@@ -548,13 +548,15 @@ def with_note(history: list[Any], note: str | None) -> list[Any]:
 
 def _capacity_at(ctx: LlmContext, admitted: admission.Admitted) -> float | None:
     """When the request may go (a ``time.monotonic()`` instant): now, or at a
-    slot within SOLIDLOOP_RATE_LIMIT_INLINE_WAIT, which the caller sleeps until
-    just before sending. A longer wait defers the turn to its slot (the loop
+    slot within SOLIDLOOP_RATE_LIMIT_INLINE_WAIT (or a held slot's job a little
+    early: admission.SLOT_EARLY), which the caller sleeps until just before
+    sending. A longer wait defers the turn to its slot (the loop
     queued again, its job due then, the reservation kept), and None."""
     wait = admitted.wait
     if wait <= 0:
         return time.monotonic()
-    if wait <= ctx.state.config.rate_limit_inline_wait:
+    if wait <= ctx.state.config.rate_limit_inline_wait \
+            or (admitted.held and wait <= admission.SLOT_EARLY):
         return time.monotonic() + wait
     _defer_to(ctx, admitted, wait)
     return None

@@ -229,12 +229,41 @@ def test_a_rate_limited_key_defers_turns_to_their_slots(configured, llm):
         assert sum(deferrals) >= 4 and deferrals[-1] <= 2, deferrals
         assert len(times) == 5
         # Any run of requests fits the bucket: one at once, one more a second
-        # (one more allowed: a slot's job may be claimed a little early or
-        # late, and the first request reaches the server after its slot).
+        # (one more allowed: a slot's job may be claimed a little late, and the
+        # first request reaches the server after its slot).
         assert all(j - i + 1 <= 1 + (times[j] - times[i]) + 1
                    for i in range(len(times)) for j in range(i, len(times)))
         session = app.extensions["sqlalchemy"].session
         assert session.get(RateBucket, (key, "-")).deferrals >= 4
+
+
+def test_a_deferred_turn_whose_job_comes_early_never_sends_before_its_slot(configured, llm):
+    # A delayed job falls due by its transaction's start, a little before the
+    # slot the reservation computed; a worker's clock may lag the database's.
+    # Either way the request waits for its slot: early by a tenth of a second
+    # here, the job made due at once.
+    key = f"{origin_of(llm.base_url)} {MODEL}"
+    app = configured(SOLIDLOOP_RATE_LIMITS={key: {"rps": 1}},
+                     SOLIDLOOP_RATE_LIMIT_INLINE_WAIT=0.0)
+    with app.app_context():
+        agent = agent_for("rate_early", llm)
+        sent = []
+        llm.script(lambda req: sent.append(time.time()) or True, {"content": "hi"})
+        first, second = (agent.start(message="hello").id for _ in range(2))
+        drain(app)
+        assert loop_of(app, first).status == "completed"
+        loop = loop_of(app, second)
+        assert loop.status == "queued" and loop.capacity_deferrals == 1
+        due = float(loop.capacity_slot["due"])
+        session = app.extensions["sqlalchemy"].session
+        session.execute(text("UPDATE solidloop_jobs SET eta = now() WHERE loop_id = :id "
+                             "AND state = 'queued'"), {"id": second})
+        session.commit()
+        while time.time() < due - 0.1:
+            time.sleep(0.01)
+        [loop] = run_until_settled(app, [second])
+        assert loop.status == "completed" and loop.capacity_deferrals == 1
+        assert len(sent) == 2 and sent[1] >= due, (sent[1], due)
 
 
 def test_a_refusal_with_retry_after_blocks_the_key_and_defers_the_turn(configured, llm):
