@@ -278,7 +278,7 @@ def settle(database: str | None = None) -> None:
 _STATEMENTS = False
 
 
-def top_statements(database: str, turns: int, limit: int = 25) -> list[str]:
+def top_statements(database: str, turns: int, limit: int = 40) -> list[str]:
     """--statements: the statements of ``database`` by WAL bytes, as lines of
     calls, WAL bytes and execution ms per turn (the harness's own included)."""
     rows = sql("SELECT s.calls, s.wal_bytes, s.total_exec_time, "
