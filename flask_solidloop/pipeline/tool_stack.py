@@ -60,7 +60,7 @@ class ToolExecution:
         # Read now: the tool's run ends the session's transaction (expiring it).
         facts = ctx.facts = store.CallFacts.of(call)
         result, duration_ms = self._run(ctx, call)
-        metrics.tool_call(ctx.agent.agent_name, call.tool_name, result.outcome, duration_ms)
+        metrics.tool_call(ctx.agent.agent_name, facts.tool_name, result.outcome, duration_ms)
         if ctx.plan is not None and ctx.plan.fuse_outcome:
             # Nothing between the two steps: ResponseCreation records the result
             # and its answer in one statement (see ResponseCreation.__call__).

@@ -154,7 +154,9 @@ def tool_ended(span: Any, ctx: Any, error: BaseException | None = None) -> None:
     result = ctx.result
     attributes: dict[str, Any] = {}
     if tracing.capture_content():
-        call = ctx.tool_call
+        # The facts read before the tool ran: the call object is expired by
+        # then, and reading it would cost a query.
+        call = ctx.facts if ctx.facts is not None else ctx.tool_call
         if call is not None:
             attributes["gen_ai.tool.call.arguments"] = tracing.content(
                 _redacted(ctx, call.arguments if call.arguments is not None
