@@ -226,7 +226,10 @@ def run_mode(mode: str, url: str, llm_url: str, args: argparse.Namespace) -> dic
                 inflight, conns, done, running = pg.execute(
                     "SELECT (SELECT count(*) FROM solidloop_events e JOIN solidloop_loops l "
                     "ON l.id = e.loop_id WHERE e.kind = 'llm_request' AND e.duration_ms IS NULL "
-                    "AND l.status = 'running'), "
+                    # Answered requests keep a NULL duration: their answer is a
+                    # row of its own (migration 0027).
+                    "AND NOT EXISTS (SELECT 1 FROM solidloop_llm_answers a "
+                    "WHERE a.event_id = e.id) AND l.status = 'running'), "
                     "(SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
                     "AND pid <> pg_backend_pid()), "
                     "(SELECT count(*) FROM solidloop_loops WHERE status IN "
