@@ -53,7 +53,13 @@ class SSEReader:
 
     def run(self, deadline: float | None = None) -> None:
         timeout = httpx.Timeout(5.0, read=self.read_timeout)
-        with httpx.Client(timeout=timeout) as client:
+        # A new connection for each reconnect, as an EventSource makes it: a
+        # kept-alive one, reused after the server's ``retry:`` wait (2 s while
+        # the database is down), may be closed by the server's keep-alive
+        # timeout (gunicorn's is 2 s) as the request goes out, a reset that a
+        # browser retries unseen and that is no break of a stream.
+        limits = httpx.Limits(max_keepalive_connections=0)
+        with httpx.Client(timeout=timeout, limits=limits) as client:
             while self.end is None and not self._stop.is_set():
                 if deadline is not None and time.monotonic() > deadline:
                     return
