@@ -17,15 +17,12 @@ import signal
 import sys
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as gen_ai
 from opentelemetry.semconv.attributes import error_attributes
 
 from flask_solidloop.models import Loop
 
-from ..support.otel import OTLP_ENDPOINT_ENV, set_global_provider
+from ..support.otel import OTLP_ENDPOINT_ENV, spans_in_memory
 from ..support.otlp_receiver import Receiver
 from ..support.support_app import Assistant, SlowAgent
 from .test_e2e_workers import kill_group, spawn_workers
@@ -60,12 +57,8 @@ def receiver():
 @pytest.fixture
 def traced_here():
     """The SDK in the test process (the loops start here), in memory."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    set_global_provider(provider)
-    yield exporter
-    set_global_provider(None)
+    with spans_in_memory() as exporter:
+        yield exporter
 
 
 @pytest.fixture

@@ -15,9 +15,6 @@ import pytest
 from flask import g, request
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from sqlalchemy import select
@@ -25,7 +22,7 @@ from sqlalchemy import select
 from flask_solidloop.models import Job, Loop
 from flask_solidloop.telemetry import tracing
 
-from ..support.otel import set_global_provider
+from ..support.otel import spans_in_memory
 from ..support.support_app import Assistant
 
 REQUEST_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -35,12 +32,8 @@ CALLER_SPAN = "00f067aa0ba902b7"
 @pytest.fixture
 def spans():
     """The SDK as the process's tracer provider, exporting to memory."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    set_global_provider(provider)
-    yield exporter
-    set_global_provider(None)
+    with spans_in_memory() as exporter:
+        yield exporter
 
 
 def hexid(value: int, width: int) -> str:

@@ -7,7 +7,10 @@ once per process, so the fixture resets it the way the SDK's own tests do).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from typing import Any
 
 #: Set in a worker subprocess's environment: the receiver's URL.
 OTLP_ENDPOINT_ENV = "SOLIDLOOP_TEST_OTLP_ENDPOINT"
@@ -43,3 +46,21 @@ def set_global_provider(provider: object | None) -> None:
     trace._TRACER_PROVIDER = None  # type: ignore[attr-defined]
     if provider is not None:
         trace.set_tracer_provider(provider)  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def spans_in_memory() -> Iterator[Any]:
+    """The SDK as this process's tracer provider, exporting to memory; the
+    exporter is yielded, and the global provider put back after."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    set_global_provider(provider)
+    try:
+        yield exporter
+    finally:
+        set_global_provider(None)
