@@ -6,6 +6,7 @@ turn's end is one commit, all or nothing."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -16,8 +17,11 @@ from flask_solidloop.llm.estimate import estimate
 from flask_solidloop.llm.types import ChatMessage, ToolCallRequest
 from flask_solidloop.loops import queries
 from flask_solidloop.models import Loop, Message, ToolCall
-from flask_solidloop.pipeline.compaction import DEFAULT_INSTRUCTIONS, SUMMARY_PREFIX, \
-    compaction_span
+from flask_solidloop.pipeline.compaction import (
+    DEFAULT_INSTRUCTIONS,
+    SUMMARY_PREFIX,
+    compaction_span,
+)
 
 from ..support.support_app import COMPACTION, CompactingAgent
 
@@ -92,7 +96,7 @@ def test_a_60_turn_loop_stays_under_the_trigger_and_keeps_every_message(
     sizes = [estimate(body, default_output=0).prompt_tokens for body in turns]
     # One turn's growth: a call and its result (the largest step between two
     # requests that no summary came between).
-    one_turn = max(b - a for a, b in zip(sizes, sizes[1:], strict=False))
+    one_turn = max(b - a for a, b in itertools.pairwise(sizes))
     assert 0 < one_turn < 400
     trigger = COMPACTION.trigger_tokens
     for body in requests:

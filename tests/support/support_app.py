@@ -730,3 +730,15 @@ class CompactingAgent(Agent):
 
     def configure_llm_middlewares(self, builder) -> None:
         builder.insert_after(AgentInitialization, COMPACTION)
+
+
+@solidloop.agent("quick_compacting")
+class QuickCompactingAgent(CompactingAgent):
+    """Compacts past 1,000 tokens (a few turns), keeping the last one, with
+    its own model as the summarizer."""
+
+    def configure_llm_middlewares(self, builder) -> None:
+        builder.insert_after(AgentInitialization, QUICK_COMPACTION)
+
+
+QUICK_COMPACTION = Compaction(trigger_tokens=1000, keep_last_turns=1)
