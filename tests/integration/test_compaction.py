@@ -237,3 +237,29 @@ def test_bad_settings_are_refused_with_the_fix(kwargs, error):
 def test_native_falls_back_to_the_summary_turn():
     assert Compaction(trigger_tokens=10, native=True).native is True
     assert json.dumps(repr(COMPACTION)) == '"Compaction(trigger_tokens=4000, keep_last_turns=2)"'
+
+
+def test_the_admin_folds_compacted_messages_and_shows_them_on_expand(app, session, llm,
+                                                                      drain):
+    from ..support.support_app import solidloop
+
+    script_book(llm, turns=25)
+    loop_id = CompactingAgent.start(message="Read 25 pages.").id
+    drain()
+    (summary,) = session.scalars(select(Message).where(Message.loop_id == loop_id,
+                                                       Message.kind == "summary"))
+    replaced = list(session.scalars(select(Message).where(
+        Message.compacted_by == summary.id).order_by(Message.id)))
+    session.rollback()
+    app.register_blueprint(solidloop.admin_blueprint(authorize=lambda request: True),
+                           url_prefix="/admin")
+    page = app.test_client().get(f"/admin/loops/{loop_id}").get_data(as_text=True)
+    fold = page[page.index(f'<details class="compacted" data-summary="{summary.id}">'):]
+    fold = fold[:fold.index("</details>")]
+    assert f"{len(replaced)} message(s) compacted into summary #{summary.id}" in fold
+    # Every replaced message is in the fold, once, and nowhere else on the page.
+    for message in replaced:
+        assert fold.count(f'data-message="{message.id}"') == 1
+        assert page.count(f'data-message="{message.id}"') == 1
+    assert f"summary of {len(replaced)} earlier message(s)" in page
+    assert page.count(f'data-message="{summary.id}"') == 1
