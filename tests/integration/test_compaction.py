@@ -263,3 +263,53 @@ def test_the_admin_folds_compacted_messages_and_shows_them_on_expand(app, sessio
         assert page.count(f'data-message="{message.id}"') == 1
     assert f"summary of {len(replaced)} earlier message(s)" in page
     assert page.count(f'data-message="{summary.id}"') == 1
+
+
+@pytest.mark.parametrize("dialect", ["openai", "anthropic", "gemini"])
+def test_each_dialect_takes_the_summary_and_the_compacted_history(app, session, llm, drain,
+                                                                  dialect):
+    """The strict emulator accepts the summarizer's request and the compacted
+    history (the summary is a user message right after the task) in each
+    dialect."""
+    from flask_solidloop import Agent
+    from flask_solidloop.pipeline import AgentInitialization
+
+    from ..support.support_app import pages, solidloop
+
+    compaction = Compaction(trigger_tokens=700, keep_last_turns=1)
+    base_url = llm.base_url
+
+    class DialectCompactingAgent(Agent):
+        system_prompt = "You read a book page by page."
+        mcps = [{"name": "pages", "toolset": pages}]
+        llm = {"dialect": dialect, "base_url": base_url, "model": "test-model",
+               "api_key_env": "SOLIDLOOP_TEST_API_KEY", "read_timeout": 10}
+        streaming = True
+
+        def configure_llm_middlewares(self, builder):
+            builder.insert_after(AgentInitialization, compaction)
+
+    agent = solidloop.agent(f"compacting_{dialect}")(DialectCompactingAgent)
+    asked: list[int] = []
+
+    def reply(body: dict) -> dict:
+        if DEFAULT_INSTRUCTIONS in json.dumps(body):
+            return {"content": "The pages so far were about a fox."}
+        if len(asked) == 6:
+            return {"content": "Done."}
+        asked.append(len(asked) + 1)
+        return {"tool_calls": [{"name": "read_page", "arguments": {"page": asked[-1]}}]}
+
+    llm.script(lambda body: True, reply)
+    loop_id = agent.start(message="Read six pages.").id
+    drain()
+    loop = session.get(Loop, loop_id)
+    assert (loop.status, loop.error_message) == ("completed", None)
+    bodies = [json.dumps(r.json) for r in llm.requests]
+    summary_at = [n for n, body in enumerate(bodies) if DEFAULT_INSTRUCTIONS in body]
+    assert summary_at
+    # The request after each summary carries it, and the task before it.
+    after = bodies[summary_at[0] + 1]
+    assert "The pages so far were about a fox." in after
+    assert after.index("Read six pages.") < after.index(SUMMARY_PREFIX.strip().rstrip(":"))
+    assert asked == [1, 2, 3, 4, 5, 6]
