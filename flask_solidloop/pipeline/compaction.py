@@ -165,7 +165,8 @@ def compaction_span(history: list[ChatMessage], keep_last_turns: int) -> list[Ch
     is before the ``keep_last_turns``-th assistant message from the end, moved
     back to an earlier assistant message while a tool call before it has its
     result after it. Empty when nothing may be replaced, or when a message
-    was not read from the database (it has no id to mark)."""
+    was not read from the database (it has no id to mark), or when it is
+    a summary alone."""
     assistants = [i for i, m in enumerate(history) if m.role == "assistant"]
     if len(assistants) <= keep_last_turns:
         return []
@@ -176,10 +177,18 @@ def compaction_span(history: list[ChatMessage], keep_last_turns: int) -> list[Ch
             continue
         span = [m for i, m in enumerate(history[:cut])
                 if m.role != "system" and i != first_user]
-        if not span or any(m.message_id is None for m in span):
+        if not span or any(m.message_id is None for m in span) \
+                or all(is_summary(m) for m in span):
+            # A summary alone is not summarised again: the turn right after a
+            # summary turn would otherwise summarise its own summary forever.
             return []
         return span
     return []
+
+
+def is_summary(message: ChatMessage) -> bool:
+    """Whether a history entry is a summary (a user message this layer wrote)."""
+    return message.role == "user" and (message.content or "").startswith(SUMMARY_PREFIX)
 
 
 def _splits_a_call(history: list[ChatMessage], cut: int) -> bool:

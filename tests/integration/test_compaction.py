@@ -104,8 +104,9 @@ def test_a_60_turn_loop_stays_under_the_trigger_and_keeps_every_message(
     # Every turn's request is under the trigger itself: past it, the turn
     # summarises first.
     assert max(sizes) <= trigger
-    for body in turns:
+    for body in requests:
         check_calls_with_results(body)
+    for body in turns:
         # The system prompt and the task are never summarised.
         assert body["messages"][0] == {"role": "system",
                                        "content": "You read a book page by page."}
@@ -214,6 +215,22 @@ def test_the_span_never_takes_the_pinned_messages_or_splits_a_call():
         call(9), result(9)]
     assert [m.message_id for m in compaction_span(odd, keep_last_turns=1)] == [5, 6, 7, 8]
     assert compaction_span(odd[:6], keep_last_turns=1) == []
+    # Right after a summary turn only the kept turns are newer than the
+    # summary: nothing to replace.
+    summary = ChatMessage(role="user", content=SUMMARY_PREFIX + "gist", message_id=3)
+    assert compaction_span([*history[:2], summary, call(4), result(4)],
+                           keep_last_turns=1) == []
+    # A summary alone is never summarised again, even where the only cut that
+    # keeps calls with their results would leave it alone.
+    interleaved = [*history[:2], summary, call(4), call(5), result(4), call(6), result(5),
+                   result(6)]
+    assert compaction_span(interleaved, keep_last_turns=1) == []
+    assert [m.message_id for m in compaction_span(
+        [*interleaved[:3], call(7), result(7), *interleaved[3:]],
+        keep_last_turns=1)] == [3, 70, 71]
+    assert [m.message_id for m in compaction_span(
+        [*history[:2], summary, call(4), result(4), call(5), result(5)],
+        keep_last_turns=1)] == [3, 40, 41]
     # A message made in memory (no id) is never replaced.
     assert compaction_span([*history[:2], ChatMessage(role="user", content="x"),
                             *history[2:]], keep_last_turns=1) == []
@@ -313,3 +330,36 @@ def test_each_dialect_takes_the_summary_and_the_compacted_history(app, session, 
     assert "The pages so far were about a fox." in after
     assert after.index("Read six pages.") < after.index(SUMMARY_PREFIX.strip().rstrip(":"))
     assert asked == [1, 2, 3, 4, 5, 6]
+
+
+def test_kept_turns_over_the_trigger_go_out_as_they_are(app, session, llm, drain):
+    """A trigger smaller than the kept turns themselves: the turn right after a
+    summary turn is still past it, and is sent as it is (only the kept turn
+    is newer than the summary); the loop summarises at most once before each
+    turn, never twice in a row, and ends."""
+    from flask_solidloop import Agent
+    from flask_solidloop.pipeline import AgentInitialization
+
+    from ..support.support_app import llm_settings, pages, solidloop
+
+    tiny = Compaction(trigger_tokens=150, keep_last_turns=1)
+
+    @solidloop.agent("tiny_compacting")
+    class TinyCompactingAgent(Agent):
+        system_prompt = "You read a book page by page."
+        mcps = [{"name": "pages", "toolset": pages}]
+
+        def llm(self) -> dict:
+            return llm_settings()
+
+        def configure_llm_middlewares(self, builder):
+            builder.insert_after(AgentInitialization, tiny)
+
+    asked = script_book(llm, turns=6)
+    loop_id = TinyCompactingAgent.start(message="Read six pages.").id
+    drain()
+    assert session.get(Loop, loop_id).status == "completed"
+    assert asked == [1, 2, 3, 4, 5, 6]
+    kinds = ["S" if is_summary_request(body) else "T" for body in chat_requests(llm)]
+    # Each turn from the third on follows one summary of the turn before it.
+    assert "".join(kinds) == "TT" + "ST" * 5
