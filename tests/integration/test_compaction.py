@@ -363,3 +363,39 @@ def test_kept_turns_over_the_trigger_go_out_as_they_are(app, session, llm, drain
     kinds = ["S" if is_summary_request(body) else "T" for body in chat_requests(llm)]
     # Each turn from the third on follows one summary of the turn before it.
     assert "".join(kinds) == "TT" + "ST" * 5
+
+
+def test_a_refused_summary_request_fails_the_turn_as_any_request_does(app, session, llm,
+                                                                      drain):
+    """The summarizer's error goes through ErrorHandling: the loop fails with
+    the provider's status, nothing is summarised or marked, and the summary
+    request's record holds its answer."""
+    from flask_solidloop.models import Event
+
+    from ..support.support_app import QUICK_COMPACTION, QuickCompactingAgent
+
+    asked: list[int] = []
+
+    def reply(body: dict) -> dict:
+        asked.append(len(asked) + 1)
+        if estimate(body, default_output=0).prompt_tokens > QUICK_COMPACTION.trigger_tokens \
+                - 250:
+            llm.fail_next(400)  # the next request: this turn's successor's summary
+        return {"tool_calls": [{"name": "read_page", "arguments": {"page": asked[-1]}}]}
+
+    llm.script(lambda body: not is_summary_request(body), reply)
+    loop_id = QuickCompactingAgent.start(message="Read the book.").id
+    drain()
+    loop = session.get(Loop, loop_id)
+    assert loop.status == "failed"
+    assert "400" in loop.error_message
+    (refused,) = [r.json for r in llm.requests if is_summary_request(r.json)]
+    assert refused["model"] == "test-model"  # the agent's own model: no summarizer named
+    assert session.scalars(select(Message).where(
+        Message.loop_id == loop_id, (Message.kind == "summary")
+        | Message.compacted_by.is_not(None))).first() is None
+    events = list(session.scalars(select(Event).where(Event.loop_id == loop_id,
+                                                      Event.kind == "llm_request")
+                                  .order_by(Event.id)))
+    assert len(events) == len(llm.requests)
+    assert events[-1].message_id is None and events[-1].status_code == 400
