@@ -56,6 +56,7 @@ from .loops.store import ArchivedLoop, Decision, SentMessage, WaitRequest
 from .mcp.toolset import CallContext, ToolResult, Toolset
 from .models import RESUMABLE_STATUSES
 from .pipeline.builder import Builder
+from .pipeline.compaction import Compaction
 from .streaming import StreamEvent
 
 __all__ = [
@@ -71,6 +72,7 @@ __all__ = [
     "Builder",
     "CallContext",
     "ClaimLapsedError",
+    "Compaction",
     "ConfigurationError",
     "ConversationBusyError",
     "DatabaseUnavailableError",

@@ -490,6 +490,18 @@ def _back() -> str:
     return urlencode(pairs)
 
 
+def _compacted_folds(messages: list[Any]) -> dict[int, tuple[int, list[Any]]]:
+    """Messages a summary replaced (``compacted_by``), folded: by the id of the
+    first of each summary's messages, the summary's id and its messages."""
+    folds: dict[int, tuple[int, list[Any]]] = {}
+    first: dict[int, int] = {}
+    for message in messages:
+        if message.compacted_by is not None:
+            at = first.setdefault(message.compacted_by, message.id)
+            folds.setdefault(at, (message.compacted_by, []))[1].append(message)
+    return folds
+
+
 def _loop_regions(session: Any, loop_id: int) -> dict[str, Any]:
     messages = queries.messages(session, loop_id, include_hidden=True)
     calls = queries.tool_calls(session, loop_id)
@@ -510,6 +522,7 @@ def _loop_regions(session: Any, loop_id: int) -> dict[str, Any]:
         "messages": messages,
         "visible": [m for m in messages if not m.is_hidden],
         "hidden": [m for m in messages if m.is_hidden],
+        "folds": _compacted_folds(messages),
         "calls": calls,
         "calls_by_message": by_message,
         "call_states": queries.tool_call_states(session, loop_id),

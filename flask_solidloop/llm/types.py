@@ -185,6 +185,9 @@ class ChatMessage:
     meta: dict[str, Any] = field(default_factory=dict)
     #: For role "tool": whether the result was an error (Anthropic's is_error).
     is_error: bool = False
+    #: The stored message's id, for a history read from the database (None for
+    #: one made in memory); never rendered.
+    message_id: int | None = field(default=None, compare=False)
 
 
 @dataclass

@@ -232,17 +232,17 @@ def history_from_rows(rows: Iterable[Sequence[Any]]) -> list[ChatMessage]:
                 role="assistant",
                 content=content,
                 reasoning=reasoning,
-                meta={k: meta[k] for k in PROVIDER_META_KEYS if k in meta},
+                meta={k: meta[k] for k in PROVIDER_META_KEYS if k in meta}, message_id=row_id,
                 tool_calls=[ToolCallRequest(*call) for call in calls_by_message.get(row_id, [])],
             ))
         elif role == "tool":
             wire_id, name = answered.get(tool_call_id or -1, (None, None))
             result.append(ChatMessage(
                 role="tool", content=content, tool_call_id=wire_id, name=name,
-                is_error=bool(meta.get("is_error")),
+                is_error=bool(meta.get("is_error")), message_id=row_id,
             ))
         else:
-            result.append(ChatMessage(role=role, content=content))
+            result.append(ChatMessage(role=role, content=content, message_id=row_id))
     return result
 
 

@@ -34,13 +34,16 @@ class Message(Timestamps, Base):
     An assistant turn starts as a hidden ``processing`` shell (so a partial
     stream never enters the history the model sees) and becomes ``completed``
     in the same commit that records its tool calls. ``is_hidden`` rows are
-    never sent to the model.
+    never sent to the model. A ``summary`` (``kind``) replaces, in the
+    history the model sees, the messages marked ``compacted_by`` it
+    (pipeline/compaction.py); they stay, folded in the admin.
     """
 
     __tablename__ = "solidloop_messages"
     __table_args__ = (
         CheckConstraint("role IN ('system','user','assistant','tool')", name="role_valid"),
         CheckConstraint("status IN ('processing','completed','failed')", name="status_valid"),
+        CheckConstraint("kind IN ('message','summary')", name="kind_valid"),
         Index("ix_solidloop_messages_loop_id_id", "loop_id", "id"),
         Index(
             "ix_solidloop_messages_processing",
@@ -81,6 +84,13 @@ class Message(Timestamps, Base):
         "metadata", JSONB, nullable=False, default=dict, server_default=text("'{}'::jsonb")
     )
     completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    #: ``message``, or ``summary``: the text that replaced older messages in
+    #: the history (migration 0030).
+    kind: Mapped[str] = mapped_column(
+        String(20), nullable=False, default="message", server_default="message"
+    )
+    #: The summary that replaced this message in the history the model sees.
+    compacted_by: Mapped[int | None] = mapped_column(BigInteger)
 
     loop: Mapped[Loop] = relationship(back_populates="messages")
     tool_calls: Mapped[list[ToolCall]] = relationship(

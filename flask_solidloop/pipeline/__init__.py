@@ -7,6 +7,7 @@ docs/guides/middlewares.md.
 """
 
 from .builder import Builder
+from .compaction import Compaction
 from .context import LlmContext, ToolContext
 from .llm_stack import AgentInitialization, ErrorHandling, NetworkCalling, ResponseParsing
 from .tool_stack import ResponseCreation, ToolExecution
@@ -15,6 +16,7 @@ from .xml_tools import ToolCallXmlParser
 __all__ = [
     "AgentInitialization",
     "Builder",
+    "Compaction",
     "ErrorHandling",
     "LlmContext",
     "NetworkCalling",

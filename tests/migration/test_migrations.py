@@ -351,3 +351,30 @@ def test_0027_answers_in_their_own_rows_and_the_downgrade_merges_them_back(scrat
         assert conn.execute("SELECT to_regclass('solidloop_llm_answers')").fetchone() == (None,)
         assert conn.execute("SELECT count(*) FROM pg_proc WHERE proname = "
                             "'solidloop_llm_answers_events_deleted'").fetchone() == (0,)
+
+
+def test_0030_adds_the_message_kind_and_compacted_by_and_downgrades(scratch_url):
+    upgrade(scratch_url, "0027")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        loop_id = conn.execute("INSERT INTO solidloop_loops (agent_name, status) "
+                               "VALUES ('a', 'running') RETURNING id").fetchone()[0]
+        conn.execute("INSERT INTO solidloop_messages (loop_id, role, content) "
+                     "VALUES (%s, 'user', 'hi')", (loop_id,))
+    upgrade(scratch_url, "0030")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        # A message written before the columns is an ordinary one, replaced by nothing.
+        assert conn.execute("SELECT kind, compacted_by FROM solidloop_messages").fetchone() \
+            == ("message", None)
+        with pytest.raises(psycopg.errors.CheckViolation):
+            conn.execute("INSERT INTO solidloop_messages (loop_id, role, kind) "
+                         "VALUES (%s, 'user', 'other')", (loop_id,))
+        summary = conn.execute("INSERT INTO solidloop_messages (loop_id, role, content, kind) "
+                               "VALUES (%s, 'user', 'gist', 'summary') RETURNING id",
+                               (loop_id,)).fetchone()[0]
+        conn.execute("UPDATE solidloop_messages SET compacted_by = %s WHERE content = 'hi'",
+                     (summary,))
+    downgrade(scratch_url, "0027")
+    with psycopg.connect(libpq_url(scratch_url), autocommit=True) as conn:
+        # The replaced message is back in the history; the summary leaves it.
+        assert conn.execute("SELECT content, is_hidden FROM solidloop_messages "
+                            "ORDER BY id").fetchall() == [("hi", False), ("gist", True)]

@@ -693,3 +693,52 @@ class InterruptingChatAgent(ChatAgent):
 @solidloop.agent("chat_reject")
 class RejectingChatAgent(ChatAgent):
     on_new_message = "reject"
+
+
+# -- compaction: long histories summarised (pipeline/compaction.py) -----------------
+
+from flask_solidloop import Compaction  # noqa: E402
+from flask_solidloop.pipeline import AgentInitialization  # noqa: E402
+
+pages = Toolset("pages")
+#: The text of every page: long enough that a few dozen turns pass the trigger.
+PAGE_TEXT = "The quick brown fox jumps over the lazy dog. " * 12
+
+
+@pages.tool
+def read_page(page: int) -> str:
+    """Read one page of the book."""
+    return f"page {page}: {PAGE_TEXT}"
+
+
+#: Summaries at 4,000 tokens, keeping the last two turns, by a named model.
+COMPACTION = Compaction(trigger_tokens=4000, keep_last_turns=2,
+                        summarizer={"model": "summary-model"})
+
+
+@solidloop.agent("compacting")
+class CompactingAgent(Agent):
+    """Reads pages with tools for as many turns as the model asks; its history
+    is compacted past 4,000 tokens."""
+
+    system_prompt = "You read a book page by page."
+    mcps = [{"name": "pages", "toolset": pages}]
+    max_steps = 200
+
+    def llm(self) -> dict:
+        return llm_settings()
+
+    def configure_llm_middlewares(self, builder) -> None:
+        builder.insert_after(AgentInitialization, COMPACTION)
+
+
+@solidloop.agent("quick_compacting")
+class QuickCompactingAgent(CompactingAgent):
+    """Compacts past 1,000 tokens (a few turns), keeping the last one, with
+    its own model as the summarizer."""
+
+    def configure_llm_middlewares(self, builder) -> None:
+        builder.insert_after(AgentInitialization, QUICK_COMPACTION)
+
+
+QUICK_COMPACTION = Compaction(trigger_tokens=1000, keep_last_turns=1)

@@ -133,17 +133,21 @@ def tool_event(source: str, loop: str = "%(loop_id)s::bigint") -> str:
 # -- the history (read by loops/queries.py, and by the claims below) --------------------
 
 #: The rows of a loop's history: its tool calls first (they name the messages
-#: that asked for them), then its visible, completed messages, each as
-#: (is_call, id, role, text, reasoning, metadata, ref, name, arguments_raw,
-#: sort_key), read in :data:`HISTORY_ORDER` (loops/queries.history_from_rows).
+#: that asked for them), then its visible, completed messages that no summary
+#: replaced, each as (is_call, id, role, text, reasoning, metadata, ref, name,
+#: arguments_raw, sort_key), read in :data:`HISTORY_ORDER`
+#: (loops/queries.history_from_rows). A summary sorts where the first message
+#: it replaced sat (its metadata's ``sorts_at``: pipeline/compaction.py); the
+#: calls of replaced messages come back too, and name no message read.
 HISTORY_ROWS = (
     "SELECT true AS is_call, id, NULL AS role, call_id AS text, NULL AS reasoning, "
     "NULL::jsonb AS metadata, message_id AS ref, name, arguments_raw, position AS sort_key "
     "FROM solidloop_tool_calls WHERE loop_id = %(loop_id)s "
     "UNION ALL "
-    "SELECT false, id, role, content, reasoning, metadata, tool_call_id, NULL, NULL, id "
-    "FROM solidloop_messages "
-    "WHERE loop_id = %(loop_id)s AND NOT is_hidden AND status = 'completed'")
+    "SELECT false, id, role, content, reasoning, metadata, tool_call_id, NULL, NULL, "
+    "CASE WHEN kind = 'summary' THEN coalesce((metadata->>'sorts_at')::bigint, id) ELSE id END "
+    "FROM solidloop_messages WHERE loop_id = %(loop_id)s AND NOT is_hidden "
+    "AND status = 'completed' AND compacted_by IS NULL")
 HISTORY_ORDER = "is_call DESC, sort_key"
 #: A loop's history (loops/queries.history).
 HISTORY = f"{HISTORY_ROWS} ORDER BY {HISTORY_ORDER}"

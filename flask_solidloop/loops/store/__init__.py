@@ -12,8 +12,9 @@ One module per concern: ``llm_turn``, ``tool_turn``, ``commands`` (creation and
 the host's commands), ``heals`` (the reaper's repairs), ``wirelog`` (what the
 events keep), ``adopted`` (what a commit claimed for its thread), ``ending``
 (the host's hooks, run in the transaction that ends a loop), ``caps`` (a capped
-loop's admission, a new loop's fair rank), ``retention`` (ended loops deleted,
-after the host's archive hooks) and ``transaction``. Lease *renewal*
+loop's admission, a new loop's fair rank), ``compaction`` (a summary turn's
+end), ``retention`` (ended loops deleted, after the host's archive hooks) and
+``transaction``. Lease *renewal*
 is the one write elsewhere: leases.py, on the renewer's own connection.
 """
 
@@ -32,6 +33,7 @@ from .commands import (
     stop,
     unfreeze,
 )
+from .compaction import Compacted, finish_summary_turn
 from .conversation import POLICIES, SentMessage, send_message
 from .ending import NO_HOOKS, LoopEndHook, LoopEnds, loop_ends
 from .heals import (
@@ -117,6 +119,7 @@ __all__ = [
     "CallFacts",
     "CallWait",
     "Caps",
+    "Compacted",
     "Decision",
     "Deferral",
     "DueWait",
@@ -155,6 +158,7 @@ __all__ = [
     "fair_ranks",
     "fenced_transition",
     "finish_llm_turn",
+    "finish_summary_turn",
     "force_stop",
     "freeze",
     "hand_back_tool_call",
