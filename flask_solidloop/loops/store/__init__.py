@@ -13,7 +13,8 @@ the host's commands), ``heals`` (the reaper's repairs), ``wirelog`` (what the
 events keep), ``adopted`` (what a commit claimed for its thread), ``ending``
 (the host's hooks, run in the transaction that ends a loop), ``caps`` (a capped
 loop's admission, a new loop's fair rank), ``retention`` (ended loops deleted,
-after the host's archive hooks) and ``transaction``. Lease *renewal*
+after the host's archive hooks), ``forks`` (a new loop from another's history)
+and ``transaction``. Lease *renewal*
 is the one write elsewhere: leases.py, on the renewer's own connection.
 """
 
@@ -34,6 +35,7 @@ from .commands import (
 )
 from .conversation import POLICIES, SentMessage, send_message
 from .ending import NO_HOOKS, LoopEndHook, LoopEnds, loop_ends
+from .forks import ForkedLoop, ForkPlan, fork_loop, plan_fork
 from .heals import (
     heal_dropped_tools,
     heal_expired_llm,
@@ -121,6 +123,8 @@ __all__ = [
     "Deferral",
     "DueWait",
     "FinishedTurn",
+    "ForkPlan",
+    "ForkedLoop",
     "LlmClaim",
     "LoopArchiveHook",
     "LoopEndHook",
@@ -156,6 +160,7 @@ __all__ = [
     "fenced_transition",
     "finish_llm_turn",
     "force_stop",
+    "fork_loop",
     "freeze",
     "hand_back_tool_call",
     "heal_dropped_tools",
@@ -170,6 +175,7 @@ __all__ = [
     "mark_watched",
     "open_shell",
     "pause",
+    "plan_fork",
     "purge_ended_loops",
     "record_delta",
     "record_partial",
