@@ -138,17 +138,19 @@ def send_message(state: SolidLoopState, loop_id: int, message: str, *,
 # -- forks ------------------------------------------------------------------------------
 
 
-def fork(state: SolidLoopState, loop_id: int, at_message_id: int, *,
+def fork(state: SolidLoopState, loop_id: int, at_message_id: int | None, *,
          message: str | None = None, llm: Mapping[str, Any] | None = None,
          session: SessionLike | None = None, commit: bool = True) -> Loop:
-    """A new loop with ``loop_id``'s history up to ``at_message_id`` (tool
-    calls kept with their results; store/forks.py says where a fork point
-    inside a tool phase falls), ``message`` in place of its last user
-    message when given, ``llm`` (provider settings, e.g. ``{"model": ...}``)
-    over its agent's for the new loop only; queued with its first job, in one
-    transaction, committed unless ``commit=False``. InvalidArgumentError,
-    naming the fix, for a loop, message or setting that cannot be used."""
-    if isinstance(at_message_id, bool) or not isinstance(at_message_id, int):
+    """A new loop with ``loop_id``'s history up to ``at_message_id`` (None: its
+    first user message), tool calls kept with their results (store/forks.py
+    says where a fork point inside a tool phase falls), ``message`` in place
+    of its last user message when given, ``llm`` (provider settings, e.g.
+    ``{"model": ...}``) over its agent's for the new loop only; queued with
+    its first job, in one transaction, committed unless ``commit=False``.
+    InvalidArgumentError, naming the fix, for a loop, message or setting that
+    cannot be used."""
+    if at_message_id is not None and (isinstance(at_message_id, bool)
+                                      or not isinstance(at_message_id, int)):
         raise InvalidArgumentError(f"at_message_id must be a message id (an int), got "
                                    f"{at_message_id!r}")
     if message is not None and (not isinstance(message, str) or not message.strip()):
@@ -207,14 +209,7 @@ def replay(state: SolidLoopState, loop_id: int, *, model: str,
     (for comparing models on the same start): see :func:`fork`."""
     if not isinstance(model, str) or not model.strip():
         raise InvalidArgumentError("model must be a non-empty model name, e.g. 'gpt-4o-mini'")
-    target = _session(state, session)
-    first = queries.first_user_message_id(target, loop_id)
-    if first is None:
-        target.rollback()
-        raise InvalidArgumentError(
-            f"there is no loop {loop_id}" if queries.get_loop(target, loop_id) is None
-            else f"loop {loop_id} has no visible user message to replay from")
-    return fork(state, loop_id, first, llm={"model": model.strip()}, session=target,
+    return fork(state, loop_id, None, llm={"model": model.strip()}, session=session,
                 commit=commit)
 
 

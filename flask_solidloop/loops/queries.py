@@ -190,14 +190,6 @@ def messages(session: SessionLike, loop_id: int, *,
     return list(session.scalars(query.order_by(Message.id)))
 
 
-def first_user_message_id(session: SessionLike, loop_id: int) -> int | None:
-    """The id of the loop's first visible user message (a replay's fork point)."""
-    return session.scalars(
-        select(Message.id).where(Message.loop_id == loop_id, Message.role == "user",
-                                 Message.is_hidden.is_(False), Message.status == "completed")
-        .order_by(Message.id).limit(1)).first()
-
-
 def final_answer(session: SessionLike, loop_id: int) -> str | None:
     """The text of the loop's last visible, completed assistant message."""
     return session.scalars(

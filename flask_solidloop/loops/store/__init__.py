@@ -35,7 +35,7 @@ from .commands import (
 )
 from .conversation import POLICIES, SentMessage, send_message
 from .ending import NO_HOOKS, LoopEndHook, LoopEnds, loop_ends
-from .forks import ForkedLoop, ForkPlan, fork_loop, plan_fork
+from .forks import ForkedLoop, ForkPlan, fork_loop
 from .heals import (
     heal_dropped_tools,
     heal_expired_llm,
@@ -175,7 +175,6 @@ __all__ = [
     "mark_watched",
     "open_shell",
     "pause",
-    "plan_fork",
     "purge_ended_loops",
     "record_delta",
     "record_partial",

@@ -115,19 +115,27 @@ class ForkedLoop:
 
 
 @joins
-def fork_loop(state: SolidLoopState, session: SessionLike, loop_id: int, at_message_id: int,
-              *, message: str | None, llm_override: dict[str, Any] | None) -> ForkedLoop:
-    """Insert a fork of ``loop_id`` at ``at_message_id`` (see the module): the
-    new loop, queued, with the origin recorded, ``llm_override`` merged over
-    the original's, its copied history (and ``message`` in place of its last
-    user message) and its first llm_turn job. The caller commits (and may add
-    its own writes to the same transaction). InvalidArgumentError, naming the
-    fix, for a loop or a message that cannot be forked; nothing is written."""
+def fork_loop(state: SolidLoopState, session: SessionLike, loop_id: int,
+              at_message_id: int | None, *, message: str | None,
+              llm_override: dict[str, Any] | None) -> ForkedLoop:
+    """Insert a fork of ``loop_id`` at ``at_message_id`` (see the module; None:
+    at its first user message, a replay): the new loop, queued, with the
+    origin recorded, ``llm_override`` merged over the original's, its copied
+    history (and ``message`` in place of its last user message) and its first
+    llm_turn job. The caller commits (and may add its own writes to the same
+    transaction). InvalidArgumentError, naming the fix, for a loop or a
+    message that cannot be forked; nothing is written."""
     source = fetch_row(session, sql.FORK_SOURCE, {"loop_id": loop_id})
     if source is None:
         raise InvalidArgumentError(f"there is no loop {loop_id}: fork an existing loop "
                                    "(`flask solidloop list` shows them)")
     rows = fetch_rows(session, sql.FORK_ROWS, {"loop_id": loop_id})
+    if at_message_id is None:
+        users = [row[1] for row in rows if not row[0] and row[2] == "user"]
+        if not users:
+            raise InvalidArgumentError(f"loop {loop_id} has no user message in its history "
+                                       "to start from")
+        at_message_id = users[0]
     try:
         plan = plan_fork(rows, at_message_id, loop_id=loop_id, replace=message is not None)
     except InvalidArgumentError:
