@@ -92,6 +92,51 @@ def test_a_fork_at_a_tool_result_sends_the_request_the_loop_sent_next(session, l
     assert len(chat_requests(llm)) == 2 + 3
 
 
+DIALECTS = [(d, s) for d in ("openai", "anthropic", "gemini") for s in (False, True)]
+
+
+@pytest.mark.parametrize(("dialect", "streaming"), DIALECTS)
+def test_each_dialect_sends_the_same_next_request_from_a_fork(app, session, llm, drain,
+                                                              dialect, streaming):
+    """The provider's own blocks (reasoning, its signature, Gemini's thought
+    signatures on the calls) travel with the copied messages."""
+    from flask_solidloop import Agent
+
+    from ..support.support_app import calc
+
+    settings = {"dialect": dialect, "base_url": llm.base_url, "model": "test-model",
+                "api_key_env": "SOLIDLOOP_TEST_API_KEY", "read_timeout": 10}
+
+    class DialectAgent(Agent):
+        system_prompt = "You add numbers."
+        mcps = [{"name": "calc", "toolset": calc}]
+        llm = settings
+
+    DialectAgent.streaming = streaming
+    agent = solidloop.agent(f"fork_{dialect}_{'stream' if streaming else 'plain'}")(
+        DialectAgent)
+    llm.script(lambda request: True, {"content": "5 and 9."})  # the newest script wins
+    llm.script("add 2 and 3, and 4 and 5", {**TWO_ADDS, "reasoning_content": "Two sums."})
+    loop = agent.start(message="add 2 and 3, and 4 and 5")
+    drain()
+    assert loop_of(session, loop.id).status == "completed"
+    requests = chat_requests_any(llm)
+    assert len(requests) == 2
+    messages = visible(session, loop.id)
+    assert [m.role for m in messages][2:5] == ["assistant", "tool", "tool"]
+    fork = agent(loop).fork(messages[3].id)
+    drain()
+    assert loop_of(session, fork.id).status == "completed"
+    sent = chat_requests_any(llm)[2:]
+    assert len(sent) == 1
+    assert (sent[0].path, sent[0].json) == (requests[1].path, requests[1].json)
+
+
+def chat_requests_any(llm) -> list:
+    """Every chat request, whatever the dialect."""
+    return [r for r in llm.requests if r.json is not None and r.method == "POST"]
+
+
 def test_a_fork_at_the_first_user_message_asks_the_first_question_again(session, llm, drain,
                                                                         added):
     loop, (first, _) = added
