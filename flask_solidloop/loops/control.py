@@ -159,6 +159,7 @@ def fork(state: SolidLoopState, loop_id: int, at_message_id: int | None, *,
     if llm is not None and not isinstance(llm, Mapping):
         raise InvalidArgumentError(f"llm must be a dict of provider settings, e.g. "
                                    f"{{'model': 'gpt-4o-mini'}}; got {type(llm).__name__}")
+    own = session is None
     target = _session(state, session)
     try:
         loop = queries.get_loop(target, loop_id)
@@ -171,7 +172,8 @@ def fork(state: SolidLoopState, loop_id: int, at_message_id: int | None, *,
         forked = store.fork_loop(state, target, loop_id, at_message_id, message=message,
                                  llm_override=dict(llm) if llm else None)
     except BaseException:
-        target.rollback()
+        if own:  # a caller's own transaction is the caller's to end
+            target.rollback()
         raise
     if commit:
         target.commit()

@@ -211,6 +211,13 @@ def test_the_fork_is_one_transaction_with_its_first_job(session, llm, added):
                           .where(Message.loop_id == fork_id)) == 0
     assert session.scalar(select(func.count()).select_from(Job)
                           .where(Job.loop_id == fork_id)) == 0
+    # A refused fork joined to the caller's transaction leaves the caller's writes
+    # for the caller to commit.
+    mine = Assistant.start(message="mine", session=session, commit=False)
+    with pytest.raises(InvalidArgumentError, match="message 999999 is no message"):
+        Assistant(loop).fork(999999, session=session, commit=False)
+    session.commit()
+    assert loop_of(session, mine.id).status == "queued"
 
 
 def test_tool_snapshots_are_copied_without_the_mcp_session(session, llm, drain, added):
