@@ -144,6 +144,9 @@ class Agent:
     max_concurrent_loops: Any = None
     on_new_message: Any = "queue"
 
+    #: The loop's own provider settings, once read (:meth:`_llm_override`).
+    _override: dict[str, Any] | None
+
     #: The stable registry name, stored on every loop of this agent.
     agent_name: ClassVar[str | None] = None
     _extension: ClassVar[AgentRegistry | None] = None
@@ -193,7 +196,20 @@ class Agent:
                 f"agent {self.agent_name!r} declares no llm settings; set llm = "
                 "{'base_url': ..., 'model': ..., 'api_key_env': ...}"
             )
+        override = self._llm_override()
+        if override and isinstance(data, dict):
+            data = {**data, **override}
         return ProviderSettings.from_dict(data, agent=str(self.agent_name))
+
+    def _llm_override(self) -> dict[str, Any] | None:
+        """The loop's own provider settings (``Loop.llm_override``: a replay's
+        model), read once per agent object: a turn's later reads must not
+        reload an expired loop row."""
+        if not hasattr(self, "_override"):
+            loop = self._loop if self._loop is not None else (
+                self.loop if self._loop_id is not None else None)
+            self._override = dict(loop.llm_override or {}) if loop is not None else None
+        return self._override
 
     def tool_entries(self) -> list[dict[str, Any]]:
         entries = list(self.option("mcps") or [])
@@ -584,6 +600,27 @@ class Agent:
         if loop.status != LoopStatus.COMPLETED:
             return None
         return queries.final_answer(session, loop_id)
+
+    def fork(self, at_message_id: int, message: str | None = None, *,
+             model: str | None = None, session: SessionLike | None = None,
+             commit: bool = True) -> Loop:
+        """Start a new loop from this loop's history up to ``at_message_id``.
+
+        The history is copied up to and including that message, each tool call
+        with its result: a fork point inside a finished tool phase takes the
+        whole phase (so forking at a tool result gives the request the loop's
+        next turn sent), one inside an unfinished phase moves back to before
+        the assistant message that opened it. ``message`` replaces the last
+        user message (what followed it is not copied). ``model`` runs the fork
+        against another model of the same provider. The new loop records
+        where it came from (``forked_from_loop_id``, ``forked_at_message_id``)
+        and is queued with its first job in one transaction on ``session``
+        (the app's ``db.session`` by default), committed unless
+        ``commit=False``. Raises InvalidArgumentError, naming the fix, for a
+        message that is not in this loop's history."""
+        return control.fork(get_state(), self._require_loop(), at_message_id, message=message,
+                            llm={"model": model} if model is not None else None,
+                            session=session, commit=commit)
 
     def history(self, *, include_hidden: bool = False) -> list[Message]:
         return queries.messages(get_state().db.session, self._require_loop(),

@@ -476,6 +476,48 @@ def start(agent: str, message: str) -> None:
                f"`flask solidloop status {loop.id}`")
 
 
+@solidloop_cli.command("fork")
+@click.argument("loop_id", type=int)
+@click.option("--at", "at_message_id", type=int, required=True, metavar="MESSAGE_ID",
+              help="Fork at this message of the loop (ids as `flask solidloop status` "
+                   "lists them).")
+@click.option("--message", default=None, help="Replace the last user message with this.")
+@with_appcontext
+def fork(loop_id: int, at_message_id: int, message: str | None) -> None:
+    """Start a new loop from LOOP_ID's history up to a message; prints its id.
+
+    Each tool call is copied with its result: a fork point inside a finished
+    tool phase takes the whole phase, one inside an unfinished phase moves
+    back to before the assistant message that opened it.
+    """
+    from .loops import control
+
+    try:
+        loop = control.fork(_state(), loop_id, at_message_id, message=message)
+    except SolidLoopError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"loop {loop.id} queued: a fork of loop {loop_id} at message {at_message_id}; "
+               f"watch it with `flask solidloop status {loop.id}`")
+
+
+@solidloop_cli.command("replay")
+@click.argument("loop_id", type=int)
+@click.option("--against-model", "model", required=True, metavar="MODEL",
+              help="The model the new loop runs against (same provider settings otherwise).")
+@with_appcontext
+def replay(loop_id: int, model: str) -> None:
+    """Run LOOP_ID again from its first user message against another model;
+    prints the new loop's id (a fork, for comparing models)."""
+    from .loops import control
+
+    try:
+        loop = control.replay(_state(), loop_id, model=model)
+    except SolidLoopError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"loop {loop.id} queued: a replay of loop {loop_id} against model {model!r}; "
+               f"watch it with `flask solidloop status {loop.id}`")
+
+
 @solidloop_cli.command("status")
 @click.argument("loop_id", type=int)
 @with_appcontext

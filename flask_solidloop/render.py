@@ -47,6 +47,12 @@ def format_loop(loop: Loop) -> str:
         lines.append("  frozen: resume refuses until `flask solidloop unfreeze` lifts it")
     if loop.subject_label:
         lines.append(f"  subject: {loop.subject_label}")
+    if loop.forked_from_loop_id is not None:
+        lines.append(f"  forked from loop {loop.forked_from_loop_id} at message "
+                     f"{loop.forked_at_message_id}")
+    if loop.llm_override:
+        lines.append("  llm override: " + ", ".join(
+            f"{key}={value}" for key, value in sorted(loop.llm_override.items())))
     if loop.error_message:
         lines.append(f"  error: {loop.error_message}")
     return "\n".join(lines)

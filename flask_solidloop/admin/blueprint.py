@@ -343,6 +343,16 @@ def create_blueprint(*, authorize: security.Authorize | None,
             return control.observe(st, loop_id, False)
         raise InvalidArgumentError(f"unknown action {action!r}")
 
+    @bp.post("/loops/<int:loop_id>/messages/<int:message_id>/fork")
+    def fork_at(loop_id: int, message_id: int) -> Any:
+        """A new loop from this loop's history up to the message (loops.control.fork);
+        the new loop's page."""
+        try:
+            fork = control.fork(state(), loop_id, message_id)
+        except InvalidArgumentError as exc:
+            return Response(f"fork: {exc}\n", status=400, mimetype="text/plain")
+        return redirect(url_for(".loop", loop_id=fork.id, back=_back() or None), 303)
+
     @bp.post("/loops/bulk")
     def bulk() -> Any:
         form = request.form

@@ -1,8 +1,8 @@
 """Host commands on a loop: pause, stop, force stop, freeze, unfreeze, observe,
-resume and send_message (a conversation's next user message), and the
-decisions on its waiting tool calls (approve, deny, complete_call). The Agent
-facade, the CLI, the admin and the MCP server all call these; each is one
-locked transaction in loops/store/.
+resume, send_message (a conversation's next user message), fork and replay
+(a new loop from its history), and the decisions on its waiting tool calls
+(approve, deny, complete_call). The Agent facade, the CLI, the admin and the
+MCP server all call these; each is one locked transaction in loops/store/.
 
 Every command takes the app's state and an optional session (the app's
 ``db.session`` by default) and returns True when it changed the loop, False
@@ -22,7 +22,7 @@ from .. import signals
 from .._typing import SessionLike
 from ..errors import InvalidArgumentError
 from ..mcp.toolset import ToolResult
-from ..models import RESUMABLE_STATUSES, ToolCall
+from ..models import RESUMABLE_STATUSES, Loop, ToolCall
 from ..state import SolidLoopState
 from . import pending, queries, store
 
@@ -133,6 +133,86 @@ def send_message(state: SolidLoopState, loop_id: int, message: str, *,
 
     return store.send_message(state, target, loop_id, message, policy=policy,
                               sequential=sequential)
+
+
+# -- forks ------------------------------------------------------------------------------
+
+
+def fork(state: SolidLoopState, loop_id: int, at_message_id: int | None, *,
+         message: str | None = None, llm: Mapping[str, Any] | None = None,
+         session: SessionLike | None = None, commit: bool = True) -> Loop:
+    """A new loop with ``loop_id``'s history up to ``at_message_id`` (None: its
+    first user message), tool calls kept with their results (store/forks.py
+    says where a fork point inside a tool phase falls), ``message`` in place
+    of its last user message when given, ``llm`` (provider settings, e.g.
+    ``{"model": ...}``) over its agent's for the new loop only; queued with
+    its first job, in one transaction, committed unless ``commit=False``.
+    InvalidArgumentError, naming the fix, for a loop, message or setting that
+    cannot be used."""
+    if at_message_id is not None and (isinstance(at_message_id, bool)
+                                      or not isinstance(at_message_id, int)):
+        raise InvalidArgumentError(f"at_message_id must be a message id (an int), got "
+                                   f"{at_message_id!r}")
+    if message is not None and (not isinstance(message, str) or not message.strip()):
+        raise InvalidArgumentError("message must be a non-empty string, or None to keep the "
+                                   "last user message")
+    if llm is not None and not isinstance(llm, Mapping):
+        raise InvalidArgumentError(f"llm must be a dict of provider settings, e.g. "
+                                   f"{{'model': 'gpt-4o-mini'}}; got {type(llm).__name__}")
+    own = session is None
+    target = _session(state, session)
+    try:
+        loop = queries.get_loop(target, loop_id)
+        if loop is None:
+            raise InvalidArgumentError(f"there is no loop {loop_id}: fork an existing loop "
+                                       "(`flask solidloop list` shows them)")
+        # The fork runs the original's agent; a setting it cannot use fails here,
+        # not in the fork's first turn.
+        check_llm_override(state, loop, dict(llm) if llm else None)
+        forked = store.fork_loop(state, target, loop_id, at_message_id, message=message,
+                                 llm_override=dict(llm) if llm else None)
+    except BaseException:
+        if own:  # a caller's own transaction is the caller's to end
+            target.rollback()
+        raise
+    if commit:
+        target.commit()
+    return forked.loop
+
+
+def check_llm_override(state: SolidLoopState, loop: Loop,
+                       llm: dict[str, Any] | None) -> None:
+    """Whether ``loop``'s agent is still a valid agent with ``llm`` over its
+    provider settings (and over the loop's own); InvalidArgumentError naming
+    the problem otherwise (an unregistered agent, a setting it rejects)."""
+    from ..errors import SolidLoopError
+    from ..llm.types import ProviderSettings
+
+    secret = sorted({"api_key", "headers"} & set(llm or {}))
+    if secret:
+        # The override is stored with the loop; secrets never reach the database.
+        raise InvalidArgumentError(
+            f"llm {', '.join(secret)} cannot be set for one loop: the override is stored with "
+            "it, and these may hold secrets; name the key's variable with api_key_env")
+    try:
+        agent = state.agent_for(loop.agent_name, loop)
+        agent.validate()
+        if llm:
+            ProviderSettings.from_dict({**(agent.option("llm") or {}),
+                                        **(loop.llm_override or {}), **llm},
+                                       agent=loop.agent_name)
+    except SolidLoopError as exc:
+        raise InvalidArgumentError(f"cannot fork loop {loop.id}: {exc}") from None
+
+
+def replay(state: SolidLoopState, loop_id: int, *, model: str,
+           session: SessionLike | None = None, commit: bool = True) -> Loop:
+    """A fork of ``loop_id`` at its first user message, run against ``model``
+    (for comparing models on the same start): see :func:`fork`."""
+    if not isinstance(model, str) or not model.strip():
+        raise InvalidArgumentError("model must be a non-empty model name, e.g. 'gpt-4o-mini'")
+    return fork(state, loop_id, None, llm={"model": model.strip()}, session=session,
+                commit=commit)
 
 
 # -- decisions on waiting tool calls ----------------------------------------------------

@@ -180,6 +180,14 @@ class Loop(Timestamps, Base):
     # invoke_agent span's traceparent, its parent, start and previous run;
     # NULL when tracing was off when it started.
     trace: Mapped[dict[str, Any] | None] = mapped_column(JSONB(none_as_null=True))
+    # A fork (loops/store/forks.py): the loop and the message it was forked
+    # from, kept as a record (no foreign key: the original may be deleted by
+    # retention while its fork lives on).
+    forked_from_loop_id: Mapped[int | None] = mapped_column(BigInteger)
+    forked_at_message_id: Mapped[int | None] = mapped_column(BigInteger)
+    # Provider settings over the agent's ``llm`` option for this loop only
+    # (``{"model": ...}`` for a replay against another model); NULL when none.
+    llm_override: Mapped[dict[str, Any] | None] = mapped_column(JSONB(none_as_null=True))
 
     messages: Mapped[list[Message]] = relationship(
         back_populates="loop", order_by="Message.id", lazy="select", passive_deletes=True

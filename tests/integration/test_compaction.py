@@ -399,3 +399,40 @@ def test_a_refused_summary_request_fails_the_turn_as_any_request_does(app, sessi
                                   .order_by(Event.id)))
     assert len(events) == len(llm.requests)
     assert events[-1].message_id is None and events[-1].status_code == 400
+
+
+def test_a_fork_of_a_compacted_loop_copies_the_history_the_model_reads(app, session, llm,
+                                                                       drain):
+    """A fork takes the summary in place of the messages it replaced (the
+    original keeps those), so its first request is the one the original sent
+    at the same point; a replaced message is no fork point."""
+    from flask_solidloop.loops import control
+    from flask_solidloop.state import get_state
+
+    script_book(llm, turns=30)
+    loop_id = CompactingAgent.start(message="Read thirty pages.").id
+    drain()
+    assert session.get(Loop, loop_id).status == "completed"
+    turns = [body for body in chat_requests(llm) if not is_summary_request(body)]
+    assert any(is_summary_request(body) for body in chat_requests(llm))
+    rows = list(session.scalars(select(Message).where(Message.loop_id == loop_id)
+                                .order_by(Message.id)))
+    last_result = [m for m in rows if m.role == "tool"][-1]
+    replaced = next(m for m in rows if m.compacted_by is not None)
+    session.rollback()
+
+    fork = control.fork(get_state(), loop_id, last_result.id)
+    drain()
+    after = [body for body in chat_requests(llm) if not is_summary_request(body)]
+    assert after[len(turns)] == turns[-1]
+    copied = list(session.scalars(select(Message).where(Message.loop_id == fork.id)
+                                  .order_by(Message.id)))
+    summaries = [m for m in copied if m.kind == "summary"]
+    assert len(summaries) == 1 and "sorts_at" not in summaries[0].meta
+    assert [m.role for m in copied[:3]] == ["system", "user", "user"]
+    assert copied[2].id == summaries[0].id
+    assert all(m.compacted_by is None for m in copied)
+    session.rollback()
+    with pytest.raises(InvalidArgumentError, match=f"was compacted into summary "
+                                                   f"{replaced.compacted_by}"):
+        control.fork(get_state(), loop_id, replaced.id)

@@ -1,7 +1,8 @@
 """Every statement that writes loop state, and the reads those writes embed,
 each named once (the broker's statements are in queue/sql.py), in one module
 per part of the store: parts.py (what they share), llm_turn.py, tool_turn.py,
-waits.py, commands.py, heals.py, caps.py, retention.py and compaction.py.
+waits.py, commands.py, heals.py, caps.py, retention.py, compaction.py and
+forks.py.
 
 Only loops/store/ runs these (loops/queries.py runs the history read). A fence
 is written here, once, and every statement that needs it is composed from it
@@ -26,10 +27,22 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import caps, commands, compaction, heals, llm_turn, parts, retention, tool_turn, waits
+from . import (
+    caps,
+    commands,
+    compaction,
+    forks,
+    heals,
+    llm_turn,
+    parts,
+    retention,
+    tool_turn,
+    waits,
+)
 from .caps import *  # noqa: F403
 from .commands import *  # noqa: F403
 from .compaction import *  # noqa: F403
+from .forks import *  # noqa: F403
 from .heals import *  # noqa: F403
 from .llm_turn import *  # noqa: F403
 from .parts import *  # noqa: F403
@@ -51,7 +64,7 @@ def _statements(module: ModuleType) -> dict[str, str]:
 #: render and prepare each).
 STATEMENTS: dict[str, str] = {
     name: text for module in (parts, llm_turn, tool_turn, waits, commands, heals, caps, retention,
-                   compaction)
+                              compaction, forks)
     for name, text in _statements(module).items()
 } | {f"FINISH_TURN[with_calls={c}]": text for c, text in FINISH_TURN.items()} | {  # noqa: F405
     f"DECIDE[records={r}]": text for r, text in DECIDE.items()} | {  # noqa: F405

@@ -13,8 +13,8 @@ the host's commands), ``heals`` (the reaper's repairs), ``wirelog`` (what the
 events keep), ``adopted`` (what a commit claimed for its thread), ``ending``
 (the host's hooks, run in the transaction that ends a loop), ``caps`` (a capped
 loop's admission, a new loop's fair rank), ``compaction`` (a summary turn's
-end), ``retention`` (ended loops deleted, after the host's archive hooks) and
-``transaction``. Lease *renewal*
+end), ``retention`` (ended loops deleted, after the host's archive hooks),
+``forks`` (a new loop from another's history) and ``transaction``. Lease *renewal*
 is the one write elsewhere: leases.py, on the renewer's own connection.
 """
 
@@ -36,6 +36,7 @@ from .commands import (
 from .compaction import Compacted, finish_summary_turn
 from .conversation import POLICIES, SentMessage, send_message
 from .ending import NO_HOOKS, LoopEndHook, LoopEnds, loop_ends
+from .forks import ForkedLoop, ForkPlan, fork_loop
 from .heals import (
     heal_dropped_tools,
     heal_expired_llm,
@@ -124,6 +125,8 @@ __all__ = [
     "Deferral",
     "DueWait",
     "FinishedTurn",
+    "ForkPlan",
+    "ForkedLoop",
     "LlmClaim",
     "LoopArchiveHook",
     "LoopEndHook",
@@ -160,6 +163,7 @@ __all__ = [
     "finish_llm_turn",
     "finish_summary_turn",
     "force_stop",
+    "fork_loop",
     "freeze",
     "hand_back_tool_call",
     "heal_dropped_tools",

@@ -55,10 +55,13 @@ DELETED_BY_TRIGGER: dict[str, str] = {
 #: Left to their own rules: done jobs to SOLIDLOOP_FINISHED_JOB_RETENTION (a
 #: queued or running job holds its loop back: loops/sql/retention.py),
 #: dead-lettered jobs kept, the subject's spend ledger to
-#: SOLIDLOOP_SPEND_RETENTION (it counts against the budget window).
+#: SOLIDLOOP_SPEND_RETENTION (it counts against the budget window); a fork's
+#: origin is a record, not a link (its history was copied: the fork needs
+#: nothing of the original, which may go before it).
 LEFT: dict[str, str] = {
     "solidloop_jobs": "loop_id",
     "solidloop_spend": "loop_id",
+    "solidloop_loops": "forked_from_loop_id",
 }
 #: Links from a loop to another loop (a parent, a child agent, a handoff): none
 #: yet. One added here must hold its loops back in loops/sql/retention.py.
