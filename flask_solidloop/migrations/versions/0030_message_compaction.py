@@ -16,7 +16,7 @@ loop's own reads (by ``loop_id``) look at the column.
 Both columns are added with constant defaults: no table rewrite.
 
 Revision ID: 0030
-Revises: 0027
+Revises: 0029
 Create Date: 2026-12-03 16:00:00
 
 """
@@ -27,7 +27,7 @@ from alembic import op
 
 # revision identifiers, used by Alembic.
 revision: str = '0030'
-down_revision: str | Sequence[str] | None = '0027'
+down_revision: str | Sequence[str] | None = '0029'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
