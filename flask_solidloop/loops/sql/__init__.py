@@ -1,7 +1,7 @@
 """Every statement that writes loop state, and the reads those writes embed,
 each named once (the broker's statements are in queue/sql.py), in one module
 per part of the store: parts.py (what they share), llm_turn.py, tool_turn.py,
-waits.py, commands.py, heals.py, caps.py and retention.py.
+waits.py, commands.py, heals.py, caps.py, retention.py and children.py.
 
 Only loops/store/ runs these (loops/queries.py runs the history read). A fence
 is written here, once, and every statement that needs it is composed from it
@@ -26,8 +26,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import caps, commands, heals, llm_turn, parts, retention, tool_turn, waits
+from . import caps, children, commands, heals, llm_turn, parts, retention, tool_turn, waits
 from .caps import *  # noqa: F403
+from .children import *  # noqa: F403
 from .commands import *  # noqa: F403
 from .heals import *  # noqa: F403
 from .llm_turn import *  # noqa: F403
@@ -49,7 +50,8 @@ def _statements(module: ModuleType) -> dict[str, str]:
 #: Every statement by name, each family's variants as ``NAME[key]`` (tests
 #: render and prepare each).
 STATEMENTS: dict[str, str] = {
-    name: text for module in (parts, llm_turn, tool_turn, waits, commands, heals, caps, retention)
+    name: text for module in (parts, llm_turn, tool_turn, waits, commands, heals, caps, retention,
+                                children)
     for name, text in _statements(module).items()
 } | {f"FINISH_TURN[with_calls={c}]": text for c, text in FINISH_TURN.items()} | {  # noqa: F405
     f"DECIDE[records={r}]": text for r, text in DECIDE.items()} | {  # noqa: F405
