@@ -693,3 +693,8 @@ class InterruptingChatAgent(ChatAgent):
 @solidloop.agent("chat_reject")
 class RejectingChatAgent(ChatAgent):
     on_new_message = "reject"
+
+
+# -- child agents (tests/support/children_app.py) ------------------------------------
+
+from . import children_app  # noqa: E402,F401  (registers its agents on solidloop)

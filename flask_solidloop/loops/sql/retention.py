@@ -35,15 +35,18 @@ _ENDED_BEFORE = f"l.status IN {TERMINAL} AND l.finished_at < now() - %(age)s::in
 #: parent's to read, and the admin shows the tree). A link added later must be
 #: added here too. tests/unit/test_loop_retention_links.py fails on any column
 #: that names a loop and is not classified in the store's retention module.
+#: The statuses of a loop that has not ended, named (an index on the status
+#: serves a list, not its negation).
+_UNENDED = "('init', 'queued', 'running', 'waiting', 'paused')"
 _HELD = (
     "EXISTS (SELECT 1 FROM solidloop_jobs j WHERE j.loop_id = l.id "
     "AND j.state IN ('queued','running')) "
     "OR EXISTS (SELECT 1 FROM solidloop_tool_calls c WHERE c.loop_id = l.id "
     "AND c.leased_until > now()) "
-    "OR EXISTS (SELECT 1 FROM solidloop_loops k WHERE k.parent_loop_id = l.id "
-    f"AND k.status NOT IN {TERMINAL}) "
-    "OR EXISTS (SELECT 1 FROM solidloop_loops p WHERE p.id = l.parent_loop_id "
-    f"AND p.status NOT IN {TERMINAL})")
+    "OR EXISTS (SELECT 1 FROM solidloop_loops k WHERE k.parent_loop_id IS NOT NULL "
+    f"AND k.parent_loop_id = l.id AND k.status IN {_UNENDED}) "
+    "OR (l.parent_loop_id IS NOT NULL AND EXISTS (SELECT 1 FROM solidloop_loops p "
+    f"WHERE p.id = l.parent_loop_id AND p.status IN {_UNENDED}))")
 
 _CANDIDATES = (
     f"FROM solidloop_loops l WHERE {_ENDED_BEFORE} "
