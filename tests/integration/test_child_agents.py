@@ -374,3 +374,23 @@ def test_status_and_the_store_show_the_tree(app, session, llm, drain):
     assert shown.exit_code == 0, shown.output
     call = calls_of(session, lead.id)[0]
     assert f"parent: loop {lead.id} (lead), tool call {call.id}, depth 1" in shown.output
+
+
+def test_the_admin_loop_page_shows_the_tree(app, session, llm, drain):
+    script_research(llm, "pears")
+    lead = Lead.start(message="plan pears")
+    drain(queues=("solidloop_llm",), max_jobs=1)
+    child = children_of(session, lead.id)[0]
+    call = calls_of(session, lead.id)[0]
+    app.register_blueprint(solidloop.admin_blueprint(authorize=lambda request: True),
+                           url_prefix="/admin")
+    client = app.test_client()
+    page = client.get(f"/admin/loops/{lead.id}").get_data(as_text=True)
+    assert f'<li data-loop="{child.id}"><a href="/admin/loops/{child.id}">loop #{child.id}</a> ' \
+           f'researcher <span class="badge">queued</span> (tool call #{call.id})</li>' in page
+    page = client.get(f"/admin/loops/{child.id}").get_data(as_text=True)
+    assert (f'Child agent of <a href="/admin/loops/{lead.id}">loop #{lead.id}</a> '
+            f'(lead, waiting), for its tool call #{call.id}; depth 1.') in page
+    # A loop with no tree shows none.
+    assert 'id="tree"' not in client.get(
+        f"/admin/loops/{Researcher.start(message='alone').id}").get_data(as_text=True)
