@@ -48,9 +48,12 @@ def call_wait(ctx: LlmContext, name: str, route: ToolRoute | None,
     if arguments is None:
         return None
     if route is not None and isinstance(route.server, AgentServer):
-        child = child_start(ctx, route.server, arguments)
-        return CallWait(RESULT, None, child=child) if child is not None else None
+        return CallWait(RESULT, None, child=child_start(ctx, route.server.entry["agent"],
+                                                        arguments))
     rule = tool_wait_rule(route)
+    if rule.agent is not None:  # a toolset's agent_tool
+        return CallWait(RESULT, rule.result_timeout,
+                        child=child_start(ctx, rule.agent, arguments))
     if rule.deferred:
         return CallWait(RESULT, rule.result_timeout)
     policy = ctx.agent.approval_policy
@@ -69,17 +72,18 @@ def call_wait(ctx: LlmContext, name: str, route: ToolRoute | None,
     return CallWait(APPROVAL, timeout, rule.on_timeout)
 
 
-def child_start(ctx: LlmContext, server: AgentServer,
-                arguments: dict[str, Any]) -> ChildStart | None:
-    """The child loop a call of a child agent's tool starts: its agent, system
-    prompt, message (the call's ``message``) and budget; a refusal when the
-    agent cannot run (not registered, a broken definition). None when the
-    arguments carry no message: the call runs into the tool's error, which
-    the model reads and can correct."""
+def child_start(ctx: LlmContext, spec: Any, arguments: dict[str, Any]) -> ChildStart:
+    """The child loop a call of a child agent's tool starts (``spec``: the
+    agent class or registered name): its agent, system prompt, message (the
+    call's ``message``) and budget; or a refusal, which the model reads as
+    the call's error result and can correct: no message, or an agent that
+    cannot run (not registered, a broken definition)."""
+    name = agent_name_of(spec) or str(spec)
     message = arguments.get("message")
     if not isinstance(message, str) or not message.strip():
-        return None
-    name = agent_name_of(server.entry["agent"]) or str(server.entry["agent"])
+        return ChildStart(name, refusal=(
+            f'the child agent {name!r} was not started: call it with {{"message": "..."}}, '
+            "a non-empty message (the task, with everything the agent needs to know)"))
     try:
         agent = ctx.state.agent_for(name)
         agent.validate()

@@ -9,14 +9,21 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import select, text
 
-from flask_solidloop import DecisionConflictError
-from flask_solidloop.errors import AgentDefinitionError
+from flask_solidloop import DecisionConflictError, Toolset
+from flask_solidloop.errors import AgentDefinitionError, ToolDefinitionError
 from flask_solidloop.loops import queries, store
 from flask_solidloop.mcp.registry import ToolRegistry
 from flask_solidloop.models import Job, Loop, Message, ToolCall
 from flask_solidloop.state import get_state
 
-from ..support.children_app import Lead, LeadByName, Ping, Researcher, SequentialLead
+from ..support.children_app import (
+    Lead,
+    LeadByName,
+    Ping,
+    Researcher,
+    SequentialLead,
+    ToolsetLead,
+)
 from ..support.support_app import Agent, solidloop
 
 _ = (Researcher, Ping)
@@ -226,6 +233,30 @@ def test_a_child_by_registered_name_and_in_sequential_mode(app, session, llm, dr
     drain()
     assert loop_of(session, seq.id).status == "completed"
     assert tool_messages(session, seq.id) == ["dates: found it", "limes: found it"]
+
+
+def test_a_toolsets_agent_tool_starts_the_child_too(app, session, llm, drain):
+    llm.script("consult on figs", {"content": "Asking.", "tool_calls": [
+        {"name": "consult", "arguments": {"message": "research figs"}}]})
+    llm.script("research figs", {"content": "figs: sweet"})
+    llm.script(has_tool_results, {"content": "Figs are sweet."})
+    lead = ToolsetLead.start(message="consult on figs")
+    drain()
+    assert loop_of(session, lead.id).status == "completed"
+    assert [c.agent_name for c in children_of(session, lead.id)] == ["researcher"]
+    assert tool_messages(session, lead.id) == ["figs: sweet"]
+    tools = llm.requests[0].json["tools"]
+    assert [(t["function"]["name"], t["function"]["description"]) for t in tools] == [
+        ("consult", "Consult a researcher about one topic.")]
+
+    tools = Toolset("bad")
+    with pytest.raises(ToolDefinitionError, match="declare a parameter message: str"):
+        @tools.agent_tool(Researcher)
+        def ask(topic: str) -> str:
+            """Ask."""
+    assert tools.list_tools() == []
+    with pytest.raises(ToolDefinitionError, match="an Agent class or a registered agent"):
+        tools.agent_tool(42)
 
 
 def test_a_call_without_a_message_is_an_error_the_model_corrects(app, session, llm, drain):

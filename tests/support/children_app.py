@@ -4,7 +4,7 @@ cycle check. Registered on support_app's ``solidloop`` when it is imported."""
 
 from __future__ import annotations
 
-from flask_solidloop import Agent
+from flask_solidloop import Agent, Toolset
 
 from .support_app import calc, llm_settings, slow_tools, solidloop
 
@@ -40,6 +40,20 @@ class SequentialLead(Lead):
 @solidloop.agent("lead_by_name")
 class LeadByName(Lead):
     mcps = [{"name": "ask", "agent": "researcher", "description": "Ask a researcher."}]
+
+
+delegation = Toolset("delegation")
+
+
+@delegation.agent_tool(Researcher)
+def consult(message: str) -> str:
+    """Consult a researcher about one topic."""
+    raise AssertionError("an agent tool is never run")
+
+
+@solidloop.agent("lead_toolset")
+class ToolsetLead(Lead):
+    mcps = [{"name": "delegation", "toolset": delegation}]
 
 
 #: chain0 delegates to chain1, ..., chain6 (a chain past the default depth cap).
