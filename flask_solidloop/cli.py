@@ -525,7 +525,14 @@ def status(loop_id: int) -> None:
     """Show a loop, its messages and its tool calls (and an LLM request in
     flight, with its elapsed time)."""
     from .loops import queries, wire_reads
-    from .render import format_budget, format_loop, format_message, format_requests
+    from .loops.lineage import lineage
+    from .render import (
+        format_budget,
+        format_lineage,
+        format_loop,
+        format_message,
+        format_requests,
+    )
     from .spending import loop_budget
 
     session = _state().db.session
@@ -533,6 +540,8 @@ def status(loop_id: int) -> None:
     if loop is None:
         raise click.ClickException(f"no loop with id {loop_id}")
     click.echo(format_loop(loop))
+    for line in format_lineage(lineage(session, loop)):
+        click.echo(line)
     for line in format_budget(loop_budget(_state(), session, loop)):
         click.echo(line)
     for line in format_requests(wire_reads.pending_requests(session, loop_id)):

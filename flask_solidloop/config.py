@@ -509,6 +509,10 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds a tool call waits for an approval before its timeout decides (deny, or "
             "the tool's on_timeout), for tools that set no approval_timeout= of their own; "
             "unset (the default): an approval waits for ever."),
+    Setting("SOLIDLOOP_MAX_AGENT_DEPTH", 5, _positive_int,
+            "How many ancestors a child agent's loop may have: a child agent started "
+            "deeper is refused, and the parent's tool call gets that refusal as its error "
+            "result (docs/guides/conversations.md)."),
     Setting("SOLIDLOOP_PROVIDER_OUTAGE_MAX_WAIT", 900.0, _positive_float,
             "Seconds a loop waits out its provider's outage (it cannot be reached, or "
             "answers 429/502/503/504/529 past the request's retries): the turn is deferred, "
@@ -610,6 +614,7 @@ class Config:
     worker_heartbeat: float
     worker_retention: int
     approval_timeout: float | None
+    max_agent_depth: int
     database_retry_seconds: float
     otel_capture_content: bool
     trace_url: str | None

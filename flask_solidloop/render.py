@@ -1,7 +1,7 @@
 """Plain-text rendering of loops and messages for the CLI and the demo, of
-a loop's spend against its budgets (:func:`format_budget`), and of its LLM
+a loop's spend against its budgets (:func:`format_budget`), of its LLM
 requests with no answer on record (:func:`format_requests`; the admin shows
-them in the same words)."""
+them in the same words), and of a child agent's tree (:func:`format_lineage`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from sqlalchemy.orm import object_session
 
 from .loops import queries
+from .loops.lineage import Lineage
 from .loops.queries import ToolCallState
 from .loops.wire_reads import PendingRequest
 from .models import Loop, Message, ToolCall
@@ -241,3 +242,15 @@ def format_message(
         call = calls[message.tool_call_id]
         parts[0] += f" <- {call.name}" + (" (error)" if call.is_success is False else "")
     return "\n".join(parts)
+
+
+def format_lineage(tree: Lineage) -> list[str]:
+    """A child agent's tree as ``status`` shows it: its parent and its children."""
+    lines = []
+    if tree.parent is not None:
+        lines.append(f"  parent: loop {tree.parent.id} ({tree.parent.agent_name}), tool call "
+                     f"{tree.parent.tool_call_id}, depth {tree.depth}")
+    if tree.children:
+        lines.append("  children: " + ", ".join(
+            f"{kin.id} ({kin.agent_name}, {kin.status})" for kin in tree.children))
+    return lines

@@ -34,6 +34,7 @@ from werkzeug.datastructures import MultiDict
 from ..errors import InvalidArgumentError, SolidLoopError
 from ..jobs import control as jobs_control
 from ..loops import control, pending, queries, wire_reads
+from ..loops.lineage import lineage
 from ..maintenance import runs as maintenance_runs
 from ..models import RESUMABLE_STATUSES, Loop
 from ..models.loop import ALL_STATUSES
@@ -271,6 +272,7 @@ def create_blueprint(*, authorize: security.Authorize | None,
             abort(404)
         begin = live.start(session, loop_id)
         return render_template("solidloop/admin/loop.html", lp=row, cursor=begin.cursor,
+                               tree=lineage(session, row),
                                live_message=begin.message_id, live_text=begin.text,
                                back=_back(), did=request.args.get("did"),
                                ok=request.args.get("ok"), results=RESULTS,

@@ -1,13 +1,15 @@
 """An agent's tools for one turn: its ``mcps`` entries resolved into one name space.
 
 The registry validates every entry (``name`` is required; exactly one of
-``toolset=``, ``url=``, ``command=`` or ``transport=``), applies whitelists and
-prefixes (``prefix__tool``), refuses name collisions naming both servers, and
-checks ``required_tools``. It routes a call by its advertised name.
+``toolset=``, ``url=``, ``command=``, ``transport=`` or ``agent=``, a child
+agent: one tool that starts a loop of that agent, docs/guides/conversations.md),
+applies whitelists and prefixes (``prefix__tool``), refuses name collisions
+naming both servers, and checks ``required_tools``. It routes a call by its advertised name.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -17,13 +19,16 @@ from ..errors import AgentDefinitionError, ConfigurationError, McpTransportError
 from .toolset import CallContext, ToolResult, Toolset
 from .transport import IDEMPOTENCY_META_KEY, McpTransport
 
-ENTRY_KINDS = ("toolset", "url", "command", "transport")
+ENTRY_KINDS = ("toolset", "url", "command", "transport", "agent")
 ENTRY_KEYS = {
     "name", "prefix", "tools", "required_tools", "toolset", "url", "command", "transport",
     "api_token", "api_token_env", "headers", "timeout", "env", "cwd",
     # The key in SOLIDLOOP_RATE_LIMITS ("tool:<rate_limit>") of every tool of
     # the entry without one of its own (limits/).
     "rate_limit",
+    # A child agent's entry: the agent (class or registered name), and the
+    # tool's description (else the agent class's docstring).
+    "agent", "description",
 }
 
 
@@ -51,6 +56,62 @@ class ToolsetServer(ToolServer):
 
     def call(self, tool_name: str, arguments: Any, ctx: CallContext) -> ToolResult:
         return self.toolset.call(tool_name, arguments, ctx)
+
+
+def agent_name_of(agent: Any) -> str | None:
+    """The registered name an ``agent=`` entry names: the string itself, or the
+    class's ``agent_name`` (None for a class not registered)."""
+    if isinstance(agent, str):
+        return agent
+    name = getattr(agent, "agent_name", None)
+    return str(name) if name else None
+
+
+def agent_tool(entry: dict[str, Any]) -> dict[str, Any]:
+    """The one tool a child agent's entry offers: named as the entry, its input
+    the child's first message, described by the entry or the agent's docstring."""
+    agent = entry["agent"]
+    description = entry.get("description")
+    if not description and not isinstance(agent, str):
+        description = inspect.getdoc(agent)
+        if description and description == inspect.getdoc(_agent_base(agent)):
+            description = None  # the base class's docstring says nothing of this agent
+    if not description:
+        description = (f"Delegate a task to the {agent_name_of(agent) or entry['name']!r} "
+                       "agent and get its final answer.")
+    return {"name": str(entry["name"]), "description": str(description),
+            "inputSchema": {"type": "object", "properties": {"message": {
+                "type": "string",
+                "description": "The task for the agent, as its first user message: "
+                               "everything it needs to know."}},
+                "required": ["message"], "additionalProperties": False}}
+
+
+def _agent_base(agent: type) -> type:
+    """The first class of ``agent``'s bases named Agent (the library's base)."""
+    for base in agent.__mro__[1:]:
+        if base.__name__ == "Agent":
+            return base
+    return object
+
+
+class AgentServer(ToolServer):
+    """A child agent's entry: one tool whose call is a deferred call that starts
+    a loop of the agent (loops/store/children.py) and takes its end as its
+    result. Its call runs here only when it did not start a child (arguments
+    that are not a JSON object): the model reads why."""
+
+    def __init__(self, name: str, entry: dict[str, Any]) -> None:
+        self.name = name
+        self.entry = entry
+
+    def tools(self) -> list[dict[str, Any]]:
+        return [agent_tool(self.entry)]
+
+    def call(self, tool_name: str, arguments: Any, ctx: CallContext) -> ToolResult:
+        return ToolResult.error(
+            f"the agent tool {tool_name!r} starts its agent only when called with "
+            '{"message": "..."} (a JSON object with a non-empty message)')
 
 
 class TransportServer(ToolServer):
@@ -110,6 +171,8 @@ def make_server(entry: dict[str, Any], session_state: dict[str, Any] | None = No
     name = str(entry["name"])
     if entry.get("toolset") is not None:
         return ToolsetServer(name, entry["toolset"])
+    if entry.get("agent") is not None:
+        return AgentServer(name, entry)
     if entry.get("transport") is not None:
         return TransportServer(name, entry["transport"], owned=False)
     timeout = float(entry.get("timeout") or 60)
@@ -164,7 +227,7 @@ def validate_entry(entry: Any, agent: str) -> str:
     if len(kinds) != 1:
         raise AgentDefinitionError(
             f"agent {agent!r}: mcps entry {entry['name']!r} must have exactly one of "
-            f"toolset=, url=, command=, transport= (found: {', '.join(kinds) or 'none'})"
+            f"toolset=, url=, command=, transport=, agent= (found: {', '.join(kinds) or 'none'})"
         )
     kind = kinds[0]
     name = entry["name"]
@@ -183,6 +246,19 @@ def validate_entry(entry: Any, agent: str) -> str:
             f"agent {agent!r}: mcps entry {entry['name']!r}: toolset= must be a Toolset, "
             f"got {type(entry['toolset']).__name__}"
         )
+    if kind == "agent" and not (
+            (isinstance(entry["agent"], str) and entry["agent"].strip())
+            or (isinstance(entry["agent"], type) and hasattr(entry["agent"], "agent_name"))):
+        raise AgentDefinitionError(
+            f"agent {agent!r}: mcps entry {name!r}: agent= must be an Agent class or a "
+            f"registered agent's name, got {entry['agent']!r}")
+    if kind == "agent" and not agent_name_of(entry["agent"]):
+        raise AgentDefinitionError(
+            f"agent {agent!r}: mcps entry {name!r}: agent {entry['agent'].__name__} is not "
+            "registered; decorate it with @solidloop.agent('name')")
+    if entry.get("description") is not None and not isinstance(entry["description"], str):
+        raise AgentDefinitionError(
+            f"agent {agent!r}: mcps entry {name!r}: description must be a str")
     return kind
 
 
@@ -217,12 +293,15 @@ class ToolRegistry:
             seen_servers.add(server_name)
             if kind == "toolset":
                 server: ToolServer = ToolsetServer(server_name, entry["toolset"])
+            elif kind == "agent":
+                server = AgentServer(server_name, entry)
             elif not remote:
                 # start() validates shapes only: it never reaches out to a server.
                 continue
             else:
                 server = make_server(entry)
-            if kind != "toolset" and snapshots is not None and server_name in snapshots:
+            if kind not in ("toolset", "agent") and snapshots is not None \
+                    and server_name in snapshots:
                 listed = snapshots[server_name]
             else:
                 listed = server.tools()

@@ -67,6 +67,7 @@ shared MCP loop, so a tool that blocks cannot stall the MCP transports.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import json
@@ -229,6 +230,9 @@ class WaitRule:
     approval_timeout: float | None = None
     on_timeout: str = "deny"
     result_timeout: float | None = None
+    #: A child agent (an Agent class or a registered agent's name): each call
+    #: starts a loop of it, whose end is the call's result (:meth:`Toolset.agent_tool`).
+    agent: Any = None
 
     @property
     def waits(self) -> bool:
@@ -457,6 +461,48 @@ class Toolset:
 
         def decorator(func: F) -> F:
             self.add_tool(func, **options)
+            return func
+
+        return decorator
+
+    def agent_tool(self, agent: Any, *, name: str | None = None,
+                   description: str | None = None,
+                   result_timeout: float | None = None) -> Callable[[F], F]:
+        """Declare a child agent's tool with a decorator: each call starts a loop
+        of ``agent`` (an Agent class registered with ``@solidloop.agent``, or a
+        registered agent's name) with the call's ``message``, and the child's
+        end is the call's result (docs/guides/conversations.md). What an
+        ``mcps`` entry ``{"name": ..., "agent": ...}`` offers, in a toolset.
+
+        The decorated function is the declaration, as for a ``deferred`` tool:
+        its name is the tool's, its docstring the description (else the
+        agent's), its signature the schema, which must take ``message: str``.
+        The loop never runs it. ``result_timeout``: seconds after which the
+        call gets an error result (the child runs on; its end is then dropped).
+        """
+        where = f"toolset {self.name!r}"
+        agent_name = agent if isinstance(agent, str) else getattr(agent, "agent_name", None) \
+            if isinstance(agent, type) else None
+        if not (isinstance(agent, str) and agent.strip()) and not (
+                isinstance(agent, type) and hasattr(agent, "agent_name")):
+            raise ToolDefinitionError(
+                f"{where}: agent_tool() takes an Agent class or a registered agent's name, "
+                f"got {_short_repr(agent)}")
+
+        def decorator(func: F) -> F:
+            text = description
+            if text is None and not inspect.getdoc(func) and not isinstance(agent, str):
+                text = inspect.getdoc(agent) or None
+            definition = self.add_tool(func, name=name, description=text, deferred=True,
+                                       result_timeout=result_timeout)
+            properties = definition.input_schema.get("properties") or {}
+            if (properties.get("message") or {}).get("type") != "string":
+                del self._tools[definition.name]
+                raise ToolDefinitionError(
+                    f"{where}, tool {definition.name!r}: an agent tool takes the child's "
+                    f"first message: declare a parameter message: str (agent "
+                    f"{agent_name or agent!r})")
+            definition.wait = dataclasses.replace(definition.wait, agent=agent)
             return func
 
         return decorator

@@ -13,6 +13,7 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     DateTime,
+    ForeignKey,
     Index,
     Integer,
     Numeric,
@@ -103,6 +104,10 @@ class Loop(Timestamps, Base):
         # column, so they stay HOT; a loop pays for the entry when it ends.
         Index("ix_solidloop_loops_ended", "finished_at", "id",
               postgresql_where=text("status IN ('completed','failed')")),
+        # Child agents (docs/decisions/0037-child-agents.md): a loop's children,
+        # for the cascades' walk and the retention's check.
+        Index("ix_solidloop_loops_parent", "parent_loop_id",
+              postgresql_where=text("parent_loop_id IS NOT NULL")),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
@@ -188,6 +193,15 @@ class Loop(Timestamps, Base):
     # Provider settings over the agent's ``llm`` option for this loop only
     # (``{"model": ...}`` for a replay against another model); NULL when none.
     llm_override: Mapped[dict[str, Any] | None] = mapped_column(JSONB(none_as_null=True))
+    # A child agent's loop (loops/store/children.py): the loop and the tool call
+    # that started it (the call's result is this loop's answer), and how many
+    # ancestors it has (0: started by the host).
+    parent_loop_id: Mapped[int | None] = mapped_column(
+        BigInteger, ForeignKey("solidloop_loops.id", ondelete="SET NULL"))
+    # No foreign key: the retention holds the parent while the child lives, and
+    # a key to the calls would give loops and calls two join paths.
+    parent_tool_call_id: Mapped[int | None] = mapped_column(BigInteger)
+    depth: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
 
     messages: Mapped[list[Message]] = relationship(
         back_populates="loop", order_by="Message.id", lazy="select", passive_deletes=True

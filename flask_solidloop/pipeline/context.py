@@ -71,7 +71,7 @@ class TurnContext:
             return False
         return fenced_transition(self.session, self.loop_id, self.execution_token,
                                  from_=from_, to=to,
-                                 ends=loop_ends(self.state, self.agent.agent_name), **changes)
+                                 ends=loop_ends(self.state, self.loop), **changes)
 
 
 @dataclass

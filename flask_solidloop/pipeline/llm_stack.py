@@ -186,7 +186,7 @@ def _end_turn(ctx: LlmContext, *, to: str, error_message: str) -> None:
                                    error_message=error_message, shell_id=ctx.shell_id,
                                    wire=ctx.wire, body_limit=ctx.state.config.wire_body_limit,
                                    repeat_history=ctx.state.config.event_repeat_history,
-                                   ends=store.loop_ends(ctx.state, ctx.agent.agent_name),
+                                   ends=store.loop_ends(ctx.state, ctx.loop),
                                    event_id=ctx.request_event_id),
             session=ctx.session, seconds=ctx.state.config.database_retry_seconds,
             still_ours=ctx.still_ours, what=f"loop {ctx.loop_id}: the turn's end")
@@ -913,7 +913,7 @@ class ResponseParsing:
                     calls=calls, wire=ctx.wire,
                     sequential=bool(ctx.agent.option("sequential_tool_calls")),
                     adopt=ctx.adopt_next, on_wait=ctx.agent.on_wait,
-                    ends=store.loop_ends(ctx.state, ctx.agent.agent_name),
+                    ends=store.loop_ends(ctx.state, ctx.loop),
                     streamed=ctx.partial.sent_text if ctx.partial is not None
                     and ctx.partial.deltas else None,
                     event_id=ctx.request_event_id),

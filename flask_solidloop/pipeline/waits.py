@@ -8,6 +8,10 @@ the agent's ``approval_policy`` does (the way to gate tools of remote servers,
 whose definitions the app does not own). A ``deferred`` tool's call always
 waits for its result. A policy that raises makes the call wait: an error in a
 safety check must not let the action through.
+
+A child agent's call (an ``mcps`` entry with ``agent=``) waits for its result
+too, the child's end: :func:`child_start` prepares the loop its turn's end
+starts (loops/store/children.py), or why it cannot start.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ..loops.store import APPROVAL, RESULT, CallWait
-from ..mcp.registry import ToolsetServer
+from ..loops.store import APPROVAL, RESULT, CallWait, ChildStart
+from ..mcp.registry import AgentServer, ToolsetServer, agent_name_of
 from ..mcp.toolset import NO_WAIT, CallContext, WaitRule
 
 if TYPE_CHECKING:
@@ -43,7 +47,13 @@ def call_wait(ctx: LlmContext, name: str, route: ToolRoute | None,
     waits: it runs into its correctable error, which the model reads."""
     if arguments is None:
         return None
+    if route is not None and isinstance(route.server, AgentServer):
+        return CallWait(RESULT, None, child=child_start(ctx, route.server.entry["agent"],
+                                                        arguments))
     rule = tool_wait_rule(route)
+    if rule.agent is not None:  # a toolset's agent_tool
+        return CallWait(RESULT, rule.result_timeout,
+                        child=child_start(ctx, rule.agent, arguments))
     if rule.deferred:
         return CallWait(RESULT, rule.result_timeout)
     policy = ctx.agent.approval_policy
@@ -60,6 +70,29 @@ def call_wait(ctx: LlmContext, name: str, route: ToolRoute | None,
     timeout = rule.approval_timeout if rule.approval_timeout is not None \
         else ctx.state.config.approval_timeout
     return CallWait(APPROVAL, timeout, rule.on_timeout)
+
+
+def child_start(ctx: LlmContext, spec: Any, arguments: dict[str, Any]) -> ChildStart:
+    """The child loop a call of a child agent's tool starts (``spec``: the
+    agent class or registered name): its agent, system prompt, message (the
+    call's ``message``) and budget; or a refusal, which the model reads as
+    the call's error result and can correct: no message, or an agent that
+    cannot run (not registered, a broken definition)."""
+    name = agent_name_of(spec) or str(spec)
+    message = arguments.get("message")
+    if not isinstance(message, str) or not message.strip():
+        return ChildStart(name, refusal=(
+            f'the child agent {name!r} was not started: call it with {{"message": "..."}}, '
+            "a non-empty message (the task, with everything the agent needs to know)"))
+    try:
+        agent = ctx.state.agent_for(name)
+        agent.validate()
+        prompt = str(agent.render_system_prompt())  # type: ignore[attr-defined]
+        budget = agent.budget_limits() or None  # type: ignore[attr-defined]
+    except Exception as exc:
+        logger.warning("loop %s: child agent %r cannot start: %s", ctx.loop_id, name, exc)
+        return ChildStart(name, refusal=f"the child agent {name!r} was not started: {exc}")
+    return ChildStart(name, prompt, message, budget)
 
 
 def _is_default(policy: Any) -> bool:

@@ -129,7 +129,7 @@ def run_llm_turn(state: SolidLoopState, loop: Loop, *, adopt: bool = False,
         # Fail visibly, before any claim: an unregistered agent or a broken
         # definition will not heal by retrying, and the loop must not sit queued.
         logger.error("llm_turn: loop %s cannot run: %s", loop_id, exc)
-        ends = store.loop_ends(state, loop.agent_name)
+        ends = store.loop_ends(state, loop)
         if adopted is None:
             store.fail_unclaimed(session, loop_id, storable.error_text(exc), ends=ends)
         else:
@@ -187,7 +187,7 @@ def run_llm_turn(state: SolidLoopState, loop: Loop, *, adopt: bool = False,
     def fail(error: str) -> bool:
         # The request's event, when one was recorded, ends with the loop.
         return store.end_turn(session, loop_id, token, to=LoopStatus.FAILED,
-                              error_message=error, ends=store.loop_ends(state, agent.agent_name),
+                              error_message=error, ends=store.loop_ends(state, loop),
                               wire=ctx.wire, event_id=ctx.request_event_id,
                               shell_id=ctx.shell_id,
                               body_limit=state.config.wire_body_limit,
@@ -360,7 +360,7 @@ def run_tool_call(state: SolidLoopState, call: ToolCall, loop: Loop, execution_t
         return store.end_turn(session, loop_id, token, to=LoopStatus.FAILED,
                               error_message=f"tool call {tool_call_id}: {error}",
                               call_id=tool_call_id, lease=ctx.lease_token,
-                              ends=store.loop_ends(state, loop.agent_name))
+                              ends=store.loop_ends(state, loop))
 
     def database_failed(exc: BaseException) -> None:
         # Nothing of the call is ours yet (the claim did not commit, or cannot

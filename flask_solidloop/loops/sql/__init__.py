@@ -1,8 +1,8 @@
 """Every statement that writes loop state, and the reads those writes embed,
 each named once (the broker's statements are in queue/sql.py), in one module
 per part of the store: parts.py (what they share), llm_turn.py, tool_turn.py,
-waits.py, commands.py, heals.py, caps.py, retention.py, compaction.py and
-forks.py.
+waits.py, commands.py, heals.py, caps.py, retention.py, compaction.py, forks.py
+and children.py.
 
 Only loops/store/ runs these (loops/queries.py runs the history read). A fence
 is written here, once, and every statement that needs it is composed from it
@@ -29,6 +29,7 @@ from types import ModuleType
 
 from . import (
     caps,
+    children,
     commands,
     compaction,
     forks,
@@ -40,6 +41,7 @@ from . import (
     waits,
 )
 from .caps import *  # noqa: F403
+from .children import *  # noqa: F403
 from .commands import *  # noqa: F403
 from .compaction import *  # noqa: F403
 from .forks import *  # noqa: F403
@@ -64,7 +66,7 @@ def _statements(module: ModuleType) -> dict[str, str]:
 #: render and prepare each).
 STATEMENTS: dict[str, str] = {
     name: text for module in (parts, llm_turn, tool_turn, waits, commands, heals, caps, retention,
-                              compaction, forks)
+                              compaction, forks, children)
     for name, text in _statements(module).items()
 } | {f"FINISH_TURN[with_calls={c}]": text for c, text in FINISH_TURN.items()} | {  # noqa: F405
     f"DECIDE[records={r}]": text for r, text in DECIDE.items()} | {  # noqa: F405

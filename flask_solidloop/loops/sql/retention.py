@@ -24,21 +24,29 @@ from .parts import TERMINAL
 _ENDED_BEFORE = f"l.status IN {TERMINAL} AND l.finished_at < now() - %(age)s::interval"
 
 #: Whatever still needs the ended loop ``l``: a queued or running job of it
-#: (ix_solidloop_jobs_live_loop), or a tool call of it under a live lease (an
-#: inline tool run has no job row).
+#: (ix_solidloop_jobs_live_loop), a tool call of it under a live lease (an
+#: inline tool run has no job row), or a loop linked to it that has not
+#: ended.
 #:
-#: Loops that name loops: none today (a conversation continues one loop; no
-#: table links a loop to a parent, a child agent or a handoff). A link added
-#: later must be added here: "held while a loop linked to it has not ended",
-#: both ways (a parent waits for its children's results; a child may read its
-#: parent's history). tests/unit/test_loop_retention_links.py fails on any
-#: column that names a loop and is not classified in the store's
-#: retention module.
+#: Loops that name loops: a child agent's loop names its parent
+#: (``parent_loop_id``, ix_solidloop_loops_parent). Held both ways: a parent
+#: while a child has not ended (the child's end writes the parent's call's
+#: result), a child while its parent has not (its result is still the
+#: parent's to read, and the admin shows the tree). A link added later must be
+#: added here too. tests/unit/test_loop_retention_links.py fails on any column
+#: that names a loop and is not classified in the store's retention module.
+#: The statuses of a loop that has not ended, named (an index on the status
+#: serves a list, not its negation).
+_UNENDED = "('init', 'queued', 'running', 'waiting', 'paused')"
 _HELD = (
     "EXISTS (SELECT 1 FROM solidloop_jobs j WHERE j.loop_id = l.id "
     "AND j.state IN ('queued','running')) "
     "OR EXISTS (SELECT 1 FROM solidloop_tool_calls c WHERE c.loop_id = l.id "
-    "AND c.leased_until > now())")
+    "AND c.leased_until > now()) "
+    "OR EXISTS (SELECT 1 FROM solidloop_loops k WHERE k.parent_loop_id IS NOT NULL "
+    f"AND k.parent_loop_id = l.id AND k.status IN {_UNENDED}) "
+    "OR (l.parent_loop_id IS NOT NULL AND EXISTS (SELECT 1 FROM solidloop_loops p "
+    f"WHERE p.id = l.parent_loop_id AND p.status IN {_UNENDED}))")
 
 _CANDIDATES = (
     f"FROM solidloop_loops l WHERE {_ENDED_BEFORE} "

@@ -11,15 +11,18 @@ host commands and heals return False or an empty list instead.
 One module per concern: ``llm_turn``, ``tool_turn``, ``commands`` (creation and
 the host's commands), ``heals`` (the reaper's repairs), ``wirelog`` (what the
 events keep), ``adopted`` (what a commit claimed for its thread), ``ending``
-(the host's hooks, run in the transaction that ends a loop), ``caps`` (a capped
-loop's admission, a new loop's fair rank), ``compaction`` (a summary turn's
-end), ``retention`` (ended loops deleted, after the host's archive hooks),
-``forks`` (a new loop from another's history) and ``transaction``. Lease *renewal*
+(the host's hooks, run in the transaction that ends a loop), ``children``
+(child agents: started with the parent's call, deciding it when they end),
+``caps`` (a capped loop's admission, a new loop's fair rank), ``compaction``
+(a summary turn's end), ``retention`` (ended loops deleted, after the host's
+archive hooks), ``forks`` (a new loop from another's history) and
+``transaction``. Lease *renewal*
 is the one write elsewhere: leases.py, on the renewer's own connection.
 """
 
 from .adopted import Adopted, AdoptedLlmTurn, AdoptedToolCall, LlmClaim
 from .caps import Caps, admit, caps_for, fair_ranks
+from .children import ChildStart, TreeLoop, child_result, decide_parent, lock_tree
 from .commands import (
     NewLoop,
     create_loop,
@@ -120,6 +123,7 @@ __all__ = [
     "CallFacts",
     "CallWait",
     "Caps",
+    "ChildStart",
     "Compacted",
     "Decision",
     "Deferral",
@@ -138,6 +142,7 @@ __all__ = [
     "SentMessage",
     "ToolClaim",
     "ToolOutcome",
+    "TreeLoop",
     "WaitRequest",
     "admit",
     "answer_tool_call",
@@ -145,12 +150,14 @@ __all__ = [
     "caps_for",
     "checkpoint_and_answer_tool_call",
     "checkpoint_tool_call",
+    "child_result",
     "claim_llm_turn",
     "claim_tool_call",
     "count_ended_loops",
     "create_loop",
     "create_loops",
     "decide",
+    "decide_parent",
     "defer_for_capacity",
     "defer_llm_turn",
     "denial",
@@ -174,6 +181,7 @@ __all__ = [
     "heal_stuck_queued",
     "heal_stuck_tool_phase",
     "holds_nothing",
+    "lock_tree",
     "loop_ends",
     "mark_watched",
     "open_shell",

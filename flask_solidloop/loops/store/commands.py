@@ -26,7 +26,7 @@ from ...telemetry import tracing
 from .. import queries, sql, storable
 from .caps import fair_ranks
 from .ending import LoopEnds, run_loop_end_hooks
-from .transaction import alone, commits, execute, fetch_row, fetch_rows, joins, run_alone
+from .transaction import commits, execute, fetch_row, fetch_rows, joins
 
 if TYPE_CHECKING:
     from ...state import SolidLoopState
@@ -49,10 +49,12 @@ def new_message(loop_id: int, role: str, content: str, **fields: Any) -> Message
 def create_loop(state: SolidLoopState, session: SessionLike, *, agent_name: str,
                 subject_type: str | None, subject_id: str | None, system_prompt: str,
                 message: str, loop_state: dict[str, Any], enqueue: bool,
-                budget: dict[str, float] | None = None) -> Loop:
+                budget: dict[str, float] | None = None,
+                parent: tuple[int, int, int] | None = None) -> Loop:
     """Insert a loop (queued, or init), its system and user messages and, when
     ``enqueue``, its first llm_turn job. The caller commits, and may add its
-    own writes to the same transaction. ``budget``: the loop's own limits."""
+    own writes to the same transaction. ``budget``: the loop's own limits.
+    ``parent``: a child agent's ``(parent loop, parent tool call, depth)``."""
     rank = fair_ranks(state, session, [(subject_type, subject_id)])[0]
     # The run's trace context (None when tracing is off): its first job carries
     # it. A loop created without its job has no run yet: its resume begins one.
@@ -60,6 +62,8 @@ def create_loop(state: SolidLoopState, session: SessionLike, *, agent_name: str,
     loop = Loop(agent_name=agent_name, subject_type=subject_type, subject_id=subject_id,
                 status=LoopStatus.QUEUED if enqueue else LoopStatus.INIT,
                 state=dict(loop_state), budget=budget or None, fair_rank=rank, trace=run)
+    if parent is not None:
+        loop.parent_loop_id, loop.parent_tool_call_id, loop.depth = parent
     session.add(loop)
     session.flush()
     if system_prompt:
@@ -149,18 +153,47 @@ def pause(session: SessionLike, loop_id: int) -> bool:
     return True
 
 
+def _descendants(session: SessionLike, loop_id: int) -> list[int]:
+    """The loop's descendants (child agents' loops, theirs, ...), locked with the
+    loop itself, deepest first and the loop last (loops/sql.LOCK_TREE: the
+    order a child's ending takes them in). The loop's own lock comes last."""
+    from .children import lock_tree  # children.py builds on this module
+
+    return [node.id for node in lock_tree(session, loop_id) if node.id != loop_id]
+
+
+def _leave_tree(session: SessionLike, loop_id: int, *, reason: str,
+                revoke_leases: bool = False) -> list[int]:
+    """Fail the loop and its live descendants (children stopped with it, their
+    reason naming it); the loops that left, the loop first, or [] when the
+    loop itself could not. Every loop is failed before any ending runs, so a
+    child's result is kept on its failed parent's call and enqueues nothing."""
+    descendants = _descendants(session, loop_id)
+    if not _leave(session, loop_id, from_=_STOPPABLE, to=LoopStatus.FAILED,
+                  error_message=reason, revoke_leases=revoke_leases):
+        return []
+    left = [loop_id]
+    for child in descendants:
+        if _leave(session, child, from_=_STOPPABLE, to=LoopStatus.FAILED,
+                  error_message=f"its parent loop {loop_id} was stopped: {reason}",
+                  revoke_leases=revoke_leases):
+            left.append(child)
+    return left
+
+
 @commits
 def stop(session: SessionLike, loop_id: int, *, reason: str,
          ends: LoopEnds | None = None) -> bool:
-    """Fail a live, paused or init loop with ``reason``, with the host's
-    ``on_loop_end`` hooks (``ends``) in the same commit."""
-    left = _leave(session, loop_id, from_=_STOPPABLE, to=LoopStatus.FAILED,
-                  error_message=reason)
-    if left:
-        run_loop_end_hooks(session, loop_id, ends)
-    if not _done(session, left):
+    """Fail a live, paused or init loop with ``reason``, and its live child
+    agents' loops with it, with the host's ``on_loop_end`` hooks (``ends``) in
+    the same commit."""
+    left = _leave_tree(session, loop_id, reason=reason)
+    for ended in left:
+        run_loop_end_hooks(session, ended, ends)
+    if not _done(session, bool(left)):
         return False
-    signals.send(signals.loop_failed, loop_id=loop_id, error=storable.text(reason)[0])
+    for ended in left:
+        signals.send(signals.loop_failed, loop_id=ended, error=storable.text(reason)[0])
     return True
 
 
@@ -168,48 +201,58 @@ def stop(session: SessionLike, loop_id: int, *, reason: str,
 def force_stop(state: SolidLoopState, session: SessionLike, loop_id: int, *,
                reason: str, ends: LoopEnds | None = None) -> bool:
     """Fail the loop, revoke its tool leases and cancel its queued jobs, at once,
-    with the host's ``on_loop_end`` hooks (``ends``) in the same commit."""
+    and its live child agents' loops with it, with the host's ``on_loop_end``
+    hooks (``ends``) in the same commit."""
     error = f"force stopped: {reason}"
-    if not _leave(session, loop_id, from_=_STOPPABLE, to=LoopStatus.FAILED,
-                  error_message=error, revoke_leases=True):
+    left = _leave_tree(session, loop_id, reason=error, revoke_leases=True)
+    if not left:
         session.rollback()
         return False
-    state.broker.cancel_loop_jobs(session, loop_id, reason="cancelled by force stop")
-    run_loop_end_hooks(session, loop_id, ends)
+    for ended in left:
+        state.broker.cancel_loop_jobs(session, ended, reason="cancelled by force stop")
+    for ended in left:
+        run_loop_end_hooks(session, ended, ends)
     session.commit()
-    signals.send(signals.loop_failed, loop_id=loop_id, error=storable.text(error)[0])
+    for ended in left:
+        signals.send(signals.loop_failed, loop_id=ended, error=storable.text(error)[0])
     return True
 
 
 @commits
 def freeze(session: SessionLike, loop_id: int) -> bool:
     """Pause a live loop and lock it against resume until unfrozen; a paused or
-    init loop is only locked. False for a finished or already frozen loop."""
+    init loop is only locked. Its child agents' loops that have not ended are
+    frozen with it. False for a finished or already frozen loop."""
+    descendants = _descendants(session, loop_id)
     locked = fetch_row(session, sql.LOCK_LOOP, {"loop_id": loop_id})
     if locked is None or locked["frozen"] or locked["status"] in (
             LoopStatus.COMPLETED, LoopStatus.FAILED):
         session.rollback()
         return False
-    paused = locked["status"] in _LIVE
-    if paused:
-        _leave(session, loop_id, from_=_LIVE, to=LoopStatus.PAUSED, error_message="frozen",
-               freeze=True)
-    else:
-        execute(session, sql.SET_FROZEN, {"loop_id": loop_id, "frozen": True})
+    paused = [node for node in (loop_id, *descendants) if _freeze_one(session, node)]
     session.commit()
-    if paused:
-        signals.send(signals.loop_paused, loop_id=loop_id, reason="frozen")
+    for node in paused:
+        signals.send(signals.loop_paused, loop_id=node, reason="frozen")
     return True
 
 
-@alone
+def _freeze_one(session: SessionLike, loop_id: int) -> bool:
+    """Freeze one loop of a tree (locked): paused when live, else only locked;
+    an ended or frozen one is left. Whether it was paused."""
+    if _leave(session, loop_id, from_=_LIVE, to=LoopStatus.PAUSED, error_message="frozen",
+              freeze=True):
+        return True
+    execute(session, sql.FREEZE_UNENDED, {"loop_id": loop_id})
+    return False
+
+
+@commits
 def unfreeze(session: SessionLike, loop_id: int) -> bool:
-    """Lift a freeze; the loop stays where it is (usually paused) until resumed."""
-    row, committed = run_alone(session, sql.SET_FROZEN, {"loop_id": loop_id, "frozen": False},
-                               sole=True)
-    if not committed:
-        session.commit()
-    return row is not None
+    """Lift a freeze, the loop's and its child agents' loops'; each stays where
+    it is (usually paused) until resumed. False when the loop was not frozen."""
+    lifted = {row[0] for row in fetch_rows(session, sql.UNFREEZE_TREE, {"loop_id": loop_id})}
+    session.commit()
+    return loop_id in lifted
 
 
 @commits

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from ...llm.client import WireRecord
     from ...llm.types import AssistantTurn
     from ...state import SolidLoopState
+    from .children import ChildStart
 
 
 def calls_to_run(call_ids: Sequence[int], *, sequential: bool) -> list[int]:
@@ -188,6 +189,8 @@ class CallWait:
     waits_for: str
     timeout: float | None = None
     on_timeout: str = "deny"
+    #: A child agent's call: the loop its turn's end starts (children.py).
+    child: ChildStart | None = None
 
 
 @dataclass(frozen=True)
@@ -331,12 +334,17 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
         params.update(_calls_params(calls), lease=lease, holder=worker_identity(),
                       ttl=timedelta(seconds=state.config.liveness_ttl), waits=waits,
                       lease_position=runnable[0] + 1 if lease is not None else None)
-    waiting = [n for n, call in enumerate(calls) if call.wait is not None]
+    # A child agent's call starts its loop in this commit; the host's hook and
+    # signals are for the waits the host answers.
+    spawns = [n for n, call in enumerate(calls) if call.wait is not None
+              and call.wait.child is not None]
+    waiting = [n for n, call in enumerate(calls) if call.wait is not None
+               and call.wait.child is None]
     hooked = on_wait is not None and bool(waiting)
     ended = not calls and bool(ends)
     # Nothing else joins this commit when no job is enqueued with it.
     sole = (len(runnable) - (1 if lease is not None else 0) + len(timed) == 0 and not hooked
-            and not ended)
+            and not ended and not spawns)
     tail = content[len(streamed):] if streamed is not None and content is not None \
         and len(content) > len(streamed) and content.startswith(streamed) else None
     params.update(tail=tail, tail_offset=len(streamed or ""))
@@ -374,6 +382,13 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
             timeout = calls[n].wait.timeout  # type: ignore[union-attr]
             state.dispatch.wait_timeout(session, call_ids[n], loop_id=loop_id,
                                         delay_ms=int(timeout * 1000))  # type: ignore[operator]
+        if spawns:
+            # children.py builds on waits.py, which builds on this module's kin
+            from .children import start_children
+
+            start_children(state, session, loop_id,
+                           [(call_ids[n], calls[n].wait.child)  # type: ignore[union-attr,misc]
+                            for n in spawns], sequential=sequential)
         if hooked:
             assert on_wait is not None
             for n in waiting:

@@ -63,9 +63,12 @@ LEFT: dict[str, str] = {
     "solidloop_spend": "loop_id",
     "solidloop_loops": "forked_from_loop_id",
 }
-#: Links from a loop to another loop (a parent, a child agent, a handoff): none
-#: yet. One added here must hold its loops back in loops/sql/retention.py.
-LINKS: dict[str, str] = {}
+#: Links from a loop to another loop: a child agent's parent (its
+#: ``parent_loop_id``, ``ON DELETE SET NULL``). One added here must hold its
+#: loops back in loops/sql/retention.py.
+LINKS: dict[str, str] = {
+    "solidloop_loops": "parent_loop_id",
+}
 
 #: The start of a pass's cursor: before every loop.
 START = (datetime(1900, 1, 1, tzinfo=UTC), 0)
