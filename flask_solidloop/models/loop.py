@@ -180,6 +180,11 @@ class Loop(Timestamps, Base):
     # invoke_agent span's traceparent, its parent, start and previous run;
     # NULL when tracing was off when it started.
     trace: Mapped[dict[str, Any] | None] = mapped_column(JSONB(none_as_null=True))
+    # Structured output (docs/decisions/0036-structured-output.md): the JSON
+    # Schema the loop was started with (its agent's ``output_type``), and the
+    # validated answer its completing turn wrote; NULL without structured output.
+    output_schema: Mapped[dict[str, Any] | None] = mapped_column(JSONB(none_as_null=True))
+    output: Mapped[Any] = mapped_column(JSONB(none_as_null=True))
 
     messages: Mapped[list[Message]] = relationship(
         back_populates="loop", order_by="Message.id", lazy="select", passive_deletes=True
