@@ -22,7 +22,7 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import JSON, JSONB
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from ..errors import InvalidArgumentError
@@ -183,7 +183,9 @@ class Loop(Timestamps, Base):
     # Structured output (docs/decisions/0036-structured-output.md): the JSON
     # Schema the loop was started with (its agent's ``output_type``), and the
     # validated answer its completing turn wrote; NULL without structured output.
-    output_schema: Mapped[dict[str, Any] | None] = mapped_column(JSONB(none_as_null=True))
+    # JSON, not JSONB: JSONB sorts keys, and a schema's property order is the
+    # order a model writes the fields in.
+    output_schema: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     output: Mapped[Any] = mapped_column(JSONB(none_as_null=True))
 
     messages: Mapped[list[Message]] = relationship(

@@ -48,7 +48,7 @@ START_MANY = (
     "loops AS (INSERT INTO solidloop_loops (id, agent_name, subject_type, subject_id, "
     "fair_rank, status, state, trace, output_schema) SELECT id, %(agent_name)s, "
     "subject_type, subject_id, fair_rank, %(status)s, state::jsonb, trace::jsonb, "
-    "%(output_schema)s::jsonb FROM input RETURNING id), "
+    "%(output_schema)s::json FROM input RETURNING id), "
     "messages AS (INSERT INTO solidloop_messages (loop_id, role, content, metadata) "
     "SELECT loop_id, role, content, meta FROM ("
     "SELECT id AS loop_id, 0 AS rank, 'system' AS role, %(system_prompt)s::text AS content, "

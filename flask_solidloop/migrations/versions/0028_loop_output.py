@@ -8,6 +8,11 @@ what the loop started with, whatever version of the agent's class it runs.
 answer. Both are NULL for a loop without structured output. Neither is in an
 index, so a running loop's updates stay HOT.
 
+``output_schema`` is ``json``, not ``jsonb``: ``jsonb`` sorts an object's keys,
+and the order of a schema's properties is the order a model writes the
+fields in (a ``reasoning`` field declared before ``answer`` is written
+first).
+
 Revision ID: 0028
 Revises: 0027
 Create Date: 2026-12-03 15:30:00
@@ -29,7 +34,7 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     """Upgrade schema."""
     op.add_column('solidloop_loops',
-                  sa.Column('output_schema', postgresql.JSONB(astext_type=sa.Text()),
+                  sa.Column('output_schema', postgresql.JSON(astext_type=sa.Text()),
                             nullable=True))
     op.add_column('solidloop_loops',
                   sa.Column('output', postgresql.JSONB(astext_type=sa.Text()), nullable=True))
