@@ -186,7 +186,7 @@ class Loop(Timestamps, Base):
     # JSON, not JSONB: JSONB sorts keys, and a schema's property order is the
     # order a model writes the fields in.
     output_schema: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
-    output: Mapped[Any] = mapped_column(JSONB(none_as_null=True))
+    output: Mapped[Any] = mapped_column(JSONB(none_as_null=True), nullable=True)
 
     messages: Mapped[list[Message]] = relationship(
         back_populates="loop", order_by="Message.id", lazy="select", passive_deletes=True
