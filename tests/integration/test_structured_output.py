@@ -6,6 +6,7 @@ answered again; retries spent, the loop failed as ``output_invalid``."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -326,3 +327,32 @@ def test_the_emulator_refuses_a_response_schema_gemini_would(app, llm):
     assert answer.status_code == 200
     text = answer.json()["candidates"][0]["content"]["parts"][0]["text"]
     assert json.loads(text) == {"a": 1}
+
+
+# -- status and the admin show the output ----------------------------------------------
+
+
+def test_status_and_the_admin_show_the_output(app, session, llm, drain):
+    agent = make_agent("so_shown", "openai", False, llm.base_url)
+    llm.script("describe ada", {"output": GOOD})
+    loop = agent.start(message="Describe Ada")
+    # Another that never gives a valid answer: failed, with no output.
+    llm.script("describe nobody", {"output": BAD})
+    llm.script(ERROR_MARK, {"output": BAD})
+    waiting = agent.start(message="Describe nobody")
+    drain()
+    runner = app.test_cli_runner()
+    shown = runner.invoke(args=["solidloop", "status", str(loop.id)])
+    assert shown.exit_code == 0, shown.output
+    assert '  output:\n    {\n' in shown.output  # indented JSON under its label
+    assert '      "name": "Ada",\n' in shown.output and '"city": "Paris"' in shown.output
+    app.register_blueprint(solidloop.admin_blueprint(authorize=lambda request: True),
+                           url_prefix="/admin")
+    page = app.test_client().get(f"/admin/loops/{loop.id}").get_data(as_text=True)
+    row = re.search(r'<tr id="loop-output">.*?</tr>', page, re.S)
+    assert row is not None and "&#34;London&#34;" in row.group(0)
+    session.expire_all()
+    assert session.get(Loop, waiting.id).status == "failed"
+    shown = runner.invoke(args=["solidloop", "status", str(waiting.id)])
+    assert "output: none (structured output; no valid answer yet)" in shown.output
+    assert "OutputInvalidError" in shown.output
