@@ -13,7 +13,7 @@ import pytest
 from pydantic import BaseModel
 from sqlalchemy import select
 
-from flask_solidloop import Agent, LoopFailedError
+from flask_solidloop import Agent, LoopFailedError, Toolset
 from flask_solidloop.loops import queries
 from flask_solidloop.models import Loop, Message
 
@@ -356,3 +356,55 @@ def test_status_and_the_admin_show_the_output(app, session, llm, drain):
     shown = runner.invoke(args=["solidloop", "status", str(waiting.id)])
     assert "output: none (structured output; no valid answer yet)" in shown.output
     assert "OutputInvalidError" in shown.output
+
+
+# -- a tool that returns a model declares its outputSchema (the MCP server blueprint) ------
+
+MODERN = "2026-07-28"
+
+
+class Forecast(BaseModel):
+    city: str
+    highs: list[int]
+
+
+forecasts = Toolset("forecasts")
+
+
+@forecasts.tool
+def forecast(city: str) -> Forecast:
+    """The week's highs for a city."""
+    return Forecast(city=city, highs=[21, 23])
+
+
+@forecasts.tool
+def summary(city: str) -> str:
+    """A sentence about a city's week."""
+    return f"{city}: warm"
+
+
+def mcp(client, method, params=None):
+    body = {"jsonrpc": "2.0", "id": 1, "method": method, "params": {
+        "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN,
+                  "io.modelcontextprotocol/clientCapabilities": {}}, **(params or {})}}
+    headers = {"Accept": "application/json, text/event-stream", "Authorization": "Bearer t",
+               "MCP-Protocol-Version": MODERN, "Mcp-Method": method}
+    if params and "name" in params:
+        headers["Mcp-Name"] = params["name"]
+    answer = client.post("/mcp/forecasts", json=body, headers=headers)
+    assert answer.status_code == 200, answer.get_data(as_text=True)
+    return answer.get_json()["result"]
+
+
+def test_a_tool_returning_a_model_declares_its_output_schema(app):
+    blueprint = solidloop.mcp_blueprint(forecasts, auth=lambda token, request: "a",
+                                        allowed_hosts=["localhost"])
+    app.register_blueprint(blueprint, url_prefix="/mcp/forecasts")
+    client = app.test_client()
+    tools = {t["name"]: t for t in mcp(client, "tools/list")["tools"]}
+    assert tools["forecast"]["outputSchema"] == Forecast.model_json_schema()
+    assert "outputSchema" not in tools["summary"]
+    result = mcp(client, "tools/call", {"name": "forecast", "arguments": {"city": "Oslo"}})
+    assert result["structuredContent"] == {"city": "Oslo", "highs": [21, 23]}
+    assert json.loads(result["content"][0]["text"]) == result["structuredContent"]
+    assert result["isError"] is False
