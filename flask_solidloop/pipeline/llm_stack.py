@@ -290,6 +290,9 @@ class NetworkCalling:
     def __call__(self, ctx: LlmContext) -> Any:
         settings = ctx.agent.provider()
         _check_lease(ctx)
+        # Read now, from the loop the claim loaded: the writes below (a shell, a
+        # stream's flushes) expire it, and ResponseParsing must not load it again.
+        ctx.output_schema = ctx.loop.output_schema
         if ctx.shell_id is None:  # the claim wrote it, unless a step runs in between
             ctx.shell_id = store.open_shell(ctx.session, ctx.loop_id, ctx.execution_token)
 
@@ -321,7 +324,7 @@ class NetworkCalling:
             reasoning_effort=ctx.agent.option("reasoning_effort"),
             max_tokens=ctx.agent.option("max_tokens"),
             reasoning_strategies=strategies,
-            output_schema=ctx.loop.output_schema,
+            output_schema=ctx.output_schema,
         )
         rendered = dialect.render(settings, with_note(history, note), tools, options)
         slot_at: float | None = None
@@ -893,7 +896,7 @@ class ResponseParsing:
             if turn_cost is None:
                 meta["unpriced"] = True
         _refuse_shared_call_ids(response)
-        schema = ctx.loop.output_schema
+        schema = ctx.output_schema
         checked = None
         if schema is not None:
             response, checked = _check_output(ctx, response, schema, meta)
