@@ -408,3 +408,15 @@ def test_a_tool_returning_a_model_declares_its_output_schema(app):
     assert result["structuredContent"] == {"city": "Oslo", "highs": [21, 23]}
     assert json.loads(result["content"][0]["text"]) == result["structuredContent"]
     assert result["isError"] is False
+
+
+def test_start_many_and_create_store_the_schema_too(app, session, llm):
+    agent = make_agent("so_many", "openai", False, llm.base_url)
+    ids = agent.start_many(["Describe Ada", "Describe Grace"])
+    created = agent.create(message="Describe Alan")
+    session.expire_all()
+    for loop_id in [*ids, created.id]:
+        row = session.get(Loop, loop_id)
+        assert row.output_schema == Person.model_json_schema() and row.output is None
+        # The property order survives storage (json, not jsonb).
+        assert list(row.output_schema["properties"]) == ["name", "age", "addresses"]
