@@ -135,7 +135,7 @@ class LLMEmulator(LocalServer[RecordedRequest]):
         regex (``search`` on that text) or ``callable(request_json) -> bool`` (the request
         body as sent, in its dialect). ``reply``: ``{"content", "tool_calls",
         "finish_reason", "usage", "reasoning_content", "anthropic_blocks",
-        "gemini_parts"}`` (all optional; a bare str means ``{"content": str}``) or
+        "gemini_parts", "output"}`` (all optional; a bare str means ``{"content": str}``) or
         ``callable(request_json) -> reply``. Scripts are tried newest first.
         """
         if not (isinstance(match, str | re.Pattern) or callable(match)):
