@@ -420,3 +420,20 @@ def test_start_many_and_create_store_the_schema_too(app, session, llm):
         assert row.output_schema == Person.model_json_schema() and row.output is None
         # The property order survives storage (json, not jsonb).
         assert list(row.output_schema["properties"]) == ["name", "age", "addresses"]
+
+
+def test_an_exposed_agents_status_tool_gives_the_output(app, llm, drain):
+    agent = make_agent("so_mcp", "openai", False, llm.base_url)
+    llm.script("describe ada", {"output": GOOD})
+    blueprint = solidloop.mcp_blueprint(forecasts, auth=lambda token, request: "a",
+                                        allowed_hosts=["localhost"], agents=[agent])
+    app.register_blueprint(blueprint, url_prefix="/mcp/forecasts")
+    client = app.test_client()
+    started = mcp(client, "tools/call", {"name": "start_so_mcp",
+                                         "arguments": {"message": "Describe Ada"}})
+    loop_id = started["structuredContent"]["loop_id"]
+    drain()
+    status = mcp(client, "tools/call", {"name": "status_so_mcp",
+                                        "arguments": {"loop_id": loop_id}})
+    assert status["structuredContent"]["status"] == "completed"
+    assert status["structuredContent"]["output"] == GOOD
