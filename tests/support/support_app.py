@@ -14,6 +14,7 @@ import time
 import dramatiq
 from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
+from pydantic import BaseModel
 from sqlalchemy import select
 
 from flask_solidloop import Agent, CallContext, SolidLoop, Toolset
@@ -693,3 +694,23 @@ class InterruptingChatAgent(ChatAgent):
 @solidloop.agent("chat_reject")
 class RejectingChatAgent(ChatAgent):
     on_new_message = "reject"
+
+
+# -- structured output (docs/decisions/0036-structured-output.md) --------------------
+
+
+class Profile(BaseModel):
+    name: str
+    city: str
+
+
+@solidloop.agent("profiler")
+class ProfileAgent(Agent):
+    """Streams a structured answer validated as a Profile."""
+
+    system_prompt = "You profile people."
+    streaming = True
+    output_type = Profile
+
+    def llm(self) -> dict:
+        return llm_settings()
