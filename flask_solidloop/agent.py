@@ -72,6 +72,10 @@ OPTIONS: dict[str, str] = {
                             "held before its first turn until one ends), or None for no cap",
     "on_new_message": "what send_message does while the loop is queued, running or waiting: "
                       "'queue' (answer it after the current work), 'interrupt' or 'reject'",
+    "output_type": "a pydantic model class or a JSON Schema dict: the final answer is "
+                   "validated against it and kept as the loop's output (None: plain text)",
+    "output_retries": "int: answers that fail validation sent back with the error before "
+                      "the loop fails as output_invalid (default 2)",
 }
 HOOKS = ("configure_llm_middlewares", "configure_tool_middlewares")
 
@@ -143,6 +147,8 @@ class Agent:
     tool_result_format: Any = None
     max_concurrent_loops: Any = None
     on_new_message: Any = "queue"
+    output_type: Any = None
+    output_retries: Any = 2
 
     #: The loop's own provider settings, once read (:meth:`_llm_override`).
     _override: dict[str, Any] | None
@@ -181,7 +187,8 @@ class Agent:
 
     def option(self, name: str) -> Any:
         value = getattr(self, name)
-        return value() if callable(value) else value
+        # A class (output_type's model) is a value, not a method to call.
+        return value() if callable(value) and not isinstance(value, type) else value
 
     @property
     def loop(self) -> Loop | None:
@@ -289,6 +296,18 @@ class Agent:
         if key is not None and (not isinstance(key, str) or not key.strip()):
             raise AgentDefinitionError(
                 f"agent {name!r}: rate_limit_key must be a non-empty str or None")
+        self.output_schema()
+        retries = self.option("output_retries")
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise AgentDefinitionError(
+                f"agent {name!r}: output_retries must be an int >= 0, got {retries!r}")
+
+    def output_schema(self) -> dict[str, Any] | None:
+        """The JSON Schema of this agent's ``output_type`` (None without one), as
+        its loops are started with; AgentDefinitionError names a bad one."""
+        from .llm.output import schema_of
+
+        return schema_of(self.option("output_type"), agent=str(self.agent_name))
 
     def budget_limits(self) -> dict[str, float]:
         """This agent's ``budget`` option, checked (AgentDefinitionError names a bad one)."""
@@ -388,7 +407,7 @@ class Agent:
         assert session is not None
         ids = store.create_loops(ext_state, session, agent_name=name,
                                  system_prompt=agent.render_system_prompt(), loops=checked,
-                                 enqueue=True)
+                                 enqueue=True, output_schema=agent.output_schema())
         if commit:
             session.commit()
         return ids
@@ -431,6 +450,7 @@ class Agent:
             ext_state, session, agent_name=name, subject_type=subject_type,
             subject_id=subject_id, system_prompt=agent.render_system_prompt(),
             message=message, loop_state=dict(state or {}), enqueue=enqueue, budget=limits,
+            output_schema=agent.output_schema(),
         )
         if commit:
             session.commit()
@@ -621,6 +641,32 @@ class Agent:
         return control.fork(get_state(), self._require_loop(), at_message_id, message=message,
                             llm={"model": model} if model is not None else None,
                             session=session, commit=commit)
+
+    def output(self) -> Any:
+        """The loop's structured output (its agent's ``output_type``): an
+        instance of the agent's model class when it declares one, else the
+        validated value (a dict). None while the loop has not completed;
+        :class:`LoopFailedError` for a loop that failed (an answer that never
+        matched its schema fails it as ``output_invalid``) or was stopped.
+        InvalidArgumentError for an agent without ``output_type``."""
+        from .llm.output import instance
+
+        loop_id = self._require_loop()
+        output_type = self.option("output_type")
+        if output_type is None:
+            raise InvalidArgumentError(
+                f"agent {self.agent_name!r} declares no output_type; result() returns its "
+                "final answer as text")
+        session = get_state().db.session
+        loop = queries.get_loop(session, loop_id)
+        if loop is None:
+            raise InvalidArgumentError(f"loop {loop_id} does not exist")
+        session.refresh(loop)
+        if loop.status == LoopStatus.FAILED:
+            raise LoopFailedError(loop_id, loop.error_message)
+        if loop.status != LoopStatus.COMPLETED or loop.output is None:
+            return None
+        return instance(output_type, loop.output)
 
     def history(self, *, include_hidden: bool = False) -> list[Message]:
         return queries.messages(get_state().db.session, self._require_loop(),

@@ -5,6 +5,7 @@ them in the same words), and of a child agent's tree (:func:`format_lineage`).""
 
 from __future__ import annotations
 
+import json
 import textwrap
 from datetime import UTC, datetime
 
@@ -56,7 +57,19 @@ def format_loop(loop: Loop) -> str:
             f"{key}={value}" for key, value in sorted(loop.llm_override.items())))
     if loop.error_message:
         lines.append(f"  error: {loop.error_message}")
+    lines += format_output(loop)
     return "\n".join(lines)
+
+
+def format_output(loop: Loop) -> list[str]:
+    """A structured-output loop's lines: its validated output (indented JSON),
+    or that it has none yet."""
+    if loop.output_schema is None:
+        return []
+    if loop.output is None:
+        return ["  output: none (structured output; no valid answer yet)"]
+    text = json.dumps(loop.output, indent=2, ensure_ascii=False)
+    return ["  output:", *(f"    {line}" for line in text.splitlines())]
 
 
 def format_budget(budget: LoopBudget) -> list[str]:

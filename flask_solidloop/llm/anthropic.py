@@ -35,6 +35,7 @@ import json
 from typing import Any
 
 from ..errors import InvalidArgumentError, ProviderAnswerError, ProviderResponseError
+from . import output as _output
 from . import reasoning
 from .dialect import RenderedRequest, RenderOptions, SSEEvent, StreamDelta, input_schema
 from .types import AssistantTurn, ChatMessage, ProviderSettings, ToolCallRequest, Usage
@@ -134,6 +135,8 @@ class AnthropicDialect:
             ]
         if budget is not None:
             payload["thinking"] = {"type": "enabled", "budget_tokens": budget}
+        if options.output_schema is not None:
+            _ask_for_output(payload, options.output_schema, thinking=budget is not None)
         if options.stream:
             payload["stream"] = True
         version = getattr(settings, "anthropic_version", None) or DEFAULT_VERSION
@@ -156,6 +159,25 @@ class AnthropicDialect:
 
 
 # -- rendering ---------------------------------------------------------------
+
+
+def _ask_for_output(payload: dict[str, Any], schema: dict[str, Any], *, thinking: bool) -> None:
+    """Structured output, Anthropic's way: the answer is the input of a tool
+    (:data:`.output.OUTPUT_TOOL`, whose input schema is the output's) the model
+    is made to call: by name when it is the only tool; any tool when the agent
+    has others (it calls them, then answers through this one). Anthropic
+    refuses a forced tool_choice with extended thinking: the choice is then
+    left to the model, and an answer given as text is validated as text."""
+    tools = payload.setdefault("tools", [])
+    tools.append({"name": _output.OUTPUT_TOOL, "description": _output.OUTPUT_TOOL_DESCRIPTION,
+                  "input_schema": schema})
+    if thinking:
+        payload["tool_choice"] = {"type": "auto"}
+    elif len(tools) == 1:
+        payload["tool_choice"] = {"type": "tool", "name": _output.OUTPUT_TOOL}
+    else:
+        payload["tool_choice"] = {"type": "any"}
+
 
 
 def _append_user(wire: list[dict[str, Any]], blocks: list[dict[str, Any]],

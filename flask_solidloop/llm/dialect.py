@@ -56,6 +56,9 @@ class RenderOptions:
     max_tokens: int | None = None
     #: How earlier reasoning goes back to the model (see :mod:`.reasoning`).
     reasoning_strategies: list[str] | None = None
+    #: The loop's structured-output JSON Schema (llm/output.py), or None: each
+    #: dialect asks for an answer of that shape its own way.
+    output_schema: dict[str, Any] | None = None
 
     def merge_llm_params(self, payload: dict[str, Any]) -> dict[str, Any]:
         """The payload with the agent's ``llm_params`` deep-merged over it.

@@ -65,6 +65,7 @@ from ..errors import (
     ProviderResponseError,
     ToolDefinitionError,
 )
+from . import output as _output
 from . import reasoning as reasoning_mod
 from .dialect import RenderedRequest, RenderOptions, SSEEvent, StreamDelta
 from .types import AssistantTurn, ChatMessage, ProviderSettings, ToolCallRequest, Usage
@@ -185,6 +186,8 @@ def render_request(settings: ProviderSettings, messages: list[ChatMessage],
         payload["systemInstruction"] = {"parts": system_parts}
     if tools:
         payload["tools"] = [{"functionDeclarations": [_declaration(t) for t in tools]}]
+    if options.output_schema is not None:
+        _ask_for_output(payload, generation, options.output_schema)
     if generation:
         payload["generationConfig"] = generation
 
@@ -194,6 +197,26 @@ def render_request(settings: ProviderSettings, messages: list[ChatMessage],
         payload=options.merge_llm_params(payload),
         params={"alt": "sse"} if options.stream else {},
     )
+
+
+def _ask_for_output(payload: dict[str, Any], generation: dict[str, Any],
+                   schema: dict[str, Any]) -> None:
+    """Structured output, Gemini's way: ``responseSchema`` (the schema in Gemini's
+    subset, :func:`clean_schema`) with ``responseMimeType: application/json``.
+    Beside function declarations, where models before Gemini 3 refuse a JSON
+    response type, the answer is a function call instead
+    (:data:`.output.OUTPUT_TOOL`, its parameters the schema), and the model
+    must call one of the functions (``mode: ANY``): the agent's tools, then
+    this one."""
+    cleaned = clean_schema(schema)
+    if payload.get("tools"):
+        payload["tools"][0]["functionDeclarations"].append({
+            "name": _output.OUTPUT_TOOL, "description": _output.OUTPUT_TOOL_DESCRIPTION,
+            "parameters": cleaned})
+        payload["toolConfig"] = {"functionCallingConfig": {"mode": "ANY"}}
+        return
+    generation["responseMimeType"] = "application/json"
+    generation["responseSchema"] = cleaned
 
 
 def model_resource(settings: ProviderSettings) -> str:

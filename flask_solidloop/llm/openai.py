@@ -18,11 +18,13 @@ How reasoning goes back on later requests is the agent's ``reasoning_strategies`
 
 from __future__ import annotations
 
+import copy
 import json
 import json.scanner
 from typing import Any
 
 from ..errors import ProviderAnswerError, ProviderResponseError
+from . import output as _output
 from . import reasoning as _reasoning
 from .dialect import (
     CUT_STREAM_HINT,
@@ -203,6 +205,49 @@ def parse_usage(data: Any) -> Usage | None:
     )
 
 
+def response_format(schema: dict[str, Any]) -> dict[str, Any]:
+    """The ``response_format`` asking for an answer of ``schema``: strict (the
+    server then only samples what matches) when the schema can be made strict
+    (:func:`strict_schema`), else the schema as it is, not strict."""
+    strict = strict_schema(schema)
+    return {"type": "json_schema", "json_schema": {
+        "name": _output.OUTPUT_TOOL, "schema": strict if strict is not None else schema,
+        "strict": strict is not None}}
+
+
+def strict_schema(schema: dict[str, Any]) -> dict[str, Any] | None:
+    """``schema`` in the form OpenAI's strict mode takes, or None when it cannot
+    be: every object lists all its properties in ``required`` and forbids
+    others (``additionalProperties: false``), as the official SDK makes a
+    pydantic model's schema strict; ``default`` goes (an optional field stays
+    nullable through its ``anyOf``, and the model is validated on our side
+    anyway). An object that allows other properties, or a root that is not an
+    object, cannot be strict."""
+    if schema.get("type") != "object":
+        return None
+    result = copy.deepcopy(schema)
+    return result if _make_strict(result) else None
+
+
+def _make_strict(node: Any) -> bool:
+    if isinstance(node, list):
+        return all(_make_strict(item) for item in node)
+    if not isinstance(node, dict):
+        return True
+    node.pop("default", None)
+    if node.get("type") == "object" or "properties" in node:
+        if node.get("additionalProperties", False) is not False:
+            return False
+        node["additionalProperties"] = False
+        node["required"] = list(node.get("properties") or {})
+    for key in ("properties", "$defs", "definitions"):
+        if isinstance(node.get(key), dict) and not all(
+                _make_strict(sub) for sub in node[key].values()):
+            return False
+    return all(_make_strict(node[key]) for key in ("items", "anyOf", "allOf", "oneOf",
+                                                   "prefixItems") if key in node)
+
+
 def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -237,6 +282,8 @@ class OpenAIDialect:
                 }
                 for tool in tools
             ]
+        if options.output_schema is not None:
+            payload["response_format"] = response_format(options.output_schema)
         if options.reasoning_effort is not None:
             payload["reasoning_effort"] = options.reasoning_effort
         if options.max_tokens is not None:

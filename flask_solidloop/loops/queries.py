@@ -241,8 +241,9 @@ def history_from_rows(rows: Iterable[Sequence[Any]]) -> list[ChatMessage]:
                 role="tool", content=content, tool_call_id=wire_id, name=name,
                 is_error=bool(meta.get("is_error")), message_id=row_id,
             ))
-        else:
-            result.append(ChatMessage(role=role, content=content, message_id=row_id))
+        else:  # a validation error sent back (llm/output.py) is marked: the stack counts them
+            result.append(ChatMessage(role, content, meta=meta if "output_retry" in meta else {},
+                                      message_id=row_id))
     return result
 
 
@@ -329,12 +330,12 @@ def list_loops(session: SessionLike, filters: LoopFilter = LoopFilter(), *,
 # creation time), so "the last hour" reads the newest rows of a 10M-row table
 # by range instead of scanning it for a timestamp that has no index.
 
-#: Failure classes of a failed loop, from its ``error_message``. Checked in
-#: order; the first match wins. Code errors come first so a ``TypeError`` whose
-#: text mentions "timeout" is not mislabelled infra: a bug in the agent is not
-#: a flaky network, whatever its message says. Patterns
-#: are POSIX regexes PostgreSQL (``~*``) and Python ``re`` (IGNORECASE) read alike.
+#: Failure classes of a failed loop, from its ``error_message``. Checked in order; the first
+#: match wins. Code errors come first so a ``TypeError`` whose text mentions "timeout" is not
+#: mislabelled infra: a bug in the agent is not a flaky network, whatever its message says.
+#: Patterns are POSIX regexes PostgreSQL (``~*``) and Python ``re`` (IGNORECASE) read alike.
 FAILURE_CLASSES: tuple[tuple[str, str], ...] = (
+    ("output_invalid", r"^OutputInvalidError"),  # never matched its schema: llm/output.py
     ("agent", r"^(TypeError|KeyError|AttributeError|NameError|ValueError|IndexError|"
               r"AssertionError|RuntimeError|NotImplementedError|ZeroDivisionError|"
               r"UnknownAgentError|AgentDefinitionError|ToolDefinitionError|"

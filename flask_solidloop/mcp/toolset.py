@@ -267,13 +267,21 @@ class ToolDefinition:
     #: Its key in SOLIDLOOP_RATE_LIMITS is ``"tool:<rate_limit>"`` (None: unlimited).
     rate_limit: str | None = None
 
+    #: The JSON Schema of its result, when its return annotation is a pydantic
+    #: model: advertised as ``outputSchema``, its results carry ``structuredContent``.
+    output_schema: dict | None = None
+
     def to_mcp(self) -> dict:
-        """The MCP ``Tool`` JSON: ``name``, ``description``, ``inputSchema``."""
-        return {
+        """The MCP ``Tool`` JSON: ``name``, ``description``, ``inputSchema``, and
+        ``outputSchema`` for a tool that returns a pydantic model."""
+        data = {
             "name": self.name,
             "description": self.description,
             "inputSchema": self.input_schema,
         }
+        if self.output_schema is not None:
+            data["outputSchema"] = self.output_schema
+        return data
 
 
 # --------------------------------------------------------------------------- toolset
@@ -371,9 +379,11 @@ class Toolset:
             )
         wait = _wait_rule(f"{where}, tool {tool_name!r}", requires_approval, deferred,
                           approval_timeout, on_timeout, result_timeout)
+        caller_locals = _caller_locals()
         definition = _build_definition(
-            self.name, tool_name, fn, description, input_schema, _caller_locals()
+            self.name, tool_name, fn, description, input_schema, caller_locals
         )
+        definition.output_schema = _output_schema(fn, caller_locals)
         definition.wait = wait
         definition.timeout = _timeout(f"{where}, tool {tool_name!r}", "timeout", timeout)
         if rate_limit is not None and (not isinstance(rate_limit, str)
@@ -813,6 +823,29 @@ def _build_definition(
         param_names=param_names,
         always_pass=always_pass,
     )
+
+
+def _output_schema(fn: Callable, caller_locals: dict[str, Any]) -> dict | None:
+    """The JSON Schema of a handler's result when its return annotation is a
+    pydantic model (``_to_result`` then gives its value as ``structuredContent``
+    too); None otherwise. An annotation that cannot be resolved is left as
+    documentation: the tool simply declares no output schema."""
+    target: Any = fn
+    while isinstance(target, functools.partial):
+        target = target.func
+    try:
+        annotation = inspect.signature(target).return_annotation
+    except (TypeError, ValueError):
+        return None
+    if isinstance(annotation, str):
+        globalns = getattr(inspect.unwrap(target), "__globals__", {})
+        try:
+            annotation = eval(annotation, globalns, dict(caller_locals))
+        except Exception:
+            return None
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation.model_json_schema()
+    return None
 
 
 def _resolve_hints(

@@ -201,6 +201,8 @@ def _add_agent(toolset: Toolset, exposed: ExposedAgent,
                                   "steps": loop.step_count}
         if answer is not None:
             result["answer"] = answer
+        if loop.output is not None:  # a structured-output agent's validated answer
+            result["output"] = loop.output
         if loop.error_message:
             result["error"] = loop.error_message
         waiting = pending.awaiting_calls(session, loop_id=loop.id)

@@ -23,7 +23,7 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import JSON, JSONB
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from ..errors import InvalidArgumentError
@@ -202,6 +202,13 @@ class Loop(Timestamps, Base):
     # a key to the calls would give loops and calls two join paths.
     parent_tool_call_id: Mapped[int | None] = mapped_column(BigInteger)
     depth: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    # Structured output (docs/decisions/0036-structured-output.md): the JSON
+    # Schema the loop was started with (its agent's ``output_type``), and the
+    # validated answer its completing turn wrote; NULL without structured output.
+    # JSON, not JSONB: JSONB sorts keys, and a schema's property order is the
+    # order a model writes the fields in.
+    output_schema: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    output: Mapped[Any] = mapped_column(JSONB(none_as_null=True), nullable=True)
 
     messages: Mapped[list[Message]] = relationship(
         back_populates="loop", order_by="Message.id", lazy="select", passive_deletes=True

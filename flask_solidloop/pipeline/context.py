@@ -113,6 +113,9 @@ class LlmContext(TurnContext):
     reasoning_carried: dict[str, int] = field(default_factory=dict)
     #: How past reasoning was sent back (stored on the message).
     reasoning_strategies: list[str] | None = None
+    #: The loop's structured-output schema, as NetworkCalling read it from the
+    #: loop it holds (ResponseParsing validates against it: llm/output.py).
+    output_schema: dict[str, Any] | None = None
     #: The API key and secret-looking header values of this request: scrubbed
     #: from anything stored or logged.
     secrets: list[str] = field(default_factory=list)

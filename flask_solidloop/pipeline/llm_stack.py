@@ -51,7 +51,7 @@ from ..errors import (
     is_provider_outage,
 )
 from ..limits import admission, rates
-from ..llm import pricing, reasoning, tool_text
+from ..llm import output, pricing, reasoning, tool_text
 from ..llm.client import RetryPolicy, TurnLimits, post_json, post_json_async, request_record
 from ..llm.dialect import RenderOptions, StreamDelta
 from ..llm.redact import is_secret_header, redact_secrets
@@ -290,6 +290,9 @@ class NetworkCalling:
     def __call__(self, ctx: LlmContext) -> Any:
         settings = ctx.agent.provider()
         _check_lease(ctx)
+        # Read now, from the loop the claim loaded: the writes below (a shell, a
+        # stream's flushes) expire it, and ResponseParsing must not load it again.
+        ctx.output_schema = ctx.loop.output_schema
         if ctx.shell_id is None:  # the claim wrote it, unless a step runs in between
             ctx.shell_id = store.open_shell(ctx.session, ctx.loop_id, ctx.execution_token)
 
@@ -321,6 +324,7 @@ class NetworkCalling:
             reasoning_effort=ctx.agent.option("reasoning_effort"),
             max_tokens=ctx.agent.option("max_tokens"),
             reasoning_strategies=strategies,
+            output_schema=ctx.output_schema,
         )
         rendered = dialect.render(settings, with_note(history, note), tools, options)
         slot_at: float | None = None
@@ -892,6 +896,12 @@ class ResponseParsing:
             if turn_cost is None:
                 meta["unpriced"] = True
         _refuse_shared_call_ids(response)
+        schema = ctx.output_schema
+        checked = None
+        if schema is not None:
+            response, checked = _check_output(ctx, response, schema, meta)
+            if checked is not None and not checked.valid:
+                return _invalid_output(ctx, response, meta, turn_cost, checked, model)
         calls = []
         for request in response.tool_calls:
             route = ctx.tools.resolve(request.name) if ctx.tools is not None else None
@@ -914,9 +924,8 @@ class ResponseParsing:
                     sequential=bool(ctx.agent.option("sequential_tool_calls")),
                     adopt=ctx.adopt_next, on_wait=ctx.agent.on_wait,
                     ends=store.loop_ends(ctx.state, ctx.loop),
-                    streamed=ctx.partial.sent_text if ctx.partial is not None
-                    and ctx.partial.deltas else None,
-                    event_id=ctx.request_event_id),
+                    streamed=_streamed(ctx), event_id=ctx.request_event_id,
+                    output=checked.value if checked is not None else None),
                 session=ctx.session, seconds=ctx.state.config.database_retry_seconds,
                 still_ours=ctx.still_ours, what=f"loop {ctx.loop_id}: the turn's end")
         ctx.message, ctx.adopted = finished.message, finished.adopted
@@ -924,6 +933,80 @@ class ResponseParsing:
         metrics.llm_turn(ctx.agent.agent_name, model, "ok", usage=response.usage,
                          cost=turn_cost, timing=ctx.metrics)
         return self.next_step(ctx)
+
+
+def _streamed(ctx: LlmContext) -> str | None:
+    """The text the loop's stream was sent as deltas (None: it streamed none)."""
+    return ctx.partial.sent_text if ctx.partial is not None and ctx.partial.deltas else None
+
+
+def _check_output(ctx: LlmContext, response: Any, schema: dict[str, Any],
+                  meta: dict[str, Any]) -> tuple[Any, output.Checked | None]:
+    """A structured-output loop's answer (docs/decisions/0036-structured-output.md):
+    an answer given through the output tool lifted into the text, then a final
+    answer checked against the schema the loop started with (and by the
+    agent's model class, when its schema is still that one). A turn that calls
+    tools is no answer yet: None."""
+    response, lifted = output.lift_answer(response)
+    ctx.response = response
+    if lifted is not None:
+        meta["output_call"] = lifted
+    if response.tool_calls:
+        return response, None
+    model = output.model_class(ctx.agent.option("output_type"))
+    if model is not None and model.model_json_schema() != schema:  # type: ignore[attr-defined]
+        model = None  # the class changed since the loop started: its schema rules
+    checked = output.check(response.content, schema, model)
+    if not checked.valid:
+        meta["output_error"] = checked.error
+    return response, checked
+
+
+def _invalid_output(ctx: LlmContext, response: Any, meta: dict[str, Any], turn_cost: Any,
+                    checked: output.Checked, model: str | None) -> Any:
+    """An answer that does not match: kept as an ordinary message, and the
+    validation error sent back for another turn while ``output_retries``
+    allow; past them, the loop fails (``output_invalid``)."""
+    assert ctx.shell_id is not None and checked.error is not None
+    error = checked.error
+    allowed = int(ctx.agent.option("output_retries"))
+    retried = _output_retries(ctx.history)
+    attempts = allowed + 1
+    retry = output.retry_message(error, retried + 1, attempts) \
+        if retried < allowed else None
+    shell_id = ctx.shell_id
+    with tracing.span("solidloop.commit"):
+        status = store.with_database_retry(
+            lambda: store.end_with_invalid_output(
+                ctx.state, ctx.session, loop_id=ctx.loop_id, token=ctx.execution_token,
+                shell_id=shell_id, response=response, meta=meta, turn_cost=turn_cost,
+                wire=ctx.wire, retry=retry, retry_meta={"output_retry": retried + 1},
+                error_message=output.failure_message(error, attempts),
+                ends=store.loop_ends(ctx.state, ctx.agent.agent_name),
+                streamed=_streamed(ctx), event_id=ctx.request_event_id),
+            session=ctx.session, seconds=ctx.state.config.database_retry_seconds,
+            still_ours=ctx.still_ours, what=f"loop {ctx.loop_id}: the turn's end")
+    ctx.committed = True
+    logger.info("loop %s: the answer does not match its output schema (attempt %d of %d)%s",
+                ctx.loop_id, retried + 1, attempts,
+                "; it is sent back" if retry is not None else "; the loop fails")
+    metrics.llm_turn(ctx.agent.agent_name, model, "ok" if status == "queued" else "failed",
+                     usage=response.usage, cost=turn_cost, timing=ctx.metrics,
+                     error=None if status == "queued" else "output_invalid")
+    return None
+
+
+def _output_retries(history: list[Any]) -> int:
+    """The validation errors sent back since the last message a person sent
+    (each a user message marked ``output_retry``)."""
+    count = 0
+    for message in reversed(history):
+        if message.role != "user":
+            continue
+        if not message.meta.get("output_retry"):
+            break
+        count += 1
+    return count
 
 
 def _refuse_shared_call_ids(response: Any) -> None:

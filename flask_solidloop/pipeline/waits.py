@@ -75,7 +75,7 @@ def call_wait(ctx: LlmContext, name: str, route: ToolRoute | None,
 def child_start(ctx: LlmContext, spec: Any, arguments: dict[str, Any]) -> ChildStart:
     """The child loop a call of a child agent's tool starts (``spec``: the
     agent class or registered name): its agent, system prompt, message (the
-    call's ``message``) and budget; or a refusal, which the model reads as
+    call's ``message``), budget and structured output's schema; or a refusal, which the model reads as
     the call's error result and can correct: no message, or an agent that
     cannot run (not registered, a broken definition)."""
     name = agent_name_of(spec) or str(spec)
@@ -89,10 +89,11 @@ def child_start(ctx: LlmContext, spec: Any, arguments: dict[str, Any]) -> ChildS
         agent.validate()
         prompt = str(agent.render_system_prompt())  # type: ignore[attr-defined]
         budget = agent.budget_limits() or None  # type: ignore[attr-defined]
+        output_schema = agent.output_schema()  # type: ignore[attr-defined]
     except Exception as exc:
         logger.warning("loop %s: child agent %r cannot start: %s", ctx.loop_id, name, exc)
         return ChildStart(name, refusal=f"the child agent {name!r} was not started: {exc}")
-    return ChildStart(name, prompt, message, budget)
+    return ChildStart(name, prompt, message, budget, output_schema=output_schema)
 
 
 def _is_default(policy: Any) -> bool:

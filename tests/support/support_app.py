@@ -14,6 +14,7 @@ import time
 import dramatiq
 from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
+from pydantic import BaseModel
 from sqlalchemy import select
 
 from flask_solidloop import Agent, CallContext, SolidLoop, Toolset
@@ -745,3 +746,21 @@ QUICK_COMPACTION = Compaction(trigger_tokens=1000, keep_last_turns=1)
 # -- child agents (tests/support/children_app.py) ------------------------------------
 
 from . import children_app  # noqa: E402,F401  (registers its agents on solidloop)
+# -- structured output (docs/decisions/0036-structured-output.md) --------------------
+
+
+class Profile(BaseModel):
+    name: str
+    city: str
+
+
+@solidloop.agent("profiler")
+class ProfileAgent(Agent):
+    """Streams a structured answer validated as a Profile."""
+
+    system_prompt = "You profile people."
+    streaming = True
+    output_type = Profile
+
+    def llm(self) -> dict:
+        return llm_settings()

@@ -109,7 +109,7 @@ _COMPLETES = (
     "queued_at = CASE WHEN inbox IS NULL THEN queued_at ELSE now() END, "
     "run_started_at = CASE WHEN inbox IS NULL THEN run_started_at END, "
     "run_step_base = CASE WHEN inbox IS NULL THEN run_step_base ELSE step_count + 1 END, "
-    "error_message = NULL, ")
+    "error_message = NULL, output = %(output)s::jsonb, ")
 #: A final answer run in autocommit cannot enqueue the turn its inbox needs:
 #: with ``requeue`` off it writes nothing when messages wait, and the caller runs
 #: it again in a transaction (:data:`INBOX_WAITS` tells the two refusals apart).
@@ -190,6 +190,42 @@ def _finish_turn(with_calls: bool) -> str:
 
 #: By whether the turn ends with tool calls.
 FINISH_TURN = {with_calls: _finish_turn(with_calls) for with_calls in (False, True)}
+
+#: A final answer that does not match the loop's output schema
+#: (docs/decisions/0036-structured-output.md), one statement under the row
+#: lock and the fence, as :data:`FINISH_TURN` ends a turn: the loop's totals,
+#: the shell completed as an ordinary assistant message, the wire event, the
+#: stream's last delta; then either the loop queued for another turn (``to``
+#: queued: the caller enqueues it in the same commit) with a user message
+#: carrying the validation error (``retry``, its metadata ``retry_meta``) after
+#: the answer, or the loop failed (``to`` failed, ``error_message``: its last
+#: retry spent). The loop's row comes back; no row when the fence failed.
+OUTPUT_INVALID = (
+    "WITH fenced AS (UPDATE solidloop_loops SET step_count = step_count + 1, "
+    "status = %(to)s::varchar, execution_token = NULL, lease_holder = NULL, "
+    "lease_expires_at = NULL, updated_at = now(), "
+    f"queued_at = CASE WHEN %(to)s::varchar = {QUEUED} THEN now() ELSE queued_at END, "
+    f"finished_at = CASE WHEN %(to)s::varchar IN {TERMINAL} THEN now() ELSE finished_at END, "
+    "error_message = %(error_message)s, "
+    "input_tokens = input_tokens + coalesce(%(input_tokens)s::bigint, 0), "
+    "output_tokens = output_tokens + coalesce(%(output_tokens)s::bigint, 0), "
+    f"{PROVIDER_WAIT_CLEARED}, cost = cost + coalesce(%(cost)s::numeric, 0) "
+    f"WHERE id = %(loop_id)s AND {OWNED} RETURNING *), "
+    "shell AS (UPDATE solidloop_messages SET content = %(content)s, "
+    "reasoning = %(reasoning)s, finish_reason = %(finish_reason)s, status = 'completed', "
+    "is_hidden = false, completed_at = now(), metadata = %(message_meta)s, "
+    "usage = coalesce(%(usage)s, usage), cost = coalesce(%(message_cost)s, cost), "
+    "updated_at = now() WHERE id = %(shell_id)s AND EXISTS (SELECT 1 FROM fenced) "
+    f"RETURNING id), {llm_event('fenced')}, "
+    "streamed AS (SELECT solidloop_stream_delta(fenced.id, %(shell_id)s, %(tail)s::text, "
+    "%(tail_offset)s::integer, NULL, 0) FROM fenced WHERE %(tail)s::text IS NOT NULL), "
+    # After the shell's completion (it is in ``shell``), so the error follows
+    # the answer it is about in the history's order.
+    "retry AS (INSERT INTO solidloop_messages (loop_id, role, content, metadata) "
+    "SELECT fenced.id, 'user', %(retry)s::text, %(retry_meta)s::jsonb "
+    "FROM fenced, shell WHERE %(retry)s::text IS NOT NULL RETURNING id) "
+    "SELECT fenced.*, (SELECT count(*) FROM streamed) AS solidloop_streamed, "
+    "(SELECT id FROM retry) AS solidloop_retry_id FROM fenced")
 
 #: A running loop leaves ``running`` on the writer's generation: a limit
 #: pauses it, an error fails it (``to``). Its shells are failed and hidden, and

@@ -71,6 +71,7 @@ from .llm_turn import (
     requeue_llm_turn,
     take_capacity_slot,
 )
+from .output import end_with_invalid_output
 from .retention import (
     ArchivedLoop,
     LoopArchiveHook,
@@ -164,6 +165,7 @@ __all__ = [
     "due_wait",
     "end_transaction",
     "end_turn",
+    "end_with_invalid_output",
     "fail_unclaimed",
     "fair_ranks",
     "fenced_transition",

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..._typing import SessionLike, real_session
 from ...errors import DecisionConflictError, InvalidArgumentError
@@ -47,7 +47,8 @@ REFUSED_BY = "solidloop"
 @dataclass(frozen=True)
 class ChildStart:
     """A child loop a tool call asks for, as the parent's turn prepared it: its
-    agent's registered name, system prompt, first message and own budget; or
+    agent's registered name, system prompt, first message, own budget and
+    structured output's schema; or
     ``refusal``, why it cannot start (the call's error result)."""
 
     agent_name: str
@@ -55,6 +56,9 @@ class ChildStart:
     message: str = ""
     budget: dict[str, float] | None = None
     refusal: str | None = None
+    #: The child agent's ``output_type`` as JSON Schema: its loop answers with
+    #: a validated object, which the parent's call reads as its result.
+    output_schema: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -122,7 +126,7 @@ def start_children(state: SolidLoopState, session: SessionLike, loop_id: int,
                            subject_type=parent[3], subject_id=parent[4],
                            system_prompt=child.system_prompt, message=child.message,
                            loop_state={}, enqueue=True, budget=child.budget,
-                           parent=(loop_id, call_id, depth))
+                           output_schema=child.output_schema, parent=(loop_id, call_id, depth))
         started.append(loop.id)
     return started
 
@@ -133,7 +137,7 @@ def child_result(session: SessionLike, loop: Loop) -> ToolResult:
     structured output when the loop has one), or an error for a failure or a
     stop."""
     if loop.status == LoopStatus.COMPLETED:
-        output = getattr(loop, "output", None)
+        output = loop.output
         if output is not None:
             return ToolResult(content=[{"type": "text", "text": json.dumps(output)}],
                               structured_content=output if isinstance(output, dict) else None)

@@ -50,18 +50,21 @@ def create_loop(state: SolidLoopState, session: SessionLike, *, agent_name: str,
                 subject_type: str | None, subject_id: str | None, system_prompt: str,
                 message: str, loop_state: dict[str, Any], enqueue: bool,
                 budget: dict[str, float] | None = None,
+                output_schema: dict[str, Any] | None = None,
                 parent: tuple[int, int, int] | None = None) -> Loop:
     """Insert a loop (queued, or init), its system and user messages and, when
     ``enqueue``, its first llm_turn job. The caller commits, and may add its
-    own writes to the same transaction. ``budget``: the loop's own limits.
-    ``parent``: a child agent's ``(parent loop, parent tool call, depth)``."""
+    own writes to the same transaction. ``budget``: the loop's own limits;
+    ``output_schema``: its structured output's JSON Schema; ``parent``: a
+    child agent's ``(parent loop, parent tool call, depth)``."""
     rank = fair_ranks(state, session, [(subject_type, subject_id)])[0]
     # The run's trace context (None when tracing is off): its first job carries
     # it. A loop created without its job has no run yet: its resume begins one.
     run = tracing.new_run() if enqueue else None
     loop = Loop(agent_name=agent_name, subject_type=subject_type, subject_id=subject_id,
                 status=LoopStatus.QUEUED if enqueue else LoopStatus.INIT,
-                state=dict(loop_state), budget=budget or None, fair_rank=rank, trace=run)
+                state=dict(loop_state), budget=budget or None, fair_rank=rank, trace=run,
+                output_schema=output_schema)
     if parent is not None:
         loop.parent_loop_id, loop.parent_tool_call_id, loop.depth = parent
     session.add(loop)
@@ -89,7 +92,8 @@ class NewLoop:
 
 @joins
 def create_loops(state: SolidLoopState, session: SessionLike, *, agent_name: str,
-                 system_prompt: str, loops: Sequence[NewLoop], enqueue: bool) -> list[int]:
+                 system_prompt: str, loops: Sequence[NewLoop], enqueue: bool,
+                 output_schema: dict[str, Any] | None = None) -> list[int]:
     """Many loops of one agent, as :func:`create_loop` writes one, in three
     statements whatever their number: their ids, the loops with their system
     and user messages (loops/sql.START_MANY), and, when ``enqueue``, their first
@@ -113,6 +117,7 @@ def create_loops(state: SolidLoopState, session: SessionLike, *, agent_name: str
         "messages": [content for content, _ in contents],
         "metas": [json.dumps(meta) for _, meta in contents],
         "system_prompt": system_content, "system_meta": json.dumps(system_meta),
+        "output_schema": json.dumps(output_schema) if output_schema is not None else None,
         "traces": [json.dumps(run) for run in runs] if runs is not None else [None] * len(ids)})
     if enqueue:
         state.dispatch.first_llm_turns(

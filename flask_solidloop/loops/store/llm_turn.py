@@ -250,45 +250,14 @@ def _calls_params(calls: Sequence[NewToolCall]) -> dict[str, list[Any]]:
     return columns
 
 
-@dataclass(frozen=True)
-class FinishedTurn:
-    """What :func:`finish_llm_turn` wrote: the final assistant message, and the
-    tool call its commit leased to this thread (``adopt``), if any."""
-
-    message: Message
-    adopted: AdoptedToolCall | None = None
-    #: The loop waits: none of its calls can run before a decision or a result.
-    waiting: bool = False
-
-
-@alone
-def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int,
-                    token: uuid.UUID, shell_id: int, response: AssistantTurn,
-                    meta: dict[str, Any], turn_cost: Decimal | None,
-                    calls: Sequence[NewToolCall], wire: WireRecord | None,
-                    sequential: bool, adopt: bool,
-                    on_wait: Callable[[WaitRequest, SessionLike], None] | None = None,
-                    ends: LoopEnds | None = None,
-                    streamed: str | None = None, event_id: int | None = None,
-                    ) -> FinishedTurn:
-    """The LLM turn's canonical write, one statement under the row lock and the
-    fence (loops/sql.FINISH_TURN): the shell finalized with its usage and cost,
-    the wire event (the row :func:`record_request` wrote, ``event_id``,
-    completed), the tool calls; the loop completed, or in its tool phase
-    with the calls to run now enqueued in the same commit. ``adopt``: the
-    thread that commits continues inline, so the first call that can run is
-    leased to it instead of getting a job (returned as ``adopted``). A call
-    that waits (``NewToolCall.wait``) gets no job, and its timeout's job when
-    it has one; when none can run (in sequential mode: when the head of the
-    line waits), the loop waits. ``on_wait`` runs for each call that waits,
-    in the same transaction (a savepoint: what it writes, a notification job
-    say, commits with the wait; if it raises, its writes are undone, the error
-    logged, and the turn's end commits without them). A final answer runs the
-    host's ``on_loop_end`` hooks (``ends``) in the same transaction
-    (store/ending.py). ``streamed``: the text the loop's stream was sent as
-    deltas; the rest of the answer goes out as its last delta. A turn end
-    with nothing else to commit (a final answer with no hook, or an adopted
-    call with no job beside it) runs in autocommit."""
+def answer_params(state: SolidLoopState, session: SessionLike, *, loop_id: int,
+                  token: uuid.UUID, shell_id: int, response: AssistantTurn,
+                  meta: dict[str, Any], turn_cost: Decimal | None, wire: WireRecord | None,
+                  event_id: int | None) -> tuple[dict[str, Any], Any, Any]:
+    """The parameters every statement that ends a turn with its answer takes
+    (the fence, the loop's totals, the shell's completion, the wire event),
+    the loop's birth as this process's wire-log memory knows it, and the
+    digest of the request's tools (to remember once the event is in)."""
     usage = response.usage
     content, content_altered = storable.text(response.content)
     reasoning, reasoning_altered = storable.text(response.reasoning)
@@ -297,13 +266,6 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
                                   "metadata": meta_altered})
     if altered:
         meta["sanitized"] = altered
-    # The calls that may run now: those that wait for nothing (in sequential
-    # mode, the head of the line, unless it waits).
-    runnable = [n for n, call in enumerate(calls) if call.wait is None]
-    if sequential:
-        runnable = runnable[:1] if runnable[:1] == [0] else []
-    waits = bool(calls) and not runnable
-    lease = uuid.uuid4() if runnable and adopt else None
     # The loop as this process's wire-log memory knows it: its id and its birth,
     # from the loop object the turn holds (not loaded for this: unknown, the
     # tools are logged whole).
@@ -328,6 +290,71 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
                     repeat_history=repeat_history, tools=tools, event_id=event_id,
                     tools_logged=logged_tools.get((loop_id, born)) if born is not None else None),
     }
+    return params, born, tools
+
+
+def streamed_tail(content: str | None, streamed: str | None) -> dict[str, Any]:
+    """The ``tail`` parameters: the text of the answer the loop's stream was not
+    sent as deltas yet (``streamed``: what it was sent; None when the turn did
+    not stream deltas)."""
+    tail = content[len(streamed):] if streamed is not None and content is not None \
+        and len(content) > len(streamed) and content.startswith(streamed) else None
+    return {"tail": tail, "tail_offset": len(streamed or "")}
+
+
+@dataclass(frozen=True)
+class FinishedTurn:
+    """What :func:`finish_llm_turn` wrote: the final assistant message, and the
+    tool call its commit leased to this thread (``adopt``), if any."""
+
+    message: Message
+    adopted: AdoptedToolCall | None = None
+    #: The loop waits: none of its calls can run before a decision or a result.
+    waiting: bool = False
+
+
+@alone
+def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int,
+                    token: uuid.UUID, shell_id: int, response: AssistantTurn,
+                    meta: dict[str, Any], turn_cost: Decimal | None,
+                    calls: Sequence[NewToolCall], wire: WireRecord | None,
+                    sequential: bool, adopt: bool,
+                    on_wait: Callable[[WaitRequest, SessionLike], None] | None = None,
+                    ends: LoopEnds | None = None,
+                    streamed: str | None = None, event_id: int | None = None,
+                    output: Any = None) -> FinishedTurn:
+    """The LLM turn's canonical write, one statement under the row lock and the
+    fence (loops/sql.FINISH_TURN): the shell finalized with its usage and cost,
+    the wire event (the row :func:`record_request` wrote, ``event_id``,
+    completed), the tool calls; the loop completed, or in its tool phase
+    with the calls to run now enqueued in the same commit. ``adopt``: the
+    thread that commits continues inline, so the first call that can run is
+    leased to it instead of getting a job (returned as ``adopted``). A call
+    that waits (``NewToolCall.wait``) gets no job, and its timeout's job when
+    it has one; when none can run (in sequential mode: when the head of the
+    line waits), the loop waits. ``on_wait`` runs for each call that waits,
+    in the same transaction (a savepoint: what it writes, a notification job
+    say, commits with the wait; if it raises, its writes are undone, the error
+    logged, and the turn's end commits without them). A final answer runs the
+    host's ``on_loop_end`` hooks (``ends``) in the same transaction
+    (store/ending.py). ``streamed``: the text the loop's stream was sent as
+    deltas; the rest of the answer goes out as its last delta. ``output``: a
+    final answer's validated structured output, stored on the loop (the
+    loop's ``output``; None for none). A turn end
+    with nothing else to commit (a final answer with no hook, or an adopted
+    call with no job beside it) runs in autocommit."""
+    # The calls that may run now: those that wait for nothing (in sequential
+    # mode, the head of the line, unless it waits).
+    runnable = [n for n, call in enumerate(calls) if call.wait is None]
+    if sequential:
+        runnable = runnable[:1] if runnable[:1] == [0] else []
+    waits = bool(calls) and not runnable
+    lease = uuid.uuid4() if runnable and adopt else None
+    params, _, tools = answer_params(state, session, loop_id=loop_id, token=token,
+                                    shell_id=shell_id, response=response, meta=meta,
+                                    turn_cost=turn_cost, wire=wire, event_id=event_id)
+    if not calls:
+        params["output"] = Jsonb(output) if output is not None else None
     timed = [n for n, call in enumerate(calls) if call.wait is not None
              and call.wait.timeout is not None]
     if calls:
@@ -345,9 +372,7 @@ def finish_llm_turn(state: SolidLoopState, session: SessionLike, *, loop_id: int
     # Nothing else joins this commit when no job is enqueued with it.
     sole = (len(runnable) - (1 if lease is not None else 0) + len(timed) == 0 and not hooked
             and not ended and not spawns)
-    tail = content[len(streamed):] if streamed is not None and content is not None \
-        and len(content) > len(streamed) and content.startswith(streamed) else None
-    params.update(tail=tail, tail_offset=len(streamed or ""))
+    params.update(streamed_tail(params["content"], streamed))
     if not calls:
         params["requeue"] = not sole
     fenced, committed = run_alone(session, sql.FINISH_TURN[bool(calls)], params, sole=sole)

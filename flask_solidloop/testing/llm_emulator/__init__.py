@@ -107,6 +107,14 @@ every chat answer's ``(time.monotonic(), status)``, each settled answer's ``(tim
 tokens)`` and the count of 429s (``count_429_since(t)``, ``tokens_per_minute(since,
 until)``).
 
+Structured answers: the reply key ``output`` (any JSON value, or a string sent as it is)
+is given the way the request asks for it: the arguments of a ``final_answer`` tool call
+when the request offers that tool, else the answer's text. Strict mode checks the fields
+that ask for it as the real APIs do: OpenAI ``response_format`` (a strict schema's
+objects need ``additionalProperties: false`` and every property required), Anthropic
+``tool_choice`` (the tool named must be offered; no forced tool with thinking), Gemini
+``responseSchema`` (a JSON ``responseMimeType``, the Schema subset) and ``toolConfig``.
+
 Reply keys for the edge cases: ``refusal`` (OpenAI ``message.refusal`` / ``delta.refusal``;
 Anthropic a text block and ``stop_reason: "refusal"``), ``continuation_token`` (Gemini:
 the candidate's ``continuationToken``, with ``finish_reason: "CONTINUATION"``).

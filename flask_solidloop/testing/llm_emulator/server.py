@@ -51,6 +51,7 @@ from .types import (
     Reply,
     Script,
     normalise_reply,
+    with_output,
 )
 
 _NO_MATCH_SNIPPET = 200
@@ -134,7 +135,7 @@ class LLMEmulator(LocalServer[RecordedRequest]):
         regex (``search`` on that text) or ``callable(request_json) -> bool`` (the request
         body as sent, in its dialect). ``reply``: ``{"content", "tool_calls",
         "finish_reason", "usage", "reasoning_content", "anthropic_blocks",
-        "gemini_parts"}`` (all optional; a bare str means ``{"content": str}``) or
+        "gemini_parts", "output"}`` (all optional; a bare str means ``{"content": str}``) or
         ``callable(request_json) -> reply``. Scripts are tried newest first.
         """
         if not (isinstance(match, str | re.Pattern) or callable(match)):
@@ -372,7 +373,7 @@ class LLMEmulator(LocalServer[RecordedRequest]):
                 f'LLMEmulator: no script matched the request; last message: "{snippet}"',
                 type_="server_error", code="no_script_matched",
             ), None
-        normalised = normalise_reply(reply)
+        normalised = with_output(dialect, parsed, normalise_reply(reply))
         with_usage = kind != "no_usage"
         if dialect == ANTHROPIC:
             rendered = anthropic.render(parsed, normalised, stream=stream, with_usage=with_usage)

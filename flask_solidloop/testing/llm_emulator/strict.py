@@ -170,6 +170,83 @@ def _strict_openai(request: dict[str, Any]) -> None:
             frozenset({"name", "description", "parameters", "strict"}))
         if extra:
             raise _Refused(400, f"Unknown parameter: '{spot}.{extra[0]}'.", "unknown_parameter")
+    if "response_format" in request:
+        _strict_response_format(request["response_format"])
+
+
+_RESPONSE_FORMAT_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+def _strict_response_format(value: Any) -> None:
+    """OpenAI's ``response_format``: text, json_object, or json_schema with a
+    name and a schema; a strict schema must be an object whose every object
+    forbids other properties and requires all of its own, as the API checks."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise _Refused(400, f"Invalid value: {kind!r}. Supported values are: 'text', "
+                       "'json_object' and 'json_schema'.", "invalid_value")
+    if kind != "json_schema":
+        extra = _unknown(value, frozenset({"type"}))
+        if extra:
+            raise _Refused(400, f"Unknown parameter: 'response_format.{extra[0]}'.",
+                           "unknown_parameter")
+        return
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise _Refused(400, "Missing required parameter: 'response_format.json_schema'.",
+                       "missing_required_parameter")
+    extra = _unknown(value, frozenset({"type", "json_schema"})) + [
+        f"json_schema.{k}" for k in _unknown(spec, frozenset({"name", "description", "schema",
+                                                              "strict"}))]
+    if extra:
+        raise _Refused(400, f"Unknown parameter: 'response_format.{extra[0]}'.",
+                       "unknown_parameter")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _RESPONSE_FORMAT_NAME.match(name):
+        raise _Refused(400, f"Invalid 'response_format.json_schema.name': string does not "
+                       f"match pattern. Expected a string that matches the pattern "
+                       f"'^[a-zA-Z0-9_-]+$' (at most 64 characters), got {name!r}.",
+                       "invalid_value")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise _Refused(400, "Invalid type for 'response_format.json_schema.schema': expected "
+                       "an object.", "invalid_type")
+    if spec.get("strict") is True:
+        if schema.get("type") != "object":
+            raise _Refused(400, f"Invalid schema for response_format '{name}': schema must be "
+                           f"a JSON Schema of 'type: \"object\"', got 'type: "
+                           f"\"{schema.get('type')}\"'.", "invalid_value")
+        _strict_openai_schema(schema, name, ())
+
+
+def _strict_openai_schema(node: Any, name: str, context: tuple[str, ...]) -> None:
+    if isinstance(node, list):
+        for item in node:
+            _strict_openai_schema(item, name, context)
+        return
+    if not isinstance(node, dict):
+        return
+    where = f"Invalid schema for response_format '{name}': In context={context!r}, "
+    if node.get("type") == "object" or "properties" in node:
+        if node.get("additionalProperties") is not False:
+            raise _Refused(400, where + "'additionalProperties' is required to be supplied "
+                           "and to be false.", "invalid_value")
+        properties = node.get("properties") or {}
+        required = node.get("required")
+        missing = [key for key in properties
+                   if not isinstance(required, list) or key not in required]
+        if missing:
+            raise _Refused(400, where + "'required' is required to be supplied and to be an "
+                           f"array including every key in properties. Missing '{missing[0]}'.",
+                           "invalid_value")
+        for key, sub in properties.items():
+            _strict_openai_schema(sub, name, (*context, "properties", key))
+    for key in ("$defs", "definitions"):
+        for sub_name, sub in (node.get(key) or {}).items():
+            _strict_openai_schema(sub, name, (*context, key, sub_name))
+    for key in ("items", "anyOf", "allOf", "oneOf"):
+        if key in node:
+            _strict_openai_schema(node[key], name, (*context, key))
 
 
 def _strict_anthropic(request: dict[str, Any]) -> None:
@@ -220,6 +297,39 @@ def _strict_anthropic(request: dict[str, Any]) -> None:
         if not isinstance(schema, dict) or schema.get("type") != "object":
             raise _Refused(400, f"tools.{index}.custom.input_schema.type: Input should be "
                            "'object'")
+    if "tool_choice" in request:
+        _strict_tool_choice(request)
+
+
+_TOOL_CHOICE_KEYS = {"auto": frozenset({"type", "disable_parallel_tool_use"}),
+                     "any": frozenset({"type", "disable_parallel_tool_use"}),
+                     "tool": frozenset({"type", "name", "disable_parallel_tool_use"}),
+                     "none": frozenset({"type"})}
+
+
+def _strict_tool_choice(request: dict[str, Any]) -> None:
+    """Anthropic's ``tool_choice``: its type's keys, a named tool that is offered,
+    and no forced tool use with extended thinking, as the API refuses them."""
+    choice = request["tool_choice"]
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind not in _TOOL_CHOICE_KEYS:
+        raise _Refused(400, f"tool_choice.type: Input tag {kind!r} does not match any of the "
+                       f"expected tags: {', '.join(map(repr, _TOOL_CHOICE_KEYS))}")
+    extra = _unknown(choice, _TOOL_CHOICE_KEYS[kind])
+    if extra:
+        raise _Refused(400, f"tool_choice.{kind}.{extra[0]}: Extra inputs are not permitted")
+    names = [tool.get("name") for tool in request.get("tools") or [] if isinstance(tool, dict)]
+    if kind == "tool":
+        if not isinstance(choice.get("name"), str):
+            raise _Refused(400, "tool_choice.tool.name: Field required")
+        if choice["name"] not in names:
+            raise _Refused(400, f"Tool '{choice['name']}' not found in the provided tools")
+    if kind in ("any", "tool") and not names:
+        raise _Refused(400, "tool_choice may only be specified while providing tools.")
+    thinking = request.get("thinking")
+    if kind in ("any", "tool") and isinstance(thinking, dict) \
+            and thinking.get("type") == "enabled":
+        raise _Refused(400, "Thinking may not be enabled when tool_choice forces tool use.")
 
 
 def _gemini_unknown(name: str, where: str) -> _Refused:
@@ -259,6 +369,49 @@ def _strict_gemini(request: dict[str, Any]) -> None:
                 _strict_gemini_schema(declaration["parameters"], f"{where}.parameters")
     for key in _unknown(request.get("generationConfig") or {}, _GEMINI_GENERATION_KEYS):
         raise _gemini_unknown(key, "generation_config")
+    _strict_gemini_output(request)
+
+
+_GEMINI_SCHEMA_MIME_TYPES = ("application/json", "text/x.enum")
+_GEMINI_CALLING_MODES = ("MODE_UNSPECIFIED", "AUTO", "ANY", "NONE", "VALIDATED")
+
+
+def _strict_gemini_output(request: dict[str, Any]) -> None:
+    """Gemini's ``responseSchema`` (its Schema subset, with a JSON response type;
+    never beside ``responseJsonSchema``) and ``toolConfig`` (a known calling
+    mode; allowed function names that are declared)."""
+    generation = request.get("generationConfig") or {}
+    if "responseSchema" in generation:
+        if "responseJsonSchema" in generation:
+            raise _Refused(400, "* GenerateContentRequest.generation_config: response_schema "
+                           "and response_json_schema are mutually exclusive")
+        if generation.get("responseMimeType") not in _GEMINI_SCHEMA_MIME_TYPES:
+            raise _Refused(400, "* GenerateContentRequest.generation_config.response_mime_type: "
+                           "a response_schema needs response_mime_type "
+                           f"{' or '.join(_GEMINI_SCHEMA_MIME_TYPES)}, got "
+                           f"{generation.get('responseMimeType')!r}")
+        _strict_gemini_schema(generation["responseSchema"], "generation_config.response_schema")
+    config = request.get("toolConfig")
+    if config is None:
+        return
+    for key in _unknown(config, frozenset({"functionCallingConfig", "retrievalConfig"})):
+        raise _gemini_unknown(key, "tool_config")
+    calling = config.get("functionCallingConfig") or {}
+    for key in _unknown(calling, frozenset({"mode", "allowedFunctionNames"})):
+        raise _gemini_unknown(key, "tool_config.function_calling_config")
+    mode = calling.get("mode", "MODE_UNSPECIFIED")
+    if mode not in _GEMINI_CALLING_MODES:
+        raise _Refused(400, f"Invalid value at 'tool_config.function_calling_config.mode' "
+                       f"({mode!r}): expected one of {', '.join(_GEMINI_CALLING_MODES)}")
+    declared = {d.get("name") for tool in request.get("tools") or []
+                for d in tool.get("functionDeclarations") or []}
+    if mode == "ANY" and not declared:
+        raise _Refused(400, "* GenerateContentRequest.tool_config.function_calling_config.mode:"
+                       " mode ANY needs function declarations in tools")
+    for name in calling.get("allowedFunctionNames") or []:
+        if name not in declared:
+            raise _Refused(400, "* GenerateContentRequest.tool_config.function_calling_config."
+                           f"allowed_function_names: {name!r} is not a declared function")
 
 
 def _strict_gemini_schema(schema: Any, where: str) -> None:

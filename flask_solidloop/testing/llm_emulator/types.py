@@ -36,8 +36,12 @@ REPLY_KEYS = frozenset(
         "gemini_parts",
         "refusal",
         "continuation_token",
+        "output",
     }
 )
+#: The tool a structured answer is given through when the request offers it
+#: (flask_solidloop/llm/output.py: Anthropic, and Gemini beside other tools).
+OUTPUT_TOOL = "final_answer"
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,9 @@ def normalise_reply(reply: Any) -> dict[str, Any]:
                 "function": {"name": call["name"], "arguments": args},
             }
         )
+    if "output" in reply and (calls or reply.get("content") is not None):
+        raise InvalidArgumentError("reply 'output' is the whole answer: give it without "
+                                   "'content' or 'tool_calls'")
     content = reply.get("content", None if calls else "")
     if content is not None and not isinstance(content, str):
         raise InvalidArgumentError("reply 'content' must be a str or None")
@@ -136,7 +143,46 @@ def normalise_reply(reply: Any) -> dict[str, Any]:
         "gemini_parts": reply.get("gemini_parts"),
         "refusal": reply.get("refusal"),
         "continuation_token": reply.get("continuation_token"),
+        **({"output": reply["output"]} if "output" in reply else {}),
     }
+
+
+def with_output(dialect: str, request: dict[str, Any], reply: dict[str, Any]) -> dict[str, Any]:
+    """A normalised reply whose ``output`` (a structured answer: any JSON value, or
+    a string sent as it is, valid JSON or not) is given as the request asks for
+    it: the arguments of a call to :data:`OUTPUT_TOOL` when the request offers
+    that tool, else the answer's text (OpenAI ``response_format``, Gemini
+    ``responseSchema``)."""
+    if "output" not in reply:
+        return reply
+    output = reply.pop("output")
+    text = output if isinstance(output, str) else json.dumps(output, ensure_ascii=False)
+    if OUTPUT_TOOL in offered_tools(dialect, request):
+        reply["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                "function": {"name": OUTPUT_TOOL, "arguments": text}}]
+        reply["call_ids"] = [None]
+        reply["content"] = None
+        if reply["explicit_finish_reason"] is None:
+            reply["finish_reason"] = "tool_calls"
+    else:
+        reply["content"] = text
+    return reply
+
+
+def offered_tools(dialect: str, request: dict[str, Any]) -> list[str]:
+    """The names of the tools a request offers, in any dialect."""
+    names: list[str] = []
+    for tool in request.get("tools") or []:
+        if not isinstance(tool, dict):
+            continue
+        if "functionDeclarations" in tool:
+            names += [str(d.get("name")) for d in tool["functionDeclarations"] or []
+                      if isinstance(d, dict)]
+        elif isinstance(tool.get("function"), dict):
+            names.append(str(tool["function"].get("name")))
+        elif "name" in tool:
+            names.append(str(tool["name"]))
+    return names
 
 
 def completion_text(reply: dict[str, Any]) -> str:
