@@ -237,10 +237,8 @@ def history_from_rows(rows: Iterable[Sequence[Any]]) -> list[ChatMessage]:
             ))
         elif role == "tool":
             wire_id, name = answered.get(tool_call_id or -1, (None, None))
-            result.append(ChatMessage(
-                role="tool", content=content, tool_call_id=wire_id, name=name,
-                is_error=bool(meta.get("is_error")), message_id=row_id,
-            ))
+            result.append(ChatMessage(role="tool", content=content, tool_call_id=wire_id, name=name,
+                                      is_error=bool(meta.get("is_error")), message_id=row_id))
         else:  # a validation error sent back (llm/output.py) is marked: the stack counts them
             result.append(ChatMessage(role, content, meta=meta if "output_retry" in meta else {},
                                       message_id=row_id))

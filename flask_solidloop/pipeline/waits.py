@@ -75,9 +75,10 @@ def call_wait(ctx: LlmContext, name: str, route: ToolRoute | None,
 def child_start(ctx: LlmContext, spec: Any, arguments: dict[str, Any]) -> ChildStart:
     """The child loop a call of a child agent's tool starts (``spec``: the
     agent class or registered name): its agent, system prompt, message (the
-    call's ``message``), budget and structured output's schema; or a refusal, which the model reads as
-    the call's error result and can correct: no message, or an agent that
-    cannot run (not registered, a broken definition)."""
+    call's ``message``), budget and structured output's schema; or a refusal,
+    which the model reads as the call's error result and can correct: no
+    message, or an agent that cannot run (not registered, a broken
+    definition)."""
     name = agent_name_of(spec) or str(spec)
     message = arguments.get("message")
     if not isinstance(message, str) or not message.strip():

@@ -746,6 +746,7 @@ QUICK_COMPACTION = Compaction(trigger_tokens=1000, keep_last_turns=1)
 # -- child agents (tests/support/children_app.py) ------------------------------------
 
 from . import children_app  # noqa: E402,F401  (registers its agents on solidloop)
+
 # -- structured output (docs/decisions/0036-structured-output.md) --------------------
 
 
