@@ -6,8 +6,8 @@ from __future__ import annotations
 #: The loop a fork is made from, held against retention's delete and its
 #: history's writers (their fenced writes lock the row) while the fork reads
 #: and copies it: a consistent history, whatever the loop is doing.
-FORK_SOURCE = ("SELECT id, agent_name, subject_type, subject_id, state, budget, llm_override "
-               "FROM solidloop_loops WHERE id = %(loop_id)s FOR SHARE")
+FORK_SOURCE = ("SELECT id, agent_name, subject_type, subject_id, state, budget, llm_override, "
+               "output_schema FROM solidloop_loops WHERE id = %(loop_id)s FOR SHARE")
 
 #: What a fork point is chosen among, in one snapshot: the loop's tool calls
 #: (id, the message that asked for it, the message that answered it) and its

@@ -167,7 +167,7 @@ def fork_loop(state: SolidLoopState, session: SessionLike, loop_id: int,
                 subject_id=source["subject_id"], status=LoopStatus.QUEUED,
                 state=dict(source["state"] or {}), budget=budget, fair_rank=rank, trace=run,
                 forked_from_loop_id=loop_id, forked_at_message_id=at_message_id,
-                llm_override=override)
+                llm_override=override, output_schema=source["output_schema"])
     session.add(fork)
     session.flush()
     ids = fetch_row(session, sql.FORK_IDS, {"messages": len(plan.messages),
