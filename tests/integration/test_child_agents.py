@@ -425,3 +425,29 @@ def test_the_admin_loop_page_shows_the_tree(app, session, llm, drain):
     # A loop with no tree shows none.
     assert 'id="tree"' not in client.get(
         f"/admin/loops/{Researcher.start(message='alone').id}").get_data(as_text=True)
+
+
+def test_a_child_with_structured_output_answers_with_its_validated_object(
+        app, session, llm, drain):
+    """The child loop takes its agent's output_type (decision 0036) and the
+    parent's call reads the validated object: as JSON text, and as the
+    result's structured content."""
+    from ..support.children_app import ProfilingLead
+    from ..support.support_app import Profile
+
+    llm.script("plan", {"content": "Delegating.", "tool_calls": [
+        {"name": "profile", "arguments": {"message": "profile ada"}}]})
+    llm.script("profile ada", {"output": {"name": "Ada", "city": "London"}})
+    llm.script(has_tool_results, {"content": "Ada lives in London."})
+    lead = ProfilingLead.start(message="plan the profile")
+    drain()
+    assert loop_of(session, lead.id).status == "completed"
+    (child,) = children_of(session, lead.id)
+    assert child.output_schema == Profile.model_json_schema()
+    assert child.output == {"name": "Ada", "city": "London"}
+    (call,) = calls_of(session, lead.id)
+    assert (call.decision, call.decided_by, call.is_success) == (
+        "completed", f"loop {child.id}", True)
+    assert call.result["structuredContent"] == {"name": "Ada", "city": "London"}
+    assert [__import__("json").loads(t) for t in tool_messages(session, lead.id)] == [
+        {"name": "Ada", "city": "London"}]

@@ -437,3 +437,29 @@ def test_an_exposed_agents_status_tool_gives_the_output(app, llm, drain):
                                         "arguments": {"loop_id": loop_id}})
     assert status["structuredContent"]["status"] == "completed"
     assert status["structuredContent"]["output"] == GOOD
+
+
+def test_a_fork_keeps_the_schema_and_answers_with_its_own_output(app, session, llm, drain):
+    """A fork (decision 0039) copies the loop's stored schema, not its output:
+    the fork's answer is validated against the schema the original started
+    with, and is its own."""
+    from flask_solidloop.loops import control
+    from flask_solidloop.state import get_state
+
+    agent = make_agent("so_fork", "openai", False, llm.base_url)
+    llm.script("describe ada", {"output": GOOD})
+    loop = agent.start(message="Describe Ada")
+    drain()
+    (question,) = [m for m in visible(session, loop.id) if m.role == "user"]
+    session.rollback()
+    grace = {"name": "Grace", "age": 85, "addresses": [{"city": "New York", "zip": None}]}
+    llm.script("describe grace", {"output": grace})
+    fork = control.fork(get_state(), loop.id, question.id, message="Describe Grace")
+    drain()
+    session.expire_all()
+    row = session.get(Loop, fork.id)
+    assert row.status == "completed", row.error_message
+    assert row.output_schema == session.get(Loop, loop.id).output_schema \
+        == Person.model_json_schema()
+    assert row.output == grace and session.get(Loop, loop.id).output == GOOD
+    assert_asks_for_output("openai", chats(llm)[-1].json)

@@ -83,3 +83,14 @@ class Pong(Ping):
     """Delegates back to ping."""
 
     mcps = [{"name": "ping", "agent": "ping"}]
+
+
+@solidloop.agent("profiling_lead")
+class ProfilingLead(Agent):
+    """Hands profiles to the profiler, a child agent with structured output."""
+
+    system_prompt = "You lead."
+    mcps = [{"name": "profile", "agent": "profiler"}]
+
+    def llm(self) -> dict:
+        return llm_settings()

@@ -13,7 +13,7 @@ New nullable columns, no index, no rewrite; a running loop's updates never
 change them, so they stay HOT.
 
 Revision ID: 0029
-Revises: 0027
+Revises: 0028
 Create Date: 2026-12-03 16:00:00
 
 """
@@ -25,7 +25,7 @@ from sqlalchemy.dialects import postgresql
 
 # revision identifiers, used by Alembic.
 revision: str = '0029'
-down_revision: str | Sequence[str] | None = '0027'
+down_revision: str | Sequence[str] | None = '0028'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
