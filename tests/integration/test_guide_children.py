@@ -28,6 +28,7 @@ def worked_example() -> str:
 
 @pytest.fixture
 def guide(tmp_path, monkeypatch, database_url, llm):
+    llm.reset()  # the emulator is the session's: no earlier test's scripts or requests
     (tmp_path / "guide_fruit.py").write_text(worked_example())
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("LLM_BASE_URL", llm.base_url)
