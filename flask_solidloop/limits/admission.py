@@ -4,7 +4,9 @@ checked before it is sent and settled after its answer.
 The pipeline asks, in order: :func:`limits_for` (in memory: what applies to
 this loop; None when nothing does, and then nothing below runs), then
 :func:`check_loop` before rendering (the loop's own budget: a reached limit
-pauses the loop; near it, the note the model reads), then :func:`admit` with
+pauses the loop; near it, the note the model reads; a tree's: a loop's
+budget counts its child agents' spend, and a child's turn is checked against
+each budgeted ancestor's too), then :func:`admit` with
 the rendered payload (the subject's ledger and the rate buckets reserve the
 estimate; the wait says when the turn's slot is), and :func:`settle` or
 :func:`release` once the answer (or its failure) is known. A turn deferred to
@@ -103,25 +105,53 @@ def limits_for(state: SolidLoopState, agent: Any, loop: Any, settings: Any) -> T
         if subject is not None else None
     keys = rates.llm_keys(state.config.rate_limits, settings.base_url, settings.model,
                           agent.option("rate_limit_key"))
-    if not loop_limits and by_subject is None and not keys:
+    # A child agent's turn counts against every ancestor's budget too
+    # (check_loop), so a loop with a parent has limits to check even when it
+    # has none of its own; a plain loop without any reads nothing more.
+    if not loop_limits and by_subject is None and not keys and loop.parent_loop_id is None:
         return None
     exempt = bool((loop.budget or {}).get("over_subject"))
     return TurnLimits(loop_limits, float(agent.option("budget_warning")), subject,
                       by_subject, exempt, keys)
 
 
-def check_loop(session: SessionLike, limits: TurnLimits, loop: Any) -> str | None:
-    """The loop's own budget before its request: BudgetExceededError when a limit
-    is reached, else the note the model reads when one is nearly spent."""
-    if not limits.loop_limits:
+def check_loop(session: SessionLike, limits: TurnLimits, loop: Any,
+               state: SolidLoopState) -> str | None:
+    """The loop's budget before its request, counted over its tree (itself and
+    its child agents, recursively), and each budgeted ancestor's over that
+    ancestor's tree: BudgetExceededError when a limit is reached, else the note
+    the model reads when one is nearly spent. One read (limits/sql.TREE_SPEND),
+    only for a loop with a budget of its own or a parent (``state`` resolves
+    the ancestors' agents)."""
+    if not limits.loop_limits and loop.parent_loop_id is None:
         return None
-    calls = queries.tool_call_count(session, loop.id) \
-        if "tool_calls" in limits.loop_limits else None
-    spent = budgets.loop_spend(loop, calls)
-    share = budgets.check(limits.loop_limits, spent, whose="the loop's", hint=_RESUME_HINT)
-    if share >= limits.warning:
-        return budgets.note(limits.loop_limits, spent, whose="this task's")
-    return None
+    tree = budgets.tree_spend(session, loop.id)
+    own, ancestors = tree[0], tree[1:]
+    note = None
+    if limits.loop_limits:
+        # Without children the loop's own row is its spend (and reads as before).
+        counted = " by it and its child agents" if own.loops > 1 else ""
+        share = budgets.check(limits.loop_limits, own.spent, whose="the loop's",
+                              hint=_RESUME_HINT, counted=counted)
+        if share >= limits.warning:
+            note = budgets.note(limits.loop_limits, own.spent, whose="this task's")
+    # An operator who resumed this loop with a budget decided its spend: its
+    # ancestors' budgets, like its subject's, no longer stop it.
+    if limits.exempt:
+        return note
+    for above in ancestors:
+        above_limits = budgets.effective(
+            state.agent_for(above.agent_name).budget_limits(), above.budget)
+        if not above_limits:
+            continue
+        share = budgets.check(
+            above_limits, above.spent, whose=f"ancestor loop {above.loop_id}'s",
+            counted=" by it and its child agents",
+            hint=f"resume(budget=...) on this loop lets it go on past it, or stop it to "
+                 f"answer loop {above.loop_id}'s call (which then checks its own budget)")
+        if share >= limits.warning and note is None:
+            note = budgets.note(above_limits, above.spent, whose="this task's")
+    return note
 
 
 def _held(session: SessionLike, loop: Any, token: Any) -> dict[str, Any] | None:

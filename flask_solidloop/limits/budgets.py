@@ -18,6 +18,7 @@ from decimal import Decimal
 from typing import Any
 
 from .._typing import SessionLike
+from ..dbapi import execute_on
 from ..errors import BudgetExceededError
 from ..limit_spec import BUDGET_KEYS, SubjectBudget
 from ..loops.store.transaction import commit_keeping_objects, run_alone
@@ -133,3 +134,26 @@ def subject_spend(session: SessionLike, subject: str, window: float) -> dict[str
     row, _ = run_alone(session, sql.SUBJECT_SPEND, {"subject": subject, "window": window},
                            sole=True)
     return {key: float(row[key]) if row is not None else 0.0 for key in BUDGET_KEYS}
+
+
+@dataclass
+class TreeSpend:
+    """One loop of a turn's ancestry (``level`` 0: the loop itself), with what its
+    whole tree (itself and its descendants) spent."""
+
+    loop_id: int
+    agent_name: str
+    budget: dict[str, Any] | None
+    level: int
+    loops: int
+    spent: dict[str, float]
+
+
+def tree_spend(session: SessionLike, loop_id: int) -> list[TreeSpend]:
+    """The loop and each of its ancestors, nearest first, with each one's tree's
+    spend (limits/sql.TREE_SPEND, one statement in the session's transaction)."""
+    rows = execute_on(session, sql.TREE_SPEND, {"loop_id": loop_id}, fetch=True)
+    return [TreeSpend(int(row[0]), str(row[1]), row[2], int(row[3]), int(row[4]),
+                      {"cost_usd": float(row[5]), "tokens": float(row[6]),
+                       "llm_turns": float(row[7]), "tool_calls": float(row[8])})
+            for row in rows]

@@ -123,3 +123,26 @@ SUBJECT_SPEND = (
     "FROM solidloop_spend WHERE subject = %(subject)s "
     "AND at > clock_timestamp() - make_interval(secs => %(window)s)"
 )
+
+#: A loop and each of its ancestors (``level`` 0 the loop, 1 its parent, ...),
+#: each with the spend of its whole tree: itself and all its descendants
+#: (child agents, recursively), by limit. Run only for a loop with a budget of
+#: its own or a parent (limits/admission.check_loop); rows ordered by level.
+TREE_SPEND = (
+    "WITH RECURSIVE up AS (SELECT id, parent_loop_id, agent_name, budget, 0 AS level "
+    "FROM solidloop_loops WHERE id = %(loop_id)s "
+    "UNION ALL SELECT l.id, l.parent_loop_id, l.agent_name, l.budget, up.level + 1 "
+    "FROM solidloop_loops l JOIN up ON l.id = up.parent_loop_id), "
+    "down AS (SELECT id AS top, id FROM up "
+    "UNION ALL SELECT d.top, l.id FROM solidloop_loops l JOIN down d "
+    "ON l.parent_loop_id = d.id) "
+    "SELECT up.id, up.agent_name, up.budget, up.level, t.loops, t.cost_usd, t.tokens, "
+    "t.llm_turns, (SELECT count(*) FROM solidloop_tool_calls c JOIN down d "
+    "ON c.loop_id = d.id WHERE d.top = up.id)::float8 AS tool_calls "
+    "FROM up CROSS JOIN LATERAL (SELECT count(*) AS loops, "
+    "coalesce(sum(l.cost), 0)::float8 AS cost_usd, "
+    "coalesce(sum(l.input_tokens + l.output_tokens), 0)::float8 AS tokens, "
+    "coalesce(sum(l.step_count), 0)::float8 AS llm_turns "
+    "FROM down d JOIN solidloop_loops l ON l.id = d.id WHERE d.top = up.id) t "
+    "ORDER BY up.level"
+)

@@ -299,7 +299,7 @@ class NetworkCalling:
         # The loop's budget, before anything is rendered: a reached limit pauses
         # the loop here; near one, the model reads a note in this request.
         limits = admission.limits_for(ctx.state, ctx.agent, ctx.loop, settings)
-        note = admission.check_loop(ctx.session, limits, ctx.loop) \
+        note = admission.check_loop(ctx.session, limits, ctx.loop, ctx.state) \
             if limits is not None else None
         store.end_transaction(ctx.session, keep_objects=True)
 
