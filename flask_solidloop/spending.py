@@ -19,7 +19,6 @@ from .errors import SolidLoopError
 from .limit_spec import BUDGET_KEYS, KEY_ROW, SubjectBudget
 from .limits import admission, budgets
 from .limits import sql as limits_sql
-from .loops import queries
 from .models import Loop, Spend
 from .state import SolidLoopState
 
@@ -132,13 +131,13 @@ class AgentLimits:
         return self._seen[agent_name]
 
     def loop_gauges(self, session: SessionLike, loop: Loop) -> list[Gauge]:
-        """The loop's own budget as gauges (empty when it has none)."""
+        """The loop's own budget as gauges (empty when it has none), against the
+        spend of its tree: itself and its child agents, as its turns count it."""
         agent_limits, warning = self.of(loop.agent_name)
         limits = budgets.effective(agent_limits, loop.budget)
         if not limits:
             return []
-        calls = queries.tool_call_count(session, loop.id) if "tool_calls" in limits else None
-        spent = budgets.loop_spend(loop, calls)
+        spent = budgets.tree_spend(session, loop.id)[0].spent
         return gauges(limits, spent, warning)
 
 

@@ -24,12 +24,12 @@ from decimal import Decimal
 from typing import Any
 
 from .._typing import SessionLike
-from ..errors import BudgetExceededError
+from ..errors import BudgetExceededError, SolidLoopError
 from ..limit_spec import SubjectBudget, parse_subject_budget
 from ..llm import pricing
 from ..llm.estimate import Estimate, estimate
 from ..llm.types import Usage
-from ..loops import queries, store
+from ..loops import store
 from ..state import SolidLoopState
 from . import budgets, rates
 
@@ -140,8 +140,12 @@ def check_loop(session: SessionLike, limits: TurnLimits, loop: Any,
     if limits.exempt:
         return note
     for above in ancestors:
-        above_limits = budgets.effective(
-            state.agent_for(above.agent_name).budget_limits(), above.budget)
+        try:
+            agent: Any = state.agent_for(above.agent_name)
+            agent_limits = agent.budget_limits()
+        except SolidLoopError:  # an agent no longer registered has no budget option
+            agent_limits = {}
+        above_limits = budgets.effective(agent_limits, above.budget)
         if not above_limits:
             continue
         share = budgets.check(

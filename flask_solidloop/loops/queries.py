@@ -42,13 +42,6 @@ def owns(loop: Loop | None, execution_token: uuid.UUID | None) -> bool:
             and execution_token is not None and loop.execution_token == execution_token)
 
 
-def tool_call_count(session: SessionLike, loop_id: int) -> int:
-    """The tool calls the loop's model has made (a budget's ``tool_calls``)."""
-    return int(session.execute(
-        select(func.count()).select_from(ToolCall).where(ToolCall.loop_id == loop_id)
-    ).scalar_one())
-
-
 def get_loop(session: SessionLike, loop_id: int, *, alone: bool = False) -> Loop | None:
     """The loop, as ``session.get`` gives it. A loop the session does not hold
     (the usual case: a job's first read) is read with a plain ``SELECT *`` and

@@ -9,6 +9,7 @@ from __future__ import annotations
 import psycopg
 from sqlalchemy import select
 
+from flask_solidloop import spending
 from flask_solidloop.loops.queries import classify_failure
 from flask_solidloop.models import Job, Loop
 from flask_solidloop.state import get_state
@@ -62,6 +63,9 @@ def test_a_parents_budget_counts_its_childs_turns(app, session, llm, drain):
         "BudgetExceededError: the loop's budget llm_turns is spent: 2 LLM turns by it and "
         "its child agents of 2 LLM turns; resume(budget=...) raises it and continues")
     assert classify_failure(parent.error_message) == "budget_exceeded"
+    # status and the loop's admin page show the same count against the limit.
+    shown = spending.loop_budget(get_state(), session, parent).gauges
+    assert [(g.key, g.spent, g.limit) for g in shown] == [("llm_turns", 2.0, 2.0)]
     # The child's answer is there; raising the budget lets the lead use it.
     assert Lead(lead.id).resume(budget={"llm_turns": 5})
     drain()
