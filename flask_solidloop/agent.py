@@ -522,7 +522,8 @@ class Agent:
         already reported its result. A status that can never be resumed
         (queued, running) raises ValueError. ``message`` appends a user message
         first. ``budget`` raises the loop's limits (a loop paused by its
-        budget goes on) and releases it from its subject's budget. Returns
+        budget goes on) and releases it from its subject's budget (and a child
+        agent from its ancestors'). Returns
         False when the loop's status is not in ``from_``.
         """
         return control.resume(get_state(), self._require_loop(), from_=from_, message=message,

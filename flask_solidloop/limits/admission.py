@@ -57,7 +57,8 @@ class TurnLimits:
     warning: float
     subject: str | None
     subject_budget: SubjectBudget | None
-    #: An operator released the loop from its subject's budget (resume(budget=)).
+    #: An operator released the loop from its subject's budget and its
+    #: ancestors' (resume(budget=)).
     exempt: bool
     rate_keys: tuple[str, ...]
 

@@ -358,7 +358,8 @@ def _resume_rest(state: SolidLoopState, session: SessionLike, loop_id: int, *,
     """The rest of :func:`resume`, the loop locked and its shells hidden."""
     if budget:
         # Raised limits; a loop resumed with a budget has its spend decided by
-        # the operator: its subject's budget no longer stops it.
+        # the operator: its subject's budget, and its ancestors' (a child
+        # agent's: limits/admission.check_loop), no longer stop it.
         execute(session, sql.RAISE_BUDGET, {
             "loop_id": loop_id, "budget": Jsonb({**budget, "over_subject": True})})
     pending = queries.unresolved_tool_calls(session, loop_id)
