@@ -507,6 +507,17 @@ class Agent:
         """Mark the loop as watched live (or not). Returns True when the flag changed."""
         return control.observe(get_state(), self._require_loop(), on, session=session)
 
+    def pin(self, message_id: int, pinned: bool = True, *,
+            session: SessionLike | None = None, commit: bool = True) -> None:
+        """Pin one of the loop's user messages (``pinned=False`` unpins it): a
+        :class:`~flask_solidloop.Compaction` summary never replaces a pinned
+        message, as it never replaces the system prompt or the task. Committed
+        on ``session`` (the app's ``db.session`` by default) unless
+        ``commit=False``; InvalidArgumentError, naming the fix, for a message
+        that is not one of the loop's user messages or was summarised already."""
+        control.pin(get_state(), self._require_loop(), message_id, pinned, session=session,
+                    commit=commit)
+
     def resume(
         self,
         *,

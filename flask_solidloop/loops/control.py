@@ -71,6 +71,27 @@ def observe(state: SolidLoopState, loop_id: int, observed: bool = True, *,
     return store.set_observed(_session(state, session), loop_id, observed)
 
 
+def pin(state: SolidLoopState, loop_id: int, message_id: int, pinned: bool = True, *,
+        session: SessionLike | None = None, commit: bool = True) -> None:
+    """Pin (or unpin) one of the loop's user messages: compaction never
+    summarises a pinned message away (docs/guides/conversations.md).
+    Committed unless ``commit=False``. InvalidArgumentError, naming the fix,
+    for a message that cannot be pinned."""
+    if isinstance(message_id, bool) or not isinstance(message_id, int):
+        raise InvalidArgumentError(f"message_id must be a message id (an int), got "
+                                   f"{message_id!r}")
+    own = session is None
+    target = _session(state, session)
+    try:
+        store.pin_message(target, loop_id, message_id, bool(pinned))
+    except BaseException:
+        if own:  # a caller's own transaction is the caller's to end
+            target.rollback()
+        raise
+    if commit:
+        target.commit()
+
+
 def check_resumable(from_: str | Iterable[str]) -> tuple[str, ...]:
     """The statuses of ``from_``; InvalidArgumentError (a ValueError) for a
     status that can never be resumed."""

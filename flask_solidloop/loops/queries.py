@@ -232,9 +232,9 @@ def history_from_rows(rows: Iterable[Sequence[Any]]) -> list[ChatMessage]:
             wire_id, name = answered.get(tool_call_id or -1, (None, None))
             result.append(ChatMessage(role="tool", content=content, tool_call_id=wire_id, name=name,
                                       is_error=bool(meta.get("is_error")), message_id=row_id))
-        else:  # a validation error sent back (llm/output.py) is marked: the stack counts them
-            result.append(ChatMessage(role, content, meta=meta if "output_retry" in meta else {},
-                                      message_id=row_id))
+        else:  # marks the stack reads: a validation error sent back, a pin (compaction)
+            result.append(ChatMessage(role, content, message_id=row_id, meta={
+                key: meta[key] for key in ("output_retry", "pinned") if key in meta}))
     return result
 
 

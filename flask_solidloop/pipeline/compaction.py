@@ -161,7 +161,9 @@ def request_tokens(ctx: LlmContext) -> int:
 
 def compaction_span(history: list[ChatMessage], keep_last_turns: int) -> list[ChatMessage]:
     """The messages of ``history`` a summary may replace, oldest first: all
-    before the cut but the system prompt and the first user message. The cut
+    before the cut but the system prompt, the first user message and the user
+    messages the host pinned (``Agent(loop).pin``; only user messages can be
+    pinned, so a pin never holds a call apart from its result). The cut
     is before the ``keep_last_turns``-th assistant message from the end, moved
     back to an earlier assistant message while a tool call before it has its
     result after it. Empty when nothing may be replaced, or when a message
@@ -176,7 +178,7 @@ def compaction_span(history: list[ChatMessage], keep_last_turns: int) -> list[Ch
         if _splits_a_call(history, cut):
             continue
         span = [m for i, m in enumerate(history[:cut])
-                if m.role != "system" and i != first_user]
+                if m.role != "system" and i != first_user and not m.meta.get("pinned")]
         if not span or any(m.message_id is None for m in span) \
                 or all(is_summary(m) for m in span):
             # A summary alone is not summarised again: the turn right after a

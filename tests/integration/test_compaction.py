@@ -438,3 +438,70 @@ def test_a_fork_of_a_compacted_loop_copies_the_history_the_model_reads(app, sess
     with pytest.raises(InvalidArgumentError, match=f"was compacted into summary "
                                                    f"{replaced.compacted_by}"):
         control.fork(get_state(), loop_id, replaced.id)
+
+
+PIN = "The code word is PLUM. Read on."
+
+
+def test_a_pinned_message_is_never_summarised(app, session, llm, drain):
+    """A user message pinned by the host (``Agent(loop).pin``) stays in every
+    request, in its place, while the summaries replace the messages on both
+    sides of it; the summarizer never reads it."""
+    from ..support.support_app import QuickCompactingAgent
+
+    asked: list[int] = []
+    limit = [2]
+
+    def reply(body: dict) -> dict:
+        if body["messages"][0]["content"] == DEFAULT_INSTRUCTIONS:
+            return {"content": "Pages were read."}
+        if len(asked) >= limit[0]:
+            return {"content": f"Read {len(asked)} pages."}
+        asked.append(len(asked) + 1)
+        return {"tool_calls": [{"name": "read_page", "arguments": {"page": asked[-1]}}]}
+
+    llm.script(lambda body: True, reply)
+    loop_id = QuickCompactingAgent.start(message="Read two pages.").id
+    drain()
+    assert session.get(Loop, loop_id).status == "completed"
+    assert not any(is_summary_request(body) for body in chat_requests(llm))
+    limit[0] = 8
+    agent = QuickCompactingAgent(loop_id)
+    agent.send_message(PIN)
+    pinned = session.scalars(select(Message).where(Message.loop_id == loop_id,
+                                                   Message.content == PIN)).one()
+    agent.pin(pinned.id)
+    session.rollback()
+    sent_before = len(chat_requests(llm))
+    drain()
+    session.expire_all()
+    assert session.get(Loop, loop_id).status == "completed"
+    assert asked == list(range(1, 9))
+
+    after = chat_requests(llm)[sent_before:]
+    summaries = [body for body in after if is_summary_request(body)]
+    assert summaries, "the second part passes the trigger"
+    for body in summaries:
+        assert "PLUM" not in body["messages"][-1]["content"]
+    for body in after:
+        if not is_summary_request(body):
+            assert [m["content"] for m in body["messages"] if m["role"] == "user"
+                    ].count(PIN) == 1
+    rows = list(session.scalars(select(Message).where(Message.loop_id == loop_id)
+                                .order_by(Message.id)))
+    pin_row = next(m for m in rows if m.id == pinned.id)
+    assert pin_row.compacted_by is None and pin_row.meta.get("pinned") is True
+    compacted = [m.id for m in rows if m.compacted_by is not None and m.kind == "message"]
+    assert min(compacted) < pinned.id < max(compacted)
+
+    # Only the loop's own, not yet summarised user messages can be pinned.
+    with pytest.raises(InvalidArgumentError, match="was compacted into summary"):
+        agent.pin(min(compacted))
+    assistant = next(m for m in rows if m.role == "assistant" and m.compacted_by is None)
+    with pytest.raises(InvalidArgumentError, match="only the loop's own user messages"):
+        agent.pin(assistant.id)
+    with pytest.raises(InvalidArgumentError, match="is not one of loop"):
+        agent.pin(10**12)
+    agent.pin(pinned.id, pinned=False)
+    session.expire_all()
+    assert "pinned" not in session.get(Message, pinned.id).meta

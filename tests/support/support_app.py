@@ -743,6 +743,8 @@ class QuickCompactingAgent(CompactingAgent):
 
 
 QUICK_COMPACTION = Compaction(trigger_tokens=1000, keep_last_turns=1)
+
+
 # -- child agents (tests/support/children_app.py) ------------------------------------
 
 from . import children_app  # noqa: E402,F401  (registers its agents on solidloop)

@@ -36,7 +36,7 @@ from .commands import (
     stop,
     unfreeze,
 )
-from .compaction import Compacted, finish_summary_turn
+from .compaction import Compacted, finish_summary_turn, pin_message
 from .conversation import POLICIES, SentMessage, send_message
 from .ending import NO_HOOKS, LoopEndHook, LoopEnds, loop_ends
 from .forks import ForkedLoop, ForkPlan, fork_loop
@@ -188,6 +188,7 @@ __all__ = [
     "mark_watched",
     "open_shell",
     "pause",
+    "pin_message",
     "purge_ended_loops",
     "record_delta",
     "record_partial",

@@ -1,6 +1,7 @@
 """The summary turn's end (pipeline/compaction.py): the summary message, the
 messages it replaces marked ``compacted_by`` it, and the loop queued for its
-real turn with that turn's job, in one commit (docs/decisions/0038-compaction.md).
+real turn with that turn's job, in one commit (docs/decisions/0038-compaction.md);
+and the host's pins, the user messages no summary replaces.
 
 A summary turn that dies before this commit wrote nothing: its next run
 summarises again. After it, the next turn reads the compacted history. The
@@ -17,9 +18,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from psycopg.types.json import Jsonb
 
 from ..._typing import SessionLike
-from ...errors import LostLeaseError
+from ...errors import InvalidArgumentError, LostLeaseError
 from .. import sql, storable
-from .transaction import commits, fetch_row
+from .transaction import commits, fetch_row, joins
 from .wirelog import llm_event
 
 if TYPE_CHECKING:
@@ -73,3 +74,27 @@ def finish_summary_turn(state: SolidLoopState, session: SessionLike, *, loop_id:
     state.dispatch.llm_turn(session, loop_id)
     session.commit()
     return Compacted(row["summary_id"], int(row["marked"]))
+
+
+@joins
+def pin_message(session: SessionLike, loop_id: int, message_id: int, pinned: bool) -> None:
+    """Pin (or unpin) a user message of the loop: a summary never replaces a
+    pinned message (loops/sql.FINISH_SUMMARY_TURN). The caller commits.
+    InvalidArgumentError, naming the fix, for a message that is not one of
+    the loop's visible user messages, or that a summary replaced already."""
+    params = {"loop_id": loop_id, "message_id": message_id, "pinned": pinned}
+    if fetch_row(session, sql.PIN_MESSAGE, params) is not None:
+        return
+    point = fetch_row(session, sql.PIN_POINT, params)
+    if point is None or point["loop_id"] != loop_id:
+        raise InvalidArgumentError(
+            f"message {message_id} is not one of loop {loop_id}'s: pin a message id that "
+            f"`flask solidloop status {loop_id}` lists")
+    if point["compacted_by"] is not None:
+        raise InvalidArgumentError(
+            f"message {message_id} was compacted into summary {point['compacted_by']} "
+            "already: pin a message before a summary replaces it")
+    what = "a summary" if point["kind"] == "summary" else \
+        "a hidden shell" if point["is_hidden"] else f"a {point['role']} message"
+    raise InvalidArgumentError(f"message {message_id} is {what}: only the loop's own user "
+                               "messages can be pinned")
