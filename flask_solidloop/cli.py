@@ -540,7 +540,8 @@ def status(loop_id: int) -> None:
     if loop is None:
         raise click.ClickException(f"no loop with id {loop_id}")
     click.echo(format_loop(loop))
-    for line in format_lineage(lineage(session, loop)):
+    tree = lineage(session, loop)
+    for line in format_lineage(tree):
         click.echo(line)
     for line in format_budget(loop_budget(_state(), session, loop)):
         click.echo(line)
@@ -562,7 +563,9 @@ def status(loop_id: int) -> None:
                 click.echo(f"  worker {holder}: {row.state(interval)}, last heartbeat "
                            f"{_seconds(row.silent_for)} ago, queues {','.join(row.queues)}")
     for message in queries.messages(session, loop_id, include_hidden=True):
-        click.echo(format_message(message, calls, show_hidden=True, states=states))
+        click.echo(format_message(message, calls, show_hidden=True, states=states,
+                                  children={kin.tool_call_id: kin for kin in tree.children
+                                            if kin.tool_call_id is not None}))
 
 
 def parse_since(value: str, now: datetime | None = None) -> datetime:

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from sqlalchemy.orm import object_session
 
 from .loops import queries
-from .loops.lineage import Lineage
+from .loops.lineage import Kin, Lineage
 from .loops.queries import ToolCallState
 from .loops.wire_reads import PendingRequest
 from .models import Loop, Message, ToolCall
@@ -194,17 +194,22 @@ def describe_decision(call: ToolCall) -> str | None:
     return text
 
 
-def describe_wait(call: ToolCall, state: ToolCallState) -> str:
-    """An awaiting call's state, the command that decides it, and its deadline."""
+def describe_wait(call: ToolCall, state: ToolCallState, child: Kin | None = None) -> str:
+    """An awaiting call's state, the command that decides it, and its deadline;
+    for a child agent's call, the child loop whose end answers it."""
+    deadline = f", times out at {_clock(call.wait_deadline)}" if call.wait_deadline else ""
+    if child is not None:
+        return (f"awaiting child agent loop {child.id} ({child.agent_name}, {child.status}): "
+                f"its end answers the call{deadline}")
     how = (f"`flask solidloop approve {call.id}` or `deny {call.id} --reason ...`"
            if call.waits_for == "approval" else f"`flask solidloop complete {call.id} RESULT`")
-    deadline = f", times out at {_clock(call.wait_deadline)}" if call.wait_deadline else ""
     return f"{describe_call_state(state)}: {how}{deadline}"
 
 
 def format_message(
     message: Message, calls: dict[int, ToolCall], *, show_hidden: bool = False,
     states: dict[int, ToolCallState] | None = None,
+    children: dict[int, Kin] | None = None,
 ) -> str:
     flags = []
     if message.status != "completed":
@@ -242,7 +247,8 @@ def format_message(
                     outcome += ", answer pending"
             elif states and call.id in states:
                 state = states[call.id]
-                outcome = (describe_wait(call, state) if state.state.startswith("awaiting_")
+                outcome = (describe_wait(call, state, (children or {}).get(call.id))
+                           if state.state.startswith("awaiting_")
                            else describe_call_state(state))
             else:
                 outcome = "pending"

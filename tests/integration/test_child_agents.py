@@ -401,6 +401,10 @@ def test_status_and_the_store_show_the_tree(app, session, llm, drain):
     shown = runner.invoke(args=["solidloop", "status", str(lead.id)])
     assert shown.exit_code == 0, shown.output
     assert f"children: {child.id} (researcher, queued)" in shown.output
+    # The waiting call names the child whose end answers it, not a command.
+    assert (f"[awaiting child agent loop {child.id} (researcher, queued): its end answers "
+            "the call") in shown.output
+    assert "flask solidloop complete" not in shown.output
     shown = runner.invoke(args=["solidloop", "status", str(child.id)])
     assert shown.exit_code == 0, shown.output
     call = calls_of(session, lead.id)[0]
