@@ -621,6 +621,14 @@ class Agent:
         waiting, paused), the way RQ's ``job.return_value()`` answers for a
         job still running. Raises :class:`LoopFailedError` (with the loop's
         error message) for a loop that failed or was stopped."""
+        loop = self._ended_loop()
+        if loop is None:
+            return None
+        return queries.final_answer(get_state().db.session, loop.id)
+
+    def _ended_loop(self) -> Loop | None:
+        """The loop, read afresh, when it completed; None while it has not
+        finished; LoopFailedError for one that failed or was stopped."""
         loop_id = self._require_loop()
         session = get_state().db.session
         loop = queries.get_loop(session, loop_id)
@@ -629,9 +637,7 @@ class Agent:
         session.refresh(loop)
         if loop.status == LoopStatus.FAILED:
             raise LoopFailedError(loop_id, loop.error_message)
-        if loop.status != LoopStatus.COMPLETED:
-            return None
-        return queries.final_answer(session, loop_id)
+        return loop if loop.status == LoopStatus.COMPLETED else None
 
     def fork(self, at_message_id: int, message: str | None = None, *,
              model: str | None = None, session: SessionLike | None = None,
@@ -663,20 +669,14 @@ class Agent:
         InvalidArgumentError for an agent without ``output_type``."""
         from .llm.output import instance
 
-        loop_id = self._require_loop()
+        self._require_loop()
         output_type = self.option("output_type")
         if output_type is None:
             raise InvalidArgumentError(
                 f"agent {self.agent_name!r} declares no output_type; result() returns its "
                 "final answer as text")
-        session = get_state().db.session
-        loop = queries.get_loop(session, loop_id)
-        if loop is None:
-            raise InvalidArgumentError(f"loop {loop_id} does not exist")
-        session.refresh(loop)
-        if loop.status == LoopStatus.FAILED:
-            raise LoopFailedError(loop_id, loop.error_message)
-        if loop.status != LoopStatus.COMPLETED or loop.output is None:
+        loop = self._ended_loop()
+        if loop is None or loop.output is None:
             return None
         return instance(output_type, loop.output)
 

@@ -15,7 +15,8 @@ and the job it implies).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from .. import signals
@@ -29,6 +30,23 @@ from . import pending, queries, store
 
 def _session(state: SolidLoopState, session: SessionLike | None) -> SessionLike:
     return session if session is not None else state.db.session
+
+
+@contextlib.contextmanager
+def _host_write(state: SolidLoopState, session: SessionLike | None,
+                commit: bool) -> Iterator[SessionLike]:
+    """The session a host command writes on: ``session``, or the app's. On an
+    error the app's own session is rolled back (a caller's transaction is the
+    caller's to end); on success it commits when ``commit``."""
+    target = _session(state, session)
+    try:
+        yield target
+    except BaseException:
+        if session is None:
+            target.rollback()
+        raise
+    if commit:
+        target.commit()
 
 
 def pause(state: SolidLoopState, loop_id: int, *, session: SessionLike | None = None) -> bool:
@@ -80,16 +98,8 @@ def pin(state: SolidLoopState, loop_id: int, message_id: int, pinned: bool = Tru
     if isinstance(message_id, bool) or not isinstance(message_id, int):
         raise InvalidArgumentError(f"message_id must be a message id (an int), got "
                                    f"{message_id!r}")
-    own = session is None
-    target = _session(state, session)
-    try:
+    with _host_write(state, session, commit) as target:
         store.pin_message(target, loop_id, message_id, bool(pinned))
-    except BaseException:
-        if own:  # a caller's own transaction is the caller's to end
-            target.rollback()
-        raise
-    if commit:
-        target.commit()
 
 
 def check_resumable(from_: str | Iterable[str]) -> tuple[str, ...]:
@@ -180,9 +190,7 @@ def fork(state: SolidLoopState, loop_id: int, at_message_id: int | None, *,
     if llm is not None and not isinstance(llm, Mapping):
         raise InvalidArgumentError(f"llm must be a dict of provider settings, e.g. "
                                    f"{{'model': 'gpt-4o-mini'}}; got {type(llm).__name__}")
-    own = session is None
-    target = _session(state, session)
-    try:
+    with _host_write(state, session, commit) as target:
         loop = queries.get_loop(target, loop_id)
         if loop is None:
             raise InvalidArgumentError(f"there is no loop {loop_id}: fork an existing loop "
@@ -192,12 +200,6 @@ def fork(state: SolidLoopState, loop_id: int, at_message_id: int | None, *,
         check_llm_override(state, loop, dict(llm) if llm else None)
         forked = store.fork_loop(state, target, loop_id, at_message_id, message=message,
                                  llm_override=dict(llm) if llm else None)
-    except BaseException:
-        if own:  # a caller's own transaction is the caller's to end
-            target.rollback()
-        raise
-    if commit:
-        target.commit()
     return forked.loop
 
 
@@ -291,9 +293,7 @@ def _decide(state: SolidLoopState, tool_call_id: int, loop_id: int | None,
             session: SessionLike | None, **decision: Any) -> store.Decision:
     """One decision: in its own commit on the app's session, or joined to the
     caller's ``session``; its signal is sent when that commits."""
-    own = session is None
-    target = _session(state, session)
-    try:
+    with _host_write(state, session, commit=session is None) as target:
         call, loop = queries.get_tool_call_and_loop(target, tool_call_id)
         if call is None or loop is None:
             raise InvalidArgumentError(f"there is no tool call {tool_call_id}")
@@ -307,10 +307,4 @@ def _decide(state: SolidLoopState, tool_call_id: int, loop_id: int | None,
         signals.send_after_commit(target, signals.tool_call_decided, loop_id=decided.loop_id,
                                   tool_call_id=tool_call_id, decision=decided.decision,
                                   by=decision.get("by"))
-    except BaseException:
-        if own:
-            target.rollback()
-        raise
-    if own:
-        target.commit()
     return decided
