@@ -434,7 +434,7 @@ class NetworkCalling:
         rest of the stack."""
         assert ctx.response is not None
         if ctx.admitted is not None:
-            _settle(ctx, request.model)
+            _settle(ctx, request.model, ctx.response.usage, len(ctx.response.tool_calls))
         if not request.streaming and ctx.response.usage and ctx.response.usage.output_tokens:
             seconds = max(time.monotonic() - request.started, 1e-6)
             ctx.metrics["output_tokens_per_s"] = round(
@@ -585,15 +585,15 @@ def _defer_to(ctx: LlmContext, admitted: admission.Admitted, wait: float, *,
                     if admitted.reservation else "its keys", wait)
 
 
-def _settle(ctx: LlmContext, model: str | None) -> None:
+def _settle(ctx: LlmContext, model: str | None, usage: Any, tool_calls: int) -> None:
     """The answer's real usage replaces its estimate in the ledger and the
     buckets. The answer is paid for: a failure here is logged and the turn goes
     on (the estimate stays counted, which errs on the safe side)."""
-    assert ctx.admitted is not None and ctx.response is not None
+    assert ctx.admitted is not None
     try:
-        admission.settle(ctx.session, ctx.admitted, usage=ctx.response.usage,
+        admission.settle(ctx.session, ctx.admitted, usage=usage,
                          prices=ctx.state.config.prices.get(model or ""),
-                         tool_calls=len(ctx.response.tool_calls),
+                         tool_calls=tool_calls,
                          headers=ctx.wire.rate_headers if ctx.wire is not None else None)
     except Exception:
         store.recover(ctx.session)
