@@ -39,6 +39,7 @@ from typing import Any, NoReturn
 from ..dbapi import is_transient
 from ..errors import (
     AbortedError,
+    AgentDefinitionError,
     BudgetExceededError,
     HistoryTooLargeError,
     LimitExceededError,
@@ -241,6 +242,13 @@ class AgentInitialization:
                 "resume() starts a new run"
             )
         ctx.tools = _tools_with_snapshots(ctx)
+        if loop.output_schema is not None and output.OUTPUT_TOOL in ctx.tools.names:
+            # Anthropic and Gemini are asked for the answer through a tool of
+            # that name; two tools with one name is a request they refuse.
+            raise AgentDefinitionError(
+                f"agent {ctx.agent.agent_name!r} has output_type and a tool named "
+                f"{output.OUTPUT_TOOL!r}, the name structured output's own tool takes; "
+                "rename that tool (or its mcps entry's prefix)")
         carried = ctx.claim.history if ctx.claim is not None else None
         ctx.history = carried if carried is not None else queries.history(ctx.session,
                                                                           ctx.loop_id)
