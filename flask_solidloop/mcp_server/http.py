@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from flask import Request, Response, current_app, request
 from mcp.shared.inbound import (
@@ -332,6 +333,8 @@ class McpEndpoint:
         if server_name:
             hosts.append(server_name)
             origins += [f"http://{server_name}", f"https://{server_name}"]
+        if self.oauth is not None:  # the host of the resource URL clients are told to use
+            hosts.append(urlsplit(self.oauth.resource).netloc)
         return (self.allowed_hosts if self.allowed_hosts is not None else tuple(hosts),
                 self.allowed_origins if self.allowed_origins is not None else tuple(origins))
 

@@ -121,21 +121,28 @@ class OAuthResource:
     servers whose tokens are accepted. ``audience`` overrides the expected
     ``aud`` (default: ``resource``); ``jwks_uri`` overrides the key set
     (default: each server's metadata ``jwks_uri``); ``introspection`` lets
-    tokens that are not verifiable JWTs be checked by RFC 7662.
+    tokens that are not verifiable JWTs be checked by RFC 7662, and
+    ``introspect_jwts=True`` sends JWTs there too (a revoked JWT is then
+    refused at once, at the price of a round trip per request).
     ``required_scopes`` must all be granted (else 403); ``scopes_supported``
     (default ``required_scopes``) and ``resource_name`` /
-    ``resource_documentation`` go into the metadata document.
+    ``resource_documentation`` go into the metadata document. ``leeway``
+    (seconds) is the clock skew allowed on ``exp`` / ``nbf``; a token with an
+    unknown ``kid`` refetches the key set at most once per
+    ``jwks_refresh_cooldown`` seconds (so random kids cannot flood the server).
     """
 
     def __init__(self, resource: str, authorization_servers: Iterable[str], *,
                  audience: str | None = None, jwks_uri: str | None = None,
                  introspection: Introspection | None = None,
+                 introspect_jwts: bool = False,
                  required_scopes: Iterable[str] = (),
                  scopes_supported: Iterable[str] | None = None,
                  resource_name: str | None = None,
                  resource_documentation: str | None = None,
                  algorithms: Iterable[str] = DEFAULT_ALGORITHMS,
-                 leeway: float = 30.0, timeout: float = 10.0) -> None:
+                 leeway: float = 30.0, timeout: float = 10.0,
+                 jwks_refresh_cooldown: float = 30.0) -> None:
         _check_url("OAuthResource.resource", resource)
         if urlsplit(resource).fragment:
             raise ConfigurationError("OAuthResource.resource", resource,
@@ -158,6 +165,10 @@ class OAuthResource:
             raise ConfigurationError("OAuthResource.introspection", type(introspection).__name__,
                                      "must be Introspection(client_id, client_secret)")
         self.introspection = introspection
+        if introspect_jwts and introspection is None:
+            raise ConfigurationError("OAuthResource.introspect_jwts", introspect_jwts,
+                                     "needs introspection=Introspection(client_id, client_secret)")
+        self.introspect_jwts = bool(introspect_jwts)
         self.required_scopes = _scopes("required_scopes", required_scopes)
         self.scopes_supported = (_scopes("scopes_supported", scopes_supported)
                                  if scopes_supported is not None else self.required_scopes)
@@ -168,6 +179,7 @@ class OAuthResource:
                                      "must list asymmetric JWS algorithms (RS256, ES256, ...)")
         self.leeway = float(leeway)
         self.timeout = float(timeout)
+        self.jwks_refresh_cooldown = float(jwks_refresh_cooldown)
         try:
             self.metadata = ProtectedResourceMetadata.model_validate({
                 "resource": self.resource,
@@ -260,7 +272,7 @@ class OAuthResource:
         if not token:
             raise TokenRefused(401, "", "a bearer token is required")
         claims = None
-        if _looks_like_jwt(token):
+        if not self.introspect_jwts and _looks_like_jwt(token):
             issuer = self._jwt_issuer(token)
             if issuer is not None:
                 claims = self._verify_jwt(token, issuer)
@@ -306,7 +318,8 @@ class OAuthResource:
         with self._lock:
             client = self._jwks.get(uri)
             if client is None:
-                client = jwt.PyJWKClient(uri, cache_keys=True, timeout=self.timeout)
+                client = jwt.PyJWKClient(uri, cache_keys=True, timeout=self.timeout,
+                                         cooldown_duration=self.jwks_refresh_cooldown)
                 self._jwks[uri] = client
             return client
 
