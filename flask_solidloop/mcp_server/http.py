@@ -48,10 +48,11 @@ from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, MODERN_PROTOCOL_VERSI
 from pydantic import ValidationError
 
 from .._typing import real_session
+from ..errors import McpTokenRefusedError
 from ..state import get_state
 from . import security, wirelog
 from . import store as inbound
-from .oauth import OAuthResource, TokenRefused
+from .oauth import OAuthResource
 from .protocol import McpError, Served, ServerSpec, dispatch, negotiate
 
 __all__ = ["McpEndpoint"]
@@ -134,7 +135,7 @@ class McpEndpoint:
         if self.oauth is not None:
             try:
                 principal = self.oauth.authenticate(ex.token)
-            except TokenRefused as refused:
+            except McpTokenRefusedError as refused:
                 ex.error = (f"not authenticated: {refused.error or 'no token'}: "
                             f"{refused.description}")
                 return self.oauth.refusal(refused if ex.token else None)

@@ -29,9 +29,9 @@ from mcp.shared.auth import ProtectedResourceMetadata
 from mcp.shared.auth_utils import resource_url_from_server_url
 from pydantic import ValidationError
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, McpTokenRefusedError
 
-__all__ = ["Introspection", "OAuthPrincipal", "OAuthResource", "TokenRefused"]
+__all__ = ["Introspection", "OAuthPrincipal", "OAuthResource"]
 
 logger = logging.getLogger("flask_solidloop.mcp_server")
 
@@ -41,18 +41,6 @@ WELL_KNOWN = "/.well-known/oauth-protected-resource"
 DEFAULT_ALGORITHMS: tuple[str, ...] = (
     "RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA")
 _APP_KEY = "solidloop_mcp_oauth_resources"
-
-
-class TokenRefused(Exception):
-    """Why a request is not let in: the HTTP status and the RFC 6750 error code."""
-
-    def __init__(self, status: int, error: str, description: str,
-                 scope: str | None = None) -> None:
-        super().__init__(description)
-        self.status = status
-        self.error = error
-        self.description = description
-        self.scope = scope
 
 
 @dataclass(frozen=True)
@@ -226,7 +214,7 @@ class OAuthResource:
         parts.append(f'resource_metadata="{self.metadata_url}"')
         return "Bearer " + ", ".join(parts)
 
-    def refusal(self, refused: TokenRefused | None) -> Response:
+    def refusal(self, refused: McpTokenRefusedError | None) -> Response:
         """The 401 / 403 / 503 for a request that is not let in (None: no token)."""
         if refused is None:
             body = {"error": "unauthorized",
@@ -267,10 +255,10 @@ class OAuthResource:
     # -- validating a token ----------------------------------------------------------
 
     def authenticate(self, token: str | None) -> OAuthPrincipal:
-        """The principal of ``token``, or :class:`TokenRefused` (a ``None`` token:
+        """The principal of ``token``, or :class:`McpTokenRefusedError` (a ``None`` token:
         401 without an error code, as RFC 6750 §3.1 asks)."""
         if not token:
-            raise TokenRefused(401, "", "a bearer token is required")
+            raise McpTokenRefusedError(401, "", "a bearer token is required")
         claims = None
         if not self.introspect_jwts and _looks_like_jwt(token):
             issuer = self._jwt_issuer(token)
@@ -278,16 +266,16 @@ class OAuthResource:
                 claims = self._verify_jwt(token, issuer)
         if claims is None:
             if self.introspection is None:
-                raise TokenRefused(
+                raise McpTokenRefusedError(
                     401, "invalid_token",
                     "the token is not a JWT signed by a trusted authorization server")
             claims = self._introspect(token)
         principal = self._principal(claims)
         missing = [s for s in self.required_scopes if s not in principal.scopes]
         if missing:
-            raise TokenRefused(403, "insufficient_scope",
-                               f"the token lacks the scope(s) {' '.join(missing)}",
-                               scope=" ".join(self.required_scopes))
+            raise McpTokenRefusedError(403, "insufficient_scope",
+                                       f"the token lacks the scope(s) {' '.join(missing)}",
+                                       scope=" ".join(self.required_scopes))
         return principal
 
     def _trusted_issuer(self, issuer: Any) -> str | None:
@@ -304,11 +292,12 @@ class OAuthResource:
         try:
             unverified = jwt.decode(token, options={"verify_signature": False})
         except jwt.PyJWTError:
-            raise TokenRefused(401, "invalid_token", "the token is not a well-formed JWT") from None
+            raise McpTokenRefusedError(
+                401, "invalid_token", "the token is not a well-formed JWT") from None
         server = self._trusted_issuer(unverified.get("iss"))
         if server is None:
-            raise TokenRefused(401, "invalid_token",
-                               "the token's issuer is not a trusted authorization server")
+            raise McpTokenRefusedError(401, "invalid_token",
+                                       "the token's issuer is not a trusted authorization server")
         if self.jwks_uri is None and not self._server_metadata(server).get("jwks_uri"):
             return None
         return server
@@ -328,24 +317,26 @@ class OAuthResource:
             key = self._jwks_client(server).get_signing_key_from_jwt(token)
         except jwt.PyJWKClientConnectionError as exc:
             logger.warning("MCP server: JWKS of %s unreachable: %s", server, exc)
-            raise TokenRefused(503, "temporarily_unavailable",
-                               "the authorization server's keys cannot be fetched") from None
+            raise McpTokenRefusedError(
+                503, "temporarily_unavailable",
+                "the authorization server's keys cannot be fetched") from None
         except jwt.PyJWTError:
-            raise TokenRefused(401, "invalid_token",
-                               "the token is not signed by a key of the authorization server"
-                               ) from None
+            raise McpTokenRefusedError(
+                401, "invalid_token",
+                "the token is not signed by a key of the authorization server") from None
         try:
             claims: dict[str, Any] = jwt.decode(
                 token, key, algorithms=self.algorithms, audience=self.audience,
                 issuer=_issuer_forms(server), leeway=self.leeway,
                 options={"require": ["exp", "iss", "aud"]})
         except jwt.ExpiredSignatureError:
-            raise TokenRefused(401, "invalid_token", "the token has expired") from None
+            raise McpTokenRefusedError(401, "invalid_token", "the token has expired") from None
         except jwt.InvalidAudienceError:
-            raise TokenRefused(401, "invalid_token",
-                               f"the token was not issued for {self.audience}") from None
+            raise McpTokenRefusedError(401, "invalid_token",
+                                       f"the token was not issued for {self.audience}") from None
         except jwt.PyJWTError as exc:
-            raise TokenRefused(401, "invalid_token", f"the token is invalid: {exc}") from None
+            raise McpTokenRefusedError(
+                401, "invalid_token", f"the token is invalid: {exc}") from None
         return claims
 
     def _introspect(self, token: str) -> dict[str, Any]:
@@ -354,8 +345,8 @@ class OAuthResource:
         endpoint = self.introspection.endpoint or self._server_metadata(server).get(
             "introspection_endpoint")
         if not endpoint:
-            raise TokenRefused(503, "temporarily_unavailable",
-                               "the authorization server names no introspection_endpoint")
+            raise McpTokenRefusedError(503, "temporarily_unavailable",
+                                       "the authorization server names no introspection_endpoint")
         try:
             reply = self._client().post(
                 str(endpoint), data={"token": token, "token_type_hint": "access_token"},
@@ -366,22 +357,23 @@ class OAuthResource:
         except (httpx.HTTPError, ValueError) as exc:
             logger.warning("MCP server: introspection at %s failed: %s", endpoint,
                            type(exc).__name__)
-            raise TokenRefused(503, "temporarily_unavailable",
-                               "the authorization server cannot check the token now") from None
+            raise McpTokenRefusedError(
+                503, "temporarily_unavailable",
+                "the authorization server cannot check the token now") from None
         if not isinstance(answer, dict) or answer.get("active") is not True:
-            raise TokenRefused(401, "invalid_token", "the token is not active")
+            raise McpTokenRefusedError(401, "invalid_token", "the token is not active")
         now = time.time()
         exp = answer.get("exp")
         if isinstance(exp, int | float) and exp + self.leeway < now:
-            raise TokenRefused(401, "invalid_token", "the token has expired")
+            raise McpTokenRefusedError(401, "invalid_token", "the token has expired")
         audiences = answer.get("aud")
         audiences = [audiences] if isinstance(audiences, str) else (audiences or [])
         if self.audience not in audiences:
-            raise TokenRefused(401, "invalid_token",
-                               f"the token was not issued for {self.audience}")
+            raise McpTokenRefusedError(401, "invalid_token",
+                                       f"the token was not issued for {self.audience}")
         if "iss" in answer and self._trusted_issuer(answer["iss"]) is None:
-            raise TokenRefused(401, "invalid_token",
-                               "the token's issuer is not a trusted authorization server")
+            raise McpTokenRefusedError(401, "invalid_token",
+                                       "the token's issuer is not a trusted authorization server")
         return answer
 
     def _principal(self, claims: dict[str, Any]) -> OAuthPrincipal:
@@ -431,8 +423,8 @@ class OAuthResource:
             except httpx.HTTPError as exc:
                 logger.warning("MCP server: metadata of %s unreachable: %s", server,
                                type(exc).__name__)
-                raise TokenRefused(503, "temporarily_unavailable",
-                                   "the authorization server cannot be reached") from None
+                raise McpTokenRefusedError(503, "temporarily_unavailable",
+                                           "the authorization server cannot be reached") from None
             if reply.status_code == 200:
                 try:
                     found = reply.json()
@@ -442,8 +434,8 @@ class OAuthResource:
                     with self._lock:
                         self._as_metadata[server] = found
                     return found
-        raise TokenRefused(503, "temporarily_unavailable",
-                           "the authorization server publishes no metadata")
+        raise McpTokenRefusedError(503, "temporarily_unavailable",
+                                   "the authorization server publishes no metadata")
 
 
 def _issuer_forms(server: str) -> list[str]:
