@@ -13,9 +13,12 @@ import subprocess
 from pathlib import Path
 
 import httpx
+import psycopg
 import pytest
 
-from ..support.mcp_gunicorn import free_port, serve
+from flask_solidloop.urls import libpq_url
+
+from ..support.mcp_gunicorn import eventually, free_port, serve
 from ..support.oauth_server import start_oauth_server
 
 ACCEPT = "application/json, text/event-stream"
@@ -150,6 +153,33 @@ def test_introspection_checks_the_audience_too(world):
     refused = call(world["base"] + "/mcp/introspected", token)
     assert refused.status_code == 401
     assert "not issued for" in refused.json()["error_description"]
+
+
+def test_the_wire_log_names_the_principal_and_holds_no_token(world, database_url):
+    def db(sql: str, *args):
+        with psycopg.connect(libpq_url(database_url)) as conn:
+            return conn.execute(sql, args).fetchall()
+
+    url = world["base"] + "/mcp/secure"
+    token = token_for(world, url)
+    assert call(url, token, "tools/call", {"name": "add", "arguments": {"a": 1, "b": 2}}
+                ).status_code == 200
+    wrong = token_for(world, world["base"] + "/mcp/introspected")
+    assert call(url, wrong).status_code == 401
+    events = eventually(lambda: db(
+        "SELECT status_code, error, payload FROM solidloop_events WHERE kind = 'mcp_inbound' "
+        "AND payload->>'server' = 'mcp_secure' ORDER BY id"), lambda rows: len(rows) >= 2)
+    by_status = {status: (error, payload) for status, error, payload in events}
+    error, payload = by_status[200]
+    assert payload["principal"] == "ide" and payload["tool"] == "add"
+    assert payload["request"]["headers"]["authorization"] == "[redacted]"
+    error, payload = by_status[401]
+    assert error.startswith("not authenticated: invalid_token: the token was not issued for")
+    everything = db("SELECT string_agg(payload::text || coalesce(error, ''), ' ') "
+                    "FROM solidloop_events")[0][0]
+    assert token not in everything and wrong not in everything
+    # Not even the signature alone (what a careless excerpt would keep).
+    assert token.rsplit(".", 1)[1] not in everything
 
 
 def inspector(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:

@@ -237,6 +237,22 @@ def test_two_oauth_blueprints_each_serve_their_own_document(app, keys):
     assert web.get("/.well-known/oauth-protected-resource").status_code == 404
 
 
+def test_with_two_issuers_the_label_names_the_issuer(app, keys):
+    other = KeyServer()
+    try:
+        resource = OAuthResource(RESOURCE, [keys.issuer, other.issuer])
+        app.register_blueprint(solidloop.mcp_blueprint(orders, oauth=resource,
+                                                       name="oauth_two"),
+                               url_prefix="/mcp/orders")
+        web = app.test_client()
+        labels = [call(web, server.mint()).get_json()["result"]["structuredContent"]["label"]
+                  for server in (keys, other)]
+        # Both say sub=alice; they are not the same caller.
+        assert labels == [f"{keys.issuer} alice", f"{other.issuer} alice"]
+    finally:
+        other.stop()
+
+
 def test_the_plain_auth_callable_keeps_its_challenge(app):
     app.register_blueprint(solidloop.mcp_blueprint(orders, auth=lambda token, request: None,
                                                    name="plain_orders",
