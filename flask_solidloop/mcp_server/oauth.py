@@ -160,11 +160,14 @@ class OAuthResource:
         self.required_scopes = _scopes("required_scopes", required_scopes)
         self.scopes_supported = (_scopes("scopes_supported", scopes_supported)
                                  if scopes_supported is not None else self.required_scopes)
-        self.algorithms = [a for a in algorithms if not a.upper().startswith("HS")
-                           and a.lower() != "none"]
-        if not self.algorithms:
-            raise ConfigurationError("OAuthResource.algorithms", list(algorithms),
-                                     "must list asymmetric JWS algorithms (RS256, ES256, ...)")
+        listed_algorithms = [algorithms] if isinstance(algorithms, str) else list(algorithms)
+        self.algorithms = [a for a in listed_algorithms if isinstance(a, str)
+                           and not a.upper().startswith("HS") and a.lower() != "none"]
+        if not self.algorithms or len(self.algorithms) != len(listed_algorithms):
+            raise ConfigurationError(
+                "OAuthResource.algorithms", listed_algorithms,
+                "must list only asymmetric JWS algorithms (RS256, ES256, ...; never none "
+                "or HS*: a shared secret would let others mint tokens)")
         self.leeway = float(leeway)
         self.timeout = float(timeout)
         self.jwks_refresh_cooldown = float(jwks_refresh_cooldown)
