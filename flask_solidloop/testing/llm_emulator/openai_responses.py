@@ -260,7 +260,7 @@ def _usage(request_json: dict[str, Any], reply: dict[str, Any]) -> dict[str, Any
         else 0
     usage: dict[str, Any] = {
         "input_tokens": estimate_tokens(prompt_text(request_json)),
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": estimate_tokens(text) + reasoning,
         "output_tokens_details": {"reasoning_tokens": reasoning},
     }
