@@ -22,7 +22,7 @@ from ..support.support_app import calc, solidloop
 
 pytest.importorskip("openai")
 
-from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
+from openai.types.responses import Response, ResponseStreamEvent
 
 USAGE = {"input_tokens": 120, "input_tokens_details": {"cached_tokens": 48},
          "output_tokens": 30, "output_tokens_details": {"reasoning_tokens": 12}}
