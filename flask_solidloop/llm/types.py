@@ -198,7 +198,9 @@ class ChatMessage:
     reasoning: str | None = None
     #: Dialect data kept from the response that produced this message, sent back
     #: as-is: "anthropic_blocks" (the content blocks, thinking and signatures in
-    #: order), "gemini_parts" (the parts, thoughtSignature included).
+    #: order), "gemini_parts" (the parts, thoughtSignature included),
+    #: "responses_items" / "responses_id" (OpenAI Responses: the output order with
+    #: the reasoning items verbatim, and the response's id).
     meta: dict[str, Any] = field(default_factory=dict)
     #: For role "tool": whether the result was an error (Anthropic's is_error).
     is_error: bool = False
