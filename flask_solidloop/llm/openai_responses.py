@@ -79,7 +79,9 @@ def _message_items(message: ChatMessage, strategies: list[str] | None) -> list[d
         for stored in (message.meta or {}).get(META_ITEMS) or []:
             kind = stored.get("type")
             if kind == "reasoning":
-                items.append(copy.deepcopy(stored))
+                # As received, less null fields: the input item's types are not
+                # nullable where the output's are (``content``, ``status``).
+                items.append({k: copy.deepcopy(v) for k, v in stored.items() if v is not None})
             elif kind == "message" and not text_sent:
                 text_sent = True
                 if text:
