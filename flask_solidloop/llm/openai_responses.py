@@ -120,7 +120,7 @@ class OpenAIResponsesDialect:
                ) -> RenderedRequest:
         strategies = _reasoning.resolve_strategies(options.reasoning_strategies, self.name,
                                                    settings.base_url)
-        chain = bool(getattr(settings, "previous_response_id", False))
+        chain = settings.previous_response_id
         start, previous = _chain_start(messages) if chain else (0, None)
         items: list[dict[str, Any]] = []
         for message in messages[start:]:
@@ -145,6 +145,11 @@ class OpenAIResponsesDialect:
         if options.max_tokens is not None:
             payload["max_output_tokens"] = options.max_tokens
         return RenderedRequest(path=PATH, payload=options.merge_llm_params(payload), headers={})
+
+    def first_sent(self, settings: ProviderSettings, messages: list[ChatMessage]) -> int:
+        """The index of the first message a request for ``messages`` carries: 0, or
+        the one after the last response when chaining with previous_response_id."""
+        return _chain_start(messages)[0] if settings.previous_response_id else 0
 
     def auth_headers(self, settings: ProviderSettings, api_key: str | None) -> dict[str, str]:
         return auth_headers(api_key)

@@ -102,6 +102,7 @@ def test_tool_round_trip_with_parallel_calls_reasoning_and_usage(
     issued = history[2].meta["responses_items"][0]
     assert body["input"][2] == issued
     assert issued["encrypted_content"] in llm.responses.issued
+    assert history[-1].meta["reasoning_carried"]["messages"] == 1
     call_items, outputs = body["input"][3:5], body["input"][5:]
     assert [json.loads(c["arguments"]) for c in call_items] == [{"a": 2, "b": 3},
                                                                 {"a": 4, "b": 4}]
@@ -150,6 +151,8 @@ def test_previous_response_id_sends_only_the_new_items(app, session, llm, drain,
     assert body["previous_response_id"] in llm.responses.stored
     # Only what came after that response: the tool's output (its call is on the server).
     assert [(i["type"], i["output"]) for i in body["input"]] == [("function_call_output", "5")]
+    # The reasoning stayed on the server: this request carried none of it.
+    assert history[-1].meta["reasoning_carried"]["messages"] == 0
 
 
 def test_the_strict_emulator_refuses_what_the_api_refuses(llm):
