@@ -91,6 +91,10 @@ def _message_items(message: ChatMessage, strategies: list[str] | None) -> list[d
     if text and not text_sent:
         items.append(_assistant_text(text))
     items.extend(calls.values())
+    # A reasoning item must be followed by the output it led to: the API refuses
+    # one that ends a turn (a response cut off while reasoning, an empty answer).
+    while items and items[-1].get("type") == "reasoning":
+        items.pop()
     return items
 
 

@@ -157,7 +157,9 @@ def test_previous_response_id_sends_only_the_new_items(app, session, llm, drain,
 
 def test_the_strict_emulator_refuses_what_the_api_refuses(llm):
     llm.reset()
-    llm.script("hi", {"content": "hello", "reasoning_content": "think"})
+    llm.script("hi", {"reasoning_content": "think",
+                      "tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]})
+    llm.script("3", {"content": "three"})
 
     def post(client, **body):
         return client.post("/v1/responses", json={"model": "m", **body})
@@ -166,19 +168,26 @@ def test_the_strict_emulator_refuses_what_the_api_refuses(llm):
         answer = post(client, input=[{"role": "user", "content": "hi"}], store=False,
                       include=["reasoning.encrypted_content"])
         assert answer.status_code == 200, answer.text
-        issued = answer.json()["output"][0]
+        issued, call_item = answer.json()["output"]
         Response.model_validate(answer.json())
         assert issued["type"] == "reasoning" and issued["encrypted_content"]
+        assert call_item["type"] == "function_call"
         user = {"role": "user", "content": "hi"}
+        output = {"type": "function_call_output", "call_id": call_item["call_id"],
+                  "output": "3"}
         cases = [
             ({"input": [user], "bogus": 1}, "Unknown parameter: 'bogus'"),
             ({"input": [user, {"type": "function_call_output", "call_id": "call_x",
                                "output": "5"}]},
              "No tool call found for function call output with call_id call_x"),
-            ({"input": [user, {**issued, "encrypted_content": None}], "store": False},
-             "Items are not persisted when `store` is set to false"),
-            ({"input": [user, {**issued, "encrypted_content": "forged"}], "store": False},
+            ({"input": [user, {**issued, "encrypted_content": "forged"}, user], "store": False},
              "could not be verified"),
+            ({"input": [user, issued, user], "store": False},
+             f"Item '{issued['id']}' of type 'reasoning' was provided without its required "
+             "following item"),
+            ({"input": [user, call_item, output]},
+             f"Item '{call_item['id']}' of type 'function_call' was provided without its "
+             f"required 'reasoning' item: '{issued['id']}'"),
             ({"input": [user], "previous_response_id": "resp_unknown"},
              "Previous response with id 'resp_unknown' not found"),
             ({"input": [{"type": "message", "role": "user", "content": "hi", "name": "x"}]},
@@ -188,7 +197,11 @@ def test_the_strict_emulator_refuses_what_the_api_refuses(llm):
             refused = post(client, **body)
             assert refused.status_code == 400, (body, refused.text)
             assert message in refused.json()["error"]["message"]
-        accepted = post(client, input=[user, issued, user], store=False)
+        unknown = post(client, input=[user, {**issued, "encrypted_content": None}, call_item,
+                                      output], store=False)
+        assert unknown.status_code == 404
+        assert "Items are not persisted when `store` is set to false" in unknown.text
+        accepted = post(client, input=[user, issued, call_item, output], store=False)
         assert accepted.status_code == 200, accepted.text
 
 

@@ -170,3 +170,15 @@ def test_previous_response_id_is_a_bool_of_this_dialect_only():
     with pytest.raises(AgentDefinitionError, match="dialect='openai_responses'"):
         ProviderSettings.from_dict({"base_url": "https://x", "model": "m",
                                     "previous_response_id": True}, agent="a")
+
+
+def test_a_reasoning_item_that_led_to_nothing_is_not_sent_back():
+    # Cut off while reasoning: the API refuses a reasoning item with no following item.
+    turn = OpenAIResponsesDialect().parse(sdk_response(
+        [REASONING], status="incomplete", incomplete_details={"reason": "max_output_tokens"}))
+    assert turn.finish_reason == "length" and turn.provider_meta["responses_items"]
+    history = [ChatMessage("user", "add"),
+               ChatMessage("assistant", None, reasoning=turn.reasoning, meta=turn.provider_meta),
+               ChatMessage("user", "go on")]
+    body = OpenAIResponsesDialect().render(settings(), history, []).payload
+    assert [i["type"] for i in body["input"]] == ["message", "message"]

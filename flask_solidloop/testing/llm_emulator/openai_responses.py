@@ -55,10 +55,10 @@ INCLUDABLE = frozenset({"reasoning.encrypted_content", "message.output_text.logp
 class Refused(Exception):
     """A request the real API refuses: its message and error code."""
 
-    def __init__(self, message: str, code: str | None = None, param: str | None = None
-                 ) -> None:
+    def __init__(self, message: str, code: str | None = None, param: str | None = None,
+                 status: int = 400) -> None:
         super().__init__(message)
-        self.message, self.code, self.param = message, code, param
+        self.message, self.code, self.param, self.status = message, code, param, status
 
 
 class ResponsesState:
@@ -69,11 +69,14 @@ class ResponsesState:
         self.issued: set[str] = set()
         #: response id -> (its previous_response_id, the call_ids of its calls)
         self.stored: dict[str, tuple[str | None, list[str]]] = {}
+        #: function_call item id -> the reasoning item id it followed
+        self.call_reasoning: dict[str, str] = {}
 
     def reset(self) -> None:
         with self._lock:
             self.issued.clear()
             self.stored.clear()
+            self.call_reasoning.clear()
 
     def chain_calls(self, response_id: str | None) -> set[str]:
         calls: set[str] = set()
@@ -88,7 +91,7 @@ class ResponsesState:
         try:
             self._check(request)
         except Refused as refused:
-            return error(400, refused.message, code=refused.code, param=refused.param)
+            return error(refused.status, refused.message, code=refused.code, param=refused.param)
         return None
 
     def _check(self, request: dict[str, Any]) -> None:
@@ -107,7 +110,10 @@ class ResponsesState:
         store = request.get("store", True) is not False
         known_calls = self.chain_calls(previous)
         items = request.get("input")
-        for index, item in enumerate(items if isinstance(items, list) else []):
+        items = items if isinstance(items, list) else []
+        reasoning_ids = {i.get("id") for i in items
+                         if isinstance(i, dict) and i.get("type") == "reasoning"}
+        for index, item in enumerate(items):
             where = f"input[{index}]"
             if not isinstance(item, dict):
                 raise Refused(f"Invalid type for '{where}': expected an object.", "invalid_type")
@@ -121,6 +127,15 @@ class ResponsesState:
                 raise Refused(f"Unknown parameter: '{where}.{extra[0]}'.", "unknown_parameter",
                               f"{where}.{extra[0]}")
             self._check_item(kind, item, where, store, known_calls)
+            following = items[index + 1] if index + 1 < len(items) else None
+            if kind == "reasoning" and not _follows_reasoning(following):
+                raise Refused(f"Item '{item.get('id')}' of type 'reasoning' was provided "
+                              "without its required following item.", None, "input")
+            needed = self.call_reasoning.get(str(item.get("id")))
+            if kind == "function_call" and needed and needed not in reasoning_ids:
+                raise Refused(f"Item '{item['id']}' of type 'function_call' was provided "
+                              f"without its required 'reasoning' item: '{needed}'.", None,
+                              "input")
         for index, tool in enumerate(request.get("tools") or []):
             where = f"tools[{index}]"
             if not isinstance(tool, dict) or tool.get("type") != "function":
@@ -175,10 +190,20 @@ class ResponsesState:
                     raise Refused(f"Item with id '{item['id']}' not found. Items are not "
                                   "persisted when `store` is set to false. Try again with "
                                   "`store` set to true, or remove this item from your input.",
-                                  None, "input")
+                                  None, "input", status=404)
             elif encrypted not in self.issued:
                 raise Refused(f"The encrypted content for item {item['id']} could not be "
                               "verified.", "invalid_encrypted_content", "input")
+
+
+def _follows_reasoning(item: Any) -> bool:
+    """Whether ``item`` may follow a reasoning item: the output it led to (an
+    assistant message, a function call) or another reasoning item."""
+    if not isinstance(item, dict):
+        return False
+    kind = item.get("type", "message")
+    return kind in ("reasoning", "function_call") or (
+        kind == "message" and item.get("role") == "assistant")
 
 
 def validate(headers: dict[str, str], parsed: Any, body: str, json_error: str | None
@@ -299,8 +324,13 @@ def render(request_json: dict[str, Any], reply: dict[str, Any], state: Responses
     if parts:
         output.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant",
                        "status": "completed", "content": parts})
+    reasoning_id = output[0]["id"] if output and output[0]["type"] == "reasoning" else None
     for call in reply["tool_calls"]:
-        output.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}",
+        call_item_id = f"fc_{uuid.uuid4().hex}"
+        if reasoning_id is not None:
+            with state._lock:
+                state.call_reasoning[call_item_id] = reasoning_id
+        output.append({"type": "function_call", "id": call_item_id,
                        "call_id": call["id"], "name": call["function"]["name"],
                        "arguments": call["function"]["arguments"], "status": "completed"})
     usage = _usage(request_json, reply)
