@@ -1,4 +1,4 @@
-"""A scriptable fake LLM provider served over real HTTP on 127.0.0.1, in three dialects.
+"""A scriptable fake LLM provider served over real HTTP on 127.0.0.1, in four dialects.
 
 This package owns :class:`LLMEmulator` and the deterministic built-in "offline model" policy
 the demo uses when no API key is configured. Nothing is monkeypatched: clients talk to it

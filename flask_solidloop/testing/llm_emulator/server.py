@@ -77,7 +77,7 @@ _STATUS_TEXT = {
     529: "Overloaded",
 }
 _TOOL_SUPPORT = ("native", "reject", "drop")
-#: The request fields that carry tool definitions or tool choice, in all three dialects.
+#: The request fields that carry tool definitions or tool choice, in every dialect.
 _TOOL_FIELDS = ("tools", "tool_choice", "toolConfig", "parallel_tool_calls")
 
 
