@@ -347,9 +347,14 @@ class NetworkCalling:
             slot_at = _capacity_at(ctx, admitted)
             if slot_at is None:
                 return None
+        # A dialect that sends only the newest part of the history (Responses
+        # chained with previous_response_id) names where it starts.
+        first_sent = getattr(dialect, "first_sent", None)
+        start = first_sent(settings, history) if first_sent is not None else 0
         ctx.reasoning_carried = reasoning.carried(history, {
             index: reasoning.plan(message, strategies, dialect.name)
-            for index, message in enumerate(history) if message.role == "assistant"
+            for index, message in enumerate(history)
+            if message.role == "assistant" and index >= start
         })
         api_key = settings.resolve_api_key()
         headers = {"Content-Type": "application/json", **rendered.headers, **settings.headers,
