@@ -17,6 +17,7 @@ import time
 import uuid
 from typing import Any
 
+from ...errors import SolidLoopError
 from .._local_server import Response
 from .dialect import body_problem, content_text, estimate_tokens, split
 from .openai import check_auth as check_auth
@@ -52,7 +53,7 @@ INCLUDABLE = frozenset({"reasoning.encrypted_content", "message.output_text.logp
                         "code_interpreter_call.outputs"})
 
 
-class Refused(Exception):
+class Refused(SolidLoopError):
     """A request the real API refuses: its message and error code."""
 
     def __init__(self, message: str, code: str | None = None, param: str | None = None,
