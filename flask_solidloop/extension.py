@@ -304,6 +304,7 @@ class SolidLoop:
         agents: Iterable[type[Agent] | ExposedAgent] = (),
         principal_label: Callable[[Any], str] | None = None,
         instructions: str | None = None,
+        expose_errors: bool = False,
     ) -> Blueprint:
         """A Flask blueprint exposing ``toolsets`` (and ``agents``) to outside MCP
         clients over Streamable HTTP; register it at the prefix you pick::
@@ -316,9 +317,12 @@ class SolidLoop:
         toolsets passed are exposed; ``agents=[Support]`` adds ``start_support`` /
         ``status_support`` tools; ``ExposedAgent(Support, arguments=...,
         on_start=...)`` lets the host map the caller's principal and arguments
-        to the loop's subject and state. ``allowed_hosts`` / ``allowed_origins`` default to
-        localhost (any port) plus the app's ``SERVER_NAME``. See
-        docs/guides/mcp_server.md.
+        to the loop's subject and state; on 2026-07-28 a client that declares the
+        Tasks extension gets each agent's start as an MCP task. ``allowed_hosts`` /
+        ``allowed_origins`` default to localhost (any port) plus the app's
+        ``SERVER_NAME``. A tool that raises answers outside callers a generic
+        message with an error id (logged with the exception) unless
+        ``expose_errors=True``. See docs/guides/mcp_server.md.
         """
         from .mcp_server import ExposedAgent, build_blueprint
 
@@ -335,7 +339,8 @@ class SolidLoop:
                     "with @solidloop.agent('name') first")
         return build_blueprint(toolsets, auth=auth, name=name, allowed_hosts=allowed_hosts,
                                allowed_origins=allowed_origins, agents=agents,
-                               principal_label=principal_label, instructions=instructions)
+                               principal_label=principal_label, instructions=instructions,
+                               expose_errors=expose_errors)
 
     # -- blueprints -----------------------------------------------------------------
 
