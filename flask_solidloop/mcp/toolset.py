@@ -86,6 +86,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic.fields import FieldInfo
 
 from flask_solidloop.errors import (
+    DecisionConflictError,
     InvalidArgumentError,
     LostLeaseError,
     ToolDefinitionError,
@@ -166,7 +167,8 @@ class ToolResult:
     #: Set when the failure was the infrastructure's, not the tool's
     #: (``infra:<kind>``); stored on the tool call, never sent to the model.
     error_kind: str | None = None
-    #: The handler raised (not InvalidArgumentError) and the text is the
+    #: The handler raised (not InvalidArgumentError or DecisionConflictError,
+    #: which are written for the caller) and the text is the
     #: exception's: an MCP server blueprint hides it from outside callers
     #: unless ``expose_errors=True``. Never sent to the model as such.
     raised: bool = False
@@ -607,8 +609,8 @@ class Toolset:
             message = str(exc)
             label = type(exc).__name__
             failed = ToolResult.error(f"{label}: {message}" if message else label)
-            # InvalidArgumentError is written for the caller (what to fix).
-            failed.raised = not isinstance(exc, InvalidArgumentError)
+            # These are written for the caller (what to fix, who decided first).
+            failed.raised = not isinstance(exc, InvalidArgumentError | DecisionConflictError)
             return failed
 
         try:
