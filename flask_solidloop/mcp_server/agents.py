@@ -86,7 +86,8 @@ class ExposedAgent:
     (a model instance or a ``(type, id)`` tuple), its ``state`` and its
     ``message`` (each optional: the defaults are the principal's label as
     subject, an empty state and the caller's message), or raises to refuse
-    the start (the client reads the exception's message). It runs in the
+    the start (the client reads the message of an ``InvalidArgumentError``,
+    or of any exception with ``expose_errors=True``). It runs in the
     request's app context, before the loop is written; what it adds to
     ``db.session`` commits with the loop.
     """
