@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from mcp_types import CLIENT_CAPABILITIES_META_KEY
 from mcp_types.jsonrpc import INVALID_PARAMS, MISSING_REQUIRED_CLIENT_CAPABILITY
 
+from ..errors import SolidLoopError
 from ..mcp.toolset import ToolResult
 
 __all__ = ["EXTENSION_ID", "TASK_METHODS", "TaskBackend", "TaskView", "TasksError",
@@ -37,7 +38,7 @@ POLL_INTERVAL_MS = 1000
 STATUSES = ("working", "input_required", "completed", "failed", "cancelled")
 
 
-class TasksError(Exception):
+class TasksError(SolidLoopError):
     """A JSON-RPC error answer to a tasks request (the protocol turns it into one)."""
 
     def __init__(self, code: int, message: str, data: Any = None) -> None:
