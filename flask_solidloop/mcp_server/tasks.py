@@ -7,7 +7,8 @@ request declares the extension (per request, in
 results shaped here: a flat ``Task``, with ``result``, ``error`` or
 ``inputRequests`` inlined on ``tasks/get``; an empty ack for update and
 cancel), and the ``CreateTaskResult`` a ``tools/call`` of a task-supporting
-tool answers. What a task *is* belongs to a :class:`TaskBackend`: for the
+tool answers, and the ``Mcp-Name`` rule of the task methods (the HTTP layer
+applies it). What a task *is* belongs to a :class:`TaskBackend`: for the
 blueprint, the exposed agents' loops (:mod:`.agents`). The shapes follow the
 official conformance suite's tasks scenarios (docs/decisions/0043-agents-as-mcp-tasks.md).
 """
@@ -19,14 +20,15 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
+from mcp.shared.inbound import MCP_NAME_HEADER, InboundLadderRejection, decode_header_value
 from mcp_types import CLIENT_CAPABILITIES_META_KEY
-from mcp_types.jsonrpc import INVALID_PARAMS, MISSING_REQUIRED_CLIENT_CAPABILITY
+from mcp_types.jsonrpc import HEADER_MISMATCH, INVALID_PARAMS, MISSING_REQUIRED_CLIENT_CAPABILITY
 
 from ..errors import SolidLoopError
 from ..mcp.toolset import ToolResult
 
 __all__ = ["EXTENSION_ID", "TASK_METHODS", "TaskBackend", "TaskView", "TasksError",
-           "answer", "created", "declared"]
+           "answer", "created", "declared", "name_header_mismatch"]
 
 #: The extension's identifier, advertised under ``capabilities.extensions``.
 EXTENSION_ID = "io.modelcontextprotocol/tasks"
@@ -117,6 +119,19 @@ def declared(params: Mapping[str, Any] | None) -> bool:
     capabilities = meta.get(CLIENT_CAPABILITIES_META_KEY) if isinstance(meta, dict) else None
     extensions = capabilities.get("extensions") if isinstance(capabilities, dict) else None
     return isinstance(extensions, dict) and EXTENSION_ID in extensions
+
+
+def name_header_mismatch(params: Any,
+                         headers: Mapping[str, str]) -> InboundLadderRejection | None:
+    """A ``tasks/*`` request must mirror ``params.taskId`` in its ``Mcp-Name``
+    header (``headers``: lower-cased names); a missing or different one is
+    ``-32020``, as for ``tools/call``'s tool name."""
+    task_id = params.get("taskId") if isinstance(params, dict) else None
+    if task_id is None or decode_header_value(headers.get(MCP_NAME_HEADER)) == task_id:
+        return None
+    return InboundLadderRejection(
+        code=HEADER_MISMATCH,
+        message="Mcp-Name header does not match the request body's 'taskId' parameter")
 
 
 def created(view: TaskView) -> dict[str, Any]:

@@ -4,10 +4,12 @@ on this process."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
 import pytest
+from pydantic import BaseModel
 from sqlalchemy import select
 
 from flask_solidloop import Agent, CallContext, ConfigurationError, Toolset
@@ -41,7 +43,24 @@ class WhoAgent(Agent):
         return llm_settings()
 
 
-def rpc(client, who, method, params=None, *, tasks=True, path="/mcp/tasks"):
+class Verdict(BaseModel):
+    ok: bool
+    note: str
+
+
+@solidloop.agent("tasks_judge")
+class JudgeAgent(Agent):
+    """Judges, with a structured verdict."""
+
+    system_prompt = "You judge."
+    output_type = Verdict
+
+    def llm(self) -> dict:
+        return llm_settings()
+
+
+def rpc(client, who, method, params=None, *, tasks=True, path="/mcp/tasks",
+        name_header=True):
     """One 2026-07-28 request; the JSON-RPC answer (result or error)."""
     capabilities = {"extensions": {TASKS: {}}} if tasks else {}
     body = {"jsonrpc": "2.0", "id": 1, "method": method, "params": {
@@ -52,6 +71,8 @@ def rpc(client, who, method, params=None, *, tasks=True, path="/mcp/tasks"):
                "Mcp-Method": method}
     if method == "tools/call":
         headers["Mcp-Name"] = params["name"]
+    elif method.startswith("tasks/") and name_header:
+        headers["Mcp-Name"] = params["taskId"]
     # The test client's requests run in the test's app context, so in its session:
     # read what the workers committed, as a request of a real server would.
     get_state().db.session.expire_all()
@@ -61,7 +82,7 @@ def rpc(client, who, method, params=None, *, tasks=True, path="/mcp/tasks"):
 @pytest.fixture
 def client(app):
     blueprint = solidloop.mcp_blueprint(auth=lambda token, request: token, name="mcp_tasks",
-                                        agents=[WhoAgent, ShopAgent],
+                                        agents=[WhoAgent, ShopAgent, JudgeAgent],
                                         allowed_hosts=["localhost"])
     app.register_blueprint(blueprint, url_prefix="/mcp/tasks")
     tools_only = solidloop.mcp_blueprint(who_tools, auth=lambda token, request: token,
@@ -122,10 +143,25 @@ def test_a_start_is_a_task_polled_to_its_answer_and_the_tools_act_for_the_caller
     # Without the extension declared, the task methods are refused, naming it.
     gated = rpc(client, "alice", "tasks/get", {"taskId": created["taskId"]}, tasks=False)
     assert gated["error"]["code"] == -32021 and TASKS in gated["error"]["message"]
+    # The task methods mirror the task id in Mcp-Name, like tools/call's tool name.
+    for method in ("tasks/get", "tasks/cancel"):
+        unnamed = rpc(client, "alice", method, {"taskId": created["taskId"]}, name_header=False)
+        assert unnamed["error"]["code"] == -32020 and "taskId" in unnamed["error"]["message"]
+    assert rpc(client, "alice", "tasks/get", {"taskId": created["taskId"]})["result"]
     # The methods the extension removed are not served.
     for removed in ("tasks/result", "tasks/list"):
         assert rpc(client, "alice", removed, {"taskId": created["taskId"]})[
             "error"]["code"] == -32601
+
+
+def test_a_structured_output_agents_task_carries_its_output(client, llm, drain):
+    llm.script("judge this", {"output": {"ok": True, "note": "fine"}})
+    task_id = start(client, "hal", "tasks_judge", "judge this")["result"]["taskId"]
+    drain()
+    done = rpc(client, "hal", "tasks/get", {"taskId": task_id})["result"]
+    assert done["status"] == "completed", done
+    assert done["result"]["structuredContent"] == {"ok": True, "note": "fine"}
+    assert json.loads(done["result"]["content"][0]["text"]) == {"ok": True, "note": "fine"}
 
 
 def test_a_client_without_the_extension_gets_the_loop_id_and_the_polling_tools(
