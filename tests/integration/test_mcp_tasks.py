@@ -42,6 +42,14 @@ class WhoAgent(Agent):
     def llm(self) -> dict:
         return llm_settings()
 
+    def approval_policy(self, name, arguments, ctx) -> bool:
+        POLICY_SAW.append(ctx.principal)
+        return False
+
+
+#: The principals WhoAgent's approval policy was asked about.
+POLICY_SAW: list = []
+
 
 class Verdict(BaseModel):
     ok: bool
@@ -131,6 +139,9 @@ def test_a_start_is_a_task_polled_to_its_answer_and_the_tools_act_for_the_caller
     # The loop's in-process tool saw the MCP caller as ctx.principal.
     call = session.scalars(select(ToolCall).where(ToolCall.loop_id == loop.id)).one()
     assert call.result["structuredContent"] == {"principal": "alice"}
+    assert POLICY_SAW[-1] == "alice"  # and so did the agent's approval policy
+    # A loop started another way has no MCP caller.
+    assert WhoAgent(Assistant.start(message="no caller")).mcp_principal() is None
 
     # Another principal, an id that is no loop of ours, a loop of an agent not exposed:
     # all the same "unknown task", so an id tells nothing.
