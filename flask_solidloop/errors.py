@@ -24,6 +24,7 @@ so a host can catch the whole family in one clause::
     ├── ToolDefinitionError       a tool was declared with an invalid name or schema
     ├── UnknownToolError          a toolset was asked for a tool it does not declare
     ├── McpTransportError         an MCP server could not be reached or answered badly
+    ├── McpTokenRefusedError      the MCP server blueprint refuses a caller's OAuth token
     ├── LimitExceededError        max_steps / max_duration reached (the loop pauses)
     │   └── BudgetExceededError   ... or a loop's or its subject's budget is spent
     ├── HistoryTooLargeError      a history past SOLIDLOOP_MAX_HISTORY_BYTES (the loop fails)
@@ -77,6 +78,7 @@ __all__ = [
     "LimitExceededError",
     "LoopFailedError",
     "LostLeaseError",
+    "McpTokenRefusedError",
     "McpTransportError",
     "NoSuchJobError",
     "NotInitializedError",
@@ -258,6 +260,23 @@ class McpTransportError(SolidLoopError):
         self.kind = kind
         self.server = server
         super().__init__(f"{server}: {message}" if server else message)
+
+
+class McpTokenRefusedError(SolidLoopError):
+    """The MCP server blueprint (``oauth=``) does not let a request in: ``status``
+    (401, 403 or 503) and the RFC 6750 ``error`` code (``invalid_token``,
+    ``insufficient_scope``, ``temporarily_unavailable``; empty when no token was
+    sent), ``description``, and for 403 the ``scope`` needed. Raised and
+    answered inside the view (mcp_server/oauth.py); a host calling
+    ``OAuthResource.authenticate`` itself sees it."""
+
+    def __init__(self, status: int, error: str, description: str,
+                 scope: str | None = None) -> None:
+        super().__init__(description)
+        self.status = status
+        self.error = error
+        self.description = description
+        self.scope = scope
 
 
 class LimitExceededError(SolidLoopError):

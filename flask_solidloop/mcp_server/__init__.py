@@ -6,11 +6,14 @@ flask_solidloop/mcp/: :func:`build_blueprint` (what
 (:mod:`.protocol`), the Streamable HTTP glue in a Flask view (:mod:`.http`),
 Host/Origin rules and redaction (:mod:`.security`), the start/status tools
 of agents exposed as tools (:mod:`.agents`, with :class:`ExposedAgent`, the
-host's say over an agent's start tool), and the same agents as MCP tasks
-(:mod:`.tasks`, the extension's wire; :class:`.agents.LoopTasks`, its loops).
-Sessions and wire-log events are written by :mod:`.store`; loops are
-started through the Agent API and read through loops.queries. See docs/guides/mcp_server.md and
-docs/decisions/0011-mcp-server-blueprint.md.
+host's say over an agent's start tool), the same agents as MCP tasks
+(:mod:`.tasks`, the extension's wire; :class:`.agents.LoopTasks`, its loops),
+and OAuth, the blueprint as a resource server of an outside authorization
+server (:mod:`.oauth`, with :class:`OAuthResource`). Sessions and wire-log
+events are written by :mod:`.store`; loops are started through the Agent API
+and read through loops.queries. See docs/guides/mcp_server.md and
+docs/decisions/0011-mcp-server-blueprint.md, 0041-mcp-server-oauth.md and
+0043-agents-as-mcp-tasks.md.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ from ..mcp.toolset import Toolset
 from . import security
 from .agents import ExposedAgent, LoopTasks, agent_toolset
 from .http import Auth, McpEndpoint
+from .oauth import Introspection, OAuthPrincipal, OAuthResource, attach
 from .protocol import ServerSpec, report_progress
 
 #: What a host imports from here (docs/index.md, "The public API"); the blueprint
 #: itself comes from ``SolidLoop.mcp_blueprint``, which calls :func:`build_blueprint`.
-__all__ = ["ExposedAgent", "report_progress"]
+__all__ = ["ExposedAgent", "Introspection", "OAuthPrincipal", "OAuthResource",
+           "report_progress"]
 
 _BLUEPRINT_NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 
@@ -46,20 +51,32 @@ def build_blueprint(
     principal_label: Callable[[Any], str] | None = None,
     instructions: str | None = None,
     expose_errors: bool = False,
+    oauth: OAuthResource | None = None,
 ) -> Blueprint:
     """A Flask blueprint serving ``toolsets`` (and ``agents``) over Streamable HTTP.
 
-    Fails closed: without ``auth`` nothing is built. Tool names must be unique
+    Fails closed: without ``auth`` or ``oauth`` nothing is built. Tool names must be unique
     across what one blueprint exposes. See ``SolidLoop.mcp_blueprint``.
     """
     toolsets = list(toolsets)
     agents = list(agents)
-    if auth is None or not callable(auth):
+    if oauth is not None and not isinstance(oauth, OAuthResource):
+        raise ConfigurationError(
+            "oauth", type(oauth).__name__,
+            "must be OAuthResource(resource=..., authorization_servers=[...]) from "
+            "flask_solidloop.mcp_server")
+    if oauth is not None and auth is not None:
         raise ConfigurationError(
             "auth", auth,
-            "mcp_blueprint needs auth=: a callable auth(token, request) returning the "
-            "caller's principal, or None to answer 401 (the endpoint is never open by "
-            "default); for a local test server pass auth=lambda token, request: 'local'")
+            "mcp_blueprint takes auth= or oauth=, not both: with oauth= the validated "
+            "token is the principal (map it to your user in the tools, ctx.principal)")
+    if oauth is None and (auth is None or not callable(auth)):
+        raise ConfigurationError(
+            "auth", auth,
+            "mcp_blueprint needs auth= or oauth=: a callable auth(token, request) returning "
+            "the caller's principal, or None to answer 401 (the endpoint is never open by "
+            "default), or oauth=OAuthResource(...) for tokens of an authorization server; "
+            "for a local test server pass auth=lambda token, request: 'local'")
     if not toolsets and not agents:
         raise ConfigurationError(
             "toolsets", toolsets,
@@ -118,9 +135,11 @@ def build_blueprint(
                    expose_errors=expose_errors), auth=auth,
         allowed_hosts=_strings("allowed_hosts", allowed_hosts),
         allowed_origins=_strings("allowed_origins", allowed_origins),
-        principal_label=principal_label,
+        principal_label=principal_label, oauth=oauth,
     )
     blueprint = Blueprint(name, __name__)
+    if oauth is not None:
+        attach(blueprint, oauth)
     # strict_slashes=False: the prefix itself (/mcp/search) is served, no redirect.
     blueprint.add_url_rule("/", endpoint="mcp", view_func=endpoint,
                            methods=["GET", "POST", "DELETE"], strict_slashes=False)
