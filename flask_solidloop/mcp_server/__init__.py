@@ -4,14 +4,16 @@ This package owns the server side of MCP, apart from the client side in
 flask_solidloop/mcp/: :func:`build_blueprint` (what
 ``SolidLoop.mcp_blueprint(...)`` returns), the methods it answers
 (:mod:`.protocol`), the Streamable HTTP glue in a Flask view (:mod:`.http`),
-Host/Origin rules and redaction (:mod:`.security`), and the start/status tools
+Host/Origin rules and redaction (:mod:`.security`), the start/status tools
 of agents exposed as tools (:mod:`.agents`, with :class:`ExposedAgent`, the
-host's say over an agent's start tool), and OAuth, the blueprint as a
-resource server of an outside authorization server (:mod:`.oauth`, with
-:class:`OAuthResource`). Sessions and wire-log events are
-written by :mod:`.store`; loops are started through the Agent API and
-read through loops.queries. See docs/guides/mcp_server.md and
-docs/decisions/0011-mcp-server-blueprint.md and 0041-mcp-server-oauth.md.
+host's say over an agent's start tool), the same agents as MCP tasks
+(:mod:`.tasks`, the extension's wire; :class:`.agents.LoopTasks`, its loops),
+and OAuth, the blueprint as a resource server of an outside authorization
+server (:mod:`.oauth`, with :class:`OAuthResource`). Sessions and wire-log
+events are written by :mod:`.store`; loops are started through the Agent API
+and read through loops.queries. See docs/guides/mcp_server.md and
+docs/decisions/0011-mcp-server-blueprint.md, 0041-mcp-server-oauth.md and
+0043-agents-as-mcp-tasks.md.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from flask import Blueprint
 from ..errors import ConfigurationError
 from ..mcp.toolset import Toolset
 from . import security
-from .agents import ExposedAgent, agent_toolset
+from .agents import ExposedAgent, LoopTasks, agent_toolset
 from .http import Auth, McpEndpoint
 from .oauth import Introspection, OAuthPrincipal, OAuthResource, attach
 from .protocol import ServerSpec, report_progress
@@ -48,6 +50,7 @@ def build_blueprint(
     agents: Iterable[Any] = (),  # Agent subclasses or ExposedAgent entries
     principal_label: Callable[[Any], str] | None = None,
     instructions: str | None = None,
+    expose_errors: bool = False,
     oauth: OAuthResource | None = None,
 ) -> Blueprint:
     """A Flask blueprint serving ``toolsets`` (and ``agents``) over Streamable HTTP.
@@ -97,6 +100,10 @@ def build_blueprint(
             return str(principal_label(principal))[:200]
         return security.principal_label(principal, None)
 
+    if not isinstance(expose_errors, bool):
+        raise ConfigurationError("expose_errors", expose_errors,
+                                 "must be True or False (False: outside callers get a "
+                                 "generic message with an error id for a raising tool)")
     exposed = list(toolsets)
     if agents:
         exposed.append(agent_toolset(name, agents, label_of))
@@ -123,7 +130,9 @@ def build_blueprint(
         return listed
 
     endpoint = McpEndpoint(
-        ServerSpec(name=name, tools=tools, instructions=instructions), auth=auth,
+        ServerSpec(name=name, tools=tools, instructions=instructions,
+                   tasks=LoopTasks(agents, label_of) if agents else None,
+                   expose_errors=expose_errors), auth=auth,
         allowed_hosts=_strings("allowed_hosts", allowed_hosts),
         allowed_origins=_strings("allowed_origins", allowed_origins),
         principal_label=principal_label, oauth=oauth,

@@ -50,7 +50,7 @@ from pydantic import ValidationError
 from .._typing import real_session
 from ..errors import McpTokenRefusedError
 from ..state import get_state
-from . import security, wirelog
+from . import security, tasks, wirelog
 from . import store as inbound
 from .oauth import OAuthResource
 from .protocol import McpError, Served, ServerSpec, dispatch, negotiate
@@ -304,6 +304,10 @@ class McpEndpoint:
         verdict = classify_inbound_request(decoded, headers=headers)
         if isinstance(verdict, InboundLadderRejection):
             return _rejection(req.id, verdict, ex)
+        if req.method in tasks.TASK_METHODS and self.spec.tasks is not None:
+            mismatch = tasks.name_header_mismatch(req.params, headers)
+            if mismatch is not None:
+                return _rejection(req.id, mismatch, ex)
         if req.method == "tools/call":
             params = req.params or {}
             name = params.get("name")

@@ -226,8 +226,9 @@ TICKET_ARGUMENTS = {
 calc_blueprint = solidloop.mcp_blueprint(calc, probe, auth=check_token, name="mcp_calc")
 agents_blueprint = solidloop.mcp_blueprint(auth=check_token, agents=[Assistant, ShopAgent],
                                            name="mcp_agents")
+# expose_errors: the tests read on_start's refusal (a PermissionError) verbatim.
 tickets_blueprint = solidloop.mcp_blueprint(
-    auth=check_token, name="mcp_tickets",
+    auth=check_token, name="mcp_tickets", expose_errors=True,
     agents=[ExposedAgent(Assistant, arguments=TICKET_ARGUMENTS, required=["ticket_id"],
                          on_start=start_on_ticket)])
 conformance_blueprint = solidloop.mcp_blueprint(conformance, auth=anyone, name="conformance")
