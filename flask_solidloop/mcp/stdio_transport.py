@@ -595,15 +595,17 @@ class StdioTransport:
         except McpTransportError:
             raise
         except Exception as exc:
-            await child.stopped(0.5)  # let the owner record why the child ended
+            # The relay marks a dead child (or garbage on its stdout) before the
+            # session fails the calls in flight, so this says why the call failed.
+            died = child.ended.is_set()
+            child.stop.set()  # a fresh child for the next call, whatever went wrong
             if child.bad_output is not None:
                 raise self._error("protocol", child.bad_output, child.stderr_tail()) from exc
             attempt = _Attempt(phase=method)
             kind, message = self._classify(exc, attempt)
-            if child.ended.is_set() and kind == "protocol":
+            if died and kind == "protocol":
                 message = (f"the server process exited (or closed its stdout) during {method}; "
                            "the next call starts a new one")
-            child.stop.set()
             raise self._error(kind, message, child.stderr_tail()) from exc
         finally:
             child.inflight -= 1
