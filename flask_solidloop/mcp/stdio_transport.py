@@ -231,6 +231,16 @@ class _Child:
             self.errlog.close()
 
 
+@dataclass
+class _StartFailure:
+    """Why a kept child could not be started (the caller raises it)."""
+
+    kind: str
+    message: str
+    stderr: str
+    cause: BaseException | None = None
+
+
 class _Pool:
     """The process's kept children, by key; lives in the process portal's state."""
 
@@ -238,8 +248,10 @@ class _Pool:
         self.children: dict[_Key, _Child] = {}
         self._locks: dict[_Key, asyncio.Lock] = {}
 
-    async def acquire(self, key: _Key, transport: StdioTransport, deadline: float) -> _Child:
-        """The key's live child, started first when there is none (or it died)."""
+    async def acquire(self, key: _Key, transport: StdioTransport,
+                      deadline: float) -> _Child | _StartFailure:
+        """The key's live child, started first when there is none (or it died);
+        what went wrong when it could not be started."""
         lock = self._locks.setdefault(key, asyncio.Lock())
         child: _Child | None = None
         with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
@@ -265,7 +277,7 @@ class _Pool:
                 await child.stopped(_TEARDOWN_BOUND)
                 stderr = child.stderr_tail()
                 child.close_log()
-            raise transport._error(
+            return _StartFailure(
                 "timeout",
                 f"no answer to the handshake within {transport.timeout:g} s; "
                 "the server process was stopped",
@@ -275,10 +287,10 @@ class _Pool:
         stderr = child.stderr_tail()
         child.close_log()
         if child.bad_output is not None:
-            raise transport._error("protocol", child.bad_output, stderr)
+            return _StartFailure("protocol", child.bad_output, stderr, child.open_error)
         failure = child.open_error or ConnectionError("the server exited during the handshake")
         kind, message = transport._classify(failure, _Attempt())
-        raise transport._error(kind, message, stderr) from child.open_error
+        return _StartFailure(kind, message, stderr, child.open_error)
 
     async def aclose(self, bound: float = 10.0) -> int:
         """Stop every child and wait (up to ``bound`` s) for their processes to go."""
@@ -571,6 +583,8 @@ class StdioTransport:
         """One request in the kept child's session (started first when there is none)."""
         deadline = anyio.current_time() + self.timeout
         child = await _pool().acquire(key, self, deadline)
+        if isinstance(child, _StartFailure):
+            raise self._error(child.kind, child.message, child.stderr) from child.cause
         assert child.session is not None
         child.inflight += 1
         finished = False
