@@ -152,6 +152,7 @@ def peers() -> None:
 
 @pytest.fixture(autouse=True)
 def _stop_kept_servers():
+    stop_kept_servers()  # those other tests of this process left (loops drained here)
     yield
     stop_kept_servers()
 
