@@ -178,7 +178,6 @@ class _Child:
         self.done = anyio.Event()    # set: the process is gone (owner task finished)
         self.open_error: BaseException | None = None
         self.bad_output: str | None = None
-        self.inflight = 0
         self.task: asyncio.Task[None] | None = None
         self._checks: set[asyncio.Task[bool]] = set()
         # Kept open for the child's life (closed by the pool): no `with` block fits.
@@ -259,20 +258,24 @@ class _Pool:
                 old = self.children.get(key)
                 if old is not None and old.alive:
                     return old
-                if old is not None:
-                    del self.children[key]
-                    old.stop.set()
-                    if old.done.is_set():
-                        old.close_log()
-                child = _Child()
-                child.task = asyncio.get_running_loop().create_task(transport._serve(child))
+                if old is not None and not old.ready.is_set() and not old.stop.is_set():
+                    child = old  # still starting (the call that started it gave up): wait
+                else:
+                    if old is not None:
+                        self._retire(key, old)
+                    # Registered at once: a caller that gives up (an interrupted thread)
+                    # leaves a child the next call uses and stop_kept_servers() stops.
+                    child = _Child()
+                    self.children[key] = child
+                    child.task = asyncio.get_running_loop().create_task(transport._serve(child))
                 await child.ready.wait()
                 if child.open_error is None and child.alive:
-                    self.children[key] = child
                     return child
+                self._retire(key, child, close_log=False)  # its stderr is read below
         stderr = child.stderr_tail() if child is not None else ""
         if child is None or not child.ready.is_set():
             if child is not None and child.task is not None:
+                self._retire(key, child, close_log=False)
                 child.task.cancel()  # the SDK's shutdown is shielded: the process goes
                 await child.stopped(_TEARDOWN_BOUND)
                 stderr = child.stderr_tail()
@@ -291,6 +294,18 @@ class _Pool:
         failure = child.open_error or ConnectionError("the server exited during the handshake")
         kind, message = transport._classify(failure, _Attempt())
         return _StartFailure(kind, message, stderr, child.open_error)
+
+    def _retire(self, key: _Key, child: _Child, *, close_log: bool = True) -> None:
+        """Forget a dead (or failed) child; its stderr file closes once it is gone."""
+        if self.children.get(key) is child:
+            del self.children[key]
+        child.stop.set()
+        if not close_log:
+            return
+        if child.done.is_set() or child.task is None:
+            child.close_log()
+        else:
+            child.task.add_done_callback(lambda _task: child.close_log())
 
     async def aclose(self, bound: float = 10.0) -> int:
         """Stop every child and wait (up to ``bound`` s) for their processes to go."""
@@ -586,7 +601,6 @@ class StdioTransport:
         if isinstance(child, _StartFailure):
             raise self._error(child.kind, child.message, child.stderr) from child.cause
         assert child.session is not None
-        child.inflight += 1
         finished = False
         try:
             with anyio.move_on_after(max(0.0, deadline - anyio.current_time())) as scope:
@@ -594,6 +608,7 @@ class StdioTransport:
                 finished = True
                 return result
             if scope.cancelled_caught:
+                finished = True  # checked here, not again in the background
                 kept = await child.check_health(min(_PING_BOUND, self.timeout))
                 if kept:
                     message = (f"no answer to {method} within {self.timeout:g} s; the server "
@@ -622,7 +637,6 @@ class StdioTransport:
                            "the next call starts a new one")
             raise self._error(kind, message, child.stderr_tail()) from exc
         finally:
-            child.inflight -= 1
             if not finished and not child.stop.is_set():
                 # Cancelled from outside (the waiting thread was interrupted): check
                 # in the background that the server is not hung on the abandoned call.
