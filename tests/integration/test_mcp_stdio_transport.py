@@ -710,3 +710,31 @@ def test_a_server_that_is_not_concurrent_gets_one_process_per_thread(tmp_path: P
     assert len(_children()) == 3
     assert stop_kept_servers() == 3
     _assert_no_children()
+
+
+def test_a_time_limit_interrupts_a_kept_call_and_a_responsive_server_is_kept(peers):
+    mark = f"interrupted-{os.getpid()}"
+    ev = _everything(mark)
+    ev.call_tool("echo", {"message": "up"})
+    [pid] = _servers(mark)
+    outcome: dict[str, float] = {}
+
+    def worker() -> None:
+        started = time.monotonic()
+        try:
+            ev.call_tool("trigger-long-running-operation", {"duration": 20, "steps": 2})
+        except Killed:
+            outcome["killed_after"] = time.monotonic() - started
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    time.sleep(0.5)  # in flight
+    interrupted_at = time.monotonic()
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident or 0),
+                                               ctypes.py_object(Killed))
+    thread.join(5)
+    assert not thread.is_alive() and "killed_after" in outcome
+    assert time.monotonic() - interrupted_at < 1.0  # a poll slice, not the 30 s timeout
+    time.sleep(0.5)  # the background ping is answered
+    assert _text(ev.call_tool("echo", {"message": "after"})) == "Echo: after"
+    assert _servers(mark) == [pid]
