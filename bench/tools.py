@@ -22,14 +22,21 @@ time, the overhead (ours - raw) and the ratio (ours / raw):
   does not share the GIL with the client. ``--http`` calls each (default
   100), after a warm-up call that opens the session. The two are run in two
   alternating rounds. Target: ours <= 1.2 x raw.
-* **stdio**: ``StdioTransport.call_tool("list_directory", ...)`` against a raw
-  SDK stdio exchange of the same tool (``mcp.Client(StdioServerParameters(...))``:
-  spawn, handshake, one call, shutdown) on
+* **stdio, kept**: ``StdioTransport.call_tool("list_directory", ...)`` with the
+  server kept (the default: one child per process, its session reused) against
+  the SDK's own kept session: ``mcp.Client`` over stdio held open in one
+  ``anyio.run`` and ``client.session.call_tool`` N times, on
   ``.mcp-peers/node_modules/.bin/mcp-server-filesystem`` serving a temp dir.
-  Both spawn a process per call, so this is dominated by the server's start-up.
-  ``--stdio`` calls each (default 5). Skipped with a note when the server is not
-  installed (``npm install --prefix .mcp-peers @modelcontextprotocol/server-filesystem``).
-  No target: it is printed so the spawn-per-call cost stays visible.
+  ``--stdio-kept`` calls each (default 100), after a warm-up call that starts
+  the server, in two alternating rounds. Target: ours <= 2 x raw.
+* **stdio, spawn per call**: the same call with ``stateless=True`` against a raw
+  SDK stdio exchange (spawn, handshake, one call, shutdown). Both spawn a
+  process per call, so this is dominated by the server's start-up.
+  ``--stdio`` calls each (default 5). No target: it is printed so the
+  spawn-per-call cost stays visible.
+
+The stdio rows are skipped with a note when the server is not installed
+(``npm install --prefix .mcp-peers @modelcontextprotocol/server-filesystem``).
 
 Wall times on a shared machine are noisy; compare medians of a few runs.
 """
@@ -210,7 +217,7 @@ def bench_stdio(n: int) -> None:
         Path(root, "a.txt").write_text("hello\n", encoding="utf-8")
         argv = [str(FS_SERVER), root]
         arguments = {"path": root}
-        transport = StdioTransport(argv, timeout=30, server_name="fs")
+        transport = StdioTransport(argv, timeout=30, server_name="fs", stateless=True)
         env = {k: os.environ[k] for k in ("PATH", "HOME") if k in os.environ}
 
         def raw_once() -> float:
@@ -239,8 +246,66 @@ def bench_stdio(n: int) -> None:
         for _ in range(n):
             raw.append(raw_once())
             ours.append(ours_once())
-    report(f"stdio: StdioTransport.call_tool vs raw SDK open+call+close, {n} calls each "
-           "(mcp-server-filesystem, spawn per call)", ours, raw, None, None)
+    report(f"stdio, spawn per call: StdioTransport(stateless=True).call_tool vs raw SDK "
+           f"open+call+close, {n} calls each (mcp-server-filesystem)", ours, raw, None, None)
+
+
+def bench_stdio_kept(n: int) -> None:
+    if not FS_SERVER.exists():
+        print(f"\n[stdio, kept] skipped: {FS_SERVER.relative_to(ROOT)} is not installed")
+        return
+    from mcp import Client, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+
+    from flask_solidloop.mcp.stdio_transport import StdioTransport, stop_kept_servers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = os.path.realpath(tmp)
+        Path(root, "a.txt").write_text("hello\n", encoding="utf-8")
+        argv = [str(FS_SERVER), root]
+        arguments = {"path": root}
+        env = {k: os.environ[k] for k in ("PATH", "HOME") if k in os.environ}
+
+        def raw_calls(count: int) -> list[float]:
+            times: list[float] = []
+
+            async def main() -> None:
+                params = StdioServerParameters(command=argv[0], args=argv[1:], env=env)
+                with open(os.devnull, "w") as errlog:  # the server logs on stderr
+                    async with Client(stdio_client(params, errlog=errlog)) as client:
+                        await client.session.call_tool("list_directory", arguments, meta=META)
+                        for _ in range(count):
+                            started = time.perf_counter()
+                            await client.session.call_tool("list_directory", arguments,
+                                                           meta=META)
+                            times.append(time.perf_counter() - started)
+
+            anyio.run(main)
+            return times
+
+        def ours_calls(count: int) -> list[float]:
+            transport = StdioTransport(argv, timeout=30, server_name="fs")
+            transport.call_tool("list_directory", arguments, meta=META)  # starts the child
+            times: list[float] = []
+            for _ in range(count):
+                started = time.perf_counter()
+                result = transport.call_tool("list_directory", arguments, meta=META)
+                times.append(time.perf_counter() - started)
+                assert "a.txt" in result.text(), result
+            stop_kept_servers()
+            return times
+
+        raw: list[float] = []
+        ours: list[float] = []
+        half = max(1, n // 2)
+        for count in (half, n - half):  # two alternating rounds
+            if count:
+                raw += raw_calls(count)
+                ours += ours_calls(count)
+    ratio = statistics.median(ours) / statistics.median(raw)
+    report(f"stdio, kept: StdioTransport.call_tool (kept child) vs the SDK's kept stdio "
+           f"session, {n} calls each (mcp-server-filesystem)",
+           ours, raw, "ours <= 2x raw", ratio <= 2.0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -248,11 +313,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=200, help="in-process samples")
     parser.add_argument("--batch", type=int, default=1000, help="in-process calls per sample")
     parser.add_argument("--http", type=int, default=100, help="HTTP calls each")
-    parser.add_argument("--stdio", type=int, default=5, help="stdio calls each")
+    parser.add_argument("--stdio", type=int, default=5, help="stdio spawn-per-call calls each")
+    parser.add_argument("--stdio-kept", type=int, default=100,
+                        help="stdio calls each in a kept session")
     args = parser.parse_args(argv)
     print(f"python {sys.version.split()[0]} on {sys.platform}, {os.cpu_count()} CPUs")
     bench_in_process(args.samples, args.batch)
     bench_http(args.http)
+    bench_stdio_kept(args.stdio_kept)
     bench_stdio(args.stdio)
 
 

@@ -43,6 +43,7 @@ from .queue.middleware import (
 from .queue.middleware.periodic import JanitorTaskMiddleware, ReaperTaskMiddleware
 from .runtime.actors import declare_actors
 from .runtime.llm_io import LlmIoMiddleware
+from .runtime.mcp_servers import StdioServersMiddleware
 from .state import EXTENSION_KEY, SolidLoopState
 from .streaming import StreamEvent
 from .telemetry import tracing
@@ -404,6 +405,8 @@ class SolidLoop:
         # Before the renewer's: a stopping worker drains its in-flight LLM calls
         # while their leases are still renewed (runtime/llm_io.py).
         broker.add_middleware(LlmIoMiddleware(state))
+        # Kept stdio MCP servers are children of the worker process: stopped with it.
+        broker.add_middleware(StdioServersMiddleware())
         broker.add_middleware(LeaseRenewerMiddleware(state.leases))
         broker.add_middleware(LogRedactionMiddleware())
         broker.add_middleware(TracingMiddleware())

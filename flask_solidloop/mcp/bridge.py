@@ -7,7 +7,7 @@ one crossing between the two, with two ways across:
 * :func:`run_sync` runs a coroutine on **the process portal**: one event loop
   per process in a daemon thread, shared by every thread. The MCP transports
   use it (``HttpTransport`` keeps its sessions open there, ``StdioTransport``
-  runs its spawn-per-call exchanges there)::
+  its kept servers' sessions and its spawn-per-call exchanges)::
 
       from flask_solidloop.mcp.bridge import run_sync
 

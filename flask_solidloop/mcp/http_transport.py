@@ -34,9 +34,13 @@ How it behaves
   SDK treats as "server offers none"): solidloop takes no server-initiated
   requests, and each such stream would pin a connection and a server worker.
 * **Session loss.** When a handshake-era server answers 404 for our session
-  (expired, server restarted), the transport initializes a new session once
-  and retries the request; a second failure raises ``kind="session"``.
-  Re-read :meth:`session_state` after calls: it then holds the new session.
+  (expired, server restarted), or 400 with a message that says the session is
+  unknown or invalid (``server-everything``: "Bad Request: No valid session ID
+  provided"), the transport initializes a new session once and retries the
+  request; a second failure raises ``kind="session"`` naming the HTTP status
+  and the server's own message. Either way the lost session id is forgotten:
+  re-read :meth:`session_state` after calls, it then holds the new session, or
+  none, so a loop that stores it starts afresh on its next call.
 * **Failures** raise :class:`~flask_solidloop.errors.McpTransportError`
   (ExceptionGroups unwrapped; messages name the URL, never credentials):
   ``connect`` (refused, DNS, connection lost), ``timeout`` (no answer within
@@ -59,7 +63,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextvars
+import json
 import logging
+import re
 import ssl
 import threading
 import urllib.parse
@@ -155,6 +161,9 @@ class _HttpEvent:
     error: BaseException | None = None
     json_body: bool = False
     seq: int = 0
+    #: The start of the body of a 400/404 answered to a request in a session
+    #: (it says whether the server forgot the session).
+    body: str | None = None
 
 
 #: The events of the request being made; the SDK runs each POST in a copy of the
@@ -196,6 +205,9 @@ class _Relay(httpx2.AsyncBaseTransport):
         event.json_body = response.headers.get("content-type", "").lower().startswith(
             "application/json"
         )
+        if response.status_code in (400, 404) and event.session_id:
+            # Small error bodies; read here (the SDK reads them again from the cache).
+            event.body = _short((await response.aread()).decode("utf-8", "replace"), 500)
         session_id = response.headers.get(_SESSION_HEADER)
         if session_id and response.status_code < 300:
             self._conn.session_id = session_id
@@ -453,9 +465,9 @@ class HttpTransport:
                         continue
                     raise self._error(
                         "session",
-                        f"the MCP server at {self._display_url} rejected our session (HTTP 404) "
-                        "again right after a new one was initialized; check the server's "
-                        "session handling (several replicas without shared sessions?)",
+                        f"{_without_server(error)} (again, right after a new session was "
+                        "initialized); check the server's session handling (several replicas "
+                        "without shared sessions?)",
                     ) from exc
                 if error.kind in ("connect", "protocol") or not conn.alive:
                     await self._drop(conn, forget_session=False)
@@ -705,11 +717,13 @@ class HttpTransport:
                     f"the MCP server at {url} {reason} (HTTP {status} to {what}); check the "
                     "api_token / Authorization header configured for this server",
                 )
-            if status == 404 and event.session_id and conn.era != "modern":
+            if event.session_id and conn.era != "modern" and (
+                    status == 404 or (status == 400 and _says_session_lost(event.body))):
+                said = _server_message(event.body)
                 return self._error(
                     "session",
-                    f"the MCP server at {url} does not know our session (HTTP 404); it expired "
-                    "or the server restarted",
+                    f"the MCP server at {url} does not know our session (HTTP {status}"
+                    f"{': ' + said if said else ''}); it expired or the server restarted",
                 )
             if status == 404:
                 return self._error("http", f"the MCP server at {url} answered HTTP 404 to {what}; "
@@ -775,6 +789,37 @@ def _era_rejected(exc: BaseException, events: list[_HttpEvent], era: str) -> boo
         return True
     # A handshake-era server answers a 2026-07-28 request (no session id) with 400.
     return era == "modern" and any(e.status == 400 for e in events)
+
+
+_SESSION_LOST = re.compile(
+    r"session.{0,40}\b(invalid|unknown|not found|expired|terminated|missing)\b"
+    r"|\b(no valid|invalid|unknown|expired|missing)\b.{0,20}session", re.IGNORECASE | re.DOTALL)
+
+
+def _says_session_lost(body: str | None) -> bool:
+    """Does an HTTP 400's body say the server does not know our session?"""
+    return bool(body) and _SESSION_LOST.search(_server_message(body) or "") is not None
+
+
+def _server_message(body: str | None) -> str:
+    """The server's own words in an error body: a JSON-RPC error's message, or the text."""
+    if not body:
+        return ""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return _short(body)
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return _short(error["message"])
+    return _short(body)
+
+
+def _without_server(error: McpTransportError) -> str:
+    """An error's text without the ``server: `` prefix its constructor added."""
+    text = str(error)
+    prefix = f"{error.server}: " if error.server else ""
+    return text[len(prefix):] if prefix and text.startswith(prefix) else text
 
 
 def _connect_message(url: str, error: BaseException) -> str:

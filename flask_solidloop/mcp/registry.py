@@ -29,6 +29,9 @@ ENTRY_KEYS = {
     # A child agent's entry: the agent (class or registered name), and the
     # tool's description (else the agent class's docstring).
     "agent", "description",
+    # A command= entry: spawn a process per call instead of keeping one
+    # (stateless), or keep one per worker thread rather than per process.
+    "stateless", "concurrent",
 }
 
 
@@ -194,7 +197,8 @@ def make_server(entry: dict[str, Any], session_state: dict[str, Any] | None = No
 
     return TransportServer(name, StdioTransport(
         entry["command"], env=entry.get("env"), cwd=entry.get("cwd"), timeout=timeout,
-        server_name=name))
+        server_name=name, stateless=bool(entry.get("stateless", False)),
+        concurrent=bool(entry.get("concurrent", True))))
 
 
 @dataclass(frozen=True)
@@ -237,6 +241,15 @@ def validate_entry(entry: Any, agent: str) -> str:
             f"got {entry['url']!r}")
     if kind == "command" and not entry["command"]:
         raise AgentDefinitionError(f"agent {agent!r}: mcps entry {name!r}: command is empty")
+    for flag in ("stateless", "concurrent"):
+        if flag in entry and kind != "command":
+            raise AgentDefinitionError(
+                f"agent {agent!r}: mcps entry {name!r}: {flag}= applies to command= "
+                "(stdio) entries only; remove it")
+        if flag in entry and not isinstance(entry[flag], bool):
+            raise AgentDefinitionError(
+                f"agent {agent!r}: mcps entry {name!r}: {flag}= must be True or False, "
+                f"got {entry[flag]!r}")
     if kind == "transport" and not isinstance(entry["transport"], McpTransport):
         raise AgentDefinitionError(
             f"agent {agent!r}: mcps entry {name!r}: transport= must implement "

@@ -282,11 +282,13 @@ class McpSdkServer:
                    times: int = 1) -> None:
         """Answer the next ``times`` matching POSTs with a fault.
 
-        ``kind``: ``"status"`` (that HTTP status, plain-text body) or ``"malformed"``
-        (200 ``application/json`` whose body is not JSON-RPC). ``method`` limits it
+        ``kind``: ``"status"`` (that HTTP status, plain-text body), ``"malformed"``
+        (200 ``application/json`` whose body is not JSON-RPC) or ``"stale_session"``
+        (400 with the JSON-RPC error some servers send for a session they do not
+        know: "Bad Request: No valid session ID provided"). ``method`` limits it
         to one JSON-RPC method (e.g. ``"tools/call"``).
         """
-        if kind not in ("status", "malformed"):
+        if kind not in ("status", "malformed", "stale_session"):
             raise InvalidArgumentError(f"unknown fault kind {kind!r}")
         with self._lock:
             self._faults.append(_Fault(kind, method, status, times))
@@ -374,6 +376,10 @@ class McpSdkServer:
                     if fault.kind == "status":
                         await _respond(send_watch, fault.status, b"injected fault",
                                        [(b"content-type", b"text/plain")])
+                    elif fault.kind == "stale_session":
+                        await _respond_jsonrpc_error(
+                            send_watch, 400, record.body, -32000,
+                            "Bad Request: No valid session ID provided")
                     else:
                         await _respond(send_watch, 200, b'{"this is": "not JSON-RPC"}',
                                        [(b"content-type", b"application/json")])

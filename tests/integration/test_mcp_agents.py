@@ -293,3 +293,79 @@ def test_a_server_that_hangs_past_its_timeout_is_a_tool_error(app, session, llm)
     assert finished(session, loop.id).status == "completed"
     call = session.scalars(select(ToolCall)).one()
     assert call.error_kind == "infra:timeout"
+
+
+# -- a real Streamable HTTP server restarted mid-loop ------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_everything_http(port: int):
+    import os
+    import subprocess
+    import time
+
+    proc = subprocess.Popen([str(PEERS / "mcp-server-everything"), "streamableHttp"],
+                            env={**os.environ, "PORT": str(port)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return proc
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server-everything exited with {proc.returncode}") from None
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("server-everything did not start listening within 30 s")
+
+
+def test_a_loop_survives_its_http_server_restarting_between_calls(app, session, llm):
+    """server-everything answers a session it does not know with HTTP 400: the
+    transport initializes a new session, retries, and the loop stores it."""
+    from flask_solidloop.mcp.http_transport import HttpTransport
+    from flask_solidloop.models import McpSession
+
+    _needs_peers()
+    port = _free_port()
+    servers = [_start_everything_http(port)]
+
+    def restart_then_call(body: dict) -> dict:
+        old = servers[-1]
+        old.kill()
+        old.wait(10)
+        servers.append(_start_everything_http(port))
+        return {"tool_calls": [{"name": "echo", "arguments": {"message": "two"}}]}
+
+    def tool_messages(body: dict) -> int:
+        return len([m for m in body["messages"] if m["role"] == "tool"])
+
+    try:
+        agent = remote_agent("everything_http", [{"name": "ev", "timeout": 15, "tools": ["echo"],
+                                                  "url": f"http://127.0.0.1:{port}/mcp"}])
+        llm.script("echo", {"tool_calls": [{"name": "echo", "arguments": {"message": "one"}}]},
+                   times=1)
+        llm.script(lambda body: tool_messages(body) == 1, restart_then_call, times=1)
+        llm.script(lambda body: tool_messages(body) == 2, {"content": "done"})
+        loop = agent.start(message="echo twice")
+        run(app)
+        row = finished(session, loop.id)
+        assert row.status == "completed", row.error_message
+        assert len(servers) == 2  # the server was restarted mid-loop
+        calls = list(session.scalars(select(ToolCall).order_by(ToolCall.position)))
+        assert [(c.is_success, c.error_kind) for c in calls] == [(True, None), (True, None)]
+        assert "Echo: two" in calls[1].result["content"][0]["text"]
+        # The loop stored the new session: it works against the new server as is.
+        stored = session.scalars(select(McpSession)).one().session_state
+        resumed = HttpTransport(f"http://127.0.0.1:{port}/mcp", session_state=stored)
+        assert resumed.call_tool("echo", {"message": "three"}).text() == "Echo: three"
+        assert resumed.session_state()["session_id"] == stored["session_id"]
+    finally:
+        for proc in servers:
+            proc.kill()
+            proc.wait(10)

@@ -515,3 +515,45 @@ def measure_bridge(calls: int = 200, threads: int = 8, verbose: bool = True,
 
 if __name__ == "__main__":
     measure_bridge(server_process=True)
+
+
+def test_a_400_that_says_the_session_is_unknown_reinitializes_once(own_server):
+    transport = HttpTransport(own_server.url)
+    transport.call_tool("echo", {"text": "before"})
+    old_session = transport.session_state()["session_id"]
+    own_server.reset_log()
+    own_server.fault_next("stale_session", method="tools/call")
+    assert transport.call_tool("echo", {"text": "after"}).text() == "after"
+    assert [(r.rpc_method, r.status) for r in own_server.requests] == [
+        ("tools/call", 400), ("initialize", 200), ("notifications/initialized", 202),
+        ("tools/call", 200)]
+    assert transport.session_state()["session_id"] not in (None, old_session)
+    transport.close()
+
+
+def test_a_400_about_the_session_twice_raises_session_and_forgets_it(own_server):
+    transport = HttpTransport(own_server.url, server_name="ev")
+    transport.list_tools()
+    own_server.fault_next("stale_session", method="tools/call", times=2)
+    with pytest.raises(McpTransportError) as caught:
+        transport.call_tool("echo", {"text": "x"})
+    err = caught.value
+    assert err.kind == "session"
+    assert "HTTP 400" in str(err) and "No valid session ID provided" in str(err)
+    assert own_server.url in str(err) and str(err).startswith("ev: the MCP server")
+    # A loop storing this state starts afresh, not with the stale id.
+    state = transport.session_state()
+    assert "session_id" not in state
+    resumed = HttpTransport(own_server.url, session_state=state)
+    assert resumed.call_tool("echo", {"text": "y"}).text() == "y"
+    assert own_server.count("initialize") == 3
+
+
+def test_a_400_about_something_else_is_not_session_loss(own_server):
+    transport = HttpTransport(own_server.url)
+    transport.list_tools()
+    own_server.fault_next("status", status=400, method="tools/call")
+    with pytest.raises(McpTransportError) as caught:
+        transport.call_tool("echo", {"text": "x"})
+    assert caught.value.kind == "http" and "HTTP 400" in str(caught.value)
+    assert own_server.count("initialize") == 1

@@ -5,8 +5,12 @@ are installed into the repo by ``bash scripts/mcp_peers.sh``; CI runs it before
 the tests. The failure modes (hang, garbage on stdout, early exit, ...) use a
 small inline JSON-RPC server written to a temp file, run with this interpreter.
 
-Per-call latencies of the real peers are printed, not asserted: they are the
-process start-up plus one exchange, and depend on the machine's load.
+Per-call latencies of the real peers are printed, not asserted: the first is
+the process start-up plus one exchange, and all depend on the machine's load.
+
+Servers are kept by default (one child per process and command, see the module
+docs); the ``fake`` tests run in both modes (``kept`` and ``spawned``, i.e.
+``stateless=True``), and every test ends with the kept servers stopped.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any
 import pytest
 
 from flask_solidloop.errors import McpTransportError
-from flask_solidloop.mcp.stdio_transport import StdioTransport
+from flask_solidloop.mcp.stdio_transport import StdioTransport, stop_kept_servers
 from flask_solidloop.mcp.toolset import ToolResult
 from flask_solidloop.mcp.transport import IDEMPOTENCY_META_KEY, McpTransport
 
@@ -41,6 +45,8 @@ TIME_SERVER = next(
 
 #: The SDK's shutdown after a failed call: stdin close, 2 s, SIGTERM, 2 s, SIGKILL.
 SHUTDOWN_BOUND = 4.0
+#: How long a kept server has to answer the ping after an abandoned call.
+PING_BOUND = 5.0
 #: Room for a loaded CI machine on top of the bounds above.
 SLACK = 4.0
 
@@ -144,8 +150,15 @@ def peers() -> None:
         )
 
 
-@pytest.fixture
-def fake(tmp_path: Path):
+@pytest.fixture(autouse=True)
+def _stop_kept_servers():
+    stop_kept_servers()  # those other tests of this process left (loops drained here)
+    yield
+    stop_kept_servers()
+
+
+@pytest.fixture(params=[False, True], ids=["kept", "spawned"])
+def fake(request, tmp_path: Path):
     script = tmp_path / "fake_mcp_server.py"
     script.write_text(FAKE_SERVER)
     pid_file = tmp_path / "server.pid"
@@ -154,9 +167,11 @@ def fake(tmp_path: Path):
         env = {"FAKE_PID_FILE": str(pid_file), **kwargs.pop("env", {})}
         kwargs.setdefault("timeout", 20.0)
         kwargs.setdefault("server_name", "fake")
+        kwargs.setdefault("stateless", request.param)
         return StdioTransport([sys.executable, str(script), mode], env=env, **kwargs)
 
     make.pid_file = pid_file  # type: ignore[attr-defined]
+    make.stateless = request.param  # type: ignore[attr-defined]
     return make
 
 
@@ -190,6 +205,8 @@ def _assert_gone(pid: int) -> None:
 
 
 def _assert_no_children() -> None:
+    """No process left once the kept servers are stopped (a worker's shutdown)."""
+    stop_kept_servers()
     deadline = time.monotonic() + 2.0
     while _children() and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -480,9 +497,11 @@ def test_worker_thread_killed_mid_call_stops_the_server(fake):
     assert not thread.is_alive()
     assert time.monotonic() - interrupted_at < 1.0  # a poll slice, not the 30 s timeout
     assert "killed_after" in outcome
-    # The exchange was cancelled; its shielded teardown stops the process.
+    # Spawned: the exchange was cancelled; its shielded teardown stops the process.
+    # Kept: the abandoned call's server gets a ping in the background; this one is
+    # stuck in the call, does not answer, and is stopped.
     pid = int(fake.pid_file.read_text())
-    deadline = time.monotonic() + SHUTDOWN_BOUND + SLACK
+    deadline = time.monotonic() + SHUTDOWN_BOUND + SLACK + (0 if fake.stateless else PING_BOUND)
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     _assert_gone(pid)
@@ -492,6 +511,7 @@ def test_worker_thread_killed_mid_call_stops_the_server(fake):
 def test_calls_in_a_forked_child_process(fake):
     server = fake("ok")
     assert server.call_tool("echo_meta", {"x": 1}).structured_content["arguments"] == {"x": 1}
+    parent_server = int(fake.pid_file.read_text())
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: the parent's portal thread does not exist here
@@ -506,6 +526,10 @@ def test_calls_in_a_forked_child_process(fake):
     os.waitpid(pid, 0)
     assert child_answer is not None and child_answer["arguments"] == {"x": 2}
     assert server.call_tool("echo_meta", {"x": 3}).structured_content["arguments"] == {"x": 3}
+    if not fake.stateless:
+        # The forked process started a server of its own; the parent kept its one.
+        assert int(fake.pid_file.read_text()) != parent_server
+        assert _children() == [parent_server]
     _assert_no_children()
 
 
@@ -537,3 +561,180 @@ def test_malformed_result_is_a_protocol_error(fake):
         fake("bad_result").call_tool("echo_meta", {})
     assert caught.value.kind == "protocol"
     assert "not a valid MCP result" in str(caught.value)
+
+
+# --------------------------------------------------------------------------- kept sessions
+
+
+def _servers(mark: str) -> list[int]:
+    """Live processes whose environment carries ``mark`` (zombies have none)."""
+    found = []
+    needle = f"SOLIDLOOP_TEST_MARK={mark}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(entry))
+    return sorted(found)
+
+
+def _everything(mark: str, **kwargs: Any) -> StdioTransport:
+    kwargs.setdefault("timeout", 30)
+    return StdioTransport([str(EVERYTHING), "stdio"], env={"SOLIDLOOP_TEST_MARK": mark},
+                          **kwargs)
+
+
+def test_a_kept_server_is_reused_across_calls_transports_and_threads(peers, capsys):
+    mark = f"reuse-{os.getpid()}"
+    ev = _everything(mark)
+    first = _timed("server-everything echo, first (start-up)",
+                   lambda: ev.call_tool("echo", {"message": "one"}), capsys)
+    assert _text(first) == "Echo: one"
+    [pid] = _servers(mark)
+    _timed("server-everything echo, kept session",
+           lambda: ev.call_tool("echo", {"message": "two"}), capsys)
+    assert len(ev.list_tools()) > 5
+    # Another transport for the same command and env: the same child.
+    assert _text(_everything(mark).call_tool("echo", {"message": "three"})) == "Echo: three"
+    assert _servers(mark) == [pid]
+
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def add(i: int) -> None:
+        try:
+            results[i] = _text(ev.call_tool("get-sum", {"a": i, "b": 1000}))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=add, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    assert all(str(i + 1000) in results[i] for i in range(8)), results
+    assert _servers(mark) == [pid]
+
+    # Another env is another server.
+    other = f"{mark}-other"
+    _everything(other).call_tool("echo", {"message": "x"})
+    assert len(_servers(other)) == 1 and _servers(other) != [pid]
+    assert stop_kept_servers() == 2
+    _assert_gone(pid)
+    assert _servers(mark) == [] and _servers(other) == []
+
+
+def test_a_server_killed_mid_call_fails_that_call_and_the_next_starts_a_new_one(peers):
+    from flask_solidloop.mcp.registry import TransportServer
+    from flask_solidloop.mcp.toolset import CallContext
+
+    mark = f"killed-{os.getpid()}"
+    server = TransportServer("ev", _everything(mark))
+    assert not server.call("echo", {"message": "up"}, CallContext()).is_error
+    [pid] = _servers(mark)
+    outcome: dict[str, Any] = {}
+
+    def long_call() -> None:
+        started = time.monotonic()
+        outcome["result"] = server.call("trigger-long-running-operation",
+                                        {"duration": 20, "steps": 2}, CallContext())
+        outcome["after"] = time.monotonic() - started
+
+    thread = threading.Thread(target=long_call)
+    thread.start()
+    time.sleep(0.5)  # in flight
+    os.kill(pid, 9)
+    thread.join(15)
+    assert not thread.is_alive()
+    result = outcome["result"]
+    assert result.is_error and result.error_kind == "infra:protocol"
+    assert "exited" in _text(result) and outcome["after"] < 15
+    _assert_gone(pid)
+    recovered = server.call("echo", {"message": "again"}, CallContext())
+    assert not recovered.is_error and _text(recovered) == "Echo: again"
+    [new_pid] = _servers(mark)
+    assert new_pid != pid
+
+
+def test_a_slow_call_times_out_and_a_responsive_server_is_kept(peers):
+    mark = f"slow-{os.getpid()}"
+    ev = _everything(mark, timeout=1.0)
+    ev.call_tool("echo", {"message": "up"})
+    [pid] = _servers(mark)
+    with pytest.raises(McpTransportError) as caught:
+        ev.call_tool("trigger-long-running-operation", {"duration": 4, "steps": 2})
+    assert caught.value.kind == "timeout" and "kept" in str(caught.value)
+    assert _text(ev.call_tool("echo", {"message": "still"})) == "Echo: still"
+    assert _servers(mark) == [pid]
+
+
+def test_stateless_spawns_a_process_per_call(tmp_path: Path):
+    script = tmp_path / "fake_mcp_server.py"
+    script.write_text(FAKE_SERVER)
+    pid_file = tmp_path / "server.pid"
+    server = StdioTransport([sys.executable, str(script), "ok"], stateless=True, timeout=20,
+                            env={"FAKE_PID_FILE": str(pid_file)})
+    seen = []
+    for i in range(2):
+        assert server.call_tool("echo_meta", {"x": i}).structured_content["arguments"] == {"x": i}
+        seen.append(int(pid_file.read_text()))
+        assert _children() == []  # nothing outlives the call
+    assert seen[0] != seen[1]
+    assert stop_kept_servers() == 0
+
+
+def test_a_server_that_is_not_concurrent_gets_one_process_per_thread(tmp_path: Path):
+    script = tmp_path / "fake_mcp_server.py"
+    script.write_text(FAKE_SERVER)
+    server = StdioTransport([sys.executable, str(script), "ok"], concurrent=False, timeout=20)
+    server.call_tool("echo_meta", {})
+    server.call_tool("echo_meta", {})
+    assert len(_children()) == 1  # this thread's, reused
+    # Two more threads, alive at once (a finished thread's id may be reused).
+    barrier = threading.Barrier(2, timeout=30)
+
+    def call() -> None:
+        server.call_tool("echo_meta", {})
+        barrier.wait()
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(_children()) == 3
+    assert stop_kept_servers() == 3
+    _assert_no_children()
+
+
+def test_a_time_limit_interrupts_a_kept_call_and_a_responsive_server_is_kept(peers):
+    mark = f"interrupted-{os.getpid()}"
+    ev = _everything(mark)
+    ev.call_tool("echo", {"message": "up"})
+    [pid] = _servers(mark)
+    outcome: dict[str, float] = {}
+
+    def worker() -> None:
+        started = time.monotonic()
+        try:
+            ev.call_tool("trigger-long-running-operation", {"duration": 20, "steps": 2})
+        except Killed:
+            outcome["killed_after"] = time.monotonic() - started
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    time.sleep(0.5)  # in flight
+    interrupted_at = time.monotonic()
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident or 0),
+                                               ctypes.py_object(Killed))
+    thread.join(5)
+    assert not thread.is_alive() and "killed_after" in outcome
+    assert time.monotonic() - interrupted_at < 1.0  # a poll slice, not the 30 s timeout
+    time.sleep(0.5)  # the background ping is answered
+    assert _text(ev.call_tool("echo", {"message": "after"})) == "Echo: after"
+    assert _servers(mark) == [pid]

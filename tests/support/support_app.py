@@ -76,6 +76,24 @@ class Assistant(Agent):
         return llm_settings()
 
 
+#: The environment mark of the kept stdio server the "stdio_kept" agent runs,
+#: so a test can find that server's process.
+STDIO_KEPT_MARK = "support-app-stdio-kept"
+_EVERYTHING = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), ".mcp-peers", "node_modules", ".bin", "mcp-server-everything")
+
+
+@solidloop.agent("stdio_kept")
+class StdioKeptAssistant(Agent):
+    """Calls server-everything's echo over stdio: a server the worker keeps."""
+
+    mcps = [{"name": "ev", "command": [_EVERYTHING, "stdio"], "timeout": 30,
+             "env": {"SOLIDLOOP_TEST_MARK": STDIO_KEPT_MARK}, "tools": ["echo"]}]
+
+    def llm(self):
+        return llm_settings()
+
+
 @solidloop.agent("streaming_assistant")
 class StreamingAssistant(Agent):
     """The assistant, streaming its answers (and its reasoning into the loop's stream)."""
