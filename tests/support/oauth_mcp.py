@@ -1,0 +1,68 @@
+"""An OAuth-protected MCP server for tests: the MCP emulator behind JWTs of tests/support/oauth_server.py.
+
+``ProtectedMCP(oauth)`` is an :class:`MCPEmulator` that accepts a bearer token
+only if ``oauth.verify(token, audience=<its own URL>)`` (signature, issuer,
+audience = this resource, expiry, not revoked) and otherwise answers 401 with
+``WWW-Authenticate: Bearer resource_metadata="<origin>/.well-known/oauth-protected-resource/mcp"``,
+which it serves (RFC 9728) naming ``oauth.issuer`` as its authorization server.
+``accepted`` lists the tokens it took; ``refused`` counts the 401s. It can also
+serve a Client ID Metadata Document (``client_metadata``) at ``client_metadata_url``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask_solidloop.testing.mcp_emulator import MCPEmulator
+from flask_solidloop.testing.mcp_emulator.failures import unauthorized
+from flask_solidloop.testing.mcp_emulator.protocol import json_response
+
+from .oauth_server import OAuthServerHandle
+
+WELL_KNOWN = "/.well-known/oauth-protected-resource"
+CLIENT_METADATA = "/client-metadata.json"
+
+
+class ProtectedMCP(MCPEmulator):
+    def __init__(self, oauth: OAuthServerHandle, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.oauth = oauth
+        self.accepted: list[str] = []
+        self.refused = 0
+        #: Refuse every token (a server whose audience or scope rules no token meets).
+        self.refuse_all = False
+        #: Served at ``client_metadata_url`` when set: a Client ID Metadata Document.
+        self.client_metadata: dict[str, Any] | None = None
+
+    @property
+    def metadata_url(self) -> str:
+        return self.base_url + WELL_KNOWN + self.path
+
+    @property
+    def client_metadata_url(self) -> str:
+        return self.base_url + CLIENT_METADATA
+
+    def _handle(self, environ: dict[str, Any]):
+        if environ.get("PATH_INFO") == CLIENT_METADATA and self.client_metadata is not None:
+            return json_response(200, self.client_metadata)
+        if environ.get("REQUEST_METHOD") == "GET" and \
+                environ.get("PATH_INFO", "").startswith(WELL_KNOWN):
+            return json_response(200, {"resource": self.url,
+                                       "authorization_servers": [self.oauth.issuer],
+                                       "scopes_supported": self.oauth.scopes,
+                                       "bearer_methods_supported": ["header"]})
+        return super()._handle(environ)
+
+    def _check_token(self, headers: dict[str, str]):
+        scheme, _, credentials = headers.get("authorization", "").partition(" ")
+        token = credentials.strip()
+        if scheme.lower() == "bearer" and token and not self.refuse_all \
+                and self.oauth.verify(token, self.url):
+            self.accepted.append(token)
+            return None
+        self.refused += 1
+        response = unauthorized(bool(token))
+        response.headers["WWW-Authenticate"] = (
+            f'Bearer resource_metadata="{self.metadata_url}"'
+            + (', error="invalid_token"' if token else ""))
+        return response
