@@ -16,7 +16,7 @@ from cryptography.fernet import Fernet
 from sqlalchemy import select, text
 
 from flask_solidloop import Agent
-from flask_solidloop.loops.queries import classify_failure
+from flask_solidloop.loops.queries import classify_failure, failure_class_sql
 from flask_solidloop.mcp import oauth
 from flask_solidloop.mcp.oauth_blueprint import oauth_blueprint
 from flask_solidloop.models import Loop, McpOAuthToken
@@ -253,6 +253,28 @@ def test_a_revoked_token_fails_the_loop_naming_server_and_sign_in_url(
     assert authz.refresh_count == 1 and mcp.refused <= 3
     stored = session.scalars(select(McpOAuthToken)).one()
     assert stored.refresh_token_encrypted is None  # nobody tries the revoked one again
+
+
+def test_a_token_revoked_between_turns_fails_the_loop_at_the_tool_call(
+        app, session, llm, authz, mcp):
+    client = authz.register_client(public=True, redirect_uris=[CALLBACK],
+                                   grant_types=["authorization_code", "refresh_token"])
+    entry = code_entry(mcp, client.client_id)
+    sign_in(app, entry)
+    agent = remote_agent("oauth_revoked_later", [entry])
+    script_lookup(llm)
+    loop = agent.start(message="please look up k1")
+    run(app, queues=("solidloop_llm",))  # tools listed with a good token; the call is due
+    authz.revoke_all()
+    run(app)
+    row = finished(session, loop.id)
+    assert row.status == "failed", row.error_message
+    assert row.error_message.startswith("tool call 1: McpAuthError: crm:"), row.error_message
+    assert "sign in at /solidloop/oauth/crm/sign-in" in row.error_message
+    assert classify_failure(row.error_message) == "auth:oauth"
+    # The admin's SQL rule says the same.
+    assert session.scalar(select(failure_class_sql()).where(Loop.id == loop.id)) == "auth:oauth"
+    assert authz.refresh_count == 1 and mcp.calls == []
 
 
 def test_a_401_before_expiry_refreshes_once_and_the_call_goes_through(

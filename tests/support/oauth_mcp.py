@@ -1,4 +1,4 @@
-"""An OAuth-protected MCP server for tests: the MCP emulator behind JWTs of tests/support/oauth_server.py.
+"""An OAuth-protected MCP server for tests: the MCP emulator behind the test AS's JWTs.
 
 ``ProtectedMCP(oauth)`` is an :class:`MCPEmulator` that accepts a bearer token
 only if ``oauth.verify(token, audience=<its own URL>)`` (signature, issuer,
