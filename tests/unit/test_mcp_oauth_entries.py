@@ -54,7 +54,7 @@ def test_the_oauth_key_is_a_fernet_key_never_echoed():
     assert Config.from_mapping({}).oauth_key == ()
     assert Config.from_mapping({"SOLIDLOOP_OAUTH_KEY": f"{key},{other}"}).oauth_key == (
         key, other)
-    with pytest.raises(ConfigurationError, match="Fernet.generate_key") as info:
+    with pytest.raises(ConfigurationError, match=r"Fernet\.generate_key") as info:
         Config.from_mapping({"SOLIDLOOP_OAUTH_KEY": "not-a-key-but-a-secret"})
     assert "not-a-key-but-a-secret" not in str(info.value)
     with pytest.raises(ConfigurationError, match=r"\{server\}"):
