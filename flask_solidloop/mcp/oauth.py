@@ -58,8 +58,10 @@ from sqlalchemy.pool import NullPool
 from ..errors import (
     AgentDefinitionError,
     ConfigurationError,
+    InvalidArgumentError,
     McpAuthError,
     McpTransportError,
+    SolidLoopError,
 )
 from ..models.oauth_token import McpOAuthToken
 from .toolset import CallContext, ToolResult
@@ -306,7 +308,7 @@ def _discover(http: httpx2.Client, entry: OAuthEntry) -> Discovery:
 # --------------------------------------------------------------------------- token requests
 
 
-class _Refused(Exception):
+class _Refused(SolidLoopError):
     """The authorization server refused a token request (4xx): its ``error`` code."""
 
     def __init__(self, status: int, error: str, description: str) -> None:
@@ -514,11 +516,12 @@ def begin_sign_in(entry: OAuthEntry, *, subject: str, redirect_uri: str, nonce: 
 
 
 def read_sign_in_state(state: str) -> dict[str, Any]:
-    """The sign-in's data from its ``state``; ValueError if forged or older than SIGN_IN_TTL."""
+    """The sign-in's data from its ``state``; InvalidArgumentError (a ValueError) if
+    forged or older than SIGN_IN_TTL."""
     try:
         return dict(json.loads(_fernet().decrypt(state.encode(), ttl=SIGN_IN_TTL)))
     except (InvalidToken, ValueError):
-        raise ValueError("the sign-in's state is invalid or expired; start the sign-in "
+        raise InvalidArgumentError("the sign-in's state is invalid or expired; start the sign-in "
                          "again") from None
 
 

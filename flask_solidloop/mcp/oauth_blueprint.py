@@ -26,7 +26,7 @@ from typing import Any
 
 from flask import Blueprint, Response, abort, redirect, request, url_for
 
-from ..errors import McpTransportError
+from ..errors import InvalidArgumentError, McpTransportError
 from .oauth import OAuthEntry, begin_sign_in, finish_sign_in, read_sign_in_state
 
 __all__ = ["oauth_blueprint"]
@@ -51,12 +51,13 @@ def oauth_blueprint(servers: list[dict[str, Any]], *,
     entries: dict[str, OAuthEntry] = {}
     for entry in servers:
         if not isinstance(entry, dict) or not entry.get("auth") or not entry.get("url"):
-            raise ValueError(f"oauth_blueprint takes mcps entries with url= and auth=, got "
-                             f"{entry!r}")
+            raise InvalidArgumentError(
+                f"oauth_blueprint takes mcps entries with url= and auth=, got {entry!r}")
         oauth = OAuthEntry.from_entry(entry)
         if oauth.grant != "authorization_code":
-            raise ValueError(f"mcps entry {oauth.server_name!r} uses the {oauth.grant} grant: "
-                             "nobody signs in to it; leave it out of oauth_blueprint")
+            raise InvalidArgumentError(
+                f"mcps entry {oauth.server_name!r} uses the {oauth.grant} grant: nobody "
+                "signs in to it; leave it out of oauth_blueprint")
         entries[oauth.server_name] = oauth
     blueprint = Blueprint(name, __name__, url_prefix=url_prefix)
 
