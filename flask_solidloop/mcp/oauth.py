@@ -234,6 +234,11 @@ def sign_in_url(server: str, subject: str) -> str:
 
 
 def _auth_error(entry: OAuthEntry, message: str) -> McpAuthError:
+    if entry.grant == "client_credentials":
+        # Nobody signs in to a machine client: its registration is what to check.
+        return McpAuthError(f"{message}; check auth client_id and client_secret_env against "
+                            "the client registered at the authorization server",
+                            server=entry.server_name)
     return McpAuthError(message, server=entry.server_name,
                         sign_in_url=sign_in_url(entry.server_name, entry.subject))
 

@@ -52,7 +52,8 @@ def oauth_blueprint(servers: list[dict[str, Any]], *,
     for entry in servers:
         if not isinstance(entry, dict) or not entry.get("auth") or not entry.get("url"):
             raise InvalidArgumentError(
-                f"oauth_blueprint takes mcps entries with url= and auth=, got {entry!r}")
+                "oauth_blueprint takes mcps entries with url= and auth=, got "
+                f"{entry.get('name') if isinstance(entry, dict) else type(entry).__name__!r}")
         oauth = OAuthEntry.from_entry(entry)
         if oauth.grant != "authorization_code":
             raise InvalidArgumentError(

@@ -5,6 +5,7 @@ emulator and the in-process drain, the refresh race through 4 processes."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import urllib.parse
@@ -23,6 +24,7 @@ from flask_solidloop.models import Loop, McpOAuthToken
 from flask_solidloop.testing import drain as run
 
 from ..support.oauth_mcp import ProtectedMCP
+from ..support.oauth_refresh_worker import refresh_in_a_process
 from ..support.oauth_server import start_oauth_server
 from ..support.support_app import llm_settings, solidloop
 
@@ -134,7 +136,8 @@ def test_discovery_follows_the_401_to_the_authorization_server(app, authz, mcp):
 
 
 def test_a_loop_calls_a_server_with_client_credentials(app, session, llm, authz, mcp,
-                                                        monkeypatch):
+                                                        monkeypatch, caplog):
+    caplog.set_level(logging.DEBUG)
     client = authz.register_client(grant_types=["client_credentials"])
     monkeypatch.setenv(SECRET_ENV, client.client_secret)
     agent = remote_agent("oauth_cc", [{"name": "crm", "url": mcp.url, "auth": {
@@ -155,6 +158,12 @@ def test_a_loop_calls_a_server_with_client_credentials(app, session, llm, authz,
     assert stored.access_token_encrypted and token not in stored.access_token_encrypted
     assert all_solidloop_text_containing(session, token) == []
     assert all_solidloop_text_containing(session, client.client_secret) == []
+    # Every log line of the process but the test authorization server's own (authlib
+    # logs the tokens it issues at DEBUG): ours, the SDK's, the HTTP clients'.
+    ours = "\n".join(r.getMessage() for r in caplog.records
+                     if not r.name.startswith("authlib"))
+    assert "job start" in ours and "send_request_headers" in ours
+    assert token not in ours and client.client_secret not in ours
 
 
 def test_the_code_flow_with_pkce_signs_in_and_a_loop_uses_the_token(
@@ -196,15 +205,6 @@ def test_a_client_id_metadata_document_is_the_client_id_when_the_server_takes_on
     assert stored.client_id == mcp.client_metadata_url
 
 
-def _refresh_in_a_process(database_url, key, entry, barrier, results):
-    oauth.configure(database_url=database_url, keys=(key,), refresh_margin=60)
-    barrier.wait(timeout=60)
-    try:
-        results.put(oauth.access_token(entry))
-    except Exception as exc:  # the test reads it
-        results.put(f"error: {type(exc).__name__}: {exc}")
-
-
 def test_four_processes_racing_to_refresh_do_one_refresh(
         app, session, database_url, key, authz, mcp):
     client = authz.register_client(public=True, redirect_uris=[CALLBACK],
@@ -216,14 +216,17 @@ def test_four_processes_racing_to_refresh_do_one_refresh(
     session.execute(McpOAuthToken.__table__.update().values(
         expires_at=datetime.now(UTC) - timedelta(minutes=5)))
     session.commit()
-    ctx = multiprocessing.get_context("spawn")
+    # fork: each child starts with the modules loaded (spawn re-imports them, tens of
+    # seconds on a loaded machine) and leaves through os._exit, so the parent's
+    # inherited connections are never touched; each child opens its own engine.
+    ctx = multiprocessing.get_context("fork")
     barrier, results = ctx.Barrier(4), ctx.Queue()
-    procs = [ctx.Process(target=_refresh_in_a_process, args=(
+    procs = [ctx.Process(target=refresh_in_a_process, args=(
         database_url, key, oauth.OAuthEntry.from_entry(entry), barrier, results))
         for _ in range(4)]
     for proc in procs:
         proc.start()
-    tokens = [results.get(timeout=90) for _ in procs]
+    tokens = [results.get(timeout=120) for _ in procs]
     for proc in procs:
         proc.join(timeout=30)
     assert authz.refresh_count == 1, authz.token_requests
