@@ -442,12 +442,15 @@ def access_token(entry: OAuthEntry, *, stale: str | None = None) -> str:
     refused: _Refused | None = None
     where = (_table.c.resource == entry.resource) & (_table.c.subject == entry.subject)
     with _engine().begin() as conn:
-        # The row exists before it is locked, so two workers fetching a first
-        # client-credentials token also take turns.
-        conn.execute(pg_insert(_table).values(
-            resource=entry.resource, subject=entry.subject, server_name=entry.server_name,
-        ).on_conflict_do_nothing(index_elements=["resource", "subject"]))
-        row = conn.execute(select(_table).where(where).with_for_update()).one()
+        if entry.grant == "client_credentials":
+            # The row exists before it is locked, so two workers fetching a first
+            # client-credentials token also take turns.
+            conn.execute(pg_insert(_table).values(
+                resource=entry.resource, subject=entry.subject, server_name=entry.server_name,
+            ).on_conflict_do_nothing(index_elements=["resource", "subject"]))
+        row = conn.execute(select(_table).where(where).with_for_update()).first()
+        if row is None:  # nobody signed in for this subject: nothing to write
+            raise _auth_error(entry, f"no OAuth token for subject {entry.subject!r} yet")
         current = _decrypt(row.access_token_encrypted)
         now = datetime.now(UTC)
         if current is not None and current != stale and (

@@ -97,10 +97,10 @@ def code_entry(mcp, client_id, **auth):
             "auth": {"type": "oauth", "client_id": client_id, **auth}}
 
 
-def sign_in(app, entry):
+def sign_in(app, entry, **blueprint):
     """Drive the blueprint with a browser's steps: sign-in, the AS's auto-approve
     (real HTTP), back to the callback. Returns the authorization request's query."""
-    app.register_blueprint(oauth_blueprint([entry]))
+    app.register_blueprint(oauth_blueprint([entry], **blueprint))
     browser = app.test_client()
     start = browser.get(f"/solidloop/oauth/{entry['name']}/sign-in")
     assert start.status_code == 302, start.text
@@ -190,6 +190,35 @@ def test_the_code_flow_with_pkce_signs_in_and_a_loop_uses_the_token(
     assert finished(session, loop.id).status == "completed"
     assert mcp.accepted[-1] == issued.access_token
     assert authz.refresh_count == 0
+
+
+def test_tokens_per_user_follow_the_loops_subject(app, session, llm, authz, mcp):
+    client = authz.register_client(public=True, redirect_uris=[CALLBACK],
+                                   grant_types=["authorization_code", "refresh_token"])
+    entry = code_entry(mcp, client.client_id)
+    sign_in(app, entry, subject=lambda server: "user:42")  # the signed-in user, per the host
+
+    class PerUser(Agent):
+        system_prompt = "You use remote tools."
+
+        def llm(self):
+            return llm_settings()
+
+        def mcps(self):
+            # start() validates with no loop yet; a turn has one.
+            subject = f"user:{self.loop.subject_id}" if self.loop else "default"
+            return [{**entry, "auth": {**entry["auth"], "subject": subject}}]
+
+    agent = solidloop.agent("oauth_per_user")(PerUser)
+    script_lookup(llm)
+    signed = agent.start(message="please look up k1", subject=("user", "42"))
+    other = agent.start(message="please look up k1", subject=("user", "7"))
+    run(app)
+    assert finished(session, signed.id).status == "completed"
+    row = finished(session, other.id)
+    assert row.status == "failed"
+    assert "no OAuth token for subject 'user:7' yet" in row.error_message
+    assert [r.subject for r in session.scalars(select(McpOAuthToken))] == ["user:42"]
 
 
 def test_a_client_id_metadata_document_is_the_client_id_when_the_server_takes_one(
