@@ -46,6 +46,7 @@ from mcp.client.auth.utils import (
     build_oauth_authorization_server_metadata_discovery_urls,
     build_protected_resource_metadata_discovery_urls,
     extract_resource_metadata_from_www_auth,
+    issuers_match,
 )
 from mcp.shared.auth import OAuthMetadata, OAuthToken, ProtectedResourceMetadata
 from mcp.shared.auth_utils import check_resource_allowed, resource_url_from_server_url
@@ -303,6 +304,10 @@ def _discover(http: httpx2.Client, entry: OAuthEntry) -> Discovery:
             metadata = OAuthMetadata.model_validate_json(response.content)
         except ValidationError:
             continue
+        if issuer is not None and not issuers_match(str(metadata.issuer), issuer):
+            # RFC 8414 section 3.3: metadata for another issuer is not to be used.
+            raise _auth_error(entry, f"the authorization server metadata at {url} names "
+                                     f"issuer {metadata.issuer}, not {issuer}")
         return Discovery(prm, metadata)
     raise McpTransportError(
         "auth", f"no OAuth authorization server metadata found for {entry.resource} "

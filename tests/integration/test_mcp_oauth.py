@@ -133,6 +133,15 @@ def test_discovery_follows_the_401_to_the_authorization_server(app, authz, mcp):
     assert str(found.metadata.token_endpoint) == f"{authz.issuer}/token"
     assert str(found.metadata.authorization_endpoint) == f"{authz.issuer}/authorize"
     assert mcp.refused == 1  # the unauthenticated probe, answered with resource_metadata
+    assert mcp.metadata_requests == ["/resource-metadata.json"]  # the one the 401 named
+
+
+def test_discovery_falls_back_to_the_well_known_url(app, authz, mcp):
+    mcp.advertise = False
+    found = oauth.discover(oauth.OAuthEntry.from_entry(code_entry(mcp, "any")))
+    assert found.resource_metadata is not None
+    assert str(found.metadata.issuer) == authz.issuer
+    assert mcp.metadata_requests == ["/.well-known/oauth-protected-resource/mcp"]
 
 
 def test_a_loop_calls_a_server_with_client_credentials(app, session, llm, authz, mcp,

@@ -3,8 +3,9 @@
 ``ProtectedMCP(oauth)`` is an :class:`MCPEmulator` that accepts a bearer token
 only if ``oauth.verify(token, audience=<its own URL>)`` (signature, issuer,
 audience = this resource, expiry, not revoked) and otherwise answers 401 with
-``WWW-Authenticate: Bearer resource_metadata="<origin>/.well-known/oauth-protected-resource/mcp"``,
-which it serves (RFC 9728) naming ``oauth.issuer`` as its authorization server.
+``WWW-Authenticate: Bearer resource_metadata="<origin>/resource-metadata.json"``,
+which it serves (RFC 9728) naming ``oauth.issuer`` as its authorization server, as
+it does at the well-known ``/.well-known/oauth-protected-resource/mcp``.
 ``accepted`` lists the tokens it took; ``refused`` counts the 401s. It can also
 serve a Client ID Metadata Document (``client_metadata``) at ``client_metadata_url``.
 """
@@ -21,6 +22,7 @@ from .oauth_server import OAuthServerHandle
 
 WELL_KNOWN = "/.well-known/oauth-protected-resource"
 CLIENT_METADATA = "/client-metadata.json"
+NAMED_METADATA = "/resource-metadata.json"
 
 
 class ProtectedMCP(MCPEmulator):
@@ -31,12 +33,17 @@ class ProtectedMCP(MCPEmulator):
         self.refused = 0
         #: Refuse every token (a server whose audience or scope rules no token meets).
         self.refuse_all = False
+        #: Name the metadata in the 401 (else a client must try the well-known URLs).
+        self.advertise = True
+        #: Paths of the metadata requests it answered.
+        self.metadata_requests: list[str] = []
         #: Served at ``client_metadata_url`` when set: a Client ID Metadata Document.
         self.client_metadata: dict[str, Any] | None = None
 
     @property
     def metadata_url(self) -> str:
-        return self.base_url + WELL_KNOWN + self.path
+        """What the 401 names: not a well-known URL, so a test sees which one a client read."""
+        return self.base_url + NAMED_METADATA
 
     @property
     def client_metadata_url(self) -> str:
@@ -45,8 +52,10 @@ class ProtectedMCP(MCPEmulator):
     def _handle(self, environ: dict[str, Any]):
         if environ.get("PATH_INFO") == CLIENT_METADATA and self.client_metadata is not None:
             return json_response(200, self.client_metadata)
-        if environ.get("REQUEST_METHOD") == "GET" and \
-                environ.get("PATH_INFO", "").startswith(WELL_KNOWN):
+        if environ.get("REQUEST_METHOD") == "GET" and (
+                environ.get("PATH_INFO", "").startswith(WELL_KNOWN)
+                or environ.get("PATH_INFO") == NAMED_METADATA):
+            self.metadata_requests.append(environ["PATH_INFO"])
             return json_response(200, {"resource": self.url,
                                        "authorization_servers": [self.oauth.issuer],
                                        "scopes_supported": self.oauth.scopes,
@@ -62,7 +71,8 @@ class ProtectedMCP(MCPEmulator):
             return None
         self.refused += 1
         response = unauthorized(bool(token))
-        response.headers["WWW-Authenticate"] = (
-            f'Bearer resource_metadata="{self.metadata_url}"'
-            + (', error="invalid_token"' if token else ""))
+        challenge = f'Bearer resource_metadata="{self.metadata_url}"' if self.advertise \
+            else 'Bearer realm="mcp"'
+        response.headers["WWW-Authenticate"] = challenge + (
+            ', error="invalid_token"' if token else "")
         return response
