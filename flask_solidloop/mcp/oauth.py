@@ -45,12 +45,19 @@ from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 from mcp.client.auth.utils import (
     build_oauth_authorization_server_metadata_discovery_urls,
     build_protected_resource_metadata_discovery_urls,
+    create_client_registration_request,
     extract_resource_metadata_from_www_auth,
     issuers_match,
 )
-from mcp.shared.auth import OAuthMetadata, OAuthToken, ProtectedResourceMetadata
+from mcp.shared.auth import (
+    OAuthClientInformationFull,
+    OAuthClientMetadata,
+    OAuthMetadata,
+    OAuthToken,
+    ProtectedResourceMetadata,
+)
 from mcp.shared.auth_utils import check_resource_allowed, resource_url_from_server_url
-from pydantic import ValidationError
+from pydantic import AnyUrl, ValidationError
 from sqlalchemy import Table, create_engine, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Engine
@@ -79,7 +86,7 @@ __all__ = [
 
 GRANTS = ("authorization_code", "client_credentials")
 AUTH_KEYS = {"type", "grant", "client_id", "client_secret_env", "client_metadata_url",
-             "scope", "subject"}
+             "dynamic_registration", "scope", "subject"}
 #: The sign-in URL named in failures when SOLIDLOOP_OAUTH_SIGN_IN_URL is unset: the
 #: blueprint's route under its default prefix.
 DEFAULT_SIGN_IN_PATH = "/solidloop/oauth/{server}/sign-in"
@@ -107,6 +114,7 @@ class OAuthEntry:
     client_metadata_url: str | None
     scope: str | None
     subject: str
+    dynamic_registration: bool = False
 
     @property
     def resource(self) -> str:
@@ -121,7 +129,8 @@ class OAuthEntry:
             grant=str(auth.get("grant") or "authorization_code"),
             client_id=auth.get("client_id"), client_secret_env=auth.get("client_secret_env"),
             client_metadata_url=auth.get("client_metadata_url"), scope=auth.get("scope"),
-            subject=str(auth.get("subject") or "default"))
+            subject=str(auth.get("subject") or "default"),
+            dynamic_registration=bool(auth.get("dynamic_registration")))
 
     def client_secret(self) -> str | None:
         """The client secret from the worker's environment (never stored)."""
@@ -167,11 +176,16 @@ def validate_auth(auth: Any, *, agent: str, name: str, has_url: bool,
         raise AgentDefinitionError(
             f"{where}: the client_credentials grant needs client_id and client_secret_env "
             "(the name of the environment variable holding the secret)")
+    if auth.get("dynamic_registration") is not None and not isinstance(
+            auth["dynamic_registration"], bool):
+        raise AgentDefinitionError(f"{where}: auth dynamic_registration must be True or False")
     if grant == "authorization_code" and not (auth.get("client_id")
-                                              or auth.get("client_metadata_url")):
+                                              or auth.get("client_metadata_url")
+                                              or auth.get("dynamic_registration")):
         raise AgentDefinitionError(
-            f"{where}: the authorization_code grant needs client_id (pre-registered) or "
-            "client_metadata_url (a Client ID Metadata Document URL)")
+            f"{where}: the authorization_code grant needs client_id (pre-registered), "
+            "client_metadata_url (a Client ID Metadata Document URL) or "
+            "dynamic_registration=True")
     cimd = auth.get("client_metadata_url")
     if cimd is not None and not str(cimd).startswith(("https://", "http://")):
         raise AgentDefinitionError(f"{where}: auth client_metadata_url must be an https URL")
@@ -372,15 +386,39 @@ def _pkce() -> tuple[str, str]:
     return verifier, challenge
 
 
-def _client_id(entry: OAuthEntry, metadata: OAuthMetadata) -> str:
-    """A Client ID Metadata Document URL when the server takes one, else the static id."""
+def _client_id(entry: OAuthEntry, metadata: OAuthMetadata, redirect_uri: str) -> str:
+    """A Client ID Metadata Document URL when the server takes one, else the static id,
+    else (``dynamic_registration``) a public client registered now (RFC 7591)."""
     if entry.client_metadata_url and metadata.client_id_metadata_document_supported:
         return entry.client_metadata_url
     if entry.client_id:
         return entry.client_id
-    raise _auth_error(entry, f"the authorization server {metadata.issuer} does not take "
-                             "Client ID Metadata Documents; set auth client_id to a client "
-                             "registered there")
+    if entry.dynamic_registration and metadata.registration_endpoint is not None:
+        return _register(entry, metadata, redirect_uri)
+    raise _auth_error(entry, f"the authorization server {metadata.issuer} takes neither a "
+                             "Client ID Metadata Document nor (configured here) dynamic "
+                             "registration; set auth client_id to a client registered there")
+
+
+def _register(entry: OAuthEntry, metadata: OAuthMetadata, redirect_uri: str) -> str:
+    """Register a public client for this sign-in's redirect URI; its client id."""
+    request = create_client_registration_request(metadata, OAuthClientMetadata(
+        redirect_uris=[AnyUrl(redirect_uri)], token_endpoint_auth_method="none",
+        grant_types=["authorization_code", "refresh_token"], response_types=["code"],
+        client_name="flask-solidloop", scope=entry.scope), str(metadata.issuer))
+    try:
+        with _http() as http:
+            response = http.send(request)
+        if response.status_code not in (200, 201):
+            raise _auth_error(entry, f"dynamic registration at {request.url} answered HTTP "
+                                     f"{response.status_code}")
+        return OAuthClientInformationFull.model_validate_json(response.content).client_id
+    except httpx2.HTTPError as exc:
+        raise McpTransportError("connect", f"dynamic registration at {request.url} failed: "
+                                f"{type(exc).__name__}", server=entry.server_name) from None
+    except ValidationError:
+        raise _auth_error(entry, f"dynamic registration at {request.url} answered with no "
+                                 "client id") from None
 
 
 # --------------------------------------------------------------------------- storage
@@ -512,7 +550,7 @@ def begin_sign_in(entry: OAuthEntry, *, subject: str, redirect_uri: str, nonce: 
     if "S256" not in (metadata.code_challenge_methods_supported or []):
         raise _auth_error(entry, f"the authorization server {metadata.issuer} does not "
                                  "advertise PKCE S256; the MCP authorization spec requires it")
-    client_id = _client_id(entry, metadata)
+    client_id = _client_id(entry, metadata, redirect_uri)
     verifier, challenge = _pkce()
     state = _fernet().encrypt(json.dumps({
         "server": entry.server_name, "subject": subject, "verifier": verifier,

@@ -243,6 +243,25 @@ def test_a_client_id_metadata_document_is_the_client_id_when_the_server_takes_on
     assert stored.client_id == mcp.client_metadata_url
 
 
+def test_dynamic_registration_when_configured_and_no_metadata_document(
+        app, session, authz, mcp):
+    authz.cimd = False
+    advertised = authz.metadata
+    authz.metadata = lambda: {**advertised(), "registration_endpoint": mcp.registration_url}
+    entry = {"name": "crm", "url": mcp.url, "auth": {
+        "type": "oauth", "dynamic_registration": True,
+        "client_metadata_url": "https://app.example/client.json"}}
+    query = sign_in(app, entry)
+    assert len(mcp.registered) == 1
+    registered = mcp.registered[0]
+    assert registered["redirect_uris"] == [CALLBACK]
+    assert registered["token_endpoint_auth_method"] == "none"
+    assert query["client_id"] in authz.clients and query["client_id"] != entry["auth"][
+        "client_metadata_url"]
+    stored = session.scalars(select(McpOAuthToken)).one()
+    assert stored.client_id == query["client_id"] and stored.access_token_encrypted
+
+
 def test_four_processes_racing_to_refresh_do_one_refresh(
         app, session, database_url, key, authz, mcp):
     client = authz.register_client(public=True, redirect_uris=[CALLBACK],

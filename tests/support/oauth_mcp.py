@@ -7,11 +7,13 @@ audience = this resource, expiry, not revoked) and otherwise answers 401 with
 which it serves (RFC 9728) naming ``oauth.issuer`` as its authorization server, as
 it does at the well-known ``/.well-known/oauth-protected-resource/mcp``.
 ``accepted`` lists the tokens it took; ``refused`` counts the 401s. It can also
-serve a Client ID Metadata Document (``client_metadata``) at ``client_metadata_url``.
+serve a Client ID Metadata Document (``client_metadata``) at ``client_metadata_url``,
+and register clients for the authorization server (RFC 7591) at ``registration_url``.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from flask_solidloop.testing.mcp_emulator import MCPEmulator
@@ -23,6 +25,7 @@ from .oauth_server import OAuthServerHandle
 WELL_KNOWN = "/.well-known/oauth-protected-resource"
 CLIENT_METADATA = "/client-metadata.json"
 NAMED_METADATA = "/resource-metadata.json"
+REGISTER = "/register"
 
 
 class ProtectedMCP(MCPEmulator):
@@ -37,6 +40,8 @@ class ProtectedMCP(MCPEmulator):
         self.advertise = True
         #: Paths of the metadata requests it answered.
         self.metadata_requests: list[str] = []
+        #: The client metadata dynamic registrations sent (see ``registration_url``).
+        self.registered: list[dict[str, Any]] = []
         #: Served at ``client_metadata_url`` when set: a Client ID Metadata Document.
         self.client_metadata: dict[str, Any] | None = None
 
@@ -49,7 +54,20 @@ class ProtectedMCP(MCPEmulator):
     def client_metadata_url(self) -> str:
         return self.base_url + CLIENT_METADATA
 
+    @property
+    def registration_url(self) -> str:
+        return self.base_url + REGISTER
+
     def _handle(self, environ: dict[str, Any]):
+        if environ.get("PATH_INFO") == REGISTER and environ.get("REQUEST_METHOD") == "POST":
+            # RFC 7591, for the authorization server (its metadata is pointed here).
+            size = int(environ.get("CONTENT_LENGTH") or 0)
+            body = json.loads(environ["wsgi.input"].read(size) or b"{}")
+            client = self.oauth.register_client(
+                public=True, redirect_uris=body.get("redirect_uris") or [],
+                grant_types=body.get("grant_types") or ["authorization_code"])
+            self.registered.append(body)
+            return json_response(201, {**body, "client_id": client.client_id})
         if environ.get("PATH_INFO") == CLIENT_METADATA and self.client_metadata is not None:
             return json_response(200, self.client_metadata)
         if environ.get("REQUEST_METHOD") == "GET" and (
