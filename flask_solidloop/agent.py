@@ -155,6 +155,9 @@ class Agent:
 
     #: The stable registry name, stored on every loop of this agent.
     agent_name: ClassVar[str | None] = None
+    #: The loop-state key where an MCP server blueprint keeps the label of the
+    #: outside client that started the loop (what ``mcp_principal()`` returns).
+    MCP_PRINCIPAL_STATE_KEY: ClassVar[str] = "mcp_principal"
     _extension: ClassVar[AgentRegistry | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -353,8 +356,17 @@ class Agent:
         """The principal this agent's tool calls carry: ``ctx.principal`` of an
         in-process tool's CallContext, and of the context a remote server's
         call is made with (an HTTP transport puts identity in its headers
-        instead). ``self.loop`` is the loop being served. None by default."""
-        return None
+        instead). ``self.loop`` is the loop being served.
+
+        By default, the label of the outside MCP client that started the loop
+        through an MCP server blueprint (kept in the loop's state under
+        :attr:`MCP_PRINCIPAL_STATE_KEY`), so the agent's tools act for that
+        caller; None for a loop started any other way."""
+        loop = self._loop if self._loop is not None else (
+            self.loop if self._loop_id is not None else None)
+        if loop is None:
+            return None
+        return (loop.state or {}).get(self.MCP_PRINCIPAL_STATE_KEY)
 
     # -- lifecycle ----------------------------------------------------------------
 

@@ -25,6 +25,7 @@ so a host can catch the whole family in one clause::
     ├── UnknownToolError          a toolset was asked for a tool it does not declare
     ├── McpTransportError         an MCP server could not be reached or answered badly
     │   └── McpAuthError          ... or needs an OAuth sign-in we have no usable token for
+    ├── McpTokenRefusedError      the MCP server blueprint refuses a caller's OAuth token
     ├── LimitExceededError        max_steps / max_duration reached (the loop pauses)
     │   └── BudgetExceededError   ... or a loop's or its subject's budget is spent
     ├── HistoryTooLargeError      a history past SOLIDLOOP_MAX_HISTORY_BYTES (the loop fails)
@@ -79,6 +80,7 @@ __all__ = [
     "LoopFailedError",
     "LostLeaseError",
     "McpAuthError",
+    "McpTokenRefusedError",
     "McpTransportError",
     "NoSuchJobError",
     "NotInitializedError",
@@ -275,6 +277,21 @@ class McpAuthError(McpTransportError):
         if sign_in_url:
             message = f"{message}; sign in at {sign_in_url}"
         super().__init__("auth", message, server=server)
+class McpTokenRefusedError(SolidLoopError):
+    """The MCP server blueprint (``oauth=``) does not let a request in: ``status``
+    (401, 403 or 503) and the RFC 6750 ``error`` code (``invalid_token``,
+    ``insufficient_scope``, ``temporarily_unavailable``; empty when no token was
+    sent), ``description``, and for 403 the ``scope`` needed. Raised and
+    answered inside the view (mcp_server/oauth.py); a host calling
+    ``OAuthResource.authenticate`` itself sees it."""
+
+    def __init__(self, status: int, error: str, description: str,
+                 scope: str | None = None) -> None:
+        super().__init__(description)
+        self.status = status
+        self.error = error
+        self.description = description
+        self.scope = scope
 
 
 class LimitExceededError(SolidLoopError):

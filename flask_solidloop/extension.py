@@ -49,7 +49,7 @@ from .telemetry import tracing
 from .urls import install_log_redaction, libpq_url, redact_url
 
 if TYPE_CHECKING:
-    from .mcp_server import ExposedAgent
+    from .mcp_server import ExposedAgent, OAuthResource
 
 A = TypeVar("A", bound=type[Agent])
 StackHook = Callable[[Builder], None]
@@ -304,6 +304,8 @@ class SolidLoop:
         agents: Iterable[type[Agent] | ExposedAgent] = (),
         principal_label: Callable[[Any], str] | None = None,
         instructions: str | None = None,
+        expose_errors: bool = False,
+        oauth: OAuthResource | None = None,
     ) -> Blueprint:
         """A Flask blueprint exposing ``toolsets`` (and ``agents``) to outside MCP
         clients over Streamable HTTP; register it at the prefix you pick::
@@ -316,9 +318,15 @@ class SolidLoop:
         toolsets passed are exposed; ``agents=[Support]`` adds ``start_support`` /
         ``status_support`` tools; ``ExposedAgent(Support, arguments=...,
         on_start=...)`` lets the host map the caller's principal and arguments
-        to the loop's subject and state. ``allowed_hosts`` / ``allowed_origins`` default to
-        localhost (any port) plus the app's ``SERVER_NAME``. See
-        docs/guides/mcp_server.md.
+        to the loop's subject and state; on 2026-07-28 a client that declares the
+        Tasks extension gets each agent's start as an MCP task. ``oauth=OAuthResource(
+        resource=..., authorization_servers=[...])`` replaces ``auth``: bearer tokens of
+        an outside authorization server (JWT or introspected), RFC 9728 metadata at the
+        app's ``/.well-known/oauth-protected-resource/<path>``. ``allowed_hosts`` /
+        ``allowed_origins`` default to localhost (any port) plus the app's
+        ``SERVER_NAME``. A tool that raises answers outside callers a generic
+        message with an error id (logged with the exception) unless
+        ``expose_errors=True``. See docs/guides/mcp_server.md.
         """
         from .mcp_server import ExposedAgent, build_blueprint
 
@@ -335,7 +343,8 @@ class SolidLoop:
                     "with @solidloop.agent('name') first")
         return build_blueprint(toolsets, auth=auth, name=name, allowed_hosts=allowed_hosts,
                                allowed_origins=allowed_origins, agents=agents,
-                               principal_label=principal_label, instructions=instructions)
+                               principal_label=principal_label, instructions=instructions,
+                               oauth=oauth, expose_errors=expose_errors)
 
     # -- blueprints -----------------------------------------------------------------
 

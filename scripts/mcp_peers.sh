@@ -4,6 +4,9 @@
 #
 #   .mcp-peers/node_modules/.bin/mcp-server-filesystem   npm @modelcontextprotocol/server-filesystem
 #   .mcp-peers/node_modules/.bin/mcp-server-everything   npm @modelcontextprotocol/server-everything
+#   .mcp-peers/node_modules/.bin/mcp-inspector           npm @modelcontextprotocol/inspector
+#                                                        (its CLI calls the OAuth-protected
+#                                                        blueprint, tests/acceptance/test_mcp_server_oauth.py)
 #   .venv/bin/mcp-server-time                            PyPI mcp-server-time
 #
 # Versions are pinned to the ones tests/integration/test_mcp_stdio_transport.py was written
@@ -12,7 +15,8 @@
 #
 # `scripts/setup.sh --tests` calls this after it has created .venv;
 # it can also be run on its own from any directory:  bash scripts/mcp_peers.sh
-# Needs node >= 18 with npm, and the project virtualenv in .venv.
+# Needs node >= 18 with npm, and the project virtualenv in .venv (the Inspector declares
+# node >= 22.19; the CLI mode the tests use runs on node 20 too).
 set -euo pipefail
 here="${BASH_SOURCE[0]%/*}"
 [ "$here" = "${BASH_SOURCE[0]}" ] && here=.
@@ -21,6 +25,7 @@ source scripts/progress.sh
 
 FILESYSTEM_VERSION="2026.8.31"
 EVERYTHING_VERSION="2026.8.31"
+INSPECTOR_VERSION="2.12.0"
 TIME_VERSION="2026.10.19"
 PREFIX=".mcp-peers"
 
@@ -40,7 +45,8 @@ npm_installed_version() {  # prints the installed version of package $1, or noth
 
 wanted=()
 for spec in "@modelcontextprotocol/server-filesystem@$FILESYSTEM_VERSION" \
-            "@modelcontextprotocol/server-everything@$EVERYTHING_VERSION"; do
+            "@modelcontextprotocol/server-everything@$EVERYTHING_VERSION" \
+            "@modelcontextprotocol/inspector@$INSPECTOR_VERSION"; do
   name="${spec%@*}"
   version="${spec##*@}"
   if [ "$(npm_installed_version "$name")" = "$version" ]; then
@@ -56,7 +62,7 @@ if [ "${#wanted[@]}" -gt 0 ]; then
       --no-audit --no-fund --save-exact --loglevel=error "${wanted[@]}" ||
     fail "npm install into $PREFIX failed (output above); is the npm registry reachable?"
 fi
-for bin in mcp-server-filesystem mcp-server-everything; do
+for bin in mcp-server-filesystem mcp-server-everything mcp-inspector; do
   [ -x "$PREFIX/node_modules/.bin/$bin" ] || fail "$PREFIX/node_modules/.bin/$bin is missing after install"
 done
 
@@ -90,5 +96,5 @@ else
   [ -x .venv/bin/mcp-server-time ] || fail ".venv/bin/mcp-server-time is missing after install"
 fi
 
-say "ready: server-filesystem $FILESYSTEM_VERSION, server-everything $EVERYTHING_VERSION" \
-    "(in $PREFIX), mcp-server-time $TIME_VERSION (in .venv)"
+say "ready: server-filesystem $FILESYSTEM_VERSION, server-everything $EVERYTHING_VERSION," \
+    "inspector $INSPECTOR_VERSION (in $PREFIX), mcp-server-time $TIME_VERSION (in .venv)"

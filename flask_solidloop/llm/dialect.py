@@ -8,7 +8,7 @@ definitions into one HTTP request (:meth:`Dialect.render`, shaped by one
 one by one.
 
 This module owns what is the same in every dialect: the protocol, the request
-and event shapes, the render options, and the rendering steps the three share
+and event shapes, the render options, and the rendering steps they share
 (:meth:`RenderOptions.merge_llm_params`, :func:`input_schema`).
 
 Provider-specific data that must survive a round trip (Anthropic thinking
@@ -41,7 +41,7 @@ class RenderOptions:
     """How to shape one request, beside the history and the tools.
 
     The agent's options, as one value: every dialect's :meth:`Dialect.render`
-    takes it, so an option added here reaches all three without a new keyword in
+    takes it, so an option added here reaches every dialect without a new keyword in
     each. Frozen, so the shared default ``RenderOptions()`` cannot be changed by
     one caller for the next.
     """

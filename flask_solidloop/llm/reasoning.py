@@ -8,8 +8,10 @@ next request must decide what to do with it. An agent's
 
 * a field name (``"reasoning_content"``, ``"reasoning"``): the text goes back in
   that field of the assistant message (OpenAI-compatible dialect only);
-* ``"anthropic_signed"`` / ``"gemini_signed"``: the signed native shape, sent
-  back unchanged; needs the signature captured with it, else it does not apply;
+* ``"anthropic_signed"`` / ``"gemini_signed"`` / ``"openai_encrypted"``: the
+  signed native shape (OpenAI Responses: the reasoning items with their
+  ``encrypted_content``), sent back unchanged; needs the signature captured
+  with it, else it does not apply;
 * ``"xml"``: weld ``<think>...</think>`` in front of the content, but only when no
   native strategy applied to that message (so it is the fallback of a signed
   strategy that could not apply);
@@ -29,7 +31,7 @@ from urllib.parse import urlsplit
 
 from .types import ChatMessage
 
-SIGNED = ("anthropic_signed", "gemini_signed")
+SIGNED = ("anthropic_signed", "gemini_signed", "openai_encrypted")
 XML = ("xml", "xml!")
 FIELDS = ("reasoning_content", "reasoning")
 DEFAULT_STRATEGIES: dict[str, list[str]] = {
@@ -40,6 +42,7 @@ DEFAULT_STRATEGIES: dict[str, list[str]] = {
     "openai": [],
     "anthropic": ["anthropic_signed"],
     "gemini": ["gemini_signed"],
+    "openai_responses": ["openai_encrypted"],
 }
 #: Servers whose documentation asks for a reasoning field on assistant history
 #: messages, by host: their default replaces the dialect's. DeepSeek rejects a
@@ -126,6 +129,8 @@ def _has_signed(message: ChatMessage, dialect: str) -> bool:
         return bool(meta.get("anthropic_blocks"))
     if dialect == "gemini":
         return bool(meta.get("gemini_parts"))
+    if dialect == "openai_responses":
+        return bool(meta.get("responses_items"))
     return False
 
 
@@ -137,6 +142,9 @@ def _signed_applies(message: ChatMessage, strategy: str, dialect: str) -> bool:
     if strategy == "gemini_signed" and dialect == "gemini":
         parts = meta.get("gemini_parts") or []
         return any(p.get("thoughtSignature") for p in parts)
+    if strategy == "openai_encrypted" and dialect == "openai_responses":
+        items = meta.get("responses_items") or []
+        return any(i.get("type") == "reasoning" for i in items)
     return False
 
 

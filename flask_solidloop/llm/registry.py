@@ -12,6 +12,10 @@ def get_dialect(name: str) -> Dialect:
         from .openai import OpenAIDialect
 
         return OpenAIDialect()
+    if name == "openai_responses":
+        from .openai_responses import OpenAIResponsesDialect
+
+        return OpenAIResponsesDialect()
     if name == "anthropic":
         from .anthropic import AnthropicDialect
 

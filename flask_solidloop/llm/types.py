@@ -9,7 +9,8 @@ from typing import Any
 from ..errors import AgentDefinitionError, ConfigurationError
 
 PROVIDER_KEYS = {
-    "dialect": "wire format: 'openai' (any OpenAI-compatible server), 'anthropic' or 'gemini'",
+    "dialect": "wire format: 'openai' (any OpenAI-compatible server), 'openai_responses' "
+               "(OpenAI's Responses API), 'anthropic' or 'gemini'",
     "base_url": "origin of the server, e.g. https://api.openai.com (no /v1)",
     "model": "model name sent in the payload (openai, anthropic) or the URL (gemini)",
     "url_model": "gemini only: the model put in the request URL instead of model "
@@ -22,9 +23,11 @@ PROVIDER_KEYS = {
     "headers": "extra HTTP headers sent on every request",
     "max_tokens_param": "'max_tokens' or 'max_completion_tokens' (openai dialect)",
     "anthropic_version": "the anthropic-version header (anthropic dialect)",
+    "previous_response_id": "openai_responses only: True stores responses on the server "
+                            "and sends only the new items with the last response's id",
 }
 
-DIALECTS = ("openai", "anthropic", "gemini")
+DIALECTS = ("openai", "openai_responses", "anthropic", "gemini")
 DEFAULT_ANTHROPIC_VERSION = "2023-06-01"
 
 
@@ -46,6 +49,9 @@ class ProviderSettings:
     #: ``model`` (a gateway's deployment name, a tuned model's resource path);
     #: ``model`` stays the name recorded on messages and priced.
     url_model: str | None = None
+    #: openai_responses only: chain requests with ``previous_response_id``
+    #: (``store: true``) instead of sending the whole history each time.
+    previous_response_id: bool = False
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, agent: str) -> ProviderSettings:
@@ -105,7 +111,18 @@ class ProviderSettings:
                 "keep url_model")
         url_model = _url_model(data.get("url_model", data.get("llm_model_name")), dialect,
                                agent)
+        chain = data.get("previous_response_id", False)
+        if not isinstance(chain, bool):
+            raise AgentDefinitionError(
+                f"agent {agent!r}: llm previous_response_id must be True or False, "
+                f"got {chain!r}")
+        if chain and dialect != "openai_responses":
+            raise AgentDefinitionError(
+                f"agent {agent!r}: llm previous_response_id is read only when "
+                f"dialect='openai_responses' (the {dialect} dialect sends the whole history); "
+                "remove it or set dialect='openai_responses'")
         return cls(
+            previous_response_id=chain,
             dialect=dialect,
             base_url=base_url,
             model=str(data["model"]),
@@ -181,7 +198,9 @@ class ChatMessage:
     reasoning: str | None = None
     #: Dialect data kept from the response that produced this message, sent back
     #: as-is: "anthropic_blocks" (the content blocks, thinking and signatures in
-    #: order), "gemini_parts" (the parts, thoughtSignature included).
+    #: order), "gemini_parts" (the parts, thoughtSignature included),
+    #: "responses_items" / "responses_id" (OpenAI Responses: the output order with
+    #: the reasoning items verbatim, and the response's id).
     meta: dict[str, Any] = field(default_factory=dict)
     #: For role "tool": whether the result was an error (Anthropic's is_error).
     is_error: bool = False

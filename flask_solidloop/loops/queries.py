@@ -28,7 +28,7 @@ from . import sql
 from .store.transaction import run_alone
 
 #: Keys of a message's metadata that its dialect gets back next turn.
-PROVIDER_META_KEYS = ("anthropic_blocks", "gemini_parts")
+PROVIDER_META_KEYS = ("anthropic_blocks", "gemini_parts", "responses_items", "responses_id")
 
 
 #: A loop by id, the row whole (a job's first read).

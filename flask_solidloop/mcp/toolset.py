@@ -86,6 +86,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic.fields import FieldInfo
 
 from flask_solidloop.errors import (
+    DecisionConflictError,
     InvalidArgumentError,
     LostLeaseError,
     ToolDefinitionError,
@@ -131,7 +132,8 @@ class CallContext:
     """What a tool learns about the call it is serving.
 
     Inside a loop, ``agent`` and ``loop`` are set and ``principal`` is what the
-    agent's ``mcp_principal()`` names (None by default). For an external MCP
+    agent's ``mcp_principal()`` names (by default the label of the outside MCP
+    client that started the loop through a server blueprint, else None). For an external MCP
     caller, ``principal`` identifies the caller and the other two are None.
     ``idempotency_key`` (``"solidloop:tool_call:<id>"``) is stable across
     retries of the same tool call; pass it to side-effecting APIs. An approval
@@ -165,6 +167,11 @@ class ToolResult:
     #: Set when the failure was the infrastructure's, not the tool's
     #: (``infra:<kind>``); stored on the tool call, never sent to the model.
     error_kind: str | None = None
+    #: The handler raised (not InvalidArgumentError or DecisionConflictError,
+    #: which are written for the caller) and the text is the
+    #: exception's: an MCP server blueprint hides it from outside callers
+    #: unless ``expose_errors=True``. Never sent to the model as such.
+    raised: bool = False
 
     def text(self) -> str:
         """All text blocks joined with a newline (other block types are skipped)."""
@@ -601,7 +608,10 @@ class Toolset:
             )
             message = str(exc)
             label = type(exc).__name__
-            return ToolResult.error(f"{label}: {message}" if message else label)
+            failed = ToolResult.error(f"{label}: {message}" if message else label)
+            # These are written for the caller (what to fix, who decided first).
+            failed.raised = not isinstance(exc, InvalidArgumentError | DecisionConflictError)
+            return failed
 
         try:
             return _to_result(value)
@@ -614,7 +624,9 @@ class Toolset:
                 type(value).__name__,
                 exc_info=True,
             )
-            return ToolResult.error(f"{type(exc).__name__}: {exc}")
+            unconvertible = ToolResult.error(f"{type(exc).__name__}: {exc}")
+            unconvertible.raised = True
+            return unconvertible
 
 
 def _undo(ctx: CallContext) -> None:

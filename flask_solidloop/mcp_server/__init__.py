@@ -4,12 +4,16 @@ This package owns the server side of MCP, apart from the client side in
 flask_solidloop/mcp/: :func:`build_blueprint` (what
 ``SolidLoop.mcp_blueprint(...)`` returns), the methods it answers
 (:mod:`.protocol`), the Streamable HTTP glue in a Flask view (:mod:`.http`),
-Host/Origin rules and redaction (:mod:`.security`), and the start/status tools
+Host/Origin rules and redaction (:mod:`.security`), the start/status tools
 of agents exposed as tools (:mod:`.agents`, with :class:`ExposedAgent`, the
-host's say over an agent's start tool). Sessions and wire-log events are
-written by :mod:`.store`; loops are started through the Agent API and
-read through loops.queries. See docs/guides/mcp_server.md and
-docs/decisions/0011-mcp-server-blueprint.md.
+host's say over an agent's start tool), the same agents as MCP tasks
+(:mod:`.tasks`, the extension's wire; :class:`.agents.LoopTasks`, its loops),
+and OAuth, the blueprint as a resource server of an outside authorization
+server (:mod:`.oauth`, with :class:`OAuthResource`). Sessions and wire-log
+events are written by :mod:`.store`; loops are started through the Agent API
+and read through loops.queries. See docs/guides/mcp_server.md and
+docs/decisions/0011-mcp-server-blueprint.md, 0041-mcp-server-oauth.md and
+0043-agents-as-mcp-tasks.md.
 """
 
 from __future__ import annotations
@@ -23,13 +27,15 @@ from flask import Blueprint
 from ..errors import ConfigurationError
 from ..mcp.toolset import Toolset
 from . import security
-from .agents import ExposedAgent, agent_toolset
+from .agents import ExposedAgent, LoopTasks, agent_toolset
 from .http import Auth, McpEndpoint
+from .oauth import Introspection, OAuthPrincipal, OAuthResource, attach
 from .protocol import ServerSpec, report_progress
 
 #: What a host imports from here (docs/index.md, "The public API"); the blueprint
 #: itself comes from ``SolidLoop.mcp_blueprint``, which calls :func:`build_blueprint`.
-__all__ = ["ExposedAgent", "report_progress"]
+__all__ = ["ExposedAgent", "Introspection", "OAuthPrincipal", "OAuthResource",
+           "report_progress"]
 
 _BLUEPRINT_NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 
@@ -44,20 +50,33 @@ def build_blueprint(
     agents: Iterable[Any] = (),  # Agent subclasses or ExposedAgent entries
     principal_label: Callable[[Any], str] | None = None,
     instructions: str | None = None,
+    expose_errors: bool = False,
+    oauth: OAuthResource | None = None,
 ) -> Blueprint:
     """A Flask blueprint serving ``toolsets`` (and ``agents``) over Streamable HTTP.
 
-    Fails closed: without ``auth`` nothing is built. Tool names must be unique
+    Fails closed: without ``auth`` or ``oauth`` nothing is built. Tool names must be unique
     across what one blueprint exposes. See ``SolidLoop.mcp_blueprint``.
     """
     toolsets = list(toolsets)
     agents = list(agents)
-    if auth is None or not callable(auth):
+    if oauth is not None and not isinstance(oauth, OAuthResource):
+        raise ConfigurationError(
+            "oauth", type(oauth).__name__,
+            "must be OAuthResource(resource=..., authorization_servers=[...]) from "
+            "flask_solidloop.mcp_server")
+    if oauth is not None and auth is not None:
         raise ConfigurationError(
             "auth", auth,
-            "mcp_blueprint needs auth=: a callable auth(token, request) returning the "
-            "caller's principal, or None to answer 401 (the endpoint is never open by "
-            "default); for a local test server pass auth=lambda token, request: 'local'")
+            "mcp_blueprint takes auth= or oauth=, not both: with oauth= the validated "
+            "token is the principal (map it to your user in the tools, ctx.principal)")
+    if oauth is None and (auth is None or not callable(auth)):
+        raise ConfigurationError(
+            "auth", auth,
+            "mcp_blueprint needs auth= or oauth=: a callable auth(token, request) returning "
+            "the caller's principal, or None to answer 401 (the endpoint is never open by "
+            "default), or oauth=OAuthResource(...) for tokens of an authorization server; "
+            "for a local test server pass auth=lambda token, request: 'local'")
     if not toolsets and not agents:
         raise ConfigurationError(
             "toolsets", toolsets,
@@ -81,6 +100,10 @@ def build_blueprint(
             return str(principal_label(principal))[:200]
         return security.principal_label(principal, None)
 
+    if not isinstance(expose_errors, bool):
+        raise ConfigurationError("expose_errors", expose_errors,
+                                 "must be True or False (False: outside callers get a "
+                                 "generic message with an error id for a raising tool)")
     exposed = list(toolsets)
     if agents:
         exposed.append(agent_toolset(name, agents, label_of))
@@ -107,12 +130,16 @@ def build_blueprint(
         return listed
 
     endpoint = McpEndpoint(
-        ServerSpec(name=name, tools=tools, instructions=instructions), auth=auth,
+        ServerSpec(name=name, tools=tools, instructions=instructions,
+                   tasks=LoopTasks(agents, label_of) if agents else None,
+                   expose_errors=expose_errors), auth=auth,
         allowed_hosts=_strings("allowed_hosts", allowed_hosts),
         allowed_origins=_strings("allowed_origins", allowed_origins),
-        principal_label=principal_label,
+        principal_label=principal_label, oauth=oauth,
     )
     blueprint = Blueprint(name, __name__)
+    if oauth is not None:
+        attach(blueprint, oauth)
     # strict_slashes=False: the prefix itself (/mcp/search) is served, no redirect.
     blueprint.add_url_rule("/", endpoint="mcp", view_func=endpoint,
                            methods=["GET", "POST", "DELETE"], strict_slashes=False)

@@ -15,28 +15,40 @@ status tool reads the loop through loops.queries, with the tool calls that
 await a decision or a result; approve and deny decide a call that awaits an
 approval through the Agent API (``by`` is ``mcp:<principal>``). Each answers
 only the principal who started the loop.
+
+:class:`LoopTasks` is the same loops as MCP tasks (the blueprint's
+:class:`.tasks.TaskBackend`): the task id is the loop id, a loop waiting on
+approvals is ``input_required`` (``tasks/update`` decides them), and
+``tasks/cancel`` stops the loop with :data:`CANCEL_REASON`, the reason that
+tells a cancelled task from a failed one.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from jsonschema import exceptions as schema_errors
 from jsonschema.validators import Draft202012Validator
+from mcp_types.jsonrpc import INTERNAL_ERROR
 
 from ..agent import Agent
-from ..errors import ConfigurationError, InvalidArgumentError
+from ..errors import ConfigurationError, InvalidArgumentError, SolidLoopError
 from ..loops import pending, queries
-from ..mcp.toolset import CallContext, Toolset
+from ..mcp.toolset import CallContext, ToolResult, Toolset
 from ..state import get_state
+from .tasks import TaskView
 
 __all__ = [
+    "CANCEL_REASON",
     "PRINCIPAL_STATE_KEY",
     "PRINCIPAL_SUBJECT_TYPE",
     "ExposedAgent",
+    "LoopTasks",
     "agent_toolset",
     "tool_suffix",
 ]
@@ -46,7 +58,10 @@ __all__ = [
 PRINCIPAL_SUBJECT_TYPE = "mcp_principal"
 #: The loop-state key holding the label of the principal who started the loop:
 #: the status, approve and deny tools answer only that principal.
-PRINCIPAL_STATE_KEY = "mcp_principal"
+PRINCIPAL_STATE_KEY = Agent.MCP_PRINCIPAL_STATE_KEY
+#: The stop reason of a loop a client cancelled with ``tasks/cancel``: such a
+#: loop ends ``failed`` (the host may resume it) and its task reads ``cancelled``.
+CANCEL_REASON = "cancelled by the MCP client (tasks/cancel)"
 
 _MESSAGE_SCHEMA = {"type": "string", "minLength": 1,
                    "description": "The task, as a message to the agent."}
@@ -71,7 +86,8 @@ class ExposedAgent:
     (a model instance or a ``(type, id)`` tuple), its ``state`` and its
     ``message`` (each optional: the defaults are the principal's label as
     subject, an empty state and the caller's message), or raises to refuse
-    the start (the client reads the exception's message). It runs in the
+    the start (the client reads the message of an ``InvalidArgumentError``,
+    or of any exception with ``expose_errors=True``). It runs in the
     request's app context, before the loop is written; what it adds to
     ``db.session`` commits with the loop.
     """
@@ -191,12 +207,7 @@ def _add_agent(toolset: Toolset, exposed: ExposedAgent,
         """
         loop, _ = owned(loop_id, ctx)
         session = get_state().db.session
-        answer = None
-        if loop.status == "completed":
-            for message in reversed(queries.messages(session, loop.id)):
-                if message.role == "assistant" and message.content:
-                    answer = message.content
-                    break
+        answer = _final_answer(session, loop) if loop.status == "completed" else None
         result: dict[str, Any] = {"loop_id": loop.id, "status": loop.status,
                                   "steps": loop.step_count}
         if answer is not None:
@@ -259,6 +270,14 @@ def _add_agent(toolset: Toolset, exposed: ExposedAgent,
         "the agent reads the reason."))
 
 
+def _final_answer(session: Any, loop: Any) -> str | None:
+    """The last assistant text of a completed loop."""
+    for message in reversed(queries.messages(session, loop.id)):
+        if message.role == "assistant" and message.content:
+            return str(message.content)
+    return None
+
+
 def _pending(call: Any) -> dict[str, Any]:
     """A waiting call as the status tool shows it."""
     return {"tool_call_id": call.id, "tool": call.name, "arguments": call.arguments,
@@ -284,3 +303,155 @@ def _run_on_start(exposed: ExposedAgent, principal: Any,
         raise ConfigurationError("on_start", type(chosen["state"]).__name__,
                                  "'state' must be a dict")
     return {key: (dict(value) if key == "state" else value) for key, value in chosen.items()}
+
+
+# --------------------------------------------------------------------------- tasks
+
+_TASK_ID_DIGITS = 18
+_LIVE = ("running", "waiting")
+_MESSAGE_LIMIT = 2000
+
+
+class LoopTasks:
+    """The exposed agents' loops as MCP tasks: the blueprint's
+    :class:`~flask_solidloop.mcp_server.tasks.TaskBackend`.
+
+    A call of ``start_<agent>`` makes the task (the loop it started); any
+    other id, or a loop of another principal or of an agent this blueprint
+    does not expose, is unknown. Reads go through loops.queries and
+    loops.pending; decisions and the stop through the Agent API.
+    """
+
+    def __init__(self, agents: Iterable[type[Agent] | ExposedAgent],
+                 label_of: Callable[[Any], str]) -> None:
+        self.label_of = label_of
+        self.agents: dict[str, type[Agent]] = {}
+        self.start_tools: set[str] = set()
+        for entry in agents:
+            agent_cls = entry.agent if isinstance(entry, ExposedAgent) else entry
+            agent_name = agent_cls._registered_name()
+            self.agents[agent_name] = agent_cls
+            self.start_tools.add(f"start_{tool_suffix(agent_name)}")
+
+    def supports(self, tool: str) -> bool:
+        return tool in self.start_tools
+
+    def created(self, tool: str, result: ToolResult, principal: Any) -> TaskView | None:
+        started = result.structured_content
+        if result.is_error or not isinstance(started, dict):
+            return None  # the start was refused: the caller reads the tool error
+        loop_id = started.get("loop_id")
+        return self.get(str(loop_id), principal) if isinstance(loop_id, int) else None
+
+    def get(self, task_id: str, principal: Any) -> TaskView | None:
+        loop = self._owned(task_id, principal)
+        return None if loop is None else _view(loop)
+
+    def update(self, task_id: str, principal: Any, responses: Mapping[str, Any]) -> bool:
+        loop = self._owned(task_id, principal)
+        if loop is None:
+            return False
+        by = f"mcp:{self.label_of(principal)}"
+        session = get_state().db.session
+        awaiting = {str(call.id): call.id
+                    for call in pending.awaiting_calls(session, loop_id=loop.id)
+                    if call.waits_for == "approval"}
+        agent = self.agents[loop.agent_name](loop)
+        for key, response in responses.items():
+            call_id = awaiting.get(key)
+            if call_id is None:
+                continue  # decided already, or not a key we sent: nothing to do
+            action = response.get("action") if isinstance(response, dict) else None
+            content = response.get("content") if isinstance(response, dict) else None
+            try:
+                if action == "accept":
+                    agent.approve(call_id, by=by)
+                else:  # decline, cancel or anything else: the call never runs
+                    reason = content.get("reason") if isinstance(content, dict) else None
+                    agent.deny(call_id, str(reason) if reason else
+                               f"the MCP client answered {str(action)[:20]!r} to the approval",
+                               by=by)
+            except SolidLoopError:
+                # Another decision landed first (the status tool, an operator):
+                # that one stands, and the answer is the same ack.
+                session.rollback()
+        return True
+
+    def cancel(self, task_id: str, principal: Any) -> bool:
+        loop = self._owned(task_id, principal)
+        if loop is None:
+            return False
+        # An ended loop stays as it is: cancelling it is the same empty ack.
+        self.agents[loop.agent_name](loop).stop(reason=CANCEL_REASON)
+        return True
+
+    def _owned(self, task_id: str, principal: Any) -> Any:
+        if not (task_id.isascii() and task_id.isdigit() and len(task_id) <= _TASK_ID_DIGITS):
+            return None
+        loop = queries.get_loop(get_state().db.session, int(task_id))
+        if (loop is None or loop.agent_name not in self.agents
+                or (loop.state or {}).get(PRINCIPAL_STATE_KEY) != self.label_of(principal)):
+            return None
+        return loop
+
+
+def _view(loop: Any) -> TaskView:
+    """A loop as a task: its status mapped, and what that status carries."""
+    session = get_state().db.session
+    stamps = [t for t in (loop.updated_at, loop.started_at, loop.finished_at) if t is not None]
+    view = TaskView(task_id=str(loop.id), status="working", created_at=loop.created_at,
+                    updated_at=max([loop.created_at, *stamps], key=_aware))
+    if loop.status == "completed":
+        view.status = "completed"
+        view.result = _tool_result(_final_answer(session, loop), loop.output)
+    elif loop.status == "failed":
+        if loop.error_message == CANCEL_REASON:
+            view.status = "cancelled"
+        else:
+            view.status = "failed"
+            view.error = {"code": INTERNAL_ERROR,
+                          "message": loop.error_message or "the loop failed"}
+    else:
+        approvals = []
+        if loop.status in _LIVE:
+            approvals = [call for call in pending.awaiting_calls(session, loop_id=loop.id)
+                         if call.waits_for == "approval"]
+        if approvals:
+            view.status = "input_required"
+            view.input_requests = {str(call.id): _approval_request(call) for call in approvals}
+            view.status_message = "tool calls await your approval"
+        else:
+            view.status_message = {"waiting": "waiting for a tool's result",
+                                   "paused": "paused by the host"}.get(loop.status, loop.status)
+    return view
+
+
+def _aware(stamp: datetime) -> float:
+    return stamp.timestamp()
+
+
+def _tool_result(answer: str | None, output: Any) -> dict[str, Any]:
+    """A completed loop as the ``CallToolResult`` its task carries."""
+    text = answer if answer is not None else (
+        json.dumps(output, ensure_ascii=False) if output is not None else "")
+    result: dict[str, Any] = {"content": [{"type": "text", "text": text}], "isError": False}
+    if isinstance(output, dict):
+        result["structuredContent"] = output
+    elif output is not None:
+        result["structuredContent"] = {"output": output}
+    return result
+
+
+def _approval_request(call: Any) -> dict[str, Any]:
+    """A call awaiting an approval as an ``elicitation/create`` input request:
+    accept approves it, decline (with an optional reason) denies it."""
+    arguments = json.dumps(call.arguments, ensure_ascii=False, default=str)
+    message = (f"The agent asks to call the tool {call.name!r} with arguments {arguments}. "
+               "Accept to run it; decline to deny it (the agent reads your reason).")
+    if len(message) > _MESSAGE_LIMIT:
+        message = message[:_MESSAGE_LIMIT - 1] + "…"
+    return {"method": "elicitation/create", "params": {
+        "mode": "form", "message": message,
+        "requestedSchema": {"type": "object", "properties": {"reason": {
+            "type": "string", "description": "Why you decline (the agent reads it)"}}},
+    }}

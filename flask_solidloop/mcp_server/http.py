@@ -2,7 +2,8 @@
 
 This module owns one Flask view per blueprint and what it does with a request
 before and after :func:`.protocol.dispatch`: Host/Origin checks, the body limit,
-authentication, ``Accept`` and ``Content-Type``, JSON-RPC framing (the SDK's
+authentication (the host's ``auth`` or :class:`.oauth.OAuthResource`),
+``Accept`` and ``Content-Type``, JSON-RPC framing (the SDK's
 ``jsonrpc_message_adapter``), the era of the request (2026-07-28's envelope,
 checked with ``classify_inbound_request``, or a handshake-era session kept in
 PostgreSQL), the HTTP status of each answer, SSE framing when notifications
@@ -24,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from flask import Request, Response, current_app, request
 from mcp.shared.inbound import (
@@ -46,9 +48,11 @@ from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, MODERN_PROTOCOL_VERSI
 from pydantic import ValidationError
 
 from .._typing import real_session
+from ..errors import McpTokenRefusedError
 from ..state import get_state
-from . import security, wirelog
+from . import security, tasks, wirelog
 from . import store as inbound
+from .oauth import OAuthResource
 from .protocol import McpError, Served, ServerSpec, dispatch, negotiate
 
 __all__ = ["McpEndpoint"]
@@ -83,12 +87,14 @@ class _Exchange:
 class McpEndpoint:
     """The view behind one ``solidloop.mcp_blueprint(...)``."""
 
-    def __init__(self, spec: ServerSpec, *, auth: Auth,
+    def __init__(self, spec: ServerSpec, *, auth: Auth | None,
                  allowed_hosts: tuple[str, ...] | None,
                  allowed_origins: tuple[str, ...] | None,
-                 principal_label: Callable[[Any], str] | None = None) -> None:
+                 principal_label: Callable[[Any], str] | None = None,
+                 oauth: OAuthResource | None = None) -> None:
         self.spec = spec
         self.auth = auth
+        self.oauth = oauth
         self.allowed_hosts = allowed_hosts
         self.allowed_origins = allowed_origins
         self.label_of = principal_label
@@ -126,7 +132,16 @@ class McpEndpoint:
             return _plain(f"Request body too large (limit {limit} bytes)", 413)
 
         ex.token = security.bearer_token(request.headers)
-        principal = self.auth(ex.token, request)
+        if self.oauth is not None:
+            try:
+                principal = self.oauth.authenticate(ex.token)
+            except McpTokenRefusedError as refused:
+                ex.error = (f"not authenticated: {refused.error or 'no token'}: "
+                            f"{refused.description}")
+                return self.oauth.refusal(refused if ex.token else None)
+        else:
+            assert self.auth is not None
+            principal = self.auth(ex.token, request)
         if principal is None:
             ex.error = "not authenticated"
             return Response(json.dumps({"error": "unauthorized",
@@ -289,6 +304,10 @@ class McpEndpoint:
         verdict = classify_inbound_request(decoded, headers=headers)
         if isinstance(verdict, InboundLadderRejection):
             return _rejection(req.id, verdict, ex)
+        if req.method in tasks.TASK_METHODS and self.spec.tasks is not None:
+            mismatch = tasks.name_header_mismatch(req.params, headers)
+            if mismatch is not None:
+                return _rejection(req.id, mismatch, ex)
         if req.method == "tools/call":
             params = req.params or {}
             name = params.get("name")
@@ -319,6 +338,8 @@ class McpEndpoint:
         if server_name:
             hosts.append(server_name)
             origins += [f"http://{server_name}", f"https://{server_name}"]
+        if self.oauth is not None:  # the host of the resource URL clients are told to use
+            hosts.append(urlsplit(self.oauth.resource).netloc)
         return (self.allowed_hosts if self.allowed_hosts is not None else tuple(hosts),
                 self.allowed_origins if self.allowed_origins is not None else tuple(origins))
 

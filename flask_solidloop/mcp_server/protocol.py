@@ -2,8 +2,9 @@
 
 This module owns what an exposed server *answers* to one JSON-RPC request,
 independent of HTTP: the method table (``initialize``, ``ping``,
-``tools/list``, ``tools/call``, ``server/discover``, ``subscriptions/listen``;
-everything else is ``-32601``), the per-version validation of params
+``tools/list``, ``tools/call``, ``server/discover``, ``subscriptions/listen``,
+and on 2026-07-28 the Tasks extension's ``tasks/*`` when agents are exposed
+(:mod:`.tasks`); everything else is ``-32601``), the per-version validation of params
 (``mcp_types.methods.parse_client_request``: a ``KeyError`` is a method the
 version does not have, a ``ValidationError`` is ``-32602``), and the shaping of
 results for the negotiated version (``serialize_server_result``; 2026-07-28
@@ -13,13 +14,16 @@ status codes) is in :mod:`.http`.
 
 Tool calls run synchronously on the request's thread, inside its app context,
 through :meth:`Toolset.call` (the same path a worker uses), so a tool behaves
-the same for an agent of ours and for an outside client.
+the same for an agent of ours and for an outside client; only the text of an
+exception a tool raised is kept from the outside client unless the blueprint
+says ``expose_errors=True`` (it gets an error id the server's log names).
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
+import secrets
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,6 +44,7 @@ from .._version import __version__
 from ..errors import SolidLoopError
 from ..mcp.toolset import CallContext, ToolResult, Toolset
 from ..mcp.transport import IDEMPOTENCY_META_KEY
+from . import tasks
 
 __all__ = ["McpError", "Served", "ServerSpec", "dispatch", "report_progress"]
 
@@ -81,6 +86,11 @@ class ServerSpec:
     name: str
     tools: dict[str, tuple[Toolset, str]]
     instructions: str | None = None
+    #: Who owns the tasks of the Tasks extension (None: the extension is not offered).
+    tasks: tasks.TaskBackend | None = None
+    #: Send a raising tool's exception text to outside callers (False: a generic
+    #: message with an error id, the text in the server's log).
+    expose_errors: bool = False
 
     def list_tools(self) -> list[dict[str, Any]]:
         listed = []
@@ -111,6 +121,8 @@ class Served:
     stream: bool = False
     tool: str | None = None
     tool_error: bool = False
+    #: The result is already in its wire shape (a task): stamped, not re-serialized.
+    shaped: bool = False
 
 
 # --------------------------------------------------------------------------- progress
@@ -167,6 +179,13 @@ def dispatch(spec: ServerSpec, method: str, params: Mapping[str, Any] | None, *,
     returned, before the response."""
     modern = version in MODERN_PROTOCOL_VERSIONS
     served_methods = MODERN_METHODS if modern else HANDSHAKE_METHODS
+    if modern and method in tasks.TASK_METHODS and spec.tasks is not None:
+        # The SDK's method table has no extension methods: checked in .tasks.
+        try:
+            answered = tasks.answer(spec.tasks, method, params or {}, principal)
+        except tasks.TasksError as exc:
+            return Served(error=McpError(exc.code, exc.message, exc.data))
+        return Served(result=_stamp(spec, answered))
     try:
         sdk_methods.parse_client_request(method, version, params)
     except KeyError:
@@ -187,16 +206,18 @@ def dispatch(spec: ServerSpec, method: str, params: Mapping[str, Any] | None, *,
         elif method == "server/discover":
             served = Served(result=types.DiscoverResult(
                 supported_versions=list(MODERN_PROTOCOL_VERSIONS),
-                capabilities=_capabilities(), instructions=spec.instructions,
+                capabilities=_capabilities(spec), instructions=spec.instructions,
             ).model_dump(by_alias=True, mode="json", exclude_none=True))
         elif method == "subscriptions/listen":
             served = _listen(params, request_id)
         else:
-            served = _call_tool(spec, params, principal, session)
+            served = _call_tool(spec, params, principal, session,
+                                tasks_declared=modern and tasks.declared(params))
     except McpError as exc:
         return Served(error=exc)
     if served.result is not None:
-        served.result = _serialize(spec, method, version, served.result)
+        served.result = (_stamp(spec, served.result) if served.shaped
+                         else _serialize(spec, method, version, served.result))
     return served
 
 
@@ -208,8 +229,11 @@ def _validation_summary(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def _capabilities() -> types.ServerCapabilities:
-    return types.ServerCapabilities(tools=types.ToolsCapability(list_changed=False))
+def _capabilities(spec: ServerSpec | None = None) -> types.ServerCapabilities:
+    capabilities = types.ServerCapabilities(tools=types.ToolsCapability(list_changed=False))
+    if spec is not None and spec.tasks is not None:
+        capabilities.extensions = {tasks.EXTENSION_ID: {}}
+    return capabilities
 
 
 def _initialize(spec: ServerSpec, params: dict[str, Any]) -> dict[str, Any]:
@@ -240,7 +264,7 @@ def _listen(params: dict[str, Any], request_id: Any) -> Served:
 
 
 def _call_tool(spec: ServerSpec, params: dict[str, Any], principal: Any,
-               session: Any = None) -> Served:
+               session: Any = None, *, tasks_declared: bool = False) -> Served:
     name = params.get("name")
     entry = spec.tools.get(name) if isinstance(name, str) else None
     if entry is None:
@@ -259,6 +283,17 @@ def _call_tool(spec: ServerSpec, params: dict[str, Any], principal: Any,
         # What the tool wrote through ctx.session (a tool that raised had its
         # writes rolled back by the toolset) lands before the caller hears of it.
         session.commit()
+    if tasks_declared and spec.tasks is not None and spec.tasks.supports(str(name)):
+        view = spec.tasks.created(str(name), result, principal)
+        if view is not None:
+            return Served(result=tasks.created(view), notifications=notifications, tool=name,
+                          shaped=True)
+    if result.raised and not spec.expose_errors:
+        error_id = secrets.token_hex(6)
+        logger.error("MCP server %r: tool %r raised for an outside caller (error id %s): %s",
+                     spec.name, name, error_id, result.text())
+        result = ToolResult.error(f"the tool failed (error id {error_id}); the server's log "
+                                  "has the details")
     return Served(result=result.to_mcp(), notifications=notifications, tool=name,
                   tool_error=result.is_error)
 
@@ -285,12 +320,17 @@ def _serialize(spec: ServerSpec, method: str, version: str,
         if modern:
             fallback["resultType"] = "complete"
         dumped = sdk_methods.serialize_server_result(method, version, fallback)
-    if modern:
-        dumped.setdefault("resultType", "complete")
-        meta = dumped.get("_meta")
-        stamp = spec.server_info()
-        if meta is None:
-            dumped["_meta"] = {SERVER_INFO_META_KEY: stamp}
-        elif isinstance(meta, dict) and meta.get(SERVER_INFO_META_KEY) is None:
-            dumped["_meta"] = {**meta, SERVER_INFO_META_KEY: stamp}
-    return dumped
+    return _stamp(spec, dumped) if modern else dumped
+
+
+def _stamp(spec: ServerSpec, result: dict[str, Any]) -> dict[str, Any]:
+    """A 2026-07-28 result's ``resultType`` (complete unless set) and the
+    ``serverInfo`` stamp in its ``_meta``."""
+    result.setdefault("resultType", "complete")
+    meta = result.get("_meta")
+    stamp = spec.server_info()
+    if meta is None:
+        result["_meta"] = {SERVER_INFO_META_KEY: stamp}
+    elif isinstance(meta, dict) and meta.get(SERVER_INFO_META_KEY) is None:
+        result["_meta"] = {**meta, SERVER_INFO_META_KEY: stamp}
+    return result

@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidArgumentError, ProviderAnswerError
+from ..errors import InvalidArgumentError, ProviderAnswerError, ProviderError
+from ..limits import admission
 from ..llm import pricing, reasoning, tool_text
 from ..llm.client import RetryPolicy, TurnLimits, post_json, request_record
 from ..llm.dialect import RenderOptions
@@ -36,7 +37,7 @@ from ..llm.types import PROVIDER_KEYS, ChatMessage, ProviderSettings
 from ..loops import store
 from .builder import Handler
 from .context import LlmContext
-from .llm_stack import _no_longer_ours
+from .llm_stack import _capacity_at, _failed, _no_longer_ours, _settle
 
 logger = logging.getLogger("flask_solidloop.compaction")
 
@@ -282,6 +283,18 @@ def summary_turn(ctx: LlmContext, config: Compaction, span: list[ChatMessage],
     request = summary_request(ctx, config, span)
     state = ctx.state
     cfg = state.config
+    # The summarizer's request is a request of the loop's like any other: its
+    # budget (a spent one pauses the loop here), its subject's ledger and the
+    # rate buckets of the summarizer's model admit it, or defer it to its slot.
+    limits = admission.limits_for(state, ctx.agent, ctx.loop, request.settings)
+    slot_at: float | None = None
+    if limits is not None:
+        admission.check_loop(ctx.session, limits, ctx.loop, state)
+        ctx.admitted = admission.admit(state, ctx.session, limits, ctx.loop, request.payload,
+                                       request.settings.model, ctx.execution_token)
+        slot_at = _capacity_at(ctx, ctx.admitted)
+        if slot_at is None:
+            return None
     ctx.secrets = request.secrets
     record = request_record(request.url, request.payload, headers=request.headers,
                             secrets=request.secrets)
@@ -293,20 +306,14 @@ def summary_turn(ctx: LlmContext, config: Compaction, span: list[ChatMessage],
     ctx.request_event_id, ctx.wire = recorded.event_id, record
     # No transaction across the network call.
     store.end_transaction(ctx.session)
+    if slot_at is not None:
+        time.sleep(max(0.0, slot_at - time.monotonic()))
     ctx.requested = True
     started = time.monotonic()
-    body, ctx.wire = post_json(
-        request.url, request.payload, headers=request.headers, params=request.params,
-        read_timeout=request.settings.read_timeout or cfg.default_read_timeout,
-        connect_timeout=request.settings.connect_timeout,
-        policy=RetryPolicy(retries=cfg.llm_retries, base_delay=cfg.llm_retry_base_delay,
-                           max_delay=cfg.llm_retry_max_delay, statuses=cfg.llm_retry_statuses),
-        pool_timeout=cfg.llm_pool_timeout, secrets=request.secrets,
-        should_abort=lambda: _no_longer_ours(ctx),
-        retry_after_from_body=request.dialect.retry_after_from_body,
-        limits=TurnLimits.starting_now(ctx.agent.option("turn_timeout"),
-                                       ctx.agent.option("max_output_chars")),
-        record=record)
+    try:
+        body, ctx.wire = _post(ctx, request, record)
+    except ProviderError as exc:
+        _failed(ctx, exc)
     answer = request.dialect.parse(body)
     summary = (answer.content or "").strip()
     if not summary:
@@ -316,6 +323,8 @@ def summary_turn(ctx: LlmContext, config: Compaction, span: list[ChatMessage],
         error.wire = ctx.wire
         raise error
     usage = answer.usage
+    if ctx.admitted is not None:
+        _settle(ctx, request.settings.model, usage, 0)
     cost = pricing.cost(usage, cfg.prices.get(request.settings.model)) \
         if usage is not None else None
     meta: dict[str, Any] = {
@@ -344,3 +353,24 @@ def summary_turn(ctx: LlmContext, config: Compaction, span: list[ChatMessage],
                 "summary %s", ctx.loop_id, compacted.replaced, tokens, config.trigger_tokens,
                 compacted.summary_id)
     return None
+
+
+def _post(ctx: LlmContext, request: SummaryRequest, record: Any) -> tuple[Any, Any]:
+    """The summarizer's request, with the turn's retry policy and deadline."""
+    cfg = ctx.state.config
+    return post_json(  # type: ignore[no-any-return]
+        request.url, request.payload, headers=request.headers, params=request.params,
+        read_timeout=request.settings.read_timeout or cfg.default_read_timeout,
+        connect_timeout=request.settings.connect_timeout,
+        policy=RetryPolicy(
+            retries=cfg.llm_retries, base_delay=cfg.llm_retry_base_delay,
+            max_delay=cfg.llm_retry_max_delay, statuses=cfg.llm_retry_statuses,
+            # A rate-limited key's refusal with a long wait defers the turn.
+            defer_after=cfg.rate_limit_inline_wait
+            if ctx.admitted is not None and ctx.admitted.reservation is not None else None),
+        pool_timeout=cfg.llm_pool_timeout, secrets=request.secrets,
+        should_abort=lambda: _no_longer_ours(ctx),
+        retry_after_from_body=request.dialect.retry_after_from_body,
+        limits=TurnLimits.starting_now(ctx.agent.option("turn_timeout"),
+                                       ctx.agent.option("max_output_chars")),
+        record=record)

@@ -39,6 +39,7 @@ from typing import Any, NoReturn
 from ..dbapi import is_transient
 from ..errors import (
     AbortedError,
+    AgentDefinitionError,
     BudgetExceededError,
     HistoryTooLargeError,
     LimitExceededError,
@@ -241,6 +242,13 @@ class AgentInitialization:
                 "resume() starts a new run"
             )
         ctx.tools = _tools_with_snapshots(ctx)
+        if loop.output_schema is not None and output.OUTPUT_TOOL in ctx.tools.names:
+            # Anthropic and Gemini are asked for the answer through a tool of
+            # that name; two tools with one name is a request they refuse.
+            raise AgentDefinitionError(
+                f"agent {ctx.agent.agent_name!r} has output_type and a tool named "
+                f"{output.OUTPUT_TOOL!r}, the name structured output's own tool takes; "
+                "rename that tool (or its mcps entry's prefix)")
         carried = ctx.claim.history if ctx.claim is not None else None
         ctx.history = carried if carried is not None else queries.history(ctx.session,
                                                                           ctx.loop_id)
@@ -339,9 +347,14 @@ class NetworkCalling:
             slot_at = _capacity_at(ctx, admitted)
             if slot_at is None:
                 return None
+        # A dialect that sends only the newest part of the history (Responses
+        # chained with previous_response_id) names where it starts.
+        first_sent = getattr(dialect, "first_sent", None)
+        start = first_sent(settings, history) if first_sent is not None else 0
         ctx.reasoning_carried = reasoning.carried(history, {
             index: reasoning.plan(message, strategies, dialect.name)
-            for index, message in enumerate(history) if message.role == "assistant"
+            for index, message in enumerate(history)
+            if message.role == "assistant" and index >= start
         })
         api_key = settings.resolve_api_key()
         headers = {"Content-Type": "application/json", **rendered.headers, **settings.headers,
@@ -434,7 +447,7 @@ class NetworkCalling:
         rest of the stack."""
         assert ctx.response is not None
         if ctx.admitted is not None:
-            _settle(ctx, request.model)
+            _settle(ctx, request.model, ctx.response.usage, len(ctx.response.tool_calls))
         if not request.streaming and ctx.response.usage and ctx.response.usage.output_tokens:
             seconds = max(time.monotonic() - request.started, 1e-6)
             ctx.metrics["output_tokens_per_s"] = round(
@@ -585,15 +598,15 @@ def _defer_to(ctx: LlmContext, admitted: admission.Admitted, wait: float, *,
                     if admitted.reservation else "its keys", wait)
 
 
-def _settle(ctx: LlmContext, model: str | None) -> None:
+def _settle(ctx: LlmContext, model: str | None, usage: Any, tool_calls: int) -> None:
     """The answer's real usage replaces its estimate in the ledger and the
     buckets. The answer is paid for: a failure here is logged and the turn goes
     on (the estimate stays counted, which errs on the safe side)."""
-    assert ctx.admitted is not None and ctx.response is not None
+    assert ctx.admitted is not None
     try:
-        admission.settle(ctx.session, ctx.admitted, usage=ctx.response.usage,
+        admission.settle(ctx.session, ctx.admitted, usage=usage,
                          prices=ctx.state.config.prices.get(model or ""),
-                         tool_calls=len(ctx.response.tool_calls),
+                         tool_calls=tool_calls,
                          headers=ctx.wire.rate_headers if ctx.wire is not None else None)
     except Exception:
         store.recover(ctx.session)

@@ -108,6 +108,8 @@ class ToolExecution:
             # The tool sees a detached snapshot of the loop, so reading it never
             # reopens a transaction on our session.
             loop = ctx.loop
+            # Asked while the loop is still attached: the default reads its state.
+            principal = ctx.agent.mcp_principal()
             ctx.session.expunge(loop)
             # End the read transaction: a tool may run for minutes and must not
             # hold a snapshot or a connection's transaction open meanwhile.
@@ -117,7 +119,7 @@ class ToolExecution:
             # An in-process tool writes through the worker's session: what it leaves
             # uncommitted commits with the call's outcome (pipeline/tool_session).
             call_ctx = CallContext(agent=ctx.agent, loop=loop, idempotency_key=key,
-                                   principal=ctx.agent.mcp_principal(),
+                                   principal=principal,
                                    session=real_session(ctx.session) if local else None)
             returned = False
             try:

@@ -59,7 +59,7 @@ def call_wait(ctx: LlmContext, name: str, route: ToolRoute | None,
     policy = ctx.agent.approval_policy
     if rule.requires_approval is False and _is_default(policy):
         return None
-    call_ctx = CallContext(agent=ctx.agent, loop=ctx.loop,
+    call_ctx = CallContext(agent=ctx.agent, loop=ctx.loop, principal=ctx.agent.mcp_principal(),
                            server_name=route.server_name if route else None,
                            tool_name=route.tool_name if route else None)
     needs = _asks(rule.requires_approval, (arguments, call_ctx), f"requires_approval of {name!r}")

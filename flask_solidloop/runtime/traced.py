@@ -20,7 +20,8 @@ from ..telemetry import tracing
 from ..urls import redact_urls_in
 
 #: GenAI provider names (gen_ai.provider.name) of our dialects.
-PROVIDERS = {"openai": "openai", "anthropic": "anthropic", "gemini": "gcp.gemini"}
+PROVIDERS = {"openai": "openai", "openai_responses": "openai", "anthropic": "anthropic",
+             "gemini": "gcp.gemini"}
 
 
 class TurnRun(NamedTuple):

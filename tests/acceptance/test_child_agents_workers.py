@@ -2,7 +2,8 @@
 (docs/guides/conversations.md, "Child agents"): a parent whose two children
 run in parallel survives the SIGKILL of the fleet running both, with exactly
 one result per child call; stopping the parent stops both children; a chain
-deeper than SOLIDLOOP_MAX_AGENT_DEPTH is refused with an error naming it.
+deeper than SOLIDLOOP_MAX_AGENT_DEPTH is refused with an error naming it; a
+paused tree killed with its fleet finishes when resumed.
 """
 
 from __future__ import annotations
@@ -168,3 +169,47 @@ def test_a_depth_six_chain_is_refused_with_a_clear_error(app, session, llm, flee
         "SOLIDLOOP_MAX_AGENT_DEPTH (5)")
     answer = solidloop.agents["chain0"](root.id).result()
     assert answer.endswith("past SOLIDLOOP_MAX_AGENT_DEPTH (5)")
+
+
+def test_a_paused_tree_killed_with_its_fleet_finishes_when_resumed(app, session, llm, fleet):  # noqa: F811 - the imported fixture
+    script(llm, session, seconds=4)
+    first = fleet("first", ttl=4.0)
+    lead = Lead.start(message="plan the fruit")
+    children = poll(session, lambda: len(children_of(session, lead.id)) == 2
+                    and children_of(session, lead.id), what="the two children to start")
+    poll(session, lambda: len(child_tool_keys(session, children)) == 2 and slow_starts(
+        session, child_tool_keys(session, children)) == 2, what="both children's tools to run")
+    # Pausing the lead pauses both children while their tools run; the fleet
+    # then dies with the tools mid-run.
+    assert Lead(lead).pause()
+    session.expire_all()
+    assert [status_of(session, c.id) for c in [lead, *children]] == ["paused"] * 3
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    requests_then = len(llm.requests)
+    fleet("second", ttl=4.0)
+    time.sleep(3)
+    # Paused, the tree asks nothing of the model, whatever the new fleet does.
+    assert len(llm.requests) == requests_then
+    assert [status_of(session, c.id) for c in [lead, *children]] == ["paused"] * 3
+
+    assert Lead(lead).resume()
+    poll(session, lambda: status_of(session, lead.id) in ("completed", "failed"),
+         timeout=120, what="the resumed tree to finish")
+    assert status_of(session, lead.id) == "completed"
+    assert {status_of(session, c.id) for c in children} == {"completed"}
+    session.expire_all()
+    calls = list(session.scalars(select(ToolCall).where(ToolCall.loop_id == lead.id)
+                                 .order_by(ToolCall.position)))
+    assert [(c.decision, c.decided_by, c.is_success) for c in calls] == [
+        ("completed", f"loop {children[0].id}", True),
+        ("completed", f"loop {children[1].id}", True)]
+    # Each child's slow call, cut by the kill, ran again after the resume and
+    # succeeded: one call, one result.
+    for child in children:
+        slow = list(session.scalars(select(ToolCall).where(ToolCall.loop_id == child.id)))
+        assert [(c.name, c.is_success) for c in slow] == [("slow", True)]
+        assert len(session.scalars(select(Message.id).where(
+            Message.loop_id == child.id, Message.role == "tool")).all()) == 1
+    assert sorted(m.content for m in session.scalars(select(Message).where(
+        Message.loop_id == lead.id, Message.role == "tool"))) == ["found apples", "found pears"]

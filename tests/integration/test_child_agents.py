@@ -308,6 +308,55 @@ def test_stop_freeze_and_force_stop_cascade_to_live_children(app, session, llm, 
     assert live_jobs(session, child.id) == []
 
 
+def test_pause_takes_the_tree_and_resume_brings_it_back(app, session, llm, drain):
+    script_research(llm, "figs", "plums", answer="Figs and plums, researched.")
+    lead = Lead.start(message="plan figs and plums")
+    drain(queues=("solidloop_llm",), max_jobs=1)
+    children = children_of(session, lead.id)
+    assert [c.status for c in children] == ["queued", "queued"]
+
+    assert Lead(lead).pause()
+    assert loop_of(session, lead.id).status == "paused"
+    assert [(c.status, c.error_message) for c in children_of(session, lead.id)] == [
+        ("paused", f"paused with its parent loop {lead.id}")] * 2
+    # The children's queued turns belong to the old generation: nothing runs.
+    requests_then = len(llm.requests)
+    drain()
+    assert len(llm.requests) == requests_then
+    assert [c.status for c in children_of(session, lead.id)] == ["paused", "paused"]
+
+    assert Lead(lead).resume()
+    parent = loop_of(session, lead.id)
+    assert parent.status == "waiting"
+    assert [(c.status, c.error_message) for c in children_of(session, lead.id)] == [
+        ("queued", None), ("queued", None)]
+    drain()
+    assert loop_of(session, lead.id).status == "completed"
+    assert Lead(lead).result() == "Figs and plums, researched."
+    assert sorted(tool_messages(session, lead.id)) == ["figs: found it", "plums: found it"]
+    # Each child asked the model once: the paused generation sent nothing.
+    assert sum(1 for r in llm.requests if r.json and any(
+        "research figs" in str(m.get("content")) for m in r.json.get("messages", []))) == 1
+
+
+def test_resuming_a_paused_parent_leaves_a_frozen_child_frozen(app, session, llm, drain):
+    script_research(llm, "limes")
+    lead = Lead.start(message="plan limes")
+    drain(queues=("solidloop_llm",), max_jobs=1)
+    child = children_of(session, lead.id)[0]
+    assert Researcher(child.id).freeze()
+    assert Lead(lead).pause()
+    assert Lead(lead).resume()
+    assert loop_of(session, lead.id).status == "waiting"
+    assert (loop_of(session, child.id).status, loop_of(session, child.id).frozen) == (
+        "paused", True)
+    # Unfrozen and resumed on its own, it answers the call and the lead goes on.
+    assert Researcher(child.id).unfreeze()
+    assert Researcher(child.id).resume()
+    drain()
+    assert loop_of(session, lead.id).status == "completed"
+
+
 def test_a_chain_past_the_depth_cap_is_refused_with_the_setting_named(
         app, session, llm, drain):
     for n in range(7):

@@ -11,7 +11,8 @@ from flask_solidloop.models import Event, Loop, Message, ToolCall
 
 from ..support.support_app import calc, solidloop
 
-CASES = [(d, s) for d in ("openai", "anthropic", "gemini") for s in (False, True)]
+CASES = [(d, s) for d in ("openai", "openai_responses", "anthropic", "gemini")
+         for s in (False, True)]
 
 
 def make_agent(name: str, dialect: str, streaming: bool, base_url: str) -> type[Agent]:
@@ -71,6 +72,22 @@ def assert_shape(dialect, streaming, first, second):
         assert body["tools"][0]["type"] == "function"
         assert body["tools"][0]["function"]["name"] == "add"
         assert body["tools"][0]["function"]["parameters"]["required"] == ["a", "b"]
+    elif dialect == "openai_responses":
+        assert second.path == "/v1/responses"
+        assert second.headers["authorization"] == "Bearer sk-test-secret-123"
+        assert body["model"] == "test-model" and body["stream"] is streaming
+        assert body["store"] is False
+        items = body["input"]
+        assert [(i["type"], i.get("role")) for i in items] == [
+            ("message", "system"), ("message", "user"), ("message", "assistant"),
+            ("function_call", None), ("function_call_output", None)]
+        assert items[2]["content"] == "Adding."
+        call = items[3]
+        assert (call["name"], call["arguments"]) == ("add", '{"a": 2, "b": 3}')
+        assert items[4] == {"type": "function_call_output", "call_id": call["call_id"],
+                            "output": "5"}
+        assert body["tools"][0]["type"] == "function" and body["tools"][0]["name"] == "add"
+        assert body["tools"][0]["parameters"]["required"] == ["a", "b"]
     elif dialect == "anthropic":
         assert second.path == "/v1/messages"
         assert second.headers["x-api-key"] == "sk-test-secret-123"

@@ -92,7 +92,8 @@ def test_a_fork_at_a_tool_result_sends_the_request_the_loop_sent_next(session, l
     assert len(chat_requests(llm)) == 2 + 3
 
 
-DIALECTS = [(d, s) for d in ("openai", "anthropic", "gemini") for s in (False, True)]
+DIALECTS = [(d, s) for d in ("openai", "openai_responses", "anthropic", "gemini")
+            for s in (False, True)]
 
 
 @pytest.mark.parametrize(("dialect", "streaming"), DIALECTS)

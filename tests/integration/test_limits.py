@@ -416,3 +416,105 @@ def test_a_slot_beyond_the_horizon_reserves_nothing(configured):
         assert 1.8 < third.wait <= 2.0 and not third.held
         assert level() <= before
         assert session.get(RateBucket, ("k", "-")).deferrals == 2
+
+
+# -- a compaction's summary request is admitted like any other ---------------------------
+
+
+def compacting_agent_for(name, llm, **options):
+    """An agent whose history is compacted past 1,000 tokens by its own model
+    (tests/support/support_app.QUICK_COMPACTION)."""
+    from flask_solidloop.pipeline import AgentInitialization
+
+    from ..support.support_app import QUICK_COMPACTION, pages
+
+    def configure_llm_middlewares(self, builder) -> None:
+        builder.insert_after(AgentInitialization, QUICK_COMPACTION)
+
+    return agent_for(name, llm, **{"mcps": [{"name": "pages", "toolset": pages}],
+                                   "configure_llm_middlewares": configure_llm_middlewares,
+                                   **options})
+
+
+def script_pages(llm, turns):
+    """A page a turn up to ``turns`` turns, then an answer; the summarizer
+    answers its requests. Returns the summary requests' count, as it grows."""
+    from flask_solidloop.pipeline.compaction import DEFAULT_INSTRUCTIONS
+
+    summaries = [0]
+    asked = [0]
+
+    def reply(body):
+        if body["messages"][0]["content"] == DEFAULT_INSTRUCTIONS:
+            summaries[0] += 1
+            return {"content": "Pages were read."}
+        if asked[0] == turns:
+            return {"content": "done"}
+        asked[0] += 1
+        return {"tool_calls": [{"name": "read_page", "arguments": {"page": asked[0]}}]}
+
+    llm.script(lambda body: True, reply)
+    return summaries
+
+
+def test_a_spent_budget_pauses_the_loop_before_its_summary_request(configured, llm):
+    app = configured()
+    with app.app_context():
+        # A probe: how many turns go before the first summary request.
+        probe = compacting_agent_for("compacting_probe", llm)
+        summaries = script_pages(llm, 8)
+        [loop] = run_until_settled(app, [probe.start(message="read").id])
+        assert loop.status == "completed" and summaries[0] >= 1
+        first = next(i for i, r in enumerate(llm.requests)
+                     if r.json["messages"][0]["content"] != "You add numbers.")
+        # Its budget is spent exactly when the summary would be asked for.
+        llm.reset()
+        agent = compacting_agent_for("compacting_budget", llm, budget={"llm_turns": first})
+        summaries = script_pages(llm, 8)
+        [loop] = run_until_settled(app, [agent.start(message="read").id])
+        assert loop.status == "paused"
+        assert loop.error_message.startswith("BudgetExceededError: the loop's budget "
+                                             "llm_turns is spent")
+        assert summaries[0] == 0  # the summarizer was never asked
+        assert len(llm.requests) == first
+
+
+def test_summary_requests_take_their_slots_in_the_rate_limit(configured, llm):
+    # A probe finds how many turns go before the first summary request; the
+    # provider and the key then allow exactly that many at once (one more
+    # every 60/N s): the burst is spent when the summary is due, which must
+    # wait for its slot rather than be sent and refused.
+    from flask_solidloop import Compaction
+    from flask_solidloop.pipeline import AgentInitialization
+    from flask_solidloop.pipeline.compaction import DEFAULT_INSTRUCTIONS
+
+    compaction = Compaction(trigger_tokens=3000, keep_last_turns=1)
+
+    def configure_llm_middlewares(self, builder) -> None:
+        builder.insert_after(AgentInitialization, compaction)
+
+    probe_app = configured()
+    with probe_app.app_context():
+        probe = compacting_agent_for("compacting_rates_probe", llm,
+                                     configure_llm_middlewares=configure_llm_middlewares)
+        script_pages(llm, 30)
+        [loop] = run_until_settled(probe_app, [probe.start(message="read").id])
+        assert loop.status == "completed"
+        first = next(i for i, r in enumerate(llm.requests)
+                     if r.json["messages"][0]["content"] == DEFAULT_INSTRUCTIONS)
+    assert first >= 4
+
+    key = f"{origin_of(llm.base_url)} {MODEL}"
+    app = configured(SOLIDLOOP_RATE_LIMITS={key: {"rpm": first}},
+                     SOLIDLOOP_RATE_LIMIT_INLINE_WAIT=0.1)
+    with app.app_context():
+        llm.rate_limit(rpm=first)
+        agent = compacting_agent_for("compacting_rates", llm,
+                                     configure_llm_middlewares=configure_llm_middlewares)
+        summaries = script_pages(llm, first)
+        [loop] = run_until_settled(app, [agent.start(message="read").id], timeout=120)
+        assert loop.status == "completed"
+        assert summaries[0] >= 1
+        stats = llm.rate_limit_stats()
+        assert stats.count_429 == 0, stats
+        assert loop.capacity_deferrals >= 1

@@ -165,7 +165,7 @@ def test_a_stream_that_broke_after_content_is_not_retried_at_once_but_deferred(
     assert [(s.status, s.is_hidden) for s in shells] == [("failed", True)]
 
 
-@pytest.mark.parametrize("dialect", ["openai", "anthropic", "gemini"])
+@pytest.mark.parametrize("dialect", ["openai", "openai_responses", "anthropic", "gemini"])
 def test_an_error_event_mid_stream_before_content_is_retried(app, session, llm, dialect):
     agent = agent_for(f"overloaded_{dialect}", llm, dialect=dialect, streaming=True)
     llm.fault_next("error_mid_stream", after=0)

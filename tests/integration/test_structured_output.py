@@ -101,6 +101,34 @@ def last_user_text(dialect, body):
     return body["contents"][-1]["parts"][-1]["text"]
 
 
+def test_a_tool_named_like_the_output_tool_fails_the_loop_naming_the_fix(app, session, llm,
+                                                                       drain):
+    clashing = Toolset("clashing")
+
+    @clashing.tool
+    def final_answer(text: str) -> str:
+        """Say something final."""
+        return text
+
+    agent = make_agent("so_clash", "anthropic", False, llm.base_url)
+    agent.mcps = [{"name": "clashing", "toolset": clashing}]
+    llm.script("describe ada", {"output": GOOD})
+    loop = agent.start(message="Describe Ada")
+    drain()
+    session.expire_all()
+    failed = session.get(Loop, loop.id)
+    assert failed.status == "failed"
+    assert "has output_type and a tool named 'final_answer'" in failed.error_message
+    assert "rename that tool" in failed.error_message
+    assert chats(llm) == []  # nothing was sent
+    # Prefixed, the same tool no longer clashes.
+    agent.mcps = [{"name": "clashing", "toolset": clashing, "prefix": "mine"}]
+    ok = agent.start(message="Describe Ada")
+    drain()
+    session.expire_all()
+    assert session.get(Loop, ok.id).status == "completed"
+
+
 @pytest.mark.parametrize(("dialect", "streaming"), CASES, ids=IDS)
 def test_a_nested_model_is_validated_and_kept(app, session, llm, drain, dialect, streaming):
     agent = make_agent(f"so_ok_{dialect}_{streaming}", dialect, streaming, llm.base_url)

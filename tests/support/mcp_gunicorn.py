@@ -32,9 +32,10 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serve(*, workers: int = 4, threads: int = 4, env: dict[str, str] | None = None,
-          log_path: Path | None = None) -> Iterator[str]:
-    """Yield the base URL (``http://127.0.0.1:<port>``) of a running gunicorn."""
-    port = free_port()
+          log_path: Path | None = None, port: int | None = None) -> Iterator[str]:
+    """Yield the base URL (``http://127.0.0.1:<port>``) of a running gunicorn
+    (on ``port``, when the app must know its own URL before it starts)."""
+    port = port or free_port()
     gunicorn = Path(sys.executable).with_name("gunicorn")
     command = [str(gunicorn), "-w", str(workers), "-k", "gthread", "--threads", str(threads),
                "-b", f"127.0.0.1:{port}", "--graceful-timeout", "3", APP]

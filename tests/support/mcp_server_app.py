@@ -12,7 +12,13 @@ extension (so its agents and workers are the same):
   start tool takes a ticket and whose ``on_start`` makes it the loop's subject
   (principal ``mallory`` is refused);
 * ``/mcp/conformance``: the fixture tools of the official conformance suite,
-  open to any caller (the suite sends no token).
+  open to any caller (the suite sends no token);
+* with ``SOLIDLOOP_TEST_OAUTH_ISSUER`` set (an authorization server of
+  tests/support/oauth_server.py), ``/mcp/secure`` and ``/mcp/introspected``:
+  ``calc`` and ``probe`` behind OAuth (decision 0041) for the resources
+  ``<SOLIDLOOP_TEST_OAUTH_BASE>/mcp/secure`` (JWTs checked against the server's
+  JWKS, scope ``mcp`` required) and ``.../mcp/introspected`` (every token
+  introspected, as client ``SOLIDLOOP_TEST_OAUTH_RS_ID`` / ``_RS_SECRET``).
 """
 
 from __future__ import annotations
@@ -24,7 +30,12 @@ import time
 from flask import Flask
 
 from flask_solidloop import Agent, CallContext, ToolResult, Toolset
-from flask_solidloop.mcp_server import ExposedAgent, report_progress
+from flask_solidloop.mcp_server import (
+    ExposedAgent,
+    Introspection,
+    OAuthResource,
+    report_progress,
+)
 
 from .support_app import Assistant, ShopAgent, calc, llm_settings, solidloop
 from .support_app import create_app as create_support_app
@@ -33,6 +44,8 @@ from .support_app import create_app as create_support_app
 TOKEN_PREFIX = "token-"
 #: Where an agent of ours finds the blueprint (set by the test that starts gunicorn).
 REMOTE_URL_ENV = "SOLIDLOOP_TEST_MCP_SERVER_URL"
+#: The issuer of the authorization server the OAuth blueprints trust (when set).
+OAUTH_ISSUER_ENV = "SOLIDLOOP_TEST_OAUTH_ISSUER"
 
 
 def check_token(token: str | None, request) -> str | None:
@@ -51,7 +64,8 @@ probe = Toolset("probe")
 @probe.tool
 def whoami(ctx: CallContext) -> dict:
     """Who is calling, as the tool sees it."""
-    return {"principal": ctx.principal, "idempotency_key": ctx.idempotency_key,
+    principal = getattr(ctx.principal, "mcp_label", ctx.principal)  # an OAuthPrincipal's label
+    return {"principal": principal, "idempotency_key": ctx.idempotency_key,
             "agent": ctx.agent is not None, "loop": ctx.loop is not None, "pid": os.getpid()}
 
 
@@ -212,8 +226,9 @@ TICKET_ARGUMENTS = {
 calc_blueprint = solidloop.mcp_blueprint(calc, probe, auth=check_token, name="mcp_calc")
 agents_blueprint = solidloop.mcp_blueprint(auth=check_token, agents=[Assistant, ShopAgent],
                                            name="mcp_agents")
+# expose_errors: the tests read on_start's refusal (a PermissionError) verbatim.
 tickets_blueprint = solidloop.mcp_blueprint(
-    auth=check_token, name="mcp_tickets",
+    auth=check_token, name="mcp_tickets", expose_errors=True,
     agents=[ExposedAgent(Assistant, arguments=TICKET_ARGUMENTS, required=["ticket_id"],
                          on_start=start_on_ticket)])
 conformance_blueprint = solidloop.mcp_blueprint(conformance, auth=anyone, name="conformance")
@@ -225,4 +240,17 @@ def create_app(**config) -> Flask:
     app.register_blueprint(agents_blueprint, url_prefix="/mcp/agents")
     app.register_blueprint(tickets_blueprint, url_prefix="/mcp/tickets")
     app.register_blueprint(conformance_blueprint, url_prefix="/mcp/conformance")
+    issuer = os.environ.get(OAUTH_ISSUER_ENV)
+    if issuer:
+        base = os.environ["SOLIDLOOP_TEST_OAUTH_BASE"]
+        app.register_blueprint(solidloop.mcp_blueprint(
+            calc, probe, name="mcp_secure", oauth=OAuthResource(
+                f"{base}/mcp/secure", [issuer], required_scopes=["mcp"],
+                resource_name="calc (JWT)")), url_prefix="/mcp/secure")
+        app.register_blueprint(solidloop.mcp_blueprint(
+            calc, probe, name="mcp_introspected", oauth=OAuthResource(
+                f"{base}/mcp/introspected", [issuer], introspect_jwts=True,
+                introspection=Introspection(os.environ["SOLIDLOOP_TEST_OAUTH_RS_ID"],
+                                            os.environ["SOLIDLOOP_TEST_OAUTH_RS_SECRET"]))),
+            url_prefix="/mcp/introspected")
     return app

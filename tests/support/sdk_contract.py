@@ -99,6 +99,14 @@ def check_openai(body: dict[str, Any]) -> None:
     check(body, kind)
 
 
+def check_openai_responses(body: dict[str, Any]) -> None:
+    from openai.types.responses import response_create_params as params
+
+    kind = (params.ResponseCreateParamsStreaming if body.get("stream")
+            else params.ResponseCreateParamsNonStreaming)
+    check(body, kind)
+
+
 def check_anthropic(body: dict[str, Any]) -> None:
     from anthropic.types import message_create_params as params
 

@@ -150,11 +150,20 @@ def _done(session: SessionLike, changed: bool) -> bool:
 
 @commits
 def pause(session: SessionLike, loop_id: int) -> bool:
-    """queued, running or waiting → paused; jobs of the old generation find
-    nothing to do (a decision on a waiting call is kept for the resume)."""
-    if not _done(session, _leave(session, loop_id, from_=_LIVE, to=LoopStatus.PAUSED)):
+    """queued, running or waiting → paused, and its live child agents' loops
+    with it (their reason naming it); jobs of the old generation find nothing
+    to do (a decision on a waiting call is kept for the resume). Resuming the
+    loop resumes its paused descendants (:func:`resume`)."""
+    descendants = _descendants(session, loop_id)
+    if not _leave(session, loop_id, from_=_LIVE, to=LoopStatus.PAUSED):
+        session.rollback()
         return False
-    signals.send(signals.loop_paused, loop_id=loop_id, reason="paused")
+    paused = [loop_id, *(child for child in descendants if _leave(
+        session, child, from_=_LIVE, to=LoopStatus.PAUSED,
+        error_message=f"paused with its parent loop {loop_id}"))]
+    session.commit()
+    for node in paused:
+        signals.send(signals.loop_paused, loop_id=node, reason="paused")
     return True
 
 
@@ -331,15 +340,46 @@ def resume(state: SolidLoopState, session: SessionLike, loop_id: int, allowed: I
     (loops/sql.DELIVER_INBOX), before ``message``: they came before it. A
     live loop (queued, running, waiting: ``allowed`` names them only for an
     interrupt, loops/store/conversation.py) is taken from its worker the same
-    way: its new generation fences the old one's writes off."""
+    way: its new generation fences the old one's writes off.
+
+    A paused loop's paused, unfrozen descendants (child agents' loops, paused
+    with it by :func:`pause` or on their own) are resumed with it, each the
+    same way, in the same transaction."""
+    allowed = tuple(allowed)
+    # A paused loop's paused descendants are resumed with it: the tree is
+    # locked first, deepest first (the order a child's ending takes).
+    tree = _paused_tree(session, loop_id) if LoopStatus.PAUSED in allowed else []
     locked = fetch_row(session, sql.LOCK_LOOP, {"loop_id": loop_id})
-    if locked is None or locked["status"] not in tuple(allowed):
+    if locked is None or locked["status"] not in allowed:
         session.rollback()
         return False
     if locked["frozen"]:
         logger.warning("loop %s is frozen; unfreeze it before resuming", loop_id)
         session.rollback()
         return False
+    _resume_locked(state, session, loop_id, message=message, sequential=sequential,
+                   budget=budget, cancel_reason=cancel_reason)
+    if locked["status"] == LoopStatus.PAUSED:
+        for child in tree:
+            _resume_locked(state, session, child, message=None, sequential=sequential,
+                           budget=None, cancel_reason=cancel_reason)
+    session.commit()
+    return True
+
+
+def _paused_tree(session: SessionLike, loop_id: int) -> list[int]:
+    """The loop's paused, unfrozen descendants, the whole tree locked (the
+    loop last); shallowest first, the order they are resumed in."""
+    from .children import lock_tree  # children.py builds on this module
+
+    return [node.id for node in reversed(lock_tree(session, loop_id))
+            if node.id != loop_id and node.status == LoopStatus.PAUSED and not node.frozen]
+
+
+def _resume_locked(state: SolidLoopState, session: SessionLike, loop_id: int, *,
+                   message: str | None, sequential: Callable[[int], bool],
+                   budget: dict[str, float] | None, cancel_reason: str) -> None:
+    """Re-enter one locked loop (its shells hidden, a new trace run), uncommitted."""
     execute(session, sql.HIDE_SHELLS, {"loop_id": loop_id})
     # A new run, a new invoke_agent span linked to the last (tracing on only).
     run = None
@@ -348,14 +388,14 @@ def resume(state: SolidLoopState, session: SessionLike, loop_id: int, allowed: I
         run = tracing.new_run(last["trace"] if last is not None else None)
         execute(session, sql.SET_TRACE, {"loop_id": loop_id, "trace": Jsonb(run)})
     with tracing.carrying(run["traceparent"] if run else None):
-        return _resume_rest(state, session, loop_id, message=message, sequential=sequential,
-                            budget=budget, cancel_reason=cancel_reason)
+        _resume_rest(state, session, loop_id, message=message, sequential=sequential,
+                     budget=budget, cancel_reason=cancel_reason)
 
 
 def _resume_rest(state: SolidLoopState, session: SessionLike, loop_id: int, *,
                  message: str | None, sequential: Callable[[int], bool],
-                 budget: dict[str, float] | None, cancel_reason: str) -> bool:
-    """The rest of :func:`resume`, the loop locked and its shells hidden."""
+                 budget: dict[str, float] | None, cancel_reason: str) -> None:
+    """The rest of :func:`_resume_locked`, the loop locked and its shells hidden."""
     if budget:
         # Raised limits; a loop resumed with a budget has its spend decided by
         # the operator: its subject's budget, and its ancestors' (a child
@@ -392,5 +432,3 @@ def _resume_rest(state: SolidLoopState, session: SessionLike, loop_id: int, *,
     else:
         execute(session, sql.RESUME_TO_TURN, {"loop_id": loop_id})
         state.dispatch.llm_turn(session, loop_id)
-    session.commit()
-    return True

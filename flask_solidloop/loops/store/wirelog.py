@@ -37,7 +37,7 @@ SUMMARY = 0
 _SUMMARY_TEXT_FIELDS = frozenset({
     "model", "id", "object", "type", "role", "stop_reason", "finish_reason",
     "modelVersion", "responseId", "system_fingerprint", "service_tier", "jsonrpc",
-    "method"})
+    "method", "status", "previous_response_id"})
 #: Top-level fields a summary keeps whole: token counts.
 _SUMMARY_WHOLE_FIELDS = frozenset({"usage", "usageMetadata"})
 #: A kept text field longer than this is summarized like content.

@@ -1,4 +1,4 @@
-"""A scriptable fake LLM provider served over real HTTP on 127.0.0.1, in three dialects.
+"""A scriptable fake LLM provider served over real HTTP on 127.0.0.1, in four dialects.
 
 This package owns :class:`LLMEmulator` and the deterministic built-in "offline model" policy
 the demo uses when no API key is configured. Nothing is monkeypatched: clients talk to it
@@ -8,6 +8,9 @@ stack (timeouts, retries, SSE parsing) is exercised. It serves:
 * OpenAI chat completions: ``POST /v1/chat/completions`` (``"stream": true`` gives
   ``data:`` chunks ending in ``data: [DONE]``; ``stream_options.include_usage`` adds the
   usage chunk). Auth: ``Authorization: Bearer <api_key>``.
+* OpenAI Responses: ``POST /v1/responses`` (named events ending in
+  ``response.completed``; module ``openai_responses``, which also holds its
+  strict checks and the server's memory of issued reasoning and stored responses).
 * Anthropic Messages: ``POST /v1/messages``. Auth: ``x-api-key``; ``anthropic-version`` and
   ``max_tokens`` are required, as by the real API. Streams use ``event:`` lines
   (message_start, content_block_start/_delta/_stop, ping, message_delta, message_stop).

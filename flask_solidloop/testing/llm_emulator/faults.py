@@ -16,9 +16,9 @@ from typing import Any
 
 from ...errors import InvalidArgumentError
 from .._local_server import Response
-from . import anthropic, gemini, openai, registry
+from . import anthropic, gemini, openai, openai_responses, registry
 from .dialect import dumps, estimate_tokens, json_response
-from .types import ANTHROPIC, GEMINI, OPENAI, Event, Fault, Raw, Rendered
+from .types import ANTHROPIC, GEMINI, OPENAI, OPENAI_RESPONSES, Event, Fault, Raw, Rendered
 
 _REQUIRED = object()
 #: fault kind -> {option: default}; ``_REQUIRED`` marks options without a default.
@@ -165,6 +165,8 @@ def stream_error_data(dialect: str, opts: dict[str, Any]) -> Any:
         return gemini.error_body(
             503, message or "The model is overloaded. Please try again later."
         )
+    if dialect == OPENAI_RESPONSES:
+        return openai_responses.stream_error_data(opts)
     return openai.error_body(
         message or "The server had an error while processing your request "
         "(injected by LLMEmulator).",
@@ -215,7 +217,7 @@ def deliver(rendered: Rendered, fault: Fault | None, dialect: str,
     total = len(events)
     if kind == "error_mid_stream":
         at = _position(opts["after"], total, max(1, min(total - 1, total // 2)))
-        name = "error" if dialect == ANTHROPIC else None
+        name = "error" if dialect in (ANTHROPIC, OPENAI_RESPONSES) else None
         events = [*events[:at], Event(stream_error_data(dialect, opts), name)]
     elif kind == "interrupted_stream":
         # llama-cpp-python with interrupt_requests=True when another request

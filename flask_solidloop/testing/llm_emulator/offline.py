@@ -14,7 +14,8 @@ import re
 from typing import Any
 
 from .dialect import content_text, dumps
-from .types import ANTHROPIC, OPENAI
+from .openai_responses import openai_view as responses_view
+from .types import ANTHROPIC, OPENAI, OPENAI_RESPONSES
 
 _TOOL_RESULT_SNIPPET = 500
 
@@ -195,6 +196,8 @@ def openai_view(request_json: dict[str, Any], dialect: str) -> dict[str, Any]:
     """
     if dialect == OPENAI:
         return request_json
+    if dialect == OPENAI_RESPONSES:
+        return responses_view(request_json)
     messages: list[dict[str, Any]] = []
     tools: list[dict[str, Any]] = []
     if dialect == ANTHROPIC:

@@ -29,7 +29,7 @@ from ...errors import InvalidArgumentError
 from .._local_server import Response
 from . import gemini, registry
 from .dialect import json_response
-from .types import ANTHROPIC, GEMINI, OPENAI
+from .types import ANTHROPIC, GEMINI, OPENAI, OPENAI_RESPONSES
 
 #: ``rate_limit()`` option -> the dimension it limits.
 OPTIONS = {"rpm": "requests", "tpm": "tokens", "input_tpm": "input_tokens",
@@ -286,7 +286,7 @@ def _headers(dialect: str, buckets: list[tuple[str, Bucket]], now: float) -> dic
     """The rate-limit headers a chat response carries (none for Gemini, nor without limits)."""
     binding = _binding(buckets, now)
     headers: dict[str, str] = {}
-    if dialect == OPENAI:
+    if dialect in (OPENAI, OPENAI_RESPONSES):
         for dim in ("requests", "tokens"):
             if dim in binding:
                 bucket = binding[dim]
@@ -350,7 +350,7 @@ def _refuse(dialect: str, refusal: Refusal, headers: dict[str, str]) -> Response
     if seconds is not None:
         assert wait is not None
         headers = {**headers, "retry-after": str(seconds)}
-        if dialect == OPENAI:
+        if dialect in (OPENAI, OPENAI_RESPONSES):
             headers["retry-after-ms"] = str(max(1, math.ceil(round(wait * 1000, 6))))
     if dialect == ANTHROPIC:
         if seconds is None:

@@ -25,7 +25,7 @@ from urllib.parse import parse_qs
 
 from ...errors import InvalidArgumentError
 from .._local_server import LocalServer, Response, parse_json, read_request
-from . import anthropic, gemini, openai, registry
+from . import anthropic, gemini, openai, openai_responses, registry
 from .dialect import estimate_tokens, json_response
 from .faults import (
     FAULT_OPTIONS,
@@ -45,6 +45,8 @@ from .types import (
     CHAT_PATH,
     GEMINI,
     OPENAI,
+    OPENAI_RESPONSES,
+    RESPONSES_PATH,
     Fault,
     Match,
     RecordedRequest,
@@ -75,7 +77,7 @@ _STATUS_TEXT = {
     529: "Overloaded",
 }
 _TOOL_SUPPORT = ("native", "reject", "drop")
-#: The request fields that carry tool definitions or tool choice, in all three dialects.
+#: The request fields that carry tool definitions or tool choice, in every dialect.
 _TOOL_FIELDS = ("tools", "tool_choice", "toolConfig", "parallel_tool_calls")
 
 
@@ -123,6 +125,8 @@ class LLMEmulator(LocalServer[RecordedRequest]):
         self._released = 0
         self._waiting = 0
         self._rate = RateLimiter()
+        #: The Responses API's memory: issued encrypted reasoning, stored responses.
+        self.responses = openai_responses.ResponsesState()
         if rate_limits is not None:
             self._rate.set(check_limits(dict(rate_limits)), None)
 
@@ -263,6 +267,7 @@ class LLMEmulator(LocalServer[RecordedRequest]):
             self._held = threading.Semaphore(0)
             self._ahead = self._released = 0
         self._rate.reset()
+        self.responses.reset()
 
     # ---- request handling ------------------------------------------------------------
 
@@ -290,8 +295,8 @@ class LLMEmulator(LocalServer[RecordedRequest]):
                 404,
                 openai.error_body(
                     f"Unknown path {path!r}; the emulator serves POST {CHAT_PATH}, POST "
-                    f"{ANTHROPIC_PATH} and POST /v1beta/models/{{model}}:generateContent "
-                    "(or :streamGenerateContent).",
+                    f"{RESPONSES_PATH}, POST {ANTHROPIC_PATH} and POST "
+                    "/v1beta/models/{model}:generateContent (or :streamGenerateContent).",
                     "invalid_request_error", "unknown_url",
                 ),
             )
@@ -318,7 +323,8 @@ class LLMEmulator(LocalServer[RecordedRequest]):
             return invalid
         assert isinstance(parsed, dict)
         if self.strict:
-            refused = strict_check(dialect, parsed)
+            refused = self.responses.check(parsed) if dialect == OPENAI_RESPONSES \
+                else strict_check(dialect, parsed)
             if refused is not None:
                 return refused
         sent_tools = [key for key in _TOOL_FIELDS if parsed.get(key)]
@@ -377,6 +383,9 @@ class LLMEmulator(LocalServer[RecordedRequest]):
         with_usage = kind != "no_usage"
         if dialect == ANTHROPIC:
             rendered = anthropic.render(parsed, normalised, stream=stream, with_usage=with_usage)
+        elif dialect == OPENAI_RESPONSES:
+            rendered = openai_responses.render(parsed, normalised, self.responses,
+                                               stream=stream, with_usage=with_usage)
         elif dialect == GEMINI:
             rendered = gemini.render(
                 parsed, normalised, model=model or "gemini", stream=stream, sse=sse,

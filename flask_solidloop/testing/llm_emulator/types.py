@@ -18,12 +18,14 @@ Match = str | re.Pattern[str] | Callable[[dict[str, Any]], bool]
 Reply = dict[str, Any] | str | Callable[[dict[str, Any]], "dict[str, Any] | str"]
 
 CHAT_PATH = "/v1/chat/completions"
+RESPONSES_PATH = "/v1/responses"
 ANTHROPIC_PATH = "/v1/messages"
 GEMINI_PATH = re.compile(
     r"^/(?:v1beta|v1|v1alpha)/models/(?P<model>[^/:]+):(?P<method>generateContent|"
     r"streamGenerateContent)$"
 )
 OPENAI, ANTHROPIC, GEMINI = "openai", "anthropic", "gemini"
+OPENAI_RESPONSES = "openai_responses"
 
 REPLY_KEYS = frozenset(
     {
