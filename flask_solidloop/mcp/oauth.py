@@ -323,10 +323,10 @@ def _discover(http: httpx2.Client, entry: OAuthEntry) -> Discovery:
             raise _auth_error(entry, f"the authorization server metadata at {url} names "
                                      f"issuer {metadata.issuer}, not {issuer}")
         return Discovery(prm, metadata)
-    raise McpTransportError(
-        "auth", f"no OAuth authorization server metadata found for {entry.resource} "
-        f"(authorization server: {issuer or 'none named'}); check that the server "
-        "implements the MCP authorization spec", server=entry.server_name)
+    raise _auth_error(entry, f"no OAuth authorization server metadata found for "
+                             f"{entry.resource} (authorization server: "
+                             f"{issuer or 'none named'}); check that the server implements "
+                             "the MCP authorization spec")
 
 
 # --------------------------------------------------------------------------- token requests
@@ -592,6 +592,32 @@ def finish_sign_in(entry: OAuthEntry, data: dict[str, Any], code: str) -> None:
 # --------------------------------------------------------------------------- the tool server
 
 
+class _Unreachable:
+    """The transport of a server whose authorization server could not be reached for
+    a token: every request fails with that error, so the registry treats it as it
+    treats an unreachable MCP server (a tool error the model reads; at the first
+    turn's listing, a failed loop)."""
+
+    def __init__(self, error: McpTransportError, session_state: dict[str, Any] | None
+                 ) -> None:
+        # Kept as text: its message already names the server.
+        self.kind, self.message = error.kind, str(error)
+        self.state = dict(session_state or {})
+
+    def list_tools(self) -> list[dict[str, Any]]:
+        raise McpTransportError(self.kind, self.message)
+
+    def call_tool(self, name: str, arguments: dict[str, Any], *,
+                  meta: dict[str, Any] | None = None) -> ToolResult:
+        raise McpTransportError(self.kind, self.message)
+
+    def session_state(self) -> dict[str, Any]:
+        return dict(self.state)
+
+    def close(self, *, end_session: bool = True) -> None:
+        pass
+
+
 def oauth_server(entry: dict[str, Any], build: Callable[[str, dict[str, Any] | None], Any],
                  session_state: dict[str, Any] | None) -> Any:
     """make_server's ToolServer for an ``auth=`` entry (imported lazily by the registry)."""
@@ -600,12 +626,21 @@ def oauth_server(entry: dict[str, Any], build: Callable[[str, dict[str, Any] | N
     class OAuthTransportServer(TransportServer):
         """An HTTP server's tools with a bearer token: after a 401, one retry with a new
         token (another worker's refresh, or ours); a second 401 is McpAuthError, so a
-        token the server keeps refusing cannot loop."""
+        token the server keeps refusing cannot loop. An authorization server that
+        cannot be reached is an infrastructure failure like any other
+        (McpTransportError); only a missing or refused token is McpAuthError."""
 
         def __init__(self) -> None:
             self.oauth = OAuthEntry.from_entry(entry)
-            self.token = access_token(self.oauth)
-            super().__init__(self.oauth.server_name, build(self.token, session_state))
+            self.token: str | None = None
+            try:
+                self.token = access_token(self.oauth)
+                transport: Any = build(self.token, session_state)
+            except McpAuthError:
+                raise
+            except McpTransportError as exc:
+                transport = _Unreachable(exc, session_state)
+            super().__init__(self.oauth.server_name, transport)
 
         def _renew(self) -> None:
             state = self.transport.session_state()
@@ -621,12 +656,16 @@ def oauth_server(entry: dict[str, Any], build: Callable[[str, dict[str, Any] | N
         def tools(self) -> list[dict[str, Any]]:
             try:
                 return super().tools()
+            except McpAuthError:
+                raise
             except McpTransportError as exc:
                 if exc.kind != "auth":
                     raise
             self._renew()
             try:
                 return super().tools()
+            except McpAuthError:
+                raise
             except McpTransportError as exc:
                 if exc.kind == "auth":
                     raise self._refused() from None
@@ -637,7 +676,15 @@ def oauth_server(entry: dict[str, Any], build: Callable[[str, dict[str, Any] | N
             if result.error_kind != "infra:auth":
                 return result
             # A 401 is refused before the tool runs: calling again is safe.
-            self._renew()
+            try:
+                self._renew()
+            except McpAuthError:
+                raise
+            except McpTransportError as exc:
+                failed = ToolResult.error(f"the tool server {self.name!r} could not run "
+                                          f"{tool_name!r} ({exc.kind}): {exc}")
+                failed.error_kind = f"infra:{exc.kind}"
+                return failed
             result = super().call(tool_name, arguments, ctx)
             if result.error_kind == "infra:auth":
                 raise self._refused()

@@ -20,7 +20,7 @@ from flask_solidloop import Agent
 from flask_solidloop.loops.queries import classify_failure, failure_class_sql
 from flask_solidloop.mcp import oauth
 from flask_solidloop.mcp.oauth_blueprint import oauth_blueprint
-from flask_solidloop.models import Loop, McpOAuthToken
+from flask_solidloop.models import Loop, McpOAuthToken, ToolCall
 from flask_solidloop.testing import drain as run
 
 from ..support.oauth_mcp import ProtectedMCP
@@ -375,6 +375,33 @@ def test_a_server_that_refuses_a_fresh_token_fails_the_loop_instead_of_looping(
     assert classify_failure(row.error_message) == "auth:oauth"
     # The first token, then exactly one new one after the 401.
     assert [f["grant_type"] for f in authz.token_requests] == ["client_credentials"] * 2
+
+
+def test_an_unreachable_authorization_server_is_a_tool_error_the_loop_survives(
+        app, session, llm, authz, mcp, monkeypatch):
+    client = authz.register_client(grant_types=["client_credentials"])
+    monkeypatch.setenv(SECRET_ENV, client.client_secret)
+    agent = remote_agent("oauth_as_down", [{"name": "crm", "url": mcp.url, "auth": {
+        "type": "oauth", "grant": "client_credentials", "client_id": client.client_id,
+        "client_secret_env": SECRET_ENV}}])
+    llm.script("look up", {"tool_calls": [{"name": "lookup", "arguments": {"key": "k1"}}]})
+    llm.script(lambda body: body["messages"][-1]["role"] == "tool",
+               {"content": "The records are unavailable."})
+    loop = agent.start(message="please look up k1")
+    run(app, queues=("solidloop_llm",))  # listed with a token; the call is due
+    # The token is due for renewal and the authorization server is gone.
+    oauth._cache.clear()
+    session.execute(McpOAuthToken.__table__.update().values(
+        expires_at=datetime.now(UTC) - timedelta(minutes=5)))
+    session.commit()
+    authz.stop()
+    run(app)
+    row = finished(session, loop.id)
+    assert row.status == "completed", row.error_message
+    call = session.scalars(select(ToolCall)).one()
+    assert call.is_success is False and call.error_kind == "infra:connect"
+    assert "could not be reached" in call.result["content"][0]["text"]
+    assert mcp.calls == []
 
 
 def test_a_loop_with_no_token_yet_fails_with_the_sign_in_url(app, session, llm, authz, mcp):
