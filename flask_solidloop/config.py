@@ -149,6 +149,43 @@ def _bool(key: str, value: Any) -> bool:
     raise ConfigurationError(key, value, "must be a bool (true/false, 1/0, yes/no, on/off)")
 
 
+def _oauth_keys(key: str, value: Any) -> tuple[str, ...]:
+    """Fernet keys, newest first (a list or comma-separated): the first encrypts,
+    any decrypts, so a key is rotated by putting a new one in front."""
+    if value is None or value == "":
+        return ()
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not items:
+        raise ConfigurationError(key, "<redacted>", "must be a Fernet key (or a list, newest "
+                                 "first); make one with `python -c 'from cryptography.fernet "
+                                 "import Fernet; print(Fernet.generate_key().decode())'`")
+    from cryptography.fernet import Fernet
+
+    keys = []
+    for item in items:
+        text = item.decode() if isinstance(item, bytes) else str(item).strip()
+        try:
+            Fernet(text)
+        except (ValueError, TypeError):
+            # Never echo the value: it is a secret.
+            raise ConfigurationError(
+                key, "<redacted>", "is not a Fernet key (32 url-safe base64 bytes); make one "
+                "with `python -c 'from cryptography.fernet import Fernet; "
+                "print(Fernet.generate_key().decode())'`") from None
+        keys.append(text)
+    return tuple(keys)
+
+
+def _sign_in_url(key: str, value: Any) -> str | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str) or "{server}" not in value:
+        raise ConfigurationError(key, value, "must be a URL template containing {server} (and "
+                                 "optionally {subject}), e.g. 'https://app.example/solidloop/"
+                                 "oauth/{server}/sign-in?subject={subject}', or None")
+    return value
+
+
 def _trace_url(key: str, value: Any) -> str | None:
     if value is None or value == "":
         return None
@@ -540,6 +577,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("SOLIDLOOP_TRACE_URL", None, _trace_url,
             "A URL template with {trace_id}: the admin links each loop's trace id to it "
             "(your tracing backend's trace page); None shows the id alone."),
+    Setting("SOLIDLOOP_OAUTH_KEY", None, _oauth_keys,
+            "The Fernet key (or a list, newest first) OAuth tokens for remote MCP servers "
+            "are encrypted under in the database; needed by mcps entries with "
+            "auth={'type': 'oauth', ...}."),
+    Setting("SOLIDLOOP_OAUTH_REFRESH_MARGIN", 60, _non_negative_int,
+            "Seconds before an MCP server's OAuth access token expires that a worker "
+            "refreshes it."),
+    Setting("SOLIDLOOP_OAUTH_SIGN_IN_URL", None, _sign_in_url,
+            "Where a user signs in to an OAuth-protected MCP server, as a URL template with "
+            "{server} and {subject}, named in the failure of a loop that has no usable "
+            "token; None names the sign-in blueprint's path under its default prefix."),
 )
 
 _BY_KEY = {s.key: s for s in SETTINGS}
@@ -618,6 +666,9 @@ class Config:
     database_retry_seconds: float
     otel_capture_content: bool
     trace_url: str | None
+    oauth_key: tuple[str, ...]
+    oauth_refresh_margin: int
+    oauth_sign_in_url: str | None
     provider_outage_max_wait: float
     tool_quarantine_limit: int
     max_history_bytes: int | None

@@ -24,6 +24,7 @@ so a host can catch the whole family in one clause::
     ├── ToolDefinitionError       a tool was declared with an invalid name or schema
     ├── UnknownToolError          a toolset was asked for a tool it does not declare
     ├── McpTransportError         an MCP server could not be reached or answered badly
+    │   └── McpAuthError          ... or needs an OAuth sign-in we have no usable token for
     ├── McpTokenRefusedError      the MCP server blueprint refuses a caller's OAuth token
     ├── LimitExceededError        max_steps / max_duration reached (the loop pauses)
     │   └── BudgetExceededError   ... or a loop's or its subject's budget is spent
@@ -78,6 +79,7 @@ __all__ = [
     "LimitExceededError",
     "LoopFailedError",
     "LostLeaseError",
+    "McpAuthError",
     "McpTokenRefusedError",
     "McpTransportError",
     "NoSuchJobError",
@@ -262,6 +264,19 @@ class McpTransportError(SolidLoopError):
         super().__init__(f"{server}: {message}" if server else message)
 
 
+class McpAuthError(McpTransportError):
+    """An OAuth-protected MCP server (``auth={"type": "oauth", ...}``) cannot be
+    called: no token yet, a refresh the authorization server refused (revoked),
+    or a fresh token the server still refuses. The message names the server and
+    ``sign_in_url``, where a user signs in again; it fails the loop (failure
+    class ``auth:oauth``) instead of becoming a tool error the model retries."""
+
+    def __init__(self, message: str, *, server: str | None = None,
+                 sign_in_url: str | None = None) -> None:
+        self.sign_in_url = sign_in_url
+        if sign_in_url:
+            message = f"{message}; sign in at {sign_in_url}"
+        super().__init__("auth", message, server=server)
 class McpTokenRefusedError(SolidLoopError):
     """The MCP server blueprint (``oauth=``) does not let a request in: ``status``
     (401, 403 or 503) and the RFC 6750 ``error`` code (``invalid_token``,

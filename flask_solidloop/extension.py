@@ -425,6 +425,15 @@ class SolidLoop:
         traces.connect(app, state)
         if config.pooler_check:
             _watch_engine(app, db, config)
+        if config.oauth_key:
+            # OAuth-protected MCP servers (docs/decisions/0040-mcp-client-oauth.md):
+            # their tokens live beside our tables, reached through the session's URL.
+            from .mcp import oauth as mcp_oauth
+
+            mcp_oauth.configure(database_url=str(app.config["SQLALCHEMY_DATABASE_URI"]),
+                                keys=config.oauth_key,
+                                refresh_margin=config.oauth_refresh_margin,
+                                sign_in_url=config.oauth_sign_in_url)
         app.extensions[EXTENSION_KEY] = state
         from .cli import solidloop_cli
 

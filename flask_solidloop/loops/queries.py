@@ -335,6 +335,9 @@ FAILURE_CLASSES: tuple[tuple[str, str], ...] = (
     ("operator", r"^(force stopped|stopped|frozen)|by (an )?operator"),
     ("budget_exceeded", r"^BudgetExceededError"),
     ("limit", r"^LimitExceededError"),
+    # An OAuth-protected MCP server with no usable token: a person must sign in
+    # (at the first turn's listing, or a tool call's: "tool call N: McpAuthError").
+    ("auth:oauth", r"^(tool call [0-9]+: )?McpAuthError"),
     ("infra:http", r"^ProviderHTTPError|HTTP [1-5][0-9][0-9]"),
     ("infra:timeout", r"timeout|timed out"),
     ("infra:connect", r"^McpTransportError|connect(ion)? ?(error|refused|reset|failed)|"

@@ -23,6 +23,8 @@ ENTRY_KINDS = ("toolset", "url", "command", "transport", "agent")
 ENTRY_KEYS = {
     "name", "prefix", "tools", "required_tools", "toolset", "url", "command", "transport",
     "api_token", "api_token_env", "headers", "timeout", "env", "cwd",
+    # OAuth 2.1 for a url= server: {"type": "oauth", ...} (mcp/oauth.py).
+    "auth",
     # The key in SOLIDLOOP_RATE_LIMITS ("tool:<rate_limit>") of every tool of
     # the entry without one of its own (limits/).
     "rate_limit",
@@ -179,6 +181,13 @@ def make_server(entry: dict[str, Any], session_state: dict[str, Any] | None = No
     if entry.get("transport") is not None:
         return TransportServer(name, entry["transport"], owned=False)
     timeout = float(entry.get("timeout") or 60)
+    if entry.get("url") is not None and entry.get("auth") is not None:
+        from .http_transport import HttpTransport
+        from .oauth import oauth_server
+
+        return oauth_server(entry, lambda token, state: HttpTransport(
+            entry["url"], headers=entry.get("headers"), api_token=token, timeout=timeout,
+            session_state=state, server_name=name), session_state or None)
     if entry.get("url") is not None:
         from .http_transport import HttpTransport
 
@@ -269,6 +278,11 @@ def validate_entry(entry: Any, agent: str) -> str:
         raise AgentDefinitionError(
             f"agent {agent!r}: mcps entry {name!r}: agent {entry['agent'].__name__} is not "
             "registered; decorate it with @solidloop.agent('name')")
+    if entry.get("auth") is not None:
+        from .oauth import validate_auth
+
+        validate_auth(entry["auth"], agent=agent, name=str(name), has_url=kind == "url",
+                      has_static_token=bool(entry.get("api_token") or entry.get("api_token_env")))
     if entry.get("description") is not None and not isinstance(entry["description"], str):
         raise AgentDefinitionError(
             f"agent {agent!r}: mcps entry {name!r}: description must be a str")

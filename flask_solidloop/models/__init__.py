@@ -17,6 +17,7 @@ from .maintenance_run import MaintenanceRun
 from .mcp_inbound import McpInboundSession
 from .mcp_session import McpSession
 from .message import Message
+from .oauth_token import McpOAuthToken
 from .stream_event import StreamEventRow
 from .tool_call import ToolCall
 from .worker import Leader, Worker
@@ -36,6 +37,7 @@ __all__ = [
     "LoopStatus",
     "MaintenanceRun",
     "McpInboundSession",
+    "McpOAuthToken",
     "McpSession",
     "Message",
     "PeriodicRun",

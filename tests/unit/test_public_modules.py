@@ -25,6 +25,7 @@ PUBLIC = (
     "flask_solidloop.migrations",
     "flask_solidloop.pipeline",
     "flask_solidloop.mcp.transport",
+    "flask_solidloop.mcp.oauth_blueprint",
     "flask_solidloop.mcp_server",
     "flask_solidloop.testing",
 )
