@@ -78,9 +78,6 @@ class Admitted:
     note: str | None = None
     #: The reservation came from a deferred turn's slot.
     held: bool = False
-    #: How long ago that slot was when its job took it (seconds; within
-    #: :data:`SLOT_LATE`): the send's lateness counts from the slot.
-    late: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def slot(self, step: int) -> dict[str, Any] | None:
@@ -198,8 +195,7 @@ def admit(state: SolidLoopState, session: SessionLike, limits: TurnLimits, loop:
         admitted.held = True
         # Early (its job fell due by its transaction's start, or a worker's
         # clock is behind the database's): the turn waits out the rest.
-        early = float(held.get("due") or 0) - time.time()
-        admitted.wait, admitted.late = max(early, 0.0), max(-early, 0.0)
+        admitted.wait = max(float(held.get("due") or 0) - time.time(), 0.0)
         admitted.spend_id = held.get("spend_id")
         keys = tuple(k for k in held.get("keys", ()) if k in config.rate_limits)
         if keys:

@@ -575,7 +575,9 @@ LATE_RESERVATIONS = 3
 def _on_time(ctx: LlmContext, slot_at: float) -> float | None:
     """When the request, on record, may go: ``slot_at`` unless its slot passed
     more than admission.SLOT_LATE ago (the request's record, a thread the
-    machine ran late come between the reservation and the send). A request
+    machine ran late come between the reservation and the send; a held
+    slot's job checked its own lateness when it took it, and counts from
+    then). A request
     whose slot passed reserves again (admission.reserve_again) and waits for
     the new slot, inline within SOLIDLOOP_RATE_LIMIT_INLINE_WAIT (threads
     sleep here; async mode's I/O loop sleeps until the slot returned); a
@@ -617,7 +619,7 @@ def _capacity_at(ctx: LlmContext, admitted: admission.Admitted) -> float | None:
     queued again, its job due then, the reservation kept), and None."""
     wait = admitted.wait
     if wait <= 0:
-        return time.monotonic() - admitted.late
+        return time.monotonic()
     if wait <= ctx.state.config.rate_limit_inline_wait \
             or (admitted.held and wait <= admission.SLOT_EARLY):
         return time.monotonic() + wait
