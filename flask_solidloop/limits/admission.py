@@ -34,12 +34,13 @@ from ..state import SolidLoopState
 from . import budgets, rates
 
 #: A held slot is used when its job comes no later than :data:`SLOT_LATE` past
-#: it. A request sent later than its slot is not covered by it: the buckets
-#: drained its amounts at the slot, so requests whose slots passed while no
-#: worker ran them (a fleet restarting, a loop paused) would all go at once,
-#: past the provider's burst. Such a turn reserves again. A job that comes
-#: before its slot waits out the rest, never sending early: a delayed job falls
-#: due by its transaction's start, a few milliseconds before the slot the
+#: it, and a request is sent on a slot no later than that past it (else it
+#: reserves again: :func:`reserve_again`). A request sent later than its slot is
+#: not covered by it: the buckets drained its amounts from the slot on, so
+#: requests whose slots passed while no worker ran them (a fleet restarting, a
+#: loop paused) would all go at once, past the provider's burst. A job that
+#: comes before its slot waits out the rest, never sending early: a delayed job
+#: falls due by its transaction's start, a few milliseconds before the slot the
 #: reservation computed, and the worker's clock may be behind the database's.
 #: A wait up to :data:`SLOT_EARLY` is slept inline whatever
 #: SOLIDLOOP_RATE_LIMIT_INLINE_WAIT says (deferring again would cost more).
@@ -225,23 +226,51 @@ def admit(state: SolidLoopState, session: SessionLike, limits: TurnLimits, loop:
         if share >= limits.warning and not limits.exempt:
             admitted.note = budgets.note(budget.limits, hold.spent, whose="your account's")
     if limits.rate_keys:
-        reservation = rates.reserve(
-            session, config.rate_limits, limits.rate_keys, tokens=float(guess.tokens),
-            inline_wait=config.rate_limit_inline_wait, horizon=config.rate_limit_horizon)
-        admitted.wait = reservation.wait
-        if reservation.held:
-            admitted.reservation = reservation
-        else:
-            # Beyond the horizon nothing is reserved: the turn comes back when
-            # its slot would be within it (sooner if settlements give capacity
-            # back meanwhile), spread over the second half of the horizon so
-            # that the turns turned away together do not all come back
-            # together, nor so often that they crowd the queue.
-            horizon = config.rate_limit_horizon
-            admitted.wait = max(reservation.wait - horizon, 0.0) \
-                + random.uniform(horizon / 2, horizon)
-            admitted.wait = max(admitted.wait, config.rate_limit_inline_wait + 0.01)
+        _reserve_rates(state, session, admitted, limits.rate_keys, float(guess.tokens))
     return admitted
+
+
+def _reserve_rates(state: SolidLoopState, session: SessionLike, admitted: Admitted,
+                   keys: tuple[str, ...], tokens: float) -> None:
+    """Reserve on the rate buckets of ``keys``: ``admitted`` gets the wait and,
+    when the slot is within the horizon, the reservation."""
+    config = state.config
+    reservation = rates.reserve(
+        session, config.rate_limits, keys, tokens=tokens,
+        inline_wait=config.rate_limit_inline_wait, horizon=config.rate_limit_horizon)
+    admitted.wait = reservation.wait
+    admitted.reservation = None
+    if reservation.held:
+        admitted.reservation = reservation
+    else:
+        # Beyond the horizon nothing is reserved: the turn comes back when
+        # its slot would be within it (sooner if settlements give capacity
+        # back meanwhile), spread over the second half of the horizon so
+        # that the turns turned away together do not all come back
+        # together, nor so often that they crowd the queue.
+        horizon = config.rate_limit_horizon
+        admitted.wait = max(reservation.wait - horizon, 0.0) \
+            + random.uniform(horizon / 2, horizon)
+        admitted.wait = max(admitted.wait, config.rate_limit_inline_wait + 0.01)
+
+
+def reserve_again(state: SolidLoopState, session: SessionLike, admitted: Admitted) -> None:
+    """The request's slot passed before it could be sent (more than
+    :data:`SLOT_LATE`: a fresh process building its HTTP client, a slow write,
+    a thread the machine ran late): it reserves on its keys again, and
+    ``admitted`` gets the new wait and reservation (the subject's ledger row
+    stays). The stale reservation is not given back. The buckets drained
+    its amounts from its slot on and let later turns go on that; sent now,
+    the request would reach the provider together with them, and giving its
+    amounts back would leave the same hole. A late request costs its keys one
+    request's capacity for a period."""
+    reservation = admitted.reservation
+    assert reservation is not None
+    keys = tuple(k for k in reservation.keys if k in state.config.rate_limits)
+    tokens = next((a for b, a in zip(reservation.buckets, reservation.amounts, strict=True)
+                   if b.tokens), 0.0)
+    admitted.held = False
+    _reserve_rates(state, session, admitted, keys, tokens)
 
 
 def settle(session: SessionLike, admitted: Admitted, *, usage: Usage | None,

@@ -53,7 +53,14 @@ from ..errors import (
 )
 from ..limits import admission, rates
 from ..llm import output, pricing, reasoning, tool_text
-from ..llm.client import RetryPolicy, TurnLimits, post_json, post_json_async, request_record
+from ..llm.client import (
+    RetryPolicy,
+    TurnLimits,
+    post_json,
+    post_json_async,
+    request_record,
+    shared_client,
+)
 from ..llm.dialect import RenderOptions, StreamDelta
 from ..llm.redact import is_secret_header, redact_secrets
 from ..llm.registry import get_dialect
@@ -335,8 +342,15 @@ class NetworkCalling:
             output_schema=ctx.output_schema,
         )
         rendered = dialect.render(settings, with_note(history, note), tools, options)
+        url = settings.base_url + rendered.path
         slot_at: float | None = None
         if limits is not None:
+            if not ctx.hand_off:
+                # The process's client for the origin, built before the slot is
+                # reserved: a fresh process's first build (TLS setup) takes tens
+                # of milliseconds, far longer on a loaded machine, and would
+                # push the request past its slot.
+                shared_client(url)
             # The subject's ledger and the rate buckets reserve the estimate.
             admitted = ctx.admitted = admission.admit(
                 ctx.state, ctx.session, limits, ctx.loop, rendered.payload, settings.model,
@@ -384,12 +398,19 @@ class NetworkCalling:
                                            ctx.agent.option("max_output_chars")),
         )
         ctx.secrets = common["secrets"]
-        url = settings.base_url + rendered.path
         record = request_record(url, rendered.payload, headers=headers, secrets=ctx.secrets)
         _record_request(ctx, record)
         # No transaction may stay open across the network call: it would pin a
         # connection, hold locks and trip idle_in_transaction_session_timeout.
         store.end_transaction(ctx.session)
+        if slot_at is not None:
+            if not ctx.hand_off:
+                # The rest of a short wait for the reserved slot, slept after
+                # the record: its write then does not push the request past it.
+                time.sleep(max(0.0, slot_at - time.monotonic()))
+            slot_at = _on_time(ctx, slot_at)
+            if slot_at is None:
+                return None
         request = OutgoingRequest(url=url, payload=rendered.payload, streaming=streaming,
                                   dialect=dialect, model=settings.model, common=common,
                                   record=record, slot_at=slot_at)
@@ -402,10 +423,6 @@ class NetworkCalling:
             if streaming:
                 ctx.partial = PartialWriter(ctx)
             raise HandedOff(ctx, request, partial(self.resume, ctx, request))
-        if slot_at is not None:
-            # The rest of a short wait for the reserved slot, slept after the
-            # record: its write then does not push the request past the slot.
-            time.sleep(max(0.0, slot_at - time.monotonic()))
         ctx.requested = True
         request.started = time.monotonic()
         answer: tuple[Any, ...]
@@ -561,6 +578,50 @@ def with_note(history: list[Any], note: str | None) -> list[Any]:
             return [*history[:index], dataclasses.replace(message, content=content),
                     *history[index + 1:]]
     return [ChatMessage(role="system", content=note), *history]
+
+
+#: Reservations a request may make again in one turn when each slot passes
+#: before it can be sent; then the turn goes back to the queue.
+LATE_RESERVATIONS = 3
+
+
+def _on_time(ctx: LlmContext, slot_at: float) -> float | None:
+    """When the request, on record, may go: ``slot_at`` unless its slot passed
+    more than admission.SLOT_LATE ago (the request's record, a thread the
+    machine ran late come between the reservation and the send; a held
+    slot's job checked its own lateness when it took it, and counts from
+    then). A request
+    whose slot passed reserves again (admission.reserve_again) and waits for
+    the new slot, inline within SOLIDLOOP_RATE_LIMIT_INLINE_WAIT (threads
+    sleep here; async mode's I/O loop sleeps until the slot returned); a
+    longer wait defers the turn to it, and None."""
+    admitted = ctx.admitted
+    if admitted is None:
+        return slot_at
+    for attempt in range(LATE_RESERVATIONS + 1):
+        if admitted.reservation is None or time.monotonic() <= slot_at + admission.SLOT_LATE:
+            return slot_at
+        if attempt == LATE_RESERVATIONS:
+            # Late at every slot: back to the queue holding no slot, due at
+            # once; its job reserves when it runs.
+            admitted.reservation, admitted.wait = None, 0.0
+            break
+        try:
+            admission.reserve_again(ctx.state, ctx.session, admitted)
+        finally:
+            store.end_transaction(ctx.session)
+        logger.info("loop %s: the request's rate-limit slot passed before it could be "
+                    "sent; reserved again (wait %.2fs)", ctx.loop_id, admitted.wait)
+        if admitted.reservation is None \
+                or admitted.wait > ctx.state.config.rate_limit_inline_wait:
+            break
+        slot_at = time.monotonic() + admitted.wait
+        if not ctx.hand_off:
+            time.sleep(max(0.0, slot_at - time.monotonic()))
+    _defer_to(ctx, admitted, admitted.wait,
+              error_message="not sent: its rate-limit slot passed before it could go; "
+                            "deferred to a new slot")
+    return None
 
 
 def _capacity_at(ctx: LlmContext, admitted: admission.Admitted) -> float | None:

@@ -6,6 +6,7 @@ provider never saw more than the bucket allows."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -30,7 +31,23 @@ WORKER_CMD = [sys.executable, "-m", "flask", "solidloop", "worker", "--processes
 
 
 @pytest.fixture
-def fleet(monkeypatch, tmp_path, llm):
+def no_collector_pauses():
+    """The provider's view is the emulator's, which runs in this process: a
+    full garbage collection of the test process's heap stopped every thread
+    of it for up to a second on a loaded machine, and the requests that
+    reached the socket meanwhile were timed together when it ended. The heap
+    built so far is frozen out of the collections, and the collector is off
+    until the test ends (reference counting still frees what it can)."""
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    yield
+    gc.enable()
+    gc.unfreeze()
+
+
+@pytest.fixture
+def fleet(monkeypatch, tmp_path, llm, no_collector_pauses):
     key = f"{origin_of(llm.base_url)} test-model"
     config = {"SOLIDLOOP_RATE_LIMITS": {key: {"rps": RPS}},
               "SOLIDLOOP_RATE_LIMIT_INLINE_WAIT": 0.1,

@@ -11,6 +11,7 @@ from sqlalchemy import select, text
 
 from flask_solidloop import Agent, Toolset
 from flask_solidloop.limits.rates import origin_of
+from flask_solidloop.loops import store
 from flask_solidloop.loops.queries import classify_failure
 from flask_solidloop.models import Loop, RateBucket, Spend
 from flask_solidloop.testing import drain
@@ -264,6 +265,36 @@ def test_a_deferred_turn_whose_job_comes_early_never_sends_before_its_slot(confi
         [loop] = run_until_settled(app, [second])
         assert loop.status == "completed" and loop.capacity_deferrals == 1
         assert len(sent) == 2 and sent[1] >= due, (sent[1], due)
+
+
+def test_a_request_sent_past_its_slot_reserves_again(configured, llm, monkeypatch):
+    # Between a turn's reservation and its send come the request's record and
+    # whatever the machine makes the thread wait for (a fresh process building
+    # its HTTP client, a slow write). The buckets drained the first request
+    # from its slot on, so sent a second and a half late it would meet the
+    # next turn's at the provider, two requests at once on one request per
+    # second. Sent late, it reserves again: the next turn waits its second.
+    key = f"{origin_of(llm.base_url)} {MODEL}"
+    app = configured(SOLIDLOOP_RATE_LIMITS={key: {"rps": 1}},
+                     SOLIDLOOP_RATE_LIMIT_INLINE_WAIT=0.0)
+    slow = [1.5]
+    real = store.record_request
+
+    def slow_record(*args, **kwargs):
+        if slow:
+            time.sleep(slow.pop())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "record_request", slow_record)
+    with app.app_context():
+        agent = agent_for("rate_late", llm)
+        sent = []
+        llm.script(lambda req: sent.append(time.monotonic()) or True, {"content": "hi"})
+        ids = [agent.start(message="hello").id for _ in range(2)]
+        loops = run_until_settled(app, ids)
+        assert all(loop.status == "completed" for loop in loops)
+        assert not slow and len(sent) == 2
+        assert sent[1] - sent[0] >= 0.9, sent[1] - sent[0]
 
 
 def test_a_refusal_with_retry_after_blocks_the_key_and_defers_the_turn(configured, llm):
