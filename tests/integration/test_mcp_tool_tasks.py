@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from flask_solidloop import CallContext, Toolset, ToolResult
+from flask_solidloop import CallContext, ToolResult, Toolset
 from flask_solidloop.errors import ToolDefinitionError
 from flask_solidloop.jobs import Job
 
