@@ -195,8 +195,10 @@ class ToolResult:
             raise InvalidArgumentError(
                 "ToolResult.input_required needs a non-empty dict of key -> "
                 "{'method': 'elicitation/create', 'params': {...}}")
-        return cls(content=[{"type": "text", "text": "the tool needs input from the client"}],
-                   input_requests=dict(requests))
+        # Anywhere but a task (a loop's call, a direct call) this is an error.
+        return cls(content=[{"type": "text", "text": "the tool asks the MCP client for input, "
+                             "which it can do only when it runs as an MCP task"}],
+                   is_error=True, input_requests=dict(requests))
 
     def text(self) -> str:
         """All text blocks joined with a newline (other block types are skipped)."""
