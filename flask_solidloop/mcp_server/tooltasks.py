@@ -26,6 +26,7 @@ See docs/decisions/0043-agents-as-mcp-tasks.md, "Tools as tasks".
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 from collections.abc import Callable, Mapping
@@ -50,6 +51,11 @@ TASK_TTL_SECONDS = 3600
 _PREFIX = "mcp-task-"
 _META_KEY = "mcp_task"
 _RUN = "flask_solidloop.mcp_server.tooltasks:run_tool_task"
+# The task's state is its first job's meta (flask_solidloop.jobs' table), read
+# and written here in the request's transaction, so an update and the next
+# round's job commit together.
+_LOCK = "SELECT meta FROM solidloop_host_jobs WHERE id = %s FOR UPDATE"
+_SAVE = "UPDATE solidloop_host_jobs SET meta = %s WHERE id = %s"
 
 #: Blueprint name -> (advertised tool -> (toolset, tool name), expose_errors): what
 #: a worker runs a task's tool with. Filled when the blueprint is built, so a
@@ -136,10 +142,14 @@ class ToolTasks:
         found = self._owned(task_id, principal)
         if found is None:
             return False
-        first, current = found
-        task = first.meta[_META_KEY]
-        pending = _pending(first, current)
+        session = get_state().db.session
+        # One update of a task at a time: its row is locked until the commit
+        # that writes the answers (and the next round's job, in one transaction).
+        task = _lock(session, task_id)
+        _, current = self._owned(task_id, principal) or found
+        pending = _pending(task, current)
         if not pending or task.get("cancelled"):
+            session.rollback()
             return True  # nothing asked (or cancelled): the same empty ack
         answered = dict(task.get("answered") or {})
         answered.update({key: value for key, value in responses.items() if key in pending})
@@ -147,12 +157,11 @@ class ToolTasks:
         if set(pending) <= set(answered):
             # Every request of this round has its answer: the tool runs again.
             task["round"] = int(task.get("round", 0)) + 1
-            session = get_state().db.session
             arguments = current.args[2] if len(current.args) > 2 else {}
             self._enqueue(_job_id(task_id, task["round"]), task["tool"], arguments,
                           task["principal"], answered, {}, session)
-            session.commit()
-        first.save_meta()
+        _save(session, task_id, task)
+        session.commit()
         return True
 
     def cancel(self, task_id: str, principal: Any) -> bool:
@@ -162,8 +171,11 @@ class ToolTasks:
         first, current = found
         if _view(first, current).status in ("completed", "failed", "cancelled"):
             return True  # an ended task stays as it is: the same empty ack
-        first.meta[_META_KEY]["cancelled"] = True
-        first.save_meta()
+        session = get_state().db.session
+        task = _lock(session, task_id)
+        task["cancelled"] = True
+        _save(session, task_id, task)
+        session.commit()
         current.cancel()
         return True
 
@@ -199,7 +211,17 @@ def _job_id(task_id: str, round_: int) -> str:
     return task_id if round_ == 0 else f"{task_id}.{round_}"
 
 
-def _pending(first: Job, current: Job) -> dict[str, Any]:
+def _lock(session: Any, task_id: str) -> dict[str, Any]:
+    """The task's meta, its first job's row locked in ``session``'s transaction."""
+    row = session.connection().exec_driver_sql(_LOCK, (task_id,)).fetchone()
+    return dict((row[0] or {}).get(_META_KEY) or {})
+
+
+def _save(session: Any, task_id: str, task: dict[str, Any]) -> None:
+    session.connection().exec_driver_sql(_SAVE, (json.dumps({_META_KEY: task}), task_id))
+
+
+def _pending(task: dict[str, Any], current: Job) -> dict[str, Any]:
     """The input requests of the current round the client has not answered yet."""
     if current.get_status(refresh=False) != "finished":
         return {}
@@ -207,7 +229,7 @@ def _pending(first: Job, current: Job) -> dict[str, Any]:
     requests = outcome.get("inputRequests") if isinstance(outcome, dict) else None
     if not isinstance(requests, dict):
         return {}
-    answered = first.meta[_META_KEY].get("answered") or {}
+    answered = task.get("answered") or {}
     return {key: request for key, request in requests.items() if key not in answered}
 
 
@@ -230,7 +252,7 @@ def _view(first: Job, current: Job) -> TaskView:
         outcome = outcome if isinstance(outcome, dict) else {}
         if "inputRequests" in outcome:
             view.status = "input_required"
-            view.input_requests = _pending(first, current)
+            view.input_requests = _pending(first.meta[_META_KEY], current)
             view.status_message = "the tool asks for your input"
         elif "error" in outcome:
             view.status = "failed"
