@@ -36,7 +36,7 @@ from typing import Any
 from mcp_types.jsonrpc import INTERNAL_ERROR
 
 from ..errors import InvalidArgumentError, NoSuchJobError
-from ..jobs import Job, Queue
+from ..jobs import Job, Queue, get_current_job
 from ..mcp.toolset import CallContext, ToolResult, Toolset
 from ..state import get_state
 from .tasks import TaskBackend, TaskView
@@ -50,12 +50,17 @@ logger = logging.getLogger("flask_solidloop.mcp_server")
 TASK_TTL_SECONDS = 3600
 _PREFIX = "mcp-task-"
 _META_KEY = "mcp_task"
+#: A later round's job meta: the task (first job) it belongs to.
+_ROUND_OF = "mcp_task_of"
 _RUN = "flask_solidloop.mcp_server.tooltasks:run_tool_task"
 # The task's state is its first job's meta (flask_solidloop.jobs' table), read
 # and written here in the request's transaction, so an update and the next
 # round's job commit together.
 _LOCK = "SELECT meta FROM solidloop_host_jobs WHERE id = %s FOR UPDATE"
 _SAVE = "UPDATE solidloop_host_jobs SET meta = %s WHERE id = %s"
+#: A change of the task keeps its first job (its state) one more TTL from now.
+_TOUCH = ("UPDATE solidloop_host_jobs SET expires_at = now() + make_interval(secs => result_ttl) "
+          "WHERE id = %s AND expires_at IS NOT NULL")
 
 #: Blueprint name -> (advertised tool -> (toolset, tool name), expose_errors): what
 #: a worker runs a task's tool with. Filled when the blueprint is built, so a
@@ -83,6 +88,11 @@ def run_tool_task(server: str, tool: str, arguments: Any, principal: str,
     ctx = CallContext(principal=principal, session=session,
                       input_responses=dict(responses) if responses else None)
     result = toolset.call(tool_name, arguments, ctx)
+    job = get_current_job()
+    task_id = job.meta.get(_ROUND_OF) if job is not None else None
+    if isinstance(task_id, str):
+        # A later round ended: the task changed, its first job lives on.
+        session.connection().exec_driver_sql(_TOUCH, (task_id,))
     session.commit()
     if result.input_requests:
         return {"inputRequests": result.input_requests}
@@ -159,7 +169,7 @@ class ToolTasks:
             task["round"] = int(task.get("round", 0)) + 1
             arguments = current.args[2] if len(current.args) > 2 else {}
             self._enqueue(_job_id(task_id, task["round"]), task["tool"], arguments,
-                          task["principal"], answered, {}, session)
+                          task["principal"], answered, {_ROUND_OF: task_id}, session)
         _save(session, task_id, task)
         session.commit()
         return True
@@ -219,6 +229,7 @@ def _lock(session: Any, task_id: str) -> dict[str, Any]:
 
 def _save(session: Any, task_id: str, task: dict[str, Any]) -> None:
     session.connection().exec_driver_sql(_SAVE, (json.dumps({_META_KEY: task}), task_id))
+    session.connection().exec_driver_sql(_TOUCH, (task_id,))
 
 
 def _pending(task: dict[str, Any], current: Job) -> dict[str, Any]:

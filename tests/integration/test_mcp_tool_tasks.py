@@ -6,6 +6,7 @@ tests/acceptance/test_mcp_conformance.py)."""
 from __future__ import annotations
 
 import pytest
+from sqlalchemy import text
 
 from flask_solidloop import CallContext, ToolResult, Toolset
 from flask_solidloop.errors import ToolDefinitionError
@@ -162,3 +163,28 @@ def test_task_support_is_checked_at_declaration():
     tools = Toolset("tool_tasks_bad")
     with pytest.raises(ToolDefinitionError, match="task= must be None"):
         tools.add_tool(lambda: "x", name="x", task="always")
+
+
+def test_each_change_keeps_the_task_one_more_ttl(client, drain, session):
+    task_id = call(client, "ann", "ask")["result"]["taskId"]
+    drain()
+
+    def expires_in() -> float:
+        session.rollback()
+        return session.execute(text(
+            "SELECT extract(epoch FROM expires_at - now()) FROM solidloop_host_jobs "
+            "WHERE id = :id"), {"id": task_id}).scalar_one()
+
+    def expire_now() -> None:
+        session.execute(text("UPDATE solidloop_host_jobs SET expires_at = now() "
+                             "WHERE id = :id"), {"id": task_id})
+        session.commit()
+
+    expire_now()
+    task(client, "ann", "tasks/update", task_id,
+         inputResponses={"a": {"action": "accept"}, "b": {"action": "accept"}})
+    assert expires_in() > 3000  # the update kept the task's state
+    expire_now()
+    drain()  # the second round ends: the task changed again
+    assert expires_in() > 3000
+    assert task(client, "ann", "tasks/get", task_id)["result"]["status"] == "completed"
