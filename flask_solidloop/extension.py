@@ -307,6 +307,7 @@ class SolidLoop:
         instructions: str | None = None,
         expose_errors: bool = False,
         oauth: OAuthResource | None = None,
+        tasks_queue: str = "default",
     ) -> Blueprint:
         """A Flask blueprint exposing ``toolsets`` (and ``agents``) to outside MCP
         clients over Streamable HTTP; register it at the prefix you pick::
@@ -327,7 +328,10 @@ class SolidLoop:
         ``allowed_origins`` default to localhost (any port) plus the app's
         ``SERVER_NAME``. A tool that raises answers outside callers a generic
         message with an error id (logged with the exception) unless
-        ``expose_errors=True``. See docs/guides/mcp_server.md.
+        ``expose_errors=True``. A tool declared with ``task="optional"`` or
+        ``task="required"`` runs a task-augmented call (2026-07-28, the Tasks
+        extension declared) as an MCP task: a job on ``tasks_queue`` that a
+        worker runs. See docs/guides/mcp_server.md.
         """
         from .mcp_server import ExposedAgent, build_blueprint
 
@@ -345,7 +349,8 @@ class SolidLoop:
         return build_blueprint(toolsets, auth=auth, name=name, allowed_hosts=allowed_hosts,
                                allowed_origins=allowed_origins, agents=agents,
                                principal_label=principal_label, instructions=instructions,
-                               oauth=oauth, expose_errors=expose_errors)
+                               oauth=oauth, expose_errors=expose_errors,
+                               task_queue=self.jobs.queue(tasks_queue))
 
     # -- blueprints -----------------------------------------------------------------
 

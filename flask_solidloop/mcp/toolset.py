@@ -103,6 +103,8 @@ F = typing.TypeVar("F", bound=Callable[..., Any])
 
 TOOL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _NAME_RULE = "names must match ^[A-Za-z0-9._-]{1,128}$"
+#: A tool's MCP task support (``execution.taskSupport``; None: calls answer at once).
+TASK_SUPPORT = (None, "optional", "required")
 
 _ARGS_HEADERS = {"args", "arguments", "parameters", "params"}
 _SECTION_HEADERS = _ARGS_HEADERS | {
@@ -155,6 +157,10 @@ class CallContext:
     server_name: str | None = None
     tool_name: str | None = None
     session: Any = None
+    #: A tool run as an MCP task that asked the client for input
+    #: (:meth:`ToolResult.input_required`) runs again with the client's answers
+    #: here, keyed as it keyed its requests; None on the first run and elsewhere.
+    input_responses: dict[str, Any] | None = None
 
 
 @dataclass
@@ -172,6 +178,27 @@ class ToolResult:
     #: exception's: an MCP server blueprint hides it from outside callers
     #: unless ``expose_errors=True``. Never sent to the model as such.
     raised: bool = False
+    #: The tool asks the client for input before it can answer (a tool run as an
+    #: MCP task): request key -> request (``{"method", "params"}``).
+    input_requests: dict[str, dict[str, Any]] | None = None
+
+    @classmethod
+    def input_required(cls, requests: dict[str, dict[str, Any]]) -> ToolResult:
+        """Ask the MCP client for input (a tool run as an MCP task only): the task
+        reads ``input_required`` with these requests (key -> ``{"method":
+        "elicitation/create", "params": {...}}``), and once the client answered
+        them all the tool runs again with the answers in ``ctx.input_responses``."""
+        if not isinstance(requests, dict) or not requests or not all(
+                isinstance(key, str) and isinstance(request, dict)
+                and isinstance(request.get("method"), str)
+                for key, request in requests.items()):
+            raise InvalidArgumentError(
+                "ToolResult.input_required needs a non-empty dict of key -> "
+                "{'method': 'elicitation/create', 'params': {...}}")
+        # Anywhere but a task (a loop's call, a direct call) this is an error.
+        return cls(content=[{"type": "text", "text": "the tool asks the MCP client for input, "
+                             "which it can do only when it runs as an MCP task"}],
+                   is_error=True, input_requests=dict(requests))
 
     def text(self) -> str:
         """All text blocks joined with a newline (other block types are skipped)."""
@@ -277,6 +304,9 @@ class ToolDefinition:
     #: The JSON Schema of its result, when its return annotation is a pydantic
     #: model: advertised as ``outputSchema``, its results carry ``structuredContent``.
     output_schema: dict | None = None
+    #: Its MCP task support: None (calls answer at once), ``"optional"`` or
+    #: ``"required"`` (an MCP server blueprint runs task-augmented calls on the workers).
+    task: str | None = None
 
     def to_mcp(self) -> dict:
         """The MCP ``Tool`` JSON: ``name``, ``description``, ``inputSchema``, and
@@ -323,6 +353,7 @@ class Toolset:
         result_timeout: float | None = None,
         timeout: float | None = None,
         rate_limit: str | None = None,
+        task: str | None = None,
     ) -> ToolDefinition:
         """Add ``fn`` to this toolset as a tool; return the definition it stores.
 
@@ -346,6 +377,10 @@ class Toolset:
         ``rate_limit`` names the tool's key in SOLIDLOOP_RATE_LIMITS
         (``"tool:<rate_limit>"``): a call that finds no capacity is deferred,
         its job due when there is (docs/guides/limits.md).
+        ``task`` (``"optional"`` or ``"required"``) is the tool's MCP task
+        support: an MCP server blueprint runs a call of it as an MCP task on the
+        workers when the caller speaks the Tasks extension (``"required"``:
+        refuses callers that do not); see docs/guides/mcp_server.md, "Tasks".
 
         Raises :class:`ToolDefinitionError`, saying what was wrong and what to do,
         and adds nothing, when ``fn`` is not callable (a string, a
@@ -399,6 +434,12 @@ class Toolset:
                 f"{where}, tool {tool_name!r}: rate_limit= must be a non-empty string naming "
                 f"its key in SOLIDLOOP_RATE_LIMITS (as 'tool:<name>'), got {rate_limit!r}")
         definition.rate_limit = rate_limit
+        if task not in TASK_SUPPORT:
+            raise ToolDefinitionError(
+                f"{where}, tool {tool_name!r}: task= must be None (calls answer at once), "
+                f"'optional' or 'required' (an MCP server blueprint runs its calls as MCP "
+                f"tasks on the workers), got {task!r}")
+        definition.task = task
         self._tools[tool_name] = definition
         return definition
 
@@ -417,6 +458,7 @@ class Toolset:
         result_timeout: float | None = None,
         timeout: float | None = None,
         rate_limit: str | None = None,
+        task: str | None = None,
     ) -> F: ...
 
     @typing.overload
@@ -434,6 +476,7 @@ class Toolset:
         result_timeout: float | None = None,
         timeout: float | None = None,
         rate_limit: str | None = None,
+        task: str | None = None,
     ) -> Callable[[F], F]: ...
 
     def tool(
@@ -450,6 +493,7 @@ class Toolset:
         result_timeout: float | None = None,
         timeout: float | None = None,
         rate_limit: str | None = None,
+        task: str | None = None,
     ) -> F | Callable[[F], F]:
         """Declare a tool with a decorator: ``@ts.tool`` or ``@ts.tool(name=..., ...)``.
 
@@ -471,7 +515,7 @@ class Toolset:
             name=name, description=description, input_schema=input_schema,
             requires_approval=requires_approval, deferred=deferred,
             approval_timeout=approval_timeout, on_timeout=on_timeout,
-            result_timeout=result_timeout, timeout=timeout, rate_limit=rate_limit)
+            result_timeout=result_timeout, timeout=timeout, rate_limit=rate_limit, task=task)
         if fn is not None:
             self.add_tool(fn, **options)
             return fn

@@ -8,6 +8,7 @@ Host/Origin rules and redaction (:mod:`.security`), the start/status tools
 of agents exposed as tools (:mod:`.agents`, with :class:`ExposedAgent`, the
 host's say over an agent's start tool), the same agents as MCP tasks
 (:mod:`.tasks`, the extension's wire; :class:`.agents.LoopTasks`, its loops),
+a toolset's ``task=`` tools as tasks run by the workers (:mod:`.tooltasks`),
 and OAuth, the blueprint as a resource server of an outside authorization
 server (:mod:`.oauth`, with :class:`OAuthResource`). Sessions and wire-log
 events are written by :mod:`.store`; loops are started through the Agent API
@@ -25,12 +26,15 @@ from typing import Any
 from flask import Blueprint
 
 from ..errors import ConfigurationError
+from ..jobs import Queue
 from ..mcp.toolset import Toolset
 from . import security
 from .agents import ExposedAgent, LoopTasks, agent_toolset
 from .http import Auth, McpEndpoint
 from .oauth import Introspection, OAuthPrincipal, OAuthResource, attach
 from .protocol import ServerSpec, report_progress
+from .tasks import TaskBackend
+from .tooltasks import TaskBackends, ToolTasks, register
 
 #: What a host imports from here (docs/index.md, "The public API"); the blueprint
 #: itself comes from ``SolidLoop.mcp_blueprint``, which calls :func:`build_blueprint`.
@@ -52,6 +56,7 @@ def build_blueprint(
     instructions: str | None = None,
     expose_errors: bool = False,
     oauth: OAuthResource | None = None,
+    task_queue: Queue | None = None,
 ) -> Blueprint:
     """A Flask blueprint serving ``toolsets`` (and ``agents``) over Streamable HTTP.
 
@@ -129,10 +134,22 @@ def build_blueprint(
             raise ConfigurationError(option, listed, "must be a list of non-empty strings")
         return listed
 
+    backends: list[TaskBackend] = [LoopTasks(agents, label_of)] if agents else []
+    tool_tasks = None
+    if any(toolset.get(tool).task is not None for toolset, tool in tools.values()):
+        if task_queue is None:
+            raise ConfigurationError(
+                "task_queue", task_queue,
+                "a tool declared with task= runs its tasks as jobs: build the blueprint "
+                "with SolidLoop.mcp_blueprint (it passes the queue)")
+        tool_tasks = ToolTasks(name, tools, label_of, task_queue)
+        backends.append(tool_tasks)
+        register(name, tools, expose_errors)
     endpoint = McpEndpoint(
         ServerSpec(name=name, tools=tools, instructions=instructions,
-                   tasks=LoopTasks(agents, label_of) if agents else None,
-                   expose_errors=expose_errors), auth=auth,
+                   tasks=(backends[0] if len(backends) == 1
+                          else TaskBackends(*backends) if backends else None),
+                   expose_errors=expose_errors, tool_tasks=tool_tasks), auth=auth,
         allowed_hosts=_strings("allowed_hosts", allowed_hosts),
         allowed_origins=_strings("allowed_origins", allowed_origins),
         principal_label=principal_label, oauth=oauth,

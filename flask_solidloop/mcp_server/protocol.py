@@ -32,7 +32,12 @@ from typing import Any
 import mcp_types as types
 from mcp_types import SERVER_INFO_META_KEY
 from mcp_types import methods as sdk_methods
-from mcp_types.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND
+from mcp_types.jsonrpc import (
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    METHOD_NOT_FOUND,
+    MISSING_REQUIRED_CLIENT_CAPABILITY,
+)
 from mcp_types.version import (
     HANDSHAKE_PROTOCOL_VERSIONS,
     LATEST_HANDSHAKE_VERSION,
@@ -45,6 +50,7 @@ from ..errors import SolidLoopError
 from ..mcp.toolset import CallContext, ToolResult, Toolset
 from ..mcp.transport import IDEMPOTENCY_META_KEY
 from . import tasks
+from .tooltasks import ToolTasks
 
 __all__ = ["McpError", "Served", "ServerSpec", "dispatch", "report_progress"]
 
@@ -91,6 +97,8 @@ class ServerSpec:
     #: Send a raising tool's exception text to outside callers (False: a generic
     #: message with an error id, the text in the server's log).
     expose_errors: bool = False
+    #: The task-supporting tools' tasks (None: no tool declares ``task=``).
+    tool_tasks: ToolTasks | None = None
 
     def list_tools(self) -> list[dict[str, Any]]:
         listed = []
@@ -271,6 +279,20 @@ def _call_tool(spec: ServerSpec, params: dict[str, Any], principal: Any,
         available = ", ".join(spec.tools) or "none"
         raise McpError(INVALID_PARAMS, f"Unknown tool: {name!r}; available tools: {available}")
     toolset, tool_name = entry
+    name = str(name)
+    support = spec.tool_tasks.task_support(name) if spec.tool_tasks is not None else None
+    if support is not None and spec.tool_tasks is not None:
+        if tasks_declared and session is not None:
+            # Run on the workers: the task is durable once the job is committed.
+            started = spec.tool_tasks.start(name, params.get("arguments"), principal, session)
+            return Served(result=tasks.created(started), tool=name, shaped=True)
+        if support == "required":
+            raise McpError(
+                MISSING_REQUIRED_CLIENT_CAPABILITY,
+                f"tool {name!r} runs only as a task: declare the {tasks.EXTENSION_ID} "
+                f"extension in _meta[{types.CLIENT_CAPABILITIES_META_KEY!r}].extensions "
+                "(on the 2026-07-28 protocol)",
+                {"requiredCapabilities": {"extensions": {tasks.EXTENSION_ID: {}}}})
     raw_meta = params.get("_meta")
     meta: dict[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
     key = meta.get(IDEMPOTENCY_META_KEY)
@@ -288,6 +310,11 @@ def _call_tool(spec: ServerSpec, params: dict[str, Any], principal: Any,
         if view is not None:
             return Served(result=tasks.created(view), notifications=notifications, tool=name,
                           shaped=True)
+    if result.input_requests:
+        # Input requests reach a client only through a task's input_required.
+        result = ToolResult.error(f"tool {name!r} asks the client for input, which it can "
+                                  f"only do as a task: call it with the {tasks.EXTENSION_ID} "
+                                  "extension declared (2026-07-28)")
     if result.raised and not spec.expose_errors:
         error_id = secrets.token_hex(6)
         logger.error("MCP server %r: tool %r raised for an outside caller (error id %s): %s",

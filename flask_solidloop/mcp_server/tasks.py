@@ -65,6 +65,8 @@ class TaskView:
     result: dict[str, Any] | None = None
     #: ``failed``: a JSON-RPC error object (``code``, ``message``).
     error: dict[str, Any] | None = None
+    #: How long the task is kept, in milliseconds (None: no fixed TTL).
+    ttl_ms: int | None = None
 
     def envelope(self) -> dict[str, Any]:
         """The ``Task`` fields every answer about the task carries."""
@@ -73,7 +75,7 @@ class TaskView:
             "createdAt": self.created_at.isoformat(),
             "lastUpdatedAt": self.updated_at.isoformat(),
             # A loop lives until the host's retention deletes it: no fixed TTL.
-            "ttlMs": None,
+            "ttlMs": self.ttl_ms,
             "pollIntervalMs": POLL_INTERVAL_MS,
         }
         if self.status_message:

@@ -4,7 +4,9 @@
 (adds 2026-07-28), run by Node 22, both installed by scripts/mcp_conformance.sh
 (scripts/setup.sh --tests runs it). The server is tests/support/mcp_server_app.py's
 ``/mcp/conformance`` blueprint, whose toolset implements the suite's fixture
-tools, under ``gunicorn -w 4 -k gthread``. The suite's exit code is the
+tools, under ``gunicorn -w 4 -k gthread``; for the 2026-07-28 run a real
+``dramatiq`` worker process (the same app) runs the tools the tasks scenarios
+call as MCP tasks. The suite's exit code is the
 verdict: a failure not in the baseline (tests/acceptance/conformance/) fails
 the test, and so does a baseline entry that passes (a stale baseline).
 """
@@ -12,7 +14,9 @@ the test, and so does a baseline entry that passes (a stale baseline).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,9 +43,35 @@ def conformance(suite: str) -> Path:
     return binary
 
 
+@pytest.fixture
+def task_worker(database_url, tmp_path):
+    """A dramatiq worker process of tests/support/mcp_server_app.py: it runs the
+    conformance toolset's task tools (slow_compute, confirm_delete, ...)."""
+    env = {**os.environ, "FLASK_APP": "tests.support.mcp_server_app:create_app()",
+           "SOLIDLOOP_TEST_DATABASE_URL": database_url,
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as handle:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "dramatiq", "flask_solidloop.worker", "--processes", "1",
+             "--threads", "8"], cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        try:
+            yield log
+        finally:
+            os.killpg(worker.pid, signal.SIGTERM)
+            try:
+                worker.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait()
+
+
 @pytest.mark.parametrize("run", list(RUNS))
-def test_official_conformance_suite(run, mcp_gunicorn, tmp_path):
+def test_official_conformance_suite(run, mcp_gunicorn, tmp_path, request):
     suite, extra, baseline = RUNS[run]
+    if "--requirements" in extra:  # the 2026-07-28 run: its tasks run on a worker
+        request.getfixturevalue("task_worker")
     command = [str(conformance(suite)), "server", "--url", f"{mcp_gunicorn}/mcp/conformance",
                *extra, "--expected-failures", str(BASELINES / baseline),
                "-o", str(tmp_path / "results")]

@@ -30,6 +30,7 @@ import time
 from flask import Flask
 
 from flask_solidloop import Agent, CallContext, ToolResult, Toolset
+from flask_solidloop.jobs import get_current_job
 from flask_solidloop.mcp_server import (
     ExposedAgent,
     Introspection,
@@ -155,6 +156,74 @@ def test_tool_with_progress() -> str:
     for step in (0, 50, 100):
         report_progress(step, 100, f"step {step}")
     return "Progress test completed"
+
+
+# -- the tasks scenarios' fixture tools (run as MCP tasks on the workers) -------------
+
+
+@conformance.tool
+def greet(name: str) -> str:
+    """Greets someone (a plain tool: never a task)."""
+    return f"Hello, {name}!"
+
+
+def _cancelled() -> bool:
+    job = get_current_job()
+    return job is not None and job.get_status() == "canceled"
+
+
+@conformance.tool(task="optional")
+def slow_compute(seconds: float, label: str = "") -> str:
+    """Sleeps for `seconds`, then answers; stops early when its task is cancelled."""
+    deadline = time.monotonic() + max(0.0, min(seconds, 300.0))
+    while time.monotonic() < deadline:
+        if _cancelled():
+            return f"cancelled {label}"
+        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+    return f"computed {label} after {seconds}s"
+
+
+@conformance.tool(task="required")
+def failing_job() -> ToolResult:
+    """Reports a tool execution error after about a second."""
+    time.sleep(1)
+    return ToolResult.error("failing_job failed, as it always does")
+
+
+@conformance.tool(task="optional")
+def protocol_error_job() -> str:
+    """Raises: its task fails with a protocol-level error."""
+    raise RuntimeError("protocol_error_job broke, as it always does")
+
+
+def _ask(message: str, properties: dict) -> dict:
+    return {"method": "elicitation/create", "params": {
+        "mode": "form", "message": message,
+        "requestedSchema": {"type": "object", "properties": properties}}}
+
+
+@conformance.tool(task="optional")
+def confirm_delete(filename: str, ctx: CallContext) -> ToolResult | str:
+    """Asks the client to confirm, then "deletes" the file."""
+    answer = (ctx.input_responses or {}).get("confirm")
+    if answer is None:
+        return ToolResult.input_required({"confirm": _ask(
+            f"Delete {filename}?", {"confirm": {"type": "boolean"}})})
+    accepted = isinstance(answer, dict) and answer.get("action") == "accept"
+    return f"deleted {filename}" if accepted else f"kept {filename}"
+
+
+@conformance.tool(task="optional")
+def multi_input(ctx: CallContext) -> ToolResult | str:
+    """Asks the client two things at once, then answers with both."""
+    answers = ctx.input_responses or {}
+    if not answers:
+        return ToolResult.input_required({
+            "name": _ask("Your name?", {"name": {"type": "string"}}),
+            "confirm": _ask("Go ahead?", {"confirm": {"type": "boolean"}})})
+    names = [str((a.get("content") or {}).get("name")) for a in answers.values()
+             if isinstance(a, dict)]
+    return "answers: " + ", ".join(sorted(names))
 
 
 #: The suite's own JSON Schema 2020-12 fixture (composition, conditionals, $anchor).

@@ -492,7 +492,7 @@ def test_the_decorator_goes_through_add_tool() -> None:
     assert ts.tool(direct) is direct
     waits = {"requires_approval": False, "deferred": False, "approval_timeout": None,
              "on_timeout": "deny", "result_timeout": None, "timeout": None,
-             "rate_limit": None}
+             "rate_limit": None, "task": None}
     none = {"name": None, "description": None, "input_schema": None, **waits}
     assert ts.added == [
         ("bare", none),
