@@ -45,8 +45,8 @@ def scenarios() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def verdicts(database_url, tmp_path_factory):
-    """Every scenario's run: {scenario: (exit code, output)}, four at a time."""
+def verdicts(database_url, tmp_path_factory, request):
+    """Every selected scenario's run: {scenario: (exit code, output)}, four at a time."""
     if not BINARY.exists() or not (NODE_BIN / "node").exists():
         pytest.fail(f"{BINARY} or Node 22 is missing: run bash scripts/mcp_conformance.sh "
                     "(scripts/setup.sh --tests runs it)")
@@ -68,7 +68,9 @@ def verdicts(database_url, tmp_path_factory):
                               timeout=300)
         return done.returncode, done.stdout + done.stderr
 
-    names = scenarios()
+    # Only the scenarios this session selected (``-k iss`` runs those alone).
+    names = [item.callspec.params["scenario"] for item in request.session.items
+             if item.module is request.module and hasattr(item, "callspec")]
     with ThreadPoolExecutor(max_workers=4) as pool:
         return dict(zip(names, pool.map(run, names), strict=True))
 
