@@ -47,6 +47,8 @@ from mcp.client.auth.utils import (
     build_protected_resource_metadata_discovery_urls,
     create_client_registration_request,
     extract_resource_metadata_from_www_auth,
+    extract_scope_from_www_auth,
+    get_client_metadata_scopes,
     issuers_match,
 )
 from mcp.shared.auth import (
@@ -85,6 +87,9 @@ __all__ = [
 ]
 
 GRANTS = ("authorization_code", "client_credentials")
+#: The OAuth grant types a client of each of our grants uses.
+GRANT_TYPES = {"authorization_code": ("authorization_code", "refresh_token"),
+               "client_credentials": ("client_credentials",)}
 AUTH_KEYS = {"type", "grant", "client_id", "client_secret_env", "client_metadata_url",
              "dynamic_registration", "scope", "subject"}
 #: The sign-in URL named in failures when SOLIDLOOP_OAUTH_SIGN_IN_URL is unset: the
@@ -263,10 +268,31 @@ def _auth_error(entry: OAuthEntry, message: str) -> McpAuthError:
 
 @dataclass(frozen=True)
 class Discovery:
-    """What discovery found for one MCP server."""
+    """What discovery found for one MCP server.
+
+    ``issuer`` and ``resource`` are the strings exactly as published (the
+    parsed models normalize URLs, e.g. add a trailing slash): the ``iss``
+    authorization-response parameter is compared with the one (RFC 9207, no
+    normalization) and the other is what ``resource`` carries (RFC 8707).
+    ``challenge_scope`` is the ``scope`` of the server's 401 challenge.
+    """
 
     resource_metadata: ProtectedResourceMetadata | None
     metadata: OAuthMetadata
+    issuer: str = ""
+    resource: str | None = None
+    challenge_scope: str | None = None
+
+    def scope(self, entry: OAuthEntry) -> str | None:
+        """The scope to ask for: the entry's own, else the 401 challenge's, else the
+        protected resource's ``scopes_supported``, else none (the MCP spec's order)."""
+        if entry.scope:
+            return entry.scope
+        if self.challenge_scope is None and (self.resource_metadata is None or
+                                             self.resource_metadata.scopes_supported is None):
+            return None
+        return get_client_metadata_scopes(self.challenge_scope, self.resource_metadata,
+                                          self.metadata, list(GRANT_TYPES[entry.grant]))
 
 
 def _http() -> httpx2.Client:
@@ -297,14 +323,17 @@ def _discover(http: httpx2.Client, entry: OAuthEntry) -> Discovery:
                                        "method": "server/discover", "params": {}},
                       headers={"Accept": "application/json, text/event-stream"})
     named = extract_resource_metadata_from_www_auth(probe) if probe.status_code == 401 else None
-    prm = None
+    challenge_scope = extract_scope_from_www_auth(probe) if probe.status_code == 401 else None
+    prm, published_resource = None, None
     for url in build_protected_resource_metadata_discovery_urls(named, entry.url):
         response = http.get(url)
         if response.status_code == 200:
             try:
                 prm = ProtectedResourceMetadata.model_validate_json(response.content)
+                published_resource = str(json.loads(response.content)["resource"])
                 break
-            except ValidationError:
+            except (ValidationError, ValueError, KeyError, TypeError):
+                prm = None
                 continue
     if prm is not None and not check_resource_allowed(entry.resource, str(prm.resource)):
         raise _auth_error(entry, f"the server's protected-resource metadata names resource "
@@ -322,7 +351,11 @@ def _discover(http: httpx2.Client, entry: OAuthEntry) -> Discovery:
             # RFC 8414 section 3.3: metadata for another issuer is not to be used.
             raise _auth_error(entry, f"the authorization server metadata at {url} names "
                                      f"issuer {metadata.issuer}, not {issuer}")
-        return Discovery(prm, metadata)
+        try:
+            published_issuer = str(json.loads(response.content)["issuer"])
+        except (ValueError, KeyError, TypeError):
+            published_issuer = str(metadata.issuer)
+        return Discovery(prm, metadata, published_issuer, published_resource, challenge_scope)
     raise _auth_error(entry, f"no OAuth authorization server metadata found for "
                              f"{entry.resource} (authorization server: "
                              f"{issuer or 'none named'}); check that the server implements "
@@ -341,11 +374,15 @@ class _Refused(SolidLoopError):
 
 
 def _token_request(entry: OAuthEntry, endpoint: str, client_id: str,
-                   form: dict[str, str]) -> OAuthToken:
+                   form: dict[str, str], *, resource: str | None = None,
+                   scope: str | None = None) -> OAuthToken:
+    """POST ``form`` to the token endpoint with ``resource`` (default: the entry's
+    canonical URL) and, but for a code exchange, ``scope`` (default: the entry's)."""
     secret = entry.client_secret()
-    form = {**form, "resource": entry.resource}
-    if entry.scope and form.get("grant_type") != "authorization_code":
-        form.setdefault("scope", entry.scope)
+    form = {**form, "resource": resource or entry.resource}
+    scope = scope or entry.scope
+    if scope and form.get("grant_type") != "authorization_code":
+        form.setdefault("scope", scope)
     auth: tuple[str, str] | None = None
     if secret:
         auth = (client_id, secret)  # client_secret_basic
@@ -511,8 +548,9 @@ def access_token(entry: OAuthEntry, *, stale: str | None = None) -> str:
                 found = discover(entry)
                 assert entry.client_id is not None  # validate_auth requires it
                 token = _token_request(entry, str(found.metadata.token_endpoint),
-                                       entry.client_id, {"grant_type": "client_credentials"})
-                values = {**_values(token), "issuer": str(found.metadata.issuer),
+                                       entry.client_id, {"grant_type": "client_credentials"},
+                                       resource=found.resource, scope=found.scope(entry))
+                values = {**_values(token), "issuer": found.issuer,
                           "token_endpoint": str(found.metadata.token_endpoint),
                           "client_id": entry.client_id}
         except _Refused as exc:
@@ -546,7 +584,8 @@ def begin_sign_in(entry: OAuthEntry, *, subject: str, redirect_uri: str, nonce: 
     travels in ``state``, encrypted under SOLIDLOOP_OAUTH_KEY, so any web
     process can finish the sign-in and nothing is kept server-side meanwhile.
     """
-    metadata = discover(entry).metadata
+    found = discover(entry)
+    metadata = found.metadata
     if "S256" not in (metadata.code_challenge_methods_supported or []):
         raise _auth_error(entry, f"the authorization server {metadata.issuer} does not "
                                  "advertise PKCE S256; the MCP authorization spec requires it")
@@ -555,13 +594,16 @@ def begin_sign_in(entry: OAuthEntry, *, subject: str, redirect_uri: str, nonce: 
     state = _fernet().encrypt(json.dumps({
         "server": entry.server_name, "subject": subject, "verifier": verifier,
         "nonce": nonce, "redirect_uri": redirect_uri, "client_id": client_id,
-        "issuer": str(metadata.issuer), "token_endpoint": str(metadata.token_endpoint),
+        "issuer": found.issuer, "token_endpoint": str(metadata.token_endpoint),
+        "iss_supported": bool(metadata.authorization_response_iss_parameter_supported),
+        "resource": found.resource or entry.resource,
     }).encode()).decode()
     params = {"response_type": "code", "client_id": client_id, "redirect_uri": redirect_uri,
               "state": state, "code_challenge": challenge, "code_challenge_method": "S256",
-              "resource": entry.resource}
-    if entry.scope:
-        params["scope"] = entry.scope
+              "resource": found.resource or entry.resource}
+    scope = found.scope(entry)
+    if scope:
+        params["scope"] = scope
     endpoint = str(metadata.authorization_endpoint)
     return endpoint + ("&" if "?" in endpoint else "?") + urllib.parse.urlencode(params)
 
@@ -576,12 +618,29 @@ def read_sign_in_state(state: str) -> dict[str, Any]:
                          "again") from None
 
 
-def finish_sign_in(entry: OAuthEntry, data: dict[str, Any], code: str) -> None:
-    """Exchange the code (with the PKCE verifier and ``resource``) and store the tokens."""
+def finish_sign_in(entry: OAuthEntry, data: dict[str, Any], code: str,
+                   iss: str | None = None) -> None:
+    """Exchange the code (with the PKCE verifier and ``resource``) and store the tokens.
+
+    ``iss`` is the authorization response's issuer parameter (RFC 9207): when
+    present it must equal the issuer discovery recorded, character for
+    character; when the authorization server advertises it, it must be present.
+    Otherwise the code is never sent (McpAuthError): a mix-up attack's code
+    would go to the wrong token endpoint.
+    """
+    if iss is not None and iss != data["issuer"]:
+        raise _auth_error(entry, f"the authorization response names issuer {iss!r}, not "
+                                 f"{data['issuer']!r}, the one this sign-in started with; "
+                                 "the response was refused (RFC 9207)")
+    if iss is None and data.get("iss_supported"):
+        raise _auth_error(entry, f"the authorization server {data['issuer']} advertises the "
+                                 "iss response parameter but its response had none; the "
+                                 "response was refused (RFC 9207)")
     try:
         token = _token_request(entry, data["token_endpoint"], data["client_id"], {
             "grant_type": "authorization_code", "code": code,
-            "redirect_uri": data["redirect_uri"], "code_verifier": data["verifier"]})
+            "redirect_uri": data["redirect_uri"], "code_verifier": data["verifier"]},
+            resource=data.get("resource"))
     except _Refused as exc:
         raise _auth_error(entry, f"the authorization server refused the sign-in's code: "
                                  f"{exc}") from None

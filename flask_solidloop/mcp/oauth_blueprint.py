@@ -26,7 +26,7 @@ from typing import Any
 
 from flask import Blueprint, Response, abort, redirect, request, url_for
 
-from ..errors import InvalidArgumentError, McpTransportError
+from ..errors import InvalidArgumentError, McpAuthError, McpTransportError
 from .oauth import OAuthEntry, begin_sign_in, finish_sign_in, read_sign_in_state
 
 __all__ = ["oauth_blueprint"]
@@ -105,7 +105,9 @@ def oauth_blueprint(servers: list[dict[str, Any]], *,
             return Response("the sign-in was started for someone else; start it again\n",
                             403, mimetype="text/plain")
         try:
-            finish_sign_in(entry, data, code)
+            finish_sign_in(entry, data, code, request.args.get("iss"))
+        except McpAuthError as exc:  # refused: a wrong or missing iss, a refused code
+            return Response(f"the sign-in failed: {exc}\n", 400, mimetype="text/plain")
         except McpTransportError as exc:
             return Response(f"the sign-in failed: {exc}\n", 502, mimetype="text/plain")
         response = redirect(done_url) if done_url else Response(

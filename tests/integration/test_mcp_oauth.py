@@ -427,3 +427,67 @@ def test_a_resource_the_authorization_server_does_not_serve_is_refused(
     with pytest.raises(oauth.McpAuthError, match="invalid_target"):
         oauth.access_token(oauth.OAuthEntry.from_entry(entry))
     assert os.environ[SECRET_ENV] not in str(authz.token_requests[-1].get("resource"))
+
+
+def start_sign_in(app, entry):
+    """The sign-in up to the authorization server's answer: the browser and the
+    callback's query (the code not yet exchanged)."""
+    app.register_blueprint(oauth_blueprint([entry]))
+    browser = app.test_client()
+    start = browser.get(f"/solidloop/oauth/{entry['name']}/sign-in")
+    assert start.status_code == 302, start.text
+    approved = httpx.get(start.headers["Location"], follow_redirects=False)
+    assert approved.status_code == 302, approved.text
+    back = urllib.parse.urlsplit(approved.headers["Location"])
+    return browser, start.headers["Location"], dict(urllib.parse.parse_qsl(back.query))
+
+
+@pytest.mark.parametrize("iss", ["https://evil.example", "{issuer}/", "{ISSUER}"])
+def test_the_callback_refuses_an_iss_that_is_not_the_issuer_exactly(
+        app, session, authz, mcp, iss):
+    client = authz.register_client(public=True, redirect_uris=[CALLBACK],
+                                   grant_types=["authorization_code", "refresh_token"])
+    browser, _, query = start_sign_in(app, code_entry(mcp, client.client_id))
+    query["iss"] = iss.format(issuer=authz.issuer, ISSUER=authz.issuer.upper())
+    done = browser.get(f"/solidloop/oauth/callback?{urllib.parse.urlencode(query)}")
+    assert done.status_code == 400, done.text
+    assert "RFC 9207" in done.text and "not" in done.text
+    assert authz.token_requests == []  # the code never went to a token endpoint
+    assert session.scalars(select(McpOAuthToken)).all() == []
+    # The issuer exactly as published is taken.
+    query["iss"] = authz.issuer
+    done = browser.get(f"/solidloop/oauth/callback?{urllib.parse.urlencode(query)}")
+    assert done.status_code == 200, done.text
+
+
+def test_the_callback_refuses_a_missing_iss_when_the_server_advertises_it(
+        app, session, authz, mcp):
+    client = authz.register_client(public=True, redirect_uris=[CALLBACK],
+                                   grant_types=["authorization_code", "refresh_token"])
+    advertised = authz.metadata
+    authz.metadata = lambda: {**advertised(),
+                              "authorization_response_iss_parameter_supported": True}
+    browser, _, query = start_sign_in(app, code_entry(mcp, client.client_id))
+    query.pop("iss", None)
+    done = browser.get(f"/solidloop/oauth/callback?{urllib.parse.urlencode(query)}")
+    assert done.status_code == 400, done.text
+    assert "advertises the iss response parameter" in done.text
+    assert authz.token_requests == []
+    query["iss"] = authz.issuer
+    done = browser.get(f"/solidloop/oauth/callback?{urllib.parse.urlencode(query)}")
+    assert done.status_code == 200, done.text
+
+
+def test_without_an_entry_scope_the_resource_metadatas_scopes_are_asked_for(
+        app, authz, mcp):
+    def asked(entry):
+        url = oauth.begin_sign_in(oauth.OAuthEntry.from_entry(entry), subject="default",
+                                  redirect_uri=CALLBACK, nonce="n")
+        return dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(url).query))
+
+    # The protected resource's scopes_supported (authz.scopes), offline_access added
+    # only if the authorization server lists it.
+    scope = asked(code_entry(mcp, "c1"))["scope"].split()
+    assert scope[:len(authz.scopes)] == authz.scopes
+    assert scope[len(authz.scopes):] in ([], ["offline_access"])
+    assert asked(code_entry(mcp, "c1", scope="only.this"))["scope"] == "only.this"
