@@ -328,9 +328,12 @@ def test_a_resume_that_waits_for_the_purge_finds_no_loop(app, state, llm, pg,
     resumer = threading.Thread(target=resume)
     resumer.start()
     deadline = time.monotonic() + 10
+    # A resume that may resume a paused tree locks the tree first (LOCK_TREE),
+    # then the loop (LOCK_LOOP): either statement waits on the purge's lock.
     while time.monotonic() < deadline and not count(
             pg, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                "AND starts_with(query, %s)", loop_sql.LOCK_LOOP.split(" WHERE")[0]):
+                "AND (starts_with(query, %s) OR starts_with(query, %s))",
+            loop_sql.LOCK_LOOP.split(" WHERE")[0], loop_sql.LOCK_TREE.split(" WHERE")[0]):
         time.sleep(0.01)
     waited = time.monotonic() < deadline
     release.set()

@@ -72,7 +72,7 @@ def test_the_wheel_metadata_is_complete(wheel):
 #: Import name -> distribution, where they differ.
 DISTRIBUTIONS = {"psycopg_pool": "psycopg-pool", "mcp_types": "mcp-types",
                  "pydantic_core": "pydantic-core", "flask_sqlalchemy": "flask-sqlalchemy",
-                 "yaml": "pyyaml", "opentelemetry": "opentelemetry-api"}
+                 "yaml": "pyyaml", "opentelemetry": "opentelemetry-api", "jwt": "pyjwt"}
 
 
 def _imported_top_levels() -> set[str]:
