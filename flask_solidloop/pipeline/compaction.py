@@ -37,7 +37,7 @@ from ..llm.types import PROVIDER_KEYS, ChatMessage, ProviderSettings
 from ..loops import store
 from .builder import Handler
 from .context import LlmContext
-from .llm_stack import _capacity_at, _failed, _no_longer_ours, _settle
+from .llm_stack import _failed, _no_longer_ours, _settle, reserve_slot, wait_for_slot
 
 logger = logging.getLogger("flask_solidloop.compaction")
 
@@ -290,9 +290,8 @@ def summary_turn(ctx: LlmContext, config: Compaction, span: list[ChatMessage],
     slot_at: float | None = None
     if limits is not None:
         admission.check_loop(ctx.session, limits, ctx.loop, state)
-        ctx.admitted = admission.admit(state, ctx.session, limits, ctx.loop, request.payload,
-                                       request.settings.model, ctx.execution_token)
-        slot_at = _capacity_at(ctx, ctx.admitted)
+        slot_at = reserve_slot(ctx, limits, request.payload, request.settings.model,
+                               request.url, inline=True)
         if slot_at is None:
             return None
     ctx.secrets = request.secrets
@@ -306,8 +305,8 @@ def summary_turn(ctx: LlmContext, config: Compaction, span: list[ChatMessage],
     ctx.request_event_id, ctx.wire = recorded.event_id, record
     # No transaction across the network call.
     store.end_transaction(ctx.session)
-    if slot_at is not None:
-        time.sleep(max(0.0, slot_at - time.monotonic()))
+    if slot_at is not None and wait_for_slot(ctx, slot_at, inline=True) is None:
+        return None
     ctx.requested = True
     started = time.monotonic()
     try:

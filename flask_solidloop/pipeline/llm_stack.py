@@ -345,22 +345,13 @@ class NetworkCalling:
         url = settings.base_url + rendered.path
         slot_at: float | None = None
         if limits is not None:
-            if not ctx.hand_off:
-                # The process's client for the origin, built before the slot is
-                # reserved: a fresh process's first build (TLS setup) takes tens
-                # of milliseconds, far longer on a loaded machine, and would
-                # push the request past its slot.
-                shared_client(url)
-            # The subject's ledger and the rate buckets reserve the estimate.
-            admitted = ctx.admitted = admission.admit(
-                ctx.state, ctx.session, limits, ctx.loop, rendered.payload, settings.model,
-                ctx.execution_token)
-            if admitted.note is not None and note is None:
-                rendered = dialect.render(settings, with_note(history, admitted.note), tools,
-                                          options)
-            slot_at = _capacity_at(ctx, admitted)
+            slot_at = reserve_slot(ctx, limits, rendered.payload, settings.model, url)
             if slot_at is None:
                 return None
+            admitted_note = ctx.admitted.note if ctx.admitted is not None else None
+            if admitted_note is not None and note is None:
+                rendered = dialect.render(settings, with_note(history, admitted_note), tools,
+                                          options)
         # A dialect that sends only the newest part of the history (Responses
         # chained with previous_response_id) names where it starts.
         first_sent = getattr(dialect, "first_sent", None)
@@ -404,11 +395,7 @@ class NetworkCalling:
         # connection, hold locks and trip idle_in_transaction_session_timeout.
         store.end_transaction(ctx.session)
         if slot_at is not None:
-            if not ctx.hand_off:
-                # The rest of a short wait for the reserved slot, slept after
-                # the record: its write then does not push the request past it.
-                time.sleep(max(0.0, slot_at - time.monotonic()))
-            slot_at = _on_time(ctx, slot_at)
+            slot_at = wait_for_slot(ctx, slot_at)
             if slot_at is None:
                 return None
         request = OutgoingRequest(url=url, payload=rendered.payload, streaming=streaming,
@@ -580,12 +567,43 @@ def with_note(history: list[Any], note: str | None) -> list[Any]:
     return [ChatMessage(role="system", content=note), *history]
 
 
+def reserve_slot(ctx: LlmContext, limits: Any, payload: dict[str, Any], model: str | None,
+                 url: str, *, inline: bool | None = None) -> float | None:
+    """Admission of one request of the turn (the turn's own, or a compaction's
+    summary request): the subject's ledger and the rate buckets reserve its
+    estimate (``ctx.admitted``); the instant it may go, or None when the turn
+    was deferred to its slot. The one implementation both requests share.
+    ``inline``: this thread sends the request (default: unless the turn is
+    handed to the async I/O loop; a summary request is always sent inline)."""
+    if (not ctx.hand_off) if inline is None else inline:
+        # The process's client for the origin, built before the slot is
+        # reserved: a fresh process's first build (TLS setup) takes tens of
+        # milliseconds, far longer on a loaded machine, and would push the
+        # request past its slot.
+        shared_client(url)
+    admitted = ctx.admitted = admission.admit(ctx.state, ctx.session, limits, ctx.loop,
+                                              payload, model, ctx.execution_token)
+    return _capacity_at(ctx, admitted)
+
+
+def wait_for_slot(ctx: LlmContext, slot_at: float, *,
+                  inline: bool | None = None) -> float | None:
+    """The rest of a short wait for the reserved slot, slept after the
+    request's record (its write then does not push the request past it; in
+    async mode the I/O loop sleeps instead), then the slot checked again
+    (:func:`_on_time`): the instant to send, or None when deferred."""
+    inline = (not ctx.hand_off) if inline is None else inline
+    if inline:
+        time.sleep(max(0.0, slot_at - time.monotonic()))
+    return _on_time(ctx, slot_at, inline=inline)
+
+
 #: Reservations a request may make again in one turn when each slot passes
 #: before it can be sent; then the turn goes back to the queue.
 LATE_RESERVATIONS = 3
 
 
-def _on_time(ctx: LlmContext, slot_at: float) -> float | None:
+def _on_time(ctx: LlmContext, slot_at: float, *, inline: bool = True) -> float | None:
     """When the request, on record, may go: ``slot_at`` unless its slot passed
     more than admission.SLOT_LATE ago (the request's record, a thread the
     machine ran late come between the reservation and the send; a held
@@ -616,7 +634,7 @@ def _on_time(ctx: LlmContext, slot_at: float) -> float | None:
                 or admitted.wait > ctx.state.config.rate_limit_inline_wait:
             break
         slot_at = time.monotonic() + admitted.wait
-        if not ctx.hand_off:
+        if inline:
             time.sleep(max(0.0, slot_at - time.monotonic()))
     _defer_to(ctx, admitted, admitted.wait,
               error_message="not sent: its rate-limit slot passed before it could go; "

@@ -467,9 +467,10 @@ def compacting_agent_for(name, llm, **options):
                                    **options})
 
 
-def script_pages(llm, turns):
+def script_pages(llm, turns, sent=None):
     """A page a turn up to ``turns`` turns, then an answer; the summarizer
-    answers its requests. Returns the summary requests' count, as it grows."""
+    answers its requests. Returns the summary requests' count, as it grows;
+    ``sent`` collects each request's arrival (time.monotonic())."""
     from flask_solidloop.pipeline.compaction import DEFAULT_INSTRUCTIONS
 
     summaries = [0]
@@ -484,7 +485,7 @@ def script_pages(llm, turns):
         asked[0] += 1
         return {"tool_calls": [{"name": "read_page", "arguments": {"page": asked[0]}}]}
 
-    llm.script(lambda body: True, reply)
+    llm.script(lambda body: sent is None or sent.append(time.monotonic()) or True, reply)
     return summaries
 
 
@@ -510,11 +511,9 @@ def test_a_spent_budget_pauses_the_loop_before_its_summary_request(configured, l
         assert len(llm.requests) == first
 
 
-def test_summary_requests_take_their_slots_in_the_rate_limit(configured, llm):
-    # A probe finds how many turns go before the first summary request; the
-    # provider and the key then allow exactly that many at once (one more
-    # every 60/N s): the burst is spent when the summary is due, which must
-    # wait for its slot rather than be sent and refused.
+def summary_turn_setup(configured, llm, name):
+    """A compaction middleware (3,000 tokens, keep one turn) and, from a probe
+    run, how many turns go before the first summary request."""
     from flask_solidloop import Compaction
     from flask_solidloop.pipeline import AgentInitialization
     from flask_solidloop.pipeline.compaction import DEFAULT_INSTRUCTIONS
@@ -526,7 +525,7 @@ def test_summary_requests_take_their_slots_in_the_rate_limit(configured, llm):
 
     probe_app = configured()
     with probe_app.app_context():
-        probe = compacting_agent_for("compacting_rates_probe", llm,
+        probe = compacting_agent_for(f"{name}_probe", llm,
                                      configure_llm_middlewares=configure_llm_middlewares)
         script_pages(llm, 30)
         [loop] = run_until_settled(probe_app, [probe.start(message="read").id])
@@ -534,7 +533,16 @@ def test_summary_requests_take_their_slots_in_the_rate_limit(configured, llm):
         first = next(i for i, r in enumerate(llm.requests)
                      if r.json["messages"][0]["content"] == DEFAULT_INSTRUCTIONS)
     assert first >= 4
+    llm.reset()
+    return configure_llm_middlewares, first
 
+
+def test_summary_requests_take_their_slots_in_the_rate_limit(configured, llm):
+    # The provider and the key allow exactly as many requests at once as go
+    # before the first summary request (one more every 60/N s): the burst is
+    # spent when the summary is due, which must wait for its slot rather than
+    # be sent and refused.
+    configure_llm_middlewares, first = summary_turn_setup(configured, llm, "compacting_rates")
     key = f"{origin_of(llm.base_url)} {MODEL}"
     app = configured(SOLIDLOOP_RATE_LIMITS={key: {"rpm": first}},
                      SOLIDLOOP_RATE_LIMIT_INLINE_WAIT=0.1)
@@ -549,3 +557,35 @@ def test_summary_requests_take_their_slots_in_the_rate_limit(configured, llm):
         stats = llm.rate_limit_stats()
         assert stats.count_429 == 0, stats
         assert loop.capacity_deferrals >= 1
+
+
+def test_a_summary_request_sent_past_its_slot_reserves_again(configured, llm, monkeypatch):
+    # The summary request shares the turn's admission: its record written
+    # a second and a half late (a slow write), it reserves again rather than
+    # go out at once, where it would meet the next turn's request (the
+    # buckets drained from its first slot on) on one request per second.
+    from flask_solidloop.pipeline.compaction import DEFAULT_INSTRUCTIONS
+
+    configure_llm_middlewares, first = summary_turn_setup(configured, llm, "compacting_late")
+    key = f"{origin_of(llm.base_url)} {MODEL}"
+    app = configured(SOLIDLOOP_RATE_LIMITS={key: {"rps": 1}},
+                     SOLIDLOOP_RATE_LIMIT_INLINE_WAIT=0.0)
+    slow = [1.5]
+    real = store.record_request
+
+    def slow_summary_record(*args, **kwargs):
+        if slow and DEFAULT_INSTRUCTIONS in str(kwargs["wire"].request_body):
+            time.sleep(slow.pop())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "record_request", slow_summary_record)
+    with app.app_context():
+        agent = compacting_agent_for("compacting_late", llm,
+                                     configure_llm_middlewares=configure_llm_middlewares)
+        sent: list[float] = []
+        summaries = script_pages(llm, first, sent)
+        [loop] = run_until_settled(app, [agent.start(message="read").id], timeout=120)
+        assert loop.status == "completed"
+        assert not slow and summaries[0] >= 1
+        gaps = [b - a for a, b in zip(sent, sent[1:])]
+        assert len(sent) == len(llm.requests) and min(gaps) >= 0.9, gaps
