@@ -414,6 +414,28 @@ class Job:
         self._status = "queued"
 
 
+def lock_job_meta(session: Any, job_id: str) -> dict[str, Any] | None:
+    """A job's meta, its row locked in ``session``'s transaction (an update of
+    the meta and the jobs it leads to then commit together); None for no such job."""
+    row = session.connection().exec_driver_sql(jobs_sql.HOST_JOB_LOCK_META,
+                                               (job_id,)).fetchone()
+    return None if row is None else dict(row[0] or {})
+
+
+def write_job_meta(session: Any, job_id: str, meta: dict[str, Any]) -> None:
+    """Replace a job's meta in ``session``'s transaction, and keep its record
+    one more result TTL (:func:`keep_job`)."""
+    session.connection().exec_driver_sql(jobs_sql.HOST_JOB_SAVE_META,
+                                         (json.dumps(meta), job_id))
+    keep_job(session, job_id)
+
+
+def keep_job(session: Any, job_id: str) -> None:
+    """An ended job's record kept one more of its result TTL from now, in
+    ``session``'s transaction (a job whose record others still read)."""
+    session.connection().exec_driver_sql(jobs_sql.HOST_JOB_KEEP, (job_id,))
+
+
 def get_current_job() -> Job | None:
     """RQ's ``get_current_job()``: the RQ-style job this worker thread is running
     (None elsewhere). Needs the app context a worker pushes around each job."""

@@ -26,7 +26,6 @@ See docs/decisions/0043-agents-as-mcp-tasks.md, "Tools as tasks".
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 from collections.abc import Callable, Mapping
@@ -37,6 +36,7 @@ from mcp_types.jsonrpc import INTERNAL_ERROR
 
 from ..errors import InvalidArgumentError, NoSuchJobError
 from ..jobs import Job, Queue, get_current_job
+from ..jobs.rq import keep_job, lock_job_meta, write_job_meta
 from ..mcp.toolset import CallContext, ToolResult, Toolset
 from ..state import get_state
 from .tasks import TaskBackend, TaskView
@@ -54,13 +54,8 @@ _META_KEY = "mcp_task"
 _ROUND_OF = "mcp_task_of"
 _RUN = "flask_solidloop.mcp_server.tooltasks:run_tool_task"
 # The task's state is its first job's meta (flask_solidloop.jobs' table), read
-# and written here in the request's transaction, so an update and the next
-# round's job commit together.
-_LOCK = "SELECT meta FROM solidloop_host_jobs WHERE id = %s FOR UPDATE"
-_SAVE = "UPDATE solidloop_host_jobs SET meta = %s WHERE id = %s"
-#: A change of the task keeps its first job (its state) one more TTL from now.
-_TOUCH = ("UPDATE solidloop_host_jobs SET expires_at = now() + make_interval(secs => result_ttl) "
-          "WHERE id = %s AND expires_at IS NOT NULL")
+# and written in the request's transaction, so an update and the next round's
+# job commit together.
 
 #: Blueprint name -> (advertised tool -> (toolset, tool name), expose_errors): what
 #: a worker runs a task's tool with. Filled when the blueprint is built, so a
@@ -92,7 +87,7 @@ def run_tool_task(server: str, tool: str, arguments: Any, principal: str,
     task_id = job.meta.get(_ROUND_OF) if job is not None else None
     if isinstance(task_id, str):
         # A later round ended: the task changed, its first job lives on.
-        session.connection().exec_driver_sql(_TOUCH, (task_id,))
+        keep_job(session, task_id)
     session.commit()
     if result.input_requests:
         return {"inputRequests": result.input_requests}
@@ -223,13 +218,11 @@ def _job_id(task_id: str, round_: int) -> str:
 
 def _lock(session: Any, task_id: str) -> dict[str, Any]:
     """The task's meta, its first job's row locked in ``session``'s transaction."""
-    row = session.connection().exec_driver_sql(_LOCK, (task_id,)).fetchone()
-    return dict((row[0] or {}).get(_META_KEY) or {})
+    return dict((lock_job_meta(session, task_id) or {}).get(_META_KEY) or {})
 
 
 def _save(session: Any, task_id: str, task: dict[str, Any]) -> None:
-    session.connection().exec_driver_sql(_SAVE, (json.dumps({_META_KEY: task}), task_id))
-    session.connection().exec_driver_sql(_TOUCH, (task_id,))
+    write_job_meta(session, task_id, {_META_KEY: task})
 
 
 def _pending(task: dict[str, Any], current: Job) -> dict[str, Any]:

@@ -190,6 +190,10 @@ HOST_JOB_RETRYING = (
     "WHERE id = %(id)s AND status <> 'canceled'"
 )
 HOST_JOB_SAVE_META = "UPDATE solidloop_host_jobs SET meta = %s WHERE id = %s"
+HOST_JOB_LOCK_META = "SELECT meta FROM solidloop_host_jobs WHERE id = %s FOR UPDATE"
+#: A job's record kept one more of its result TTL from now (an ended job only).
+HOST_JOB_KEEP = ("UPDATE solidloop_host_jobs SET expires_at = now() + make_interval(secs => "
+                 "result_ttl) WHERE id = %s AND expires_at IS NOT NULL")
 
 #: A host job with its latest delivery (one row of solidloop_jobs per attempt).
 #: Live statuses come from that row: a running row is RQ's ``started``, a queued
