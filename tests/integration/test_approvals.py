@@ -13,8 +13,9 @@ from sqlalchemy import select, text
 
 from flask_solidloop import DecisionConflictError, InvalidArgumentError, signals
 from flask_solidloop.loops import queries
-from flask_solidloop.models import Job, Loop, Message, ToolCall
+from flask_solidloop.models import Job, Message, ToolCall
 
+from ..support.rows import loop_of
 from ..support.support_app import (
     WAIT_REQUESTS,
     PolicyShopAgent,
@@ -32,11 +33,6 @@ def calls_of(session, loop_id):
     session.expire_all()
     return {c.name: c for c in session.scalars(
         select(ToolCall).where(ToolCall.loop_id == loop_id).order_by(ToolCall.position))}
-
-
-def loop_of(session, loop_id):
-    session.expire_all()
-    return session.get(Loop, loop_id)
 
 
 def live_jobs(session, loop_id):

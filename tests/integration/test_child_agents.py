@@ -24,14 +24,10 @@ from ..support.children_app import (
     SequentialLead,
     ToolsetLead,
 )
+from ..support.rows import loop_of
 from ..support.support_app import Agent, solidloop
 
 _ = (Researcher, Ping)
-
-
-def loop_of(session, loop_id):
-    session.expire_all()
-    return session.get(Loop, loop_id)
 
 
 def children_of(session, loop_id):

@@ -22,8 +22,9 @@ from flask_solidloop import (
 )
 from flask_solidloop.llm.types import AssistantTurn, Usage
 from flask_solidloop.loops import sql, store
-from flask_solidloop.models import Job, Loop, Message, ToolCall
+from flask_solidloop.models import Job, Message, ToolCall
 
+from ..support.rows import loop_of
 from ..support.support_app import (
     ChatAgent,
     InterruptingChatAgent,
@@ -32,11 +33,6 @@ from ..support.support_app import (
 )
 from .loop_states import running_loop
 from .row_locks import hold_loop_while
-
-
-def loop_of(session, loop_id) -> Loop:
-    session.expire_all()
-    return session.get(Loop, loop_id)
 
 
 def conversation(session, loop_id) -> list[tuple[str, str]]:

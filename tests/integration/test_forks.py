@@ -16,6 +16,7 @@ from flask_solidloop.loops import control, store
 from flask_solidloop.loops.store.forks import plan_fork
 from flask_solidloop.models import Job, Loop, McpSession, Message, ToolCall
 
+from ..support.rows import loop_of
 from ..support.support_app import SIDE_EFFECTS, Assistant, ChatAgent, solidloop
 
 TWO_ADDS = {"content": "Adding.", "tool_calls": [
@@ -25,11 +26,6 @@ TWO_ADDS = {"content": "Adding.", "tool_calls": [
 
 def after_tools(request) -> bool:
     return request["messages"][-1]["role"] == "tool"
-
-
-def loop_of(session, loop_id) -> Loop:
-    session.expire_all()
-    return session.get(Loop, loop_id)
 
 
 def visible(session, loop_id) -> list[Message]:

@@ -3,6 +3,7 @@ the jobs drained in-process, every reservation in PostgreSQL."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from decimal import Decimal
 
@@ -587,5 +588,5 @@ def test_a_summary_request_sent_past_its_slot_reserves_again(configured, llm, mo
         [loop] = run_until_settled(app, [agent.start(message="read").id], timeout=120)
         assert loop.status == "completed"
         assert not slow and summaries[0] >= 1
-        gaps = [b - a for a, b in zip(sent, sent[1:])]
+        gaps = [b - a for a, b in itertools.pairwise(sent)]
         assert len(sent) == len(llm.requests) and min(gaps) >= 0.9, gaps

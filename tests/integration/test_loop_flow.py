@@ -8,14 +8,8 @@ from sqlalchemy import select
 
 from flask_solidloop.models import Event, Job, Loop, Message, ToolCall
 
+from ..support.rows import visible
 from ..support.support_app import SIDE_EFFECTS, Assistant, BatchAgent, SequentialAssistant
-
-
-def visible(session, loop_id):
-    return list(session.scalars(
-        select(Message).where(Message.loop_id == loop_id, Message.is_hidden.is_(False))
-        .order_by(Message.id)
-    ))
 
 
 def test_start_writes_loop_messages_and_job_in_one_commit(app, session):

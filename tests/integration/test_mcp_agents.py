@@ -9,10 +9,11 @@ import pytest
 from sqlalchemy import select
 
 from flask_solidloop import Agent
-from flask_solidloop.models import Loop, Message, ToolCall
+from flask_solidloop.models import Message, ToolCall
 from flask_solidloop.testing import drain as run
 from flask_solidloop.testing.mcp_emulator import MCPEmulator
 
+from ..support.rows import loop_of as finished
 from ..support.support_app import llm_settings, solidloop
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,11 +29,6 @@ def remote_agent(name: str, mcps: list[dict]) -> type[Agent]:
 
     Remote.mcps = mcps
     return solidloop.agent(name)(Remote)
-
-
-def finished(session, loop_id):
-    session.expire_all()
-    return session.get(Loop, loop_id)
 
 
 def test_an_http_mcp_server_runs_a_tool_with_the_idempotency_key(app, session, llm):

@@ -26,6 +26,7 @@ from flask_solidloop.testing import drain as run
 from ..support.oauth_mcp import ProtectedMCP
 from ..support.oauth_refresh_worker import refresh_in_a_process
 from ..support.oauth_server import start_oauth_server
+from ..support.rows import loop_of as finished
 from ..support.support_app import llm_settings, solidloop
 
 SECRET_ENV = "SOLIDLOOP_TEST_OAUTH_SECRET"
@@ -85,11 +86,6 @@ def script_lookup(llm):
     llm.script("look up", {"tool_calls": [{"name": "lookup", "arguments": {"key": "k1"}}]})
     llm.script(lambda body: body["messages"][-1]["role"] == "tool",
                {"content": "It is green."})
-
-
-def finished(session, loop_id):
-    session.expire_all()
-    return session.get(Loop, loop_id)
 
 
 def code_entry(mcp, client_id, **auth):

@@ -15,8 +15,10 @@ from pydantic import BaseModel, TypeAdapter
 from sqlalchemy import select
 
 from flask_solidloop import Agent
-from flask_solidloop.models import Event, Loop, Message, ToolCall
+from flask_solidloop.models import Event, ToolCall
 
+from ..support.rows import loop_of as finished
+from ..support.rows import visible
 from ..support.sdk_contract import check_openai_responses
 from ..support.support_app import calc, solidloop
 
@@ -40,16 +42,6 @@ def make_agent(name, streaming, base_url, **extra):
     for key, value in extra.items():
         setattr(ResponsesAgent, key, value)
     return solidloop.agent(name)(ResponsesAgent)
-
-
-def visible(session, loop_id):
-    return list(session.scalars(select(Message).where(
-        Message.loop_id == loop_id, Message.is_hidden.is_(False)).order_by(Message.id)))
-
-
-def finished(session, loop_id):
-    session.expire_all()
-    return session.get(Loop, loop_id)
 
 
 def sent(llm, count):

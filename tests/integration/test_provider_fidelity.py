@@ -16,9 +16,11 @@ from pydantic import BaseModel
 from sqlalchemy import select
 
 from flask_solidloop import Agent, Toolset
-from flask_solidloop.models import Event, Loop, Message, ToolCall
+from flask_solidloop.models import Event, ToolCall
 from flask_solidloop.render import format_loop, format_message
 
+from ..support.rows import loop_of as finished
+from ..support.rows import visible
 from ..support.sdk_contract import check_anthropic, check_gemini, check_openai
 from ..support.support_app import calc, solidloop
 
@@ -57,16 +59,6 @@ def make_agent(name, dialect, streaming, base_url, **extra):
     for key, value in extra.items():
         setattr(FidelityAgent, key, value)
     return solidloop.agent(name)(FidelityAgent)
-
-
-def visible(session, loop_id):
-    return list(session.scalars(select(Message).where(
-        Message.loop_id == loop_id, Message.is_hidden.is_(False)).order_by(Message.id)))
-
-
-def finished(session, loop_id):
-    session.expire_all()
-    return session.get(Loop, loop_id)
 
 
 @pytest.mark.parametrize(("dialect", "streaming"), CASES)

@@ -13,6 +13,7 @@ from flask_solidloop import Agent
 from flask_solidloop.models import Event, Loop, Message, ToolCall
 from flask_solidloop.testing import drain as run
 
+from ..support.rows import loop_of as finished
 from ..support.support_app import calc, create_app, solidloop
 
 
@@ -27,11 +28,6 @@ def agent_for(name, emulator, *, dialect="openai", streaming=False, **extra):
     for key, value in extra.items():
         setattr(ProviderAgent, key, value)
     return solidloop.agent(name)(ProviderAgent)
-
-
-def finished(session, loop_id):
-    session.expire_all()
-    return session.get(Loop, loop_id)
 
 
 def attempts(session):

@@ -15,8 +15,9 @@ from sqlalchemy import select
 
 from flask_solidloop import Agent, LoopFailedError, Toolset
 from flask_solidloop.loops import queries
-from flask_solidloop.models import Loop, Message
+from flask_solidloop.models import Loop
 
+from ..support.rows import visible
 from ..support.support_app import calc, solidloop
 
 CASES = [(d, s) for d in ("openai", "anthropic", "gemini") for s in (False, True)]
@@ -54,11 +55,6 @@ def make_agent(name: str, dialect: str, streaming: bool, base_url: str, *,
     if tools:
         PersonAgent.mcps = [{"name": "calc", "toolset": calc}]
     return solidloop.agent(name)(PersonAgent)
-
-
-def visible(session, loop_id):
-    return list(session.scalars(select(Message).where(
-        Message.loop_id == loop_id, Message.is_hidden.is_(False)).order_by(Message.id)))
 
 
 def chats(llm):

@@ -15,14 +15,10 @@ from flask_solidloop.models import Job, Loop
 from flask_solidloop.state import get_state
 
 from ..support.children_app import Lead, Researcher
+from ..support.rows import loop_of
 
 #: The tree read (limits/sql.TREE_SPEND), as the driver sends it.
 TREE_READ = "WITH RECURSIVE up AS"
-
-
-def loop_of(session, loop_id):
-    session.expire_all()
-    return session.get(Loop, loop_id)
 
 
 def children_of(session, loop_id):
