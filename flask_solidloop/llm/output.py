@@ -168,6 +168,20 @@ def failure_message(error: str, attempts: int) -> str:
             f"{attempts} attempt(s): {error}")
 
 
+def final_failure(refusal: str | None, finish_reason: str | None) -> str | None:
+    """A loop's error message for an invalid answer no retry can mend, else
+    None: the model refused (its words), or the answer was cut at the output
+    token limit (the same request would be cut again). Class ``output_invalid``."""
+    if refusal or finish_reason == "refusal":
+        return (f"OutputInvalidError: the model refused to answer in the output schema: "
+                f"{refusal or '(it gave no reason)'}")
+    if finish_reason == "length":
+        return ("OutputInvalidError: the answer was cut at the output token limit "
+                "(finish_reason 'length') before it matched the output schema; raise the "
+                "agent's max_tokens")
+    return None
+
+
 def instance(output_type: Any, value: Any) -> Any:
     """``value`` as the agent's ``output_type`` sees it: an instance of its model
     class, or the value itself (a schema dict)."""

@@ -1064,8 +1064,11 @@ def _invalid_output(ctx: LlmContext, response: Any, meta: dict[str, Any], turn_c
     allowed = int(ctx.agent.option("output_retries"))
     retried = _output_retries(ctx.history)
     attempts = allowed + 1
+    # A refusal, or an answer cut at the token limit, is not retried: the
+    # same request would meet the same end, and spend a turn on it.
+    final = output.final_failure(response.refusal, response.finish_reason)
     retry = output.retry_message(error, retried + 1, attempts) \
-        if retried < allowed else None
+        if retried < allowed and final is None else None
     shell_id = ctx.shell_id
     with tracing.span("solidloop.commit"):
         status = store.with_database_retry(
@@ -1073,7 +1076,7 @@ def _invalid_output(ctx: LlmContext, response: Any, meta: dict[str, Any], turn_c
                 ctx.state, ctx.session, loop_id=ctx.loop_id, token=ctx.execution_token,
                 shell_id=shell_id, response=response, meta=meta, turn_cost=turn_cost,
                 wire=ctx.wire, retry=retry, retry_meta={"output_retry": retried + 1},
-                error_message=output.failure_message(error, attempts),
+                error_message=final or output.failure_message(error, attempts),
                 ends=store.loop_ends(ctx.state, ctx.agent.agent_name),
                 streamed=_streamed(ctx), event_id=ctx.request_event_id),
             session=ctx.session, seconds=ctx.state.config.database_retry_seconds,

@@ -234,6 +234,37 @@ def test_no_retries_fails_at_the_first_invalid_answer(app, session, llm, drain):
     assert len(chats(llm)) == 1
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_refusal_fails_the_loop_at_once_in_its_words(app, session, llm, drain, streaming):
+    # Sending the validation error back would ask the same question again.
+    agent = make_agent(f"so_refused_{streaming}", "openai", streaming, llm.base_url)
+    llm.script("describe ada", {"refusal": "I can't describe real people."})
+    loop = agent.start(message="Describe Ada")
+    drain()
+    session.expire_all()
+    row = session.get(Loop, loop.id)
+    assert row.status == "failed" and len(chats(llm)) == 1
+    assert queries.classify_failure(row.error_message) == "output_invalid"
+    assert row.error_message == ("OutputInvalidError: the model refused to answer in the "
+                                 "output schema: I can't describe real people.")
+
+
+@pytest.mark.parametrize("dialect", ["openai", "anthropic"])
+def test_an_answer_cut_at_the_token_limit_fails_at_once_naming_max_tokens(
+        app, session, llm, drain, dialect):
+    agent = make_agent(f"so_cut_{dialect}", dialect, False, llm.base_url)
+    cut = {"name": "Ada"} if dialect == "anthropic" else '{"name": "Ada", "ag'
+    llm.script("describe ada", {"output": cut, "finish_reason": "length"})
+    loop = agent.start(message="Describe Ada")
+    drain()
+    session.expire_all()
+    row = session.get(Loop, loop.id)
+    assert row.status == "failed" and len(chats(llm)) == 1
+    assert queries.classify_failure(row.error_message) == "output_invalid"
+    assert "cut at the output token limit" in row.error_message
+    assert row.error_message.endswith("raise the agent's max_tokens")
+
+
 @pytest.mark.parametrize("dialect", ["openai", "anthropic", "gemini"])
 def test_an_agent_with_tools_calls_them_then_answers(app, session, llm, drain, dialect):
     agent = make_agent(f"so_tools_{dialect}", dialect, False, llm.base_url, tools=True)
