@@ -973,6 +973,25 @@ def prune_command(every: float | None, dry_run: bool, loops_only: bool,
     _every(every, run, "prune")
 
 
+@solidloop_cli.command("rollup")
+@click.option("--every", type=float, default=None, metavar="SECONDS",
+              help="Repeat every SECONDS instead of running once.")
+@with_appcontext
+def rollup_command(every: float | None) -> None:
+    """Sum each minute's turns, tokens, cost, latency and failures for the
+    admin charts, from the last rolled-up minute to now (the first run goes
+    back 7 days). Idempotent: a rerun recomputes, never double counts."""
+    from .maintenance.rollup import rollup
+
+    def run() -> str:
+        report = rollup(_state())
+        return (f"rolled up {report.chunks} hour(s): {report.minute_rows} minute row(s), "
+                f"{report.hour_rows} hour row(s), {report.pruned} pruned; "
+                f"up to {report.rolled_to}")
+
+    _every(every, run, "rollup")
+
+
 def _print_prune_preview(*, loops_only: bool = False) -> None:
     from .maintenance.janitor import NEVER_DELETED, preview, rules
 

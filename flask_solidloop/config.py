@@ -454,6 +454,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("SOLIDLOOP_JANITOR_INTERVAL", 300.0, _non_negative_float,
             "Seconds between janitor sweeps run inside worker processes (one sweep per "
             "interval across all workers); 0 turns the in-worker janitor off."),
+    Setting("SOLIDLOOP_ROLLUP_INTERVAL", 60.0, _non_negative_float,
+            "Seconds between passes of the admin charts' rollup (per-minute turn figures) "
+            "inside worker processes, run by one leader; 0 turns it off in workers."),
+    Setting("SOLIDLOOP_ROLLUP_RETENTION", 8 * DAY, _retention,
+            "Seconds to keep the charts' per-minute and per-hour figures (8 days: the "
+            "7-day charts and a day more); None keeps them forever."),
     Setting("SOLIDLOOP_STREAM_UPDATE_INTERVAL", 10.0, _positive_float,
             "Seconds between flushes of a streaming turn's text (its deltas, or its partial "
             "text on the hidden shell) while nobody watches its loop (a watcher's arrival "
@@ -634,6 +640,8 @@ class Config:
     loop_purge_batch_size: int
     janitor_batch_size: int
     janitor_interval: float
+    rollup_interval: float
+    rollup_retention: int | None
     stream_update_interval: float
     observed_stream_update_interval: float
     stream_max_hz: float

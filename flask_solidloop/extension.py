@@ -26,6 +26,7 @@ from .loops import control, traces
 from .loops.store import LoopArchiveHook, LoopEndHook
 from .maintenance.janitor import prune_if_due, runs_in_workers
 from .maintenance.reaper import reap
+from .maintenance.rollup import rollup
 from .mcp.toolset import Toolset
 from .models import Loop, ToolCall
 from .pipeline.builder import Builder
@@ -40,7 +41,11 @@ from .queue.middleware import (
     TracingMiddleware,
     WorkerRegistryMiddleware,
 )
-from .queue.middleware.periodic import JanitorTaskMiddleware, ReaperTaskMiddleware
+from .queue.middleware.periodic import (
+    JanitorTaskMiddleware,
+    ReaperTaskMiddleware,
+    RollupTaskMiddleware,
+)
 from .runtime.actors import declare_actors
 from .runtime.llm_io import LlmIoMiddleware
 from .runtime.mcp_servers import StdioServersMiddleware
@@ -460,8 +465,9 @@ def _metrics_middleware(state: SolidLoopState) -> Any:
 
 
 def _maintenance_in_workers(state: SolidLoopState) -> list[PeriodicTaskMiddleware]:
-    """The reaper (every SOLIDLOOP_REAPER_INTERVAL seconds) and the janitor
-    (every SOLIDLOOP_JANITOR_INTERVAL seconds), run by worker processes
+    """The reaper (every SOLIDLOOP_REAPER_INTERVAL seconds), the janitor
+    (every SOLIDLOOP_JANITOR_INTERVAL seconds) and the charts' rollup (every
+    SOLIDLOOP_ROLLUP_INTERVAL seconds), run by worker processes
     themselves, each by the fleet's leader for it: recovery and retention
     need nothing but workers."""
     def in_app_context(task: Callable[[SolidLoopState], Any]) -> Callable[[], Any]:
@@ -484,6 +490,9 @@ def _maintenance_in_workers(state: SolidLoopState) -> list[PeriodicTaskMiddlewar
     if runs_in_workers(config):
         tasks.append(JanitorTaskMiddleware("janitor", config.janitor_interval,
                                            in_app_context(prune_if_due), broker=state.broker))
+    if config.rollup_interval > 0:
+        tasks.append(RollupTaskMiddleware("rollup", config.rollup_interval,
+                                          in_app_context(rollup), broker=state.broker))
     return tasks
 
 

@@ -1,4 +1,5 @@
-"""The admin blueprint's views: dashboard, loops (list, page, live stream,
+"""The admin blueprint's views: dashboard (with the charts of admin/charts.py,
+also per agent on ``/agents/<name>``), loops (list, page, live stream,
 actions, bulk actions), jobs, workers and limits (rate-limit keys, subjects'
 budgets), and ``metrics`` (Prometheus's text format, runtime/metrics.py); the
 approvals views are admin/approvals.py's, registered here.
@@ -29,11 +30,12 @@ from flask import (
     stream_with_context,
     url_for,
 )
+from sqlalchemy import select
 from werkzeug.datastructures import MultiDict
 
 from ..errors import InvalidArgumentError, SolidLoopError
 from ..jobs import control as jobs_control
-from ..loops import control, pending, queries, wire_reads
+from ..loops import control, pending, queries, stats, wire_reads
 from ..loops.lineage import lineage
 from ..maintenance import runs as maintenance_runs
 from ..models import RESUMABLE_STATUSES, Loop
@@ -44,7 +46,7 @@ from ..spending import AgentLimits, Gauge, loop_budget, rate_keys, subjects, tig
 from ..state import SolidLoopState, get_state
 from ..streaming import HEADERS
 from ..telemetry import tracing
-from . import approvals, filters, format, live, passes, security
+from . import approvals, charts, filters, format, live, passes, security
 
 logger = logging.getLogger("flask_solidloop.admin")
 
@@ -234,7 +236,28 @@ def create_blueprint(*, authorize: security.Authorize | None,
         awaiting = pending.pending_counts(st.db.session, cap=AWAITING_CAP)
         return render_template("solidloop/admin/dashboard.html", d=data,
                                live_workers=live_workers, maintenance=maintenance,
-                               awaiting=awaiting, awaiting_cap=AWAITING_CAP)
+                               awaiting=awaiting, awaiting_cap=AWAITING_CAP,
+                               status_cap=stats.STATUS_CAP, agents=sorted(st.extension.agents),
+                               **charts_of(None, ".dashboard"))
+
+    def charts_of(agent: str | None, endpoint: str, **url_args: Any) -> dict[str, Any]:
+        """The charts of the ``?range=`` asked for (24h unless 7d), and the links."""
+        chosen = request.args.get("range", "24h")
+        series = stats.series(state().db.session,
+                              chosen if chosen in stats.RANGES else "24h", agent)
+        return {"chart_series": series, "chart_ranges": list(stats.RANGES),
+                "charts": charts.charts_for(series, queries.FAILURE_CLASS_NAMES),
+                "chart_url": lambda r: url_for(endpoint, range=r, **url_args)}
+
+    @bp.get("/agents/<name>")
+    def agent(name: str) -> Any:
+        """One agent's charts (the dashboard's, for its loops only)."""
+        known = name in state().extension.agents
+        if not known and not state().db.session.scalar(select(Loop.id).where(
+                Loop.agent_name == name).limit(1)):
+            abort(404)
+        return render_template("solidloop/admin/agent.html", agent=name, known=known,
+                               **charts_of(name, ".agent", name=name))
 
     @bp.get("/loops")
     def loops() -> Any:

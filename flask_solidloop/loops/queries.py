@@ -487,7 +487,7 @@ def waiting_calls(session: SessionLike) -> dict[str, int]:
     return {str(kind): int(count) for kind, count in rows}
 
 
-def _first_id_since(session: SessionLike, table: str, since: datetime) -> int | None:
+def first_id_since(session: SessionLike, table: str, since: datetime) -> int | None:
     """The smallest id of ``table`` created at or after ``since``, by a binary
     search on the primary key (ids grow with ``created_at``); None if none is."""
     bounds = session.execute(text(f"SELECT min(id), max(id) FROM {table}")).one()
@@ -538,41 +538,26 @@ class Dashboard:
     queues: list[QueueDepth]
     dead_jobs: int
     now: datetime
-
-
-def _window(session: SessionLike, label: str, since: datetime) -> Window:
-    first = _first_id_since(session, "solidloop_messages", since)
-    if first is None:
-        return Window(label, 0, 0, 0, None)
-    row = session.execute(text(
-        "SELECT count(*) AS turns,"
-        " coalesce(sum((usage->>'input_tokens')::bigint), 0) AS input_tokens,"
-        " coalesce(sum((usage->>'output_tokens')::bigint), 0) AS output_tokens,"
-        " sum(cost) AS cost"
-        " FROM solidloop_messages WHERE id >= :first AND role = 'assistant'"
-        " AND status = 'completed' AND created_at >= :since"
-    ), {"first": first, "since": since}).one()
-    return Window(label, int(row.turns), int(row.input_tokens), int(row.output_tokens), row.cost)
+    #: Statuses whose count is the planner's estimate (past stats.STATUS_CAP).
+    estimated: frozenset[str] = frozenset()
 
 
 def dashboard(session: SessionLike) -> Dashboard:
-    """The admin dashboard's numbers, each from an index or an id range."""
+    """The admin dashboard's numbers, none of which grows with history: status
+    counts capped and estimated above the cap, turns and failures from the
+    charts' rollup plus the minutes past its mark (loops/stats.py)."""
     from datetime import timedelta
 
+    from . import stats
+
     now: datetime = session.execute(select(func.now())).scalar_one()
-    by_status = {row.status: int(row.n) for row in session.execute(
-        select(Loop.status, func.count().label("n")).group_by(Loop.status))}
-    windows = [_window(session, "last hour", now - timedelta(hours=1)),
-               _window(session, "last day", now - timedelta(days=1))]
-    failures: dict[str, int] = {}
-    first_loop = _first_id_since(session, "solidloop_loops", now - timedelta(days=1))
-    if first_loop is not None:
-        cls = failure_class_sql().label("cls")
-        for row in session.execute(
-            select(cls, func.count().label("n"))
-            .where(Loop.id >= first_loop, Loop.status == "failed").group_by(cls)
-        ):
-            failures[row.cls] = int(row.n)
+    counts = stats.status_counts(session)
+    windows = []
+    for label, since in (("last hour", now - timedelta(hours=1)),
+                         ("last day", now - timedelta(days=1))):
+        sums = stats.window(session, since, now)
+        windows.append(Window(label, sums.llm_turns, sums.input_tokens, sums.output_tokens,
+                              sums.cost if sums.llm_turns else None))
     queues = [QueueDepth(row.queue_name, int(row.queued), int(row.running), row.oldest)
               for row in session.execute(text(
                   "SELECT queue_name, count(*) FILTER (WHERE state = 'queued') AS queued,"
@@ -582,9 +567,9 @@ def dashboard(session: SessionLike) -> Dashboard:
                   " GROUP BY queue_name ORDER BY queue_name"))]
     dead = int(session.scalar(text("SELECT count(*) FROM solidloop_jobs WHERE state = 'dead'"))
                or 0)
-    return Dashboard(by_status=by_status, windows=windows, failures=failures,
-                     failures_window="loops created in the last day", queues=queues,
-                     dead_jobs=dead, now=now)
+    return Dashboard(by_status=counts.counts, windows=windows, failures=sums.failures,
+                     failures_window="loops that failed in the last day", queues=queues,
+                     dead_jobs=dead, now=now, estimated=counts.estimated)
 
 
 def events(session: SessionLike, loop_id: int, limit: int = 500) -> list[Any]:

@@ -1,4 +1,5 @@
-"""Maintenance: the reaper (heals loops whose worker died) and the janitor (retention).
+"""Maintenance: the reaper (heals loops whose worker died), the janitor
+(retention) and the rollup (the admin charts' per-minute figures).
 
 The maintenance actor (queue ``solidloop_maintenance``) runs these tasks for
 hosts with their own scheduler; ``flask solidloop reap`` / ``prune`` run them
@@ -13,10 +14,11 @@ import logging
 from ..state import SolidLoopState
 from .janitor import prune
 from .reaper import reap
+from .rollup import rollup
 
 logger = logging.getLogger("flask_solidloop.maintenance")
 
-TASKS = ("reap", "prune", "recover_jobs")
+TASKS = ("reap", "prune", "recover_jobs", "rollup")
 
 
 def run_maintenance(state: SolidLoopState, task: str) -> None:
@@ -25,6 +27,8 @@ def run_maintenance(state: SolidLoopState, task: str) -> None:
         reap(state)
     elif task == "prune":
         prune(state)
+    elif task == "rollup":
+        rollup(state)
     elif task == "recover_jobs":
         recovered = state.broker.recover_expired()
         logger.info("recovered %s job(s) with expired leases", recovered)

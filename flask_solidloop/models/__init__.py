@@ -20,6 +20,7 @@ from .message import Message
 from .oauth_token import McpOAuthToken
 from .stream_event import StreamEventRow
 from .tool_call import ToolCall
+from .turn_stats import RollupMark, TurnStat
 from .worker import Leader, Worker
 
 __all__ = [
@@ -42,9 +43,11 @@ __all__ = [
     "Message",
     "PeriodicRun",
     "RateBucket",
+    "RollupMark",
     "Spend",
     "StreamEventRow",
     "ToolCall",
+    "TurnStat",
     "Worker",
     "metadata",
 ]

@@ -172,3 +172,7 @@ class ReaperTaskMiddleware(PeriodicTaskMiddleware):
 
 class JanitorTaskMiddleware(PeriodicTaskMiddleware):
     """The in-worker janitor's periodic thread."""
+
+
+class RollupTaskMiddleware(PeriodicTaskMiddleware):
+    """The in-worker charts' rollup's periodic thread."""
