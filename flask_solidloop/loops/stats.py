@@ -307,11 +307,11 @@ def status_counts(session: SessionLike, cap: int = STATUS_CAP) -> StatusCounts:
     each; a status past the cap is estimated from the planner's statistics
     (rows in the table times the status's share), and counted exactly only
     when the table has never been analyzed."""
-    counted: dict[str, int] = dict(session.execute(text(
+    counted: dict[str, int] = {row[0]: int(row[1]) for row in session.execute(text(
         "SELECT s.status, (SELECT count(*) FROM (SELECT 1 FROM solidloop_loops AS l"
         " WHERE l.status = s.status LIMIT :cap) AS x)"
         " FROM unnest(CAST(:statuses AS text[])) AS s(status)"),
-        {"cap": cap + 1, "statuses": list(ALL_STATUSES)}).tuples().all())
+        {"cap": cap + 1, "statuses": list(ALL_STATUSES)})}
     over = [s for s, n in counted.items() if n > cap]
     estimated: set[str] = set()
     if over:

@@ -14,7 +14,6 @@ import logging
 from ..state import SolidLoopState
 from .janitor import prune
 from .reaper import reap
-from .rollup import rollup
 
 logger = logging.getLogger("flask_solidloop.maintenance")
 
@@ -28,6 +27,8 @@ def run_maintenance(state: SolidLoopState, task: str) -> None:
     elif task == "prune":
         prune(state)
     elif task == "rollup":
+        from .rollup import rollup  # the function; the package keeps the module's name
+
         rollup(state)
     elif task == "recover_jobs":
         recovered = state.broker.recover_expired()
