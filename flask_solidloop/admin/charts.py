@@ -21,12 +21,13 @@ from markupsafe import Markup, escape
 
 from ..loops import stats
 
-WIDTH = 600
-HEIGHT = 170
-LEFT = 52
-RIGHT = 8
-TOP = 10
-BOTTOM = 22
+# About the size a card draws it at (so 11 px text stays about 11 px).
+WIDTH = 340
+HEIGHT = 150
+LEFT = 50
+RIGHT = 6
+TOP = 8
+BOTTOM = 20
 PLOT_W = WIDTH - LEFT - RIGHT
 PLOT_H = HEIGHT - TOP - BOTTOM
 
@@ -67,7 +68,7 @@ def compact(value: float | None, unit: str = "") -> str:
     if unit == "$":
         if abs(value) >= 1000:
             return "$" + compact(value)
-        return f"${value:,.2f}" if abs(value) >= 1 or value == 0 else f"${value:.4f}"
+        return f"${value:,.2f}" if abs(value) >= 0.1 or value == 0 else f"${value:.4f}"
     if unit == "ms":
         return f"{value / 1000:.1f} s" if value >= 1000 else f"{value:.0f} ms"
     sign = "-" if value < 0 else ""
@@ -199,7 +200,8 @@ def charts_for(series: stats.Series, classes: Sequence[str]) -> list[Chart]:
                + _peak(hours, llm, compact)),
         _chart("chart-failures", "Failed loops per hour, by class", hours,
                failed or [Line("failed", [0.0] * len(hours))],
-               f"{total.failed} loops failed in {span}: {by_class}"),
+               f"{total.failed} failed loop{'' if total.failed == 1 else 's'} in {span}: "
+               f"{by_class}"),
         _chart("chart-tokens", "Tokens per hour", hours,
                [Line("input", [float(p.input_tokens) for p in points]),
                 Line("output", [float(p.output_tokens) for p in points])],

@@ -238,7 +238,7 @@ def test_the_dashboard_draws_the_charts_with_the_rolled_up_values(state, pg, bas
                   "chart-latency"):
         assert f'id="{chart}"' in html
     assert "5 LLM turns and 2 tool turns in the last 24 hours" in html
-    assert "1 loops failed in the last 24 hours: infra:connect 1" in html
+    assert "1 failed loop in the last 24 hours: infra:connect 1" in html
     assert "700 input and 70 output tokens" in html
     # The turns chart's scale: the busiest hour's 7 turns round up to 10.
     assert re.search(r'id="chart-turns"[^>]*data-max="10"', html)
@@ -257,10 +257,10 @@ def test_the_agent_page_shows_only_its_own_figures(state, pg, base, client):
     assert page.status_code == 200
     html = page.get_data(as_text=True)
     assert "3 LLM turns and 2 tool turns in the last 24 hours" in html
-    assert "0 loops failed" in html and 'href="/admin/loops?agent=alpha"' in html
+    assert "0 failed loops" in html and 'href="/admin/loops?agent=alpha"' in html
     beta = client.get("/admin/agents/beta?range=7d").get_data(as_text=True)
     assert "2 LLM turns and 0 tool turns in the last 7 days" in beta
-    assert "1 loops failed in the last 7 days: infra:connect 1" in beta
+    assert "1 failed loop in the last 7 days: infra:connect 1" in beta
     assert client.get("/admin/agents/nobody").status_code == 404
 
 

@@ -106,10 +106,11 @@ def test_titles_and_names_are_escaped_and_the_svg_is_labelled():
 
 
 def test_the_x_axis_labels_hours_over_a_day_and_days_over_a_week():
+    below = re.compile(rf'class="ch-axis" x="[\d.]+" y="{charts.HEIGHT - 6}"')
     day = str(charts.render("c", "t", hours(24), [charts.Line("t", [1] * 24)]))
-    assert len(re.findall(r'class="ch-axis" x="[\d.]+" y="164"', day)) == 4  # 00, 06, 12, 18
+    assert len(below.findall(day)) == 4  # 00, 06, 12, 18
     week = str(charts.render("c", "t", hours(168), [charts.Line("t", [1] * 168)]))
-    assert len(re.findall(r'class="ch-axis" x="[\d.]+" y="164"', week)) == 7
+    assert len(below.findall(week)) == 7
 
 
 def test_buckets_match_postgresql_width_bucket_and_percentiles_come_from_them():
@@ -138,6 +139,6 @@ def test_charts_for_a_series_name_every_failure_class():
     series = stats.Series("24h", None, hours(24), points, total, None, START)
     found = {c.id: c for c in charts.charts_for(series, ["agent", "infra:http"])}
     assert found["chart-failures"].legend == [("ch-s0", "infra:http")]
-    assert "2 loops failed in the last 24 hours: infra:http 2" in found["chart-failures"].summary
+    assert "2 failed loops in the last 24 hours: infra:http 2" in found["chart-failures"].summary
     assert "$0.50" in found["chart-cost"].summary
     assert "p50 8" in found["chart-latency"].summary
