@@ -62,7 +62,7 @@ from sqlalchemy.schema import CreateIndex
 
 from flask_solidloop import SolidLoop
 from flask_solidloop.database import ensure_database
-from flask_solidloop.loops import store as heal_sql
+from flask_solidloop.loops.sql import heals as heal_sql
 from flask_solidloop.maintenance.reaper import ReapReport, reap
 from flask_solidloop.migrations import VERSION_TABLE, head_revision, upgrade
 from flask_solidloop.models import metadata
@@ -82,15 +82,15 @@ MODEL_CHECK_SCHEMA = "solidloop_bench_model_check"
 TABLES = ("solidloop_loops", "solidloop_messages", "solidloop_tool_calls",
           "solidloop_jobs", "solidloop_events")
 
-# (name, SQL, parameters): the reaper's queries in the order one pass runs them.
+# (name, SQL, parameters): the reaper's read queries in the order one pass runs
+# them (stalled tools and orphan shells are healed by single UPDATEs now, with
+# no read to time on its own).
 QUERIES: list[tuple[str, str, dict[str, Any]]] = [
     ("recover_jobs", broker_module.RECOVER, {"max_deliveries": 5, "promote_after": None}),
     ("expired_llm", heal_sql.EXPIRED_LLM, {}),
-    ("stalled_tools", heal_sql.STALLED_TOOLS, {}),
     ("dropped_tools", heal_sql.DROPPED_TOOLS, {"grace": GRACE}),
     ("stuck_tool_phase", heal_sql.STUCK_TOOL_PHASE, {"grace": GRACE}),
     ("stuck_queued", heal_sql.STUCK_QUEUED, {"grace": GRACE}),
-    ("orphan_shells", heal_sql.ORPHAN_SHELLS, {}),
 ]
 DRIVER_SQL = {"recover_jobs"}  # psycopg %(name)s parameters, not SQLAlchemy :name
 

@@ -239,7 +239,13 @@ def _with_tail(session: SessionLike, since: datetime, now: datetime, mark: datet
     start = max(since, mark) if mark is not None else since
     if start >= now:
         return {}
-    found = source_figures(session, start, now)
+    # One page asks for the same tail several times (two windows, a series):
+    # read it once per transaction (now() is the transaction's start).
+    memo = session.info.setdefault("solidloop_stats_tail", {})
+    if (start, now) not in memo:
+        memo.clear()
+        memo[(start, now)] = source_figures(session, start, now)
+    found = memo[(start, now)]
     return {k: v for k, v in found.items() if agent is None or k[1] == agent}
 
 
