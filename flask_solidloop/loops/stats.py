@@ -164,16 +164,22 @@ def source_figures(session: SessionLike, since: datetime,
 
     first = first_id_since(session, "solidloop_messages", since - TURN_SPAN)
     if first is not None:
-        params = {"first": first, "since": since, "until": until,
+        # Messages created from ``until`` on answered later: an upper bound on
+        # the ids, so summing an old hour does not walk every newer message.
+        last = first_id_since(session, "solidloop_messages", until)
+        bound = "" if last is None else " AND m.id < :last"
+        params = {"first": first, "last": last, "since": since, "until": until,
                   "bounds": list(LATENCY_BOUNDS_MS)}
-        for row in session.execute(_LLM_TURNS, params):
+        turns, tools = (text(q.text.replace(" GROUP BY", bound + " GROUP BY", 1))
+                        for q in (_LLM_TURNS, _TOOL_TURNS))
+        for row in session.execute(turns, params):
             figures = at(row.minute, row.agent_name)
             figures.llm_turns += int(row.turns)
             figures.input_tokens += int(row.input_tokens or 0)
             figures.output_tokens += int(row.output_tokens or 0)
             figures.cost += Decimal(row.cost or 0)
             figures.latency[int(row.bucket)] += int(row.turns)
-        for row in session.execute(_TOOL_TURNS, params):
+        for row in session.execute(tools, params):
             at(row.minute, row.agent_name).tool_turns += int(row.turns)
     # The ended-loops index (finished_at, id WHERE status IN completed, failed).
     cls = failure_class_sql().label("cls")
