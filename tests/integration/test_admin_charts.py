@@ -283,3 +283,27 @@ def test_status_counts_past_the_cap_are_estimated(state, pg, session):
     exact = stats.status_counts(session)
     assert exact.estimated == set() and exact.counts["completed"] == 300
     assert queries.dashboard(session).by_status["completed"] == 300
+
+
+def test_workers_run_the_rollup_every_interval_unless_it_is_off(state, pg, base):
+    import dataclasses
+
+    from flask_solidloop.extension import _maintenance_in_workers
+
+    seed(pg, base)
+    tasks = {task.name: task for task in _maintenance_in_workers(state)}
+    assert tasks["rollup"].interval == 60.0
+    tasks["rollup"].task()  # what the leading worker's thread runs each interval
+    assert rows(pg)[(base, "alpha")][0] == 2
+    state.config = dataclasses.replace(state.config, rollup_interval=0)
+    assert "rollup" not in {task.name for task in _maintenance_in_workers(state)}
+
+
+def test_flask_solidloop_rollup_runs_one_pass(app, pg, base):
+    seed(pg, base)
+    result = app.test_cli_runner().invoke(args=["solidloop", "rollup"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("rollup: rolled up ") and "3 minute row(s)" in result.output
+    first = rows(pg)
+    assert app.test_cli_runner().invoke(args=["solidloop", "rollup"]).exit_code == 0
+    assert rows(pg) == first and first[(base, "beta")][0] == 2
