@@ -118,7 +118,7 @@ def relative(value: datetime, now: datetime | None = None) -> str:
 def at(value: datetime | None, now: datetime | None = None) -> Markup:
     """A time as every admin page shows one: relative (``3 min ago``), with
     the absolute UTC time in its ``title`` and a machine-readable
-    ``<time datetime>``; ``–`` for none."""
+    ``<time datetime>``; a dash for none."""
     if value is None:
         return Markup("\u2013")
     return Markup('<time datetime="{}" title="{}">{}</time>').format(
