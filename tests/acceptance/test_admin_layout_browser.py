@@ -20,14 +20,7 @@ import pytest
 from flask_solidloop.loops import control
 
 from ..support.support_app import Assistant
-from .test_admin_browser import (  # noqa: F401  (fixtures)
-    ROOT,
-    WORDS,
-    browser,
-    shot,
-    stack,
-    wait_status,
-)
+from .test_admin_browser import ROOT, WORDS, browser, shot, stack, wait_status  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.e2e
 AXE = ROOT / ".test-js" / "node_modules" / "axe-core" / "axe.min.js"
@@ -55,7 +48,7 @@ WIDE = """() => Array.from(document.querySelectorAll('body *'))
 
 
 @pytest.fixture
-def loops(app, session, llm, stack):
+def loops(app, session, llm, stack):  # noqa: F811 - the imported fixture
     """Real runs with long words everywhere: a completed loop whose tool call got
     a 10,000-character argument and result, a failed one whose error is one
     10,000-character word, and a paused one (so every action shows on one page)."""
@@ -65,7 +58,8 @@ def loops(app, session, llm, stack):
                and "look" in str(req["messages"][-1].get("content")),
                {"tool_calls": [{"name": "lookup", "arguments": {"key": LONG}}]})
     llm.script(lambda req: req["messages"][-1]["role"] == "tool", {"content": "found " + LONG})
-    done = Assistant.start(message="look this up: " + LONG, subject=("User", LONG[:190]), state={"subject_label": LONG})
+    done = Assistant.start(message="look this up: " + LONG, subject=("User", LONG[:190]),
+                           state={"subject_label": LONG})
     assert wait_status(session, done.id, ("completed", "failed")) == "completed"
     broken = Assistant.create(message="fails")
     control.stop(state, broken.id, reason=LONG)
@@ -78,7 +72,7 @@ def _violations(page) -> list[dict]:
     return page.evaluate(AXE_RUN)
 
 
-def test_axe_finds_no_serious_or_critical_violation_on_any_page(browser, loops, tmp_path):
+def test_axe_finds_no_serious_or_critical_violation_on_any_page(browser, loops, tmp_path):  # noqa: F811 - the imported fixture
     base, ids = loops
     context = browser.new_context(viewport={"width": 1360, "height": 900}, bypass_csp=True)
     try:
@@ -103,7 +97,7 @@ def _no_sideways_scroll(page) -> None:
     assert widths[0] <= widths[1], (page.url, widths, page.evaluate(WIDE))
 
 
-def test_a_long_word_and_a_phone_leave_no_sideways_scroll(browser, loops, tmp_path):
+def test_a_long_word_and_a_phone_leave_no_sideways_scroll(browser, loops, tmp_path):  # noqa: F811 - the imported fixture
     base, ids = loops
     for viewport in (PHONE, {"width": 1360, "height": 900}):
         context = browser.new_context(viewport=viewport)
@@ -143,7 +137,7 @@ def _focus_is_visible(page) -> None:
     assert style[0] != "none" and style[1] != "0px", style
 
 
-def test_the_keyboard_reaches_the_rows_and_the_actions_with_focus_visible(browser, loops):
+def test_the_keyboard_reaches_the_rows_and_the_actions_with_focus_visible(browser, loops):  # noqa: F811 - the imported fixture
     base, ids = loops
     context = browser.new_context(viewport={"width": 1360, "height": 900})
     try:
@@ -189,7 +183,7 @@ def _offered(page) -> set[str]:
         "els => els.map(e => e.dataset.action || e.dataset.open)"))
 
 
-def test_the_actions_follow_the_loop_live_without_a_reload(app, llm, browser, loops):
+def test_the_actions_follow_the_loop_live_without_a_reload(app, llm, browser, loops):  # noqa: F811 - the imported fixture
     from ..support import admin_app  # noqa: F401  (registers the streaming agent here too)
     from ..support.admin_app import LiveAgent
 
