@@ -298,6 +298,7 @@ def create_blueprint(*, authorize: security.Authorize | None,
         if row is None:
             abort(404)
         return render_template("solidloop/admin/_loop_regions.html", lp=row, back=_back(),
+                               oob=True,
                                budget=loop_budget(state(), session, row),
                                **_loop_regions(session, loop_id))
 

@@ -30,11 +30,14 @@
     var elt = e.detail && e.detail.elt;
     var target = e.detail && e.detail.target;
     if (target && target.id === "regions") {
-      // The loop page's regions hold its actions: keep an open confirmation,
+      // The loop page's regions (and its actions, swapped in with them): keep an open confirmation,
       // a half-typed resume message or decision, until the operator is done.
       var a = document.activeElement;
-      if (target.querySelector("details.confirm[open], form[data-dirty='1']") ||
-          (a && target.contains(a) && /^(INPUT|TEXTAREA|SELECT)$/.test(a.tagName))) {
+      var actions = document.getElementById("actions");
+      var busy = "details.confirm[open], form[data-dirty='1']";
+      var typing = a && /^(INPUT|TEXTAREA|SELECT)$/.test(a.tagName) &&
+        (target.contains(a) || (actions && actions.contains(a)));
+      if (typing || target.querySelector(busy) || (actions && actions.querySelector(busy))) {
         e.preventDefault();
       }
       return;
