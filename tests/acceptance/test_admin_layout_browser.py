@@ -117,6 +117,7 @@ def test_a_long_word_and_a_phone_leave_no_sideways_scroll(browser, loops, tmp_pa
                 page.goto(base + f"/admin/loops/{ids['done']}")
                 # the long argument is in the page, wrapped, not cut
                 assert LONG in (page.locator("#tool-calls").text_content() or "")
+                page.goto(base + f"/admin/loops/{ids['held']}")
                 shot(page, "admin-loop-390", tmp_path)
         finally:
             context.close()
