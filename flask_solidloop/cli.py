@@ -1035,6 +1035,26 @@ def unfreeze(loop_id: int) -> None:
     _control(loop_id, "unfreeze")
 
 
+@solidloop_cli.command("export")
+@click.argument("loop_id", type=int)
+@click.option("--format", "format_", type=click.Choice(["json", "md"]), default="json",
+              show_default=True, help="json: the solidloop.conversation/1 document; "
+              "md: Markdown for people.")
+@with_appcontext
+def export(loop_id: int, format_: str) -> None:
+    """Print a loop's conversation (messages, tool calls, costs) as JSON or Markdown."""
+    from .loops import export as exporting
+    from .loops import queries
+
+    session = _state().db.session
+    loop = queries.get_loop(session, loop_id)
+    if loop is None:
+        raise click.ClickException(f"no loop with id {loop_id}")
+    document = exporting.conversation(session, loop)
+    click.echo(exporting.to_json(document) if format_ == "json"
+               else exporting.to_markdown(document), nl=False)
+
+
 @solidloop_cli.command("demo")
 @click.option("--agent", default=None, help="Agent to run (default: the only one registered).")
 @click.option("--message", default="What's the weather in Paris right now?", show_default=True)

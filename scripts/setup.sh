@@ -137,7 +137,7 @@ fi
 
 # -- admin browser tests (issue 15): Debian's chromium, driven by Playwright from
 # PyPI with executable_path (never `playwright install`, which downloads).
-step 4 "Debian's chromium for the admin's browser tests"
+step 4 "Debian's chromium and axe-core for the admin's browser tests"
 if command -v chromium >/dev/null 2>&1; then
   echo "setup:       chromium already installed" >&2
 elif [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
@@ -150,6 +150,21 @@ elif [ -n "$in_ci" ]; then
 else
   echo "setup: cannot apt-get install chromium here (needs root and apt-get);" \
        "the browser tests will skip" >&2
+fi
+# axe-core (npm, pinned) for the admin's accessibility checks
+# (tests/acceptance/test_admin_layout_browser.py injects it into each page),
+# installed into the gitignored .test-js/ directory, never globally.
+AXE_VERSION="4.10.3"
+if [ -f .test-js/node_modules/axe-core/axe.min.js ] && grep -q "\"version\": \"$AXE_VERSION\"" \
+    .test-js/node_modules/axe-core/package.json 2>/dev/null; then
+  echo "setup:       axe-core $AXE_VERSION already installed in .test-js" >&2
+elif command -v npm >/dev/null 2>&1; then
+  mkdir -p .test-js
+  with_progress setup "installing axe-core $AXE_VERSION into .test-js (npm)" npm install \
+      --prefix .test-js --no-audit --no-fund --save-exact --loglevel=error "axe-core@$AXE_VERSION" ||
+    { echo "setup: npm install axe-core@$AXE_VERSION failed (output above); is the npm registry reachable?" >&2; exit 1; }
+else
+  echo "setup: npm is not on PATH; the admin's accessibility tests will skip (install Node.js with npm)" >&2
 fi
 # -- end admin browser tests
 

@@ -36,6 +36,7 @@ from werkzeug.datastructures import MultiDict
 from ..errors import InvalidArgumentError, SolidLoopError
 from ..jobs import control as jobs_control
 from ..loops import control, pending, queries, stats, wire_reads
+from ..loops import export as exporting
 from ..loops.lineage import lineage
 from ..maintenance import runs as maintenance_runs
 from ..models import RESUMABLE_STATUSES, Loop
@@ -70,11 +71,19 @@ LIMITS_SUBJECTS = 50
 #: How far back the Workers page shows stopped and lost workers by default (s).
 WORKERS_RECENT = 3600.0
 
-#: Single-loop actions: name -> (label, applies-when hint).
+#: Single-loop actions: name -> label. The loop page offers those
+#: ``control.applicable`` lists for the loop's status.
 ACTIONS = {
     "pause": "Pause", "resume": "Resume", "stop": "Stop", "force_stop": "Force stop",
     "freeze": "Freeze", "unfreeze": "Unfreeze", "observe": "Observe",
     "unobserve": "Stop observing",
+}
+#: Actions the loop page asks to confirm first (they end or lock a loop).
+CONFIRMED_ACTIONS = {
+    "stop": "Stop this loop? It fails with \"stopped by an operator\"; a resume can restart it.",
+    "force_stop": "Force stop? The loop fails now, its queued jobs are cancelled and its "
+                  "tool leases revoked; a tool already running may still finish its effect.",
+    "freeze": "Freeze this loop? It pauses, and nothing resumes it until it is unfrozen.",
 }
 BULK_ACTIONS = {"resume": "Resume", "pause": "Pause", "stop": "Stop", "freeze": "Freeze",
                 "unfreeze": "Unfreeze"}
@@ -148,6 +157,7 @@ def create_blueprint(*, authorize: security.Authorize | None,
         return {"sl_nav": NAV, "sl": format, "sl_bp": name, "sl_csrf": token,
                 "sl_subject": subject, "sl_failure": failure_of, "sl_trace": trace_of,
                 "sl_actions": ACTIONS, "sl_bulk_actions": BULK_ACTIONS,
+                "sl_confirmed": CONFIRMED_ACTIONS, "sl_applicable": control.applicable,
                 "sl_statuses": ALL_STATUSES, "sl_failures": queries.FAILURE_CLASS_NAMES,
                 "sl_resumable": RESUMABLE_STATUSES}
 
@@ -311,8 +321,23 @@ def create_blueprint(*, authorize: security.Authorize | None,
         if row is None:
             abort(404)
         return render_template("solidloop/admin/_loop_regions.html", lp=row, back=_back(),
+                               oob=True,
                                budget=loop_budget(state(), session, row),
                                **_loop_regions(session, loop_id))
+
+    @bp.get("/loops/<int:loop_id>/export.<any(json, md):kind>")
+    def loop_export(loop_id: int, kind: str) -> Any:
+        """The loop's conversation (loops/export.py): the versioned JSON
+        document, or Markdown; a download named after the loop."""
+        session = state().db.session
+        row = queries.get_loop(session, loop_id)
+        if row is None:
+            abort(404)
+        document = exporting.conversation(session, row)
+        body, mimetype = ((exporting.to_json(document), "application/json") if kind == "json"
+                          else (exporting.to_markdown(document), "text/markdown"))
+        return Response(body, mimetype=mimetype, headers={
+            "Content-Disposition": f'inline; filename="loop-{loop_id}.{kind}"'})
 
     @bp.get("/loops/<int:loop_id>/stream")
     def loop_stream(loop_id: int) -> Any:

@@ -1,5 +1,5 @@
 """Formatting the admin renders with: one money formatter, budget amounts,
-durations, safe URLs.
+durations, times (relative, with the absolute UTC time on hover), safe URLs.
 
 Everything the templates show passes through these filters (registered on the
 blueprint's Jinja environment by ``blueprint.py``), so a cost reads the same on
@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import math
 import re
-from datetime import datetime
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
+
+from markupsafe import Markup, escape
 
 
 def money(amount: Any) -> str:
@@ -89,7 +91,38 @@ def ago(value: Any) -> str:
 
 
 def when(value: datetime | None) -> str:
-    return "\u2013" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
+    """An absolute time in UTC, labelled: ``2026-12-04 03:12:09 UTC``."""
+    if value is None:
+        return "\u2013"
+    return _utc(value).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _utc(value: datetime) -> datetime:
+    # Stored times are timestamptz; a naive one (a test's, a host's) is UTC.
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def iso(value: datetime | None) -> str:
+    """A ``<time datetime>`` value in UTC (``2026-12-04T03:12:09Z``); empty for none."""
+    return "" if value is None else _utc(value).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def relative(value: datetime, now: datetime | None = None) -> str:
+    """``value`` against ``now`` in words: ``3 min ago``, ``in 12 s``, ``just now``."""
+    delta = ((now or datetime.now(UTC)) - _utc(value)).total_seconds()
+    if abs(delta) < 1:
+        return "just now"
+    return f"{span(delta)} ago" if delta > 0 else f"in {span(-delta)}"
+
+
+def at(value: datetime | None, now: datetime | None = None) -> Markup:
+    """A time as every admin page shows one: relative (``3 min ago``), with
+    the absolute UTC time in its ``title`` and a machine-readable
+    ``<time datetime>``; a dash for none."""
+    if value is None:
+        return Markup("\u2013")
+    return Markup('<time datetime="{}" title="{}">{}</time>').format(
+        iso(value), when(value), escape(relative(value, now)))
 
 
 def pretty_json(value: Any) -> str:

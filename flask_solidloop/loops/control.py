@@ -83,6 +83,14 @@ def unfreeze(state: SolidLoopState, loop_id: int, *,
     return store.unfreeze(_session(state, session), loop_id)
 
 
+def applicable(loop: Loop) -> tuple[str, ...]:
+    """The commands above that would change ``loop`` now (pause, resume, stop,
+    force_stop, freeze, unfreeze, observe, unobserve), from the store's own
+    transitions: what the admin offers."""
+    return store.applicable(loop.status, frozen=bool(loop.frozen),
+                            observed=bool(loop.observed))
+
+
 def observe(state: SolidLoopState, loop_id: int, observed: bool = True, *,
             session: SessionLike | None = None) -> bool:
     """Mark a loop as watched live (the admin streams observed loops)."""

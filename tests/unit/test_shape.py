@@ -121,7 +121,7 @@ def test_nothing_outside_the_repo_is_cited():
 
 #: Helpers the store exports that run no transaction of their own.
 NOT_TRANSITIONS = {"calls_to_run", "end_transaction", "holds_nothing", "denial", "supplied",
-                   "recover", "with_database_retry", "loop_ends", "caps_for"}
+                   "recover", "with_database_retry", "loop_ends", "caps_for", "applicable"}
 
 
 def test_every_store_function_says_what_transaction_it_runs_in():

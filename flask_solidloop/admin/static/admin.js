@@ -3,6 +3,8 @@
  * 1. Live regions (class "live-region") refresh on a timer, but not while the
  *    user is editing a form on the page: the request is cancelled, so typed
  *    filters, ticked boxes and focus survive.
+ *    The loop page's regions (its actions, decisions) are not refreshed
+ *    while a confirmation there is open or one of their fields is edited.
  * 2. The SSE extension, when a stream is CLOSED (an HTTP error), opens a new
  *    EventSource, which would forget Last-Event-ID; we carry it in the URL so
  *    the new stream still resumes with no gap and no duplicate. Reconnects of a
@@ -26,6 +28,20 @@
   });
   document.addEventListener("htmx:beforeRequest", function (e) {
     var elt = e.detail && e.detail.elt;
+    var target = e.detail && e.detail.target;
+    if (target && target.id === "regions") {
+      // The loop page's regions (and its actions, swapped in with them): keep an open confirmation,
+      // a half-typed resume message or decision, until the operator is done.
+      var a = document.activeElement;
+      var actions = document.getElementById("actions");
+      var busy = "details.confirm[open], form[data-dirty='1']";
+      var typing = a && /^(INPUT|TEXTAREA|SELECT)$/.test(a.tagName) &&
+        (target.contains(a) || (actions && actions.contains(a)));
+      if (typing || target.querySelector(busy) || (actions && actions.querySelector(busy))) {
+        e.preventDefault();
+      }
+      return;
+    }
     if (!elt || !elt.classList || !elt.classList.contains("live-region")) { return; }
     if (editing || document.querySelector("form[data-dirty='1']")) { e.preventDefault(); }
   });

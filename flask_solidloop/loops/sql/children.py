@@ -33,12 +33,15 @@ LOCK_TREE = (
     "SELECT l.id, l.status, l.depth, l.frozen FROM solidloop_loops l JOIN tree ON tree.id = l.id "
     "ORDER BY l.depth DESC, l.id FOR UPDATE OF l")
 
-#: Lift the freeze of a loop and of its descendants; the ids it changed.
+#: Lift the freeze of a loop and of its descendants; the ids it changed. A
+#: loop the freeze paused loses the freeze's own reason (``%(reason)s``) with
+#: it: it is paused, no longer frozen, and must not read as such.
 UNFREEZE_TREE = (
     "WITH RECURSIVE tree AS (SELECT id FROM solidloop_loops WHERE id = %(loop_id)s "
     "UNION SELECT l.id FROM solidloop_loops l JOIN tree ON l.parent_loop_id = tree.id) "
-    "UPDATE solidloop_loops l SET frozen = false, updated_at = now() FROM tree "
-    "WHERE l.id = tree.id AND l.frozen RETURNING l.id")
+    "UPDATE solidloop_loops l SET frozen = false, error_message = CASE WHEN "
+    "l.status = 'paused' AND l.error_message = %(reason)s THEN NULL ELSE l.error_message END, "
+    "updated_at = now() FROM tree WHERE l.id = tree.id AND l.frozen RETURNING l.id")
 
 #: Lock a loop of a frozen tree that is neither live nor ended (paused, init)
 #: against resume.

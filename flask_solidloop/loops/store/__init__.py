@@ -25,6 +25,7 @@ from .caps import Caps, admit, caps_for, fair_ranks
 from .children import ChildStart, TreeLoop, child_result, decide_parent, lock_tree
 from .commands import (
     NewLoop,
+    applicable,
     create_loop,
     create_loops,
     force_stop,
@@ -147,6 +148,7 @@ __all__ = [
     "WaitRequest",
     "admit",
     "answer_tool_call",
+    "applicable",
     "calls_to_run",
     "caps_for",
     "checkpoint_and_answer_tool_call",

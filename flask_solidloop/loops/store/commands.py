@@ -20,7 +20,7 @@ from psycopg.types.json import Jsonb
 from ... import signals
 from ..._typing import SessionLike
 from ...mcp.toolset import ToolResult
-from ...models import Loop, Message, ToolCall
+from ...models import RESUMABLE_STATUSES, Loop, Message, ToolCall
 from ...models.loop import LoopStatus
 from ...telemetry import tracing
 from .. import queries, sql, storable
@@ -37,6 +37,27 @@ _STOPPABLE = (LoopStatus.INIT, LoopStatus.QUEUED, LoopStatus.RUNNING, LoopStatus
               LoopStatus.PAUSED)
 #: What pause and freeze stop: a loop that runs, is about to, or waits.
 _LIVE = (LoopStatus.QUEUED, LoopStatus.RUNNING, LoopStatus.WAITING)
+#: The reason a freeze gives the loop it pauses (unfreeze clears it again).
+FROZEN = "frozen"
+
+
+def applicable(status: str, *, frozen: bool, observed: bool) -> tuple[str, ...]:
+    """The host commands that would change a loop in ``status`` (``frozen``,
+    ``observed``), from the same transitions the commands below take: what an
+    operator may be offered. Resume is listed for the statuses it re-enters
+    (RESUMABLE_STATUSES) unless the loop is frozen."""
+    ended = status in (LoopStatus.COMPLETED, LoopStatus.FAILED)
+    offered = {
+        "pause": status in _LIVE,
+        "resume": status in RESUMABLE_STATUSES and not frozen,
+        "stop": status in _STOPPABLE,
+        "force_stop": status in _STOPPABLE,
+        "freeze": not frozen and not ended,
+        "unfreeze": frozen,
+        "observe": not observed,
+        "unobserve": observed,
+    }
+    return tuple(name for name, ok in offered.items() if ok)
 
 
 def new_message(loop_id: int, role: str, content: str, **fields: Any) -> Message:
@@ -253,7 +274,7 @@ def freeze(session: SessionLike, loop_id: int) -> bool:
 def _freeze_one(session: SessionLike, loop_id: int) -> bool:
     """Freeze one loop of a tree (locked): paused when live, else only locked;
     an ended or frozen one is left. Whether it was paused."""
-    if _leave(session, loop_id, from_=_LIVE, to=LoopStatus.PAUSED, error_message="frozen",
+    if _leave(session, loop_id, from_=_LIVE, to=LoopStatus.PAUSED, error_message=FROZEN,
               freeze=True):
         return True
     execute(session, sql.FREEZE_UNENDED, {"loop_id": loop_id})
@@ -263,8 +284,10 @@ def _freeze_one(session: SessionLike, loop_id: int) -> bool:
 @commits
 def unfreeze(session: SessionLike, loop_id: int) -> bool:
     """Lift a freeze, the loop's and its child agents' loops'; each stays where
-    it is (usually paused) until resumed. False when the loop was not frozen."""
-    lifted = {row[0] for row in fetch_rows(session, sql.UNFREEZE_TREE, {"loop_id": loop_id})}
+    it is (usually paused) until resumed, and a loop the freeze paused no
+    longer carries its "frozen" reason. False when the loop was not frozen."""
+    lifted = {row[0] for row in fetch_rows(session, sql.UNFREEZE_TREE,
+                                           {"loop_id": loop_id, "reason": FROZEN})}
     session.commit()
     return loop_id in lifted
 
