@@ -1,0 +1,80 @@
+"""The loop list's total and its pages newer than a loop (loops.queries pages
+older ones): what the admin's list shows above and below its rows.
+
+The total is exact when counting is cheap: the count runs in a savepoint under
+a ``statement_timeout`` (the admin's SOLIDLOOP_ADMIN_COUNT_BUDGET); past it the
+savepoint is rolled back and the planner's estimate of the same query's rows
+is given instead, marked as one (the page says "about N").
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg import errors as pg_errors
+from sqlalchemy import func, select, text
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.expression import ClauseElement, Executable
+
+from .._typing import SessionLike, real_session
+from ..models import Loop
+from .queries import LoopSearch, _search_query
+
+
+@dataclass(frozen=True)
+class Total:
+    """How many loops a search matches: ``exact``, or the planner's estimate."""
+
+    count: int
+    exact: bool
+
+
+class _Explain(Executable, ClauseElement):
+    """``EXPLAIN (FORMAT JSON) <statement>``, its parameters bound as the statement's."""
+
+    inherit_cache = False
+
+    def __init__(self, statement: Any) -> None:
+        self.statement = statement
+
+
+@compiles(_Explain, "postgresql")
+def _explain_sql(element: _Explain, compiler: Any, **kw: Any) -> str:
+    return "EXPLAIN (FORMAT JSON) " + compiler.process(element.statement, **kw)
+
+
+def count_or_estimate(session: SessionLike, search: LoopSearch, *,
+                      budget_seconds: float) -> Total:
+    """The number of loops ``search`` matches: counted when the count takes at
+    most ``budget_seconds``, else the planner's estimate."""
+    query = _search_query(search, Loop.id)
+    real = real_session(session)
+    savepoint = real.begin_nested()
+    counted = None
+    try:
+        real.execute(text("SELECT set_config('statement_timeout', :ms, true)"),
+                     {"ms": f"{max(1, int(budget_seconds * 1000))}ms"})
+        counted = real.scalar(select(func.count()).select_from(query.subquery()))
+    except DBAPIError as exc:
+        if not isinstance(exc.orig, pg_errors.QueryCanceled):
+            raise
+    finally:
+        # The savepoint's rollback ends the timeout with it (set_config is local to it).
+        savepoint.rollback()
+    if counted is not None:
+        return Total(int(counted), True)
+    plan = real.execute(_Explain(query)).scalar_one()
+    if isinstance(plan, str):
+        plan = json.loads(plan)
+    return Total(int(plan[0]["Plan"]["Plan Rows"]), False)
+
+
+def search_loops_newer(session: SessionLike, search: LoopSearch, *, limit: int,
+                       after_id: int) -> list[Loop]:
+    """The ``limit`` matching loops just newer than ``after_id``, newest first
+    (the page before a keyset page: the list's "newer" link)."""
+    query = _search_query(search).where(Loop.id > after_id).order_by(Loop.id.asc()).limit(limit)
+    return list(reversed(list(session.scalars(query))))
