@@ -380,12 +380,13 @@ def create_blueprint(*, authorize: security.Authorize | None,
         token), then, confirmed, its row and job (loops/bulk.py) and a 303 to
         its progress page. The same token again goes to the same action."""
         form = request.form
-        action = form.get("action", "")
+        # The list's "… selected" buttons say selected_action; the confirmation, scope.
+        action = form.get("selected_action") or form.get("action", "")
         if action not in BULK_ACTIONS:
             return Response(f"bulk action {action!r} is unknown; use one of "
                             f"{', '.join(BULK_ACTIONS)}\n", status=400, mimetype="text/plain")
-        selected = _selected(form) if (form.get("scope") or request.args.get("scope")) \
-            == "selected" else None
+        on_selected = "selected_action" in form or form.get("scope") == "selected"
+        selected = _selected(form) if on_selected else None
         if selected == []:
             return Response("bulk: no loop is selected; tick rows of the list, or act on "
                             "every loop matching the filters\n", status=400,

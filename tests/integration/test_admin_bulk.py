@@ -124,8 +124,9 @@ def test_selected_rows_only(app, session, client):
     listing = client.get("/admin/loops?status=paused").get_data(as_text=True)
     assert all(f'name="loop" value="{i}" form="bulk"' in listing for i in ids)
     picked = [ids[1], ids[4]]
-    page = client.post("/admin/loops/bulk?scope=selected", headers=SAME,
-                       data={"action": "freeze", "status": "paused",
+    assert 'name="selected_action" value="freeze"' in listing
+    page = client.post("/admin/loops/bulk", headers=SAME,
+                       data={"selected_action": "freeze", "status": "paused",
                              "loop": [str(i) for i in picked]})
     html = page.get_data(as_text=True)
     assert 'data-count="2"' in html
@@ -139,8 +140,8 @@ def test_selected_rows_only(app, session, client):
     assert [i for i in ids if session.get(Loop, i).frozen] == picked
     assert 'data-done="2"' in client.get(posted.headers["Location"]).get_data(as_text=True)
     # nothing ticked: refused, naming the fix
-    none = client.post("/admin/loops/bulk?scope=selected", headers=SAME,
-                       data={"action": "freeze"})
+    none = client.post("/admin/loops/bulk", headers=SAME,
+                       data={"selected_action": "freeze"})
     assert none.status_code == 400 and b"tick rows" in none.data
 
 
