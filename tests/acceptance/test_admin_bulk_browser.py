@@ -19,7 +19,13 @@ from sqlalchemy import text
 from flask_solidloop.models import BulkAction
 
 from ..support.support_app import Assistant
-from .test_admin_browser import APP_CONFIG, browser, free_port, page, wait_http  # noqa: F401
+from .test_admin_browser import (  # noqa: F401 - browser and page are fixtures
+    APP_CONFIG,
+    browser,
+    free_port,
+    page,
+    wait_http,
+)
 from .test_e2e_workers import kill_group, spawn_workers
 
 pytestmark = pytest.mark.e2e
@@ -92,8 +98,8 @@ def paused_loops(session, n: int) -> list[int]:
     return ids
 
 
-def progress(page) -> dict[str, str | None]:
-    box = page.locator("#bulk-progress")
+def progress(tab) -> dict[str, str | None]:
+    box = tab.locator("#bulk-progress")
     return {key: box.get_attribute(f"data-{key}") for key in ("status", "done", "total")}
 
 
@@ -113,23 +119,23 @@ def wait_until(check, what: str, timeout: float = 120):
     pytest.fail(f"timed out waiting for {what}")
 
 
-def confirm_stop_of_every_paused_loop(page, base: str) -> dict[str, list[str]]:
+def confirm_stop_of_every_paused_loop(tab, base: str) -> dict[str, list[str]]:
     """From the list to the confirmation page; the confirmation form's fields."""
-    page.goto(base + "/admin/loops?status=paused")
-    total = page.locator("#loop-total")
+    tab.goto(base + "/admin/loops?status=paused")
+    total = tab.locator("#loop-total")
     assert total.get_attribute("data-count") == str(LOOPS)
     assert total.get_attribute("data-exact") == "1"
-    page.click('#bulk button[name="action"][value="stop"]')
-    assert page.locator("#bulk-count").get_attribute("data-count") == str(LOOPS)
+    tab.click('#bulk button[name="action"][value="stop"]')
+    assert tab.locator("#bulk-count").get_attribute("data-count") == str(LOOPS)
     fields: dict[str, list[str]] = {}
-    for field in page.locator("#bulk-confirm input[type=hidden]").all():
+    for field in tab.locator("#bulk-confirm input[type=hidden]").all():
         fields.setdefault(field.get_attribute("name") or "", []).append(
             field.get_attribute("value") or "")
     return fields
 
 
 def test_a_thousand_loops_show_progress_and_a_double_submit_or_replay_acts_once(
-        app, session, stack, page, writes):
+        app, session, stack, page, writes):  # noqa: F811 - the imported fixtures
     base, _ = stack
     failed = []
     page.on("response", lambda r: r.status >= 400 and not r.url.endswith("/favicon.ico")
@@ -167,7 +173,7 @@ def test_a_thousand_loops_show_progress_and_a_double_submit_or_replay_acts_once(
 
 
 def test_a_worker_killed_mid_walk_leaves_a_walk_another_worker_finishes(
-        app, session, stack, page, writes):
+        app, session, stack, page, writes):  # noqa: F811 - the imported fixtures
     base, respawn = stack
     ids = paused_loops(session, LOOPS)
     confirm_stop_of_every_paused_loop(page, base)
