@@ -19,7 +19,11 @@ still matches).
    network), median / p95 in ms against the 300 ms target: the dashboard, the
    unfiltered list, lists filtered by status + agent, by failure class, by
    subject, by JSON containment on state, by text in messages, the second page
-   of a filtered list, and the loop page with 1,000 messages.
+   of a filtered list (older, and newer: keyset both ways), and the loop page
+   with 1,000 messages. Each list page also counts its filtered loops (exact
+   within SOLIDLOOP_ADMIN_COUNT_BUDGET, else the planner's "about N"); that
+   count is timed on its own too (loops.listing.count_or_estimate), with
+   whether it was exact.
 2. Observers: a threaded WSGI server in this process serves the admin;
    ``--observers`` clients hold the big loop's live stream open while a writer
    records ``--partials`` partials (``loops.store.record_partial``, which
@@ -48,9 +52,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reaper
 
 from flask_solidloop import SolidLoop
-from flask_solidloop.admin.live import LISTEN_APPLICATION_NAME
+from flask_solidloop.admin import filters
 from flask_solidloop.database import ensure_database
-from flask_solidloop.loops import store
+from flask_solidloop.loops import listing, store
+from flask_solidloop.streaming import LISTEN_APPLICATION_NAME
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/solidloop_bench_admin"
 TARGET_MS = 300.0
@@ -138,9 +143,33 @@ def time_pages(app: Flask, pages: list[tuple[str, str]], passes: int) -> list[di
             times.append((time.perf_counter() - started) * 1000)
             assert response.status_code == 200
         rows.append({"page": label, "path": path, "median": statistics.median(times),
-                     "p95": reaper.percentile(times, 95), "bytes": len(response.data)})
+                     "p95": reaper.percentile(times, 95), "bytes": len(response.data),
+                     **count_time(app, path, passes)})
         log(f"  {label}: median {rows[-1]['median']:.1f} ms")
     return rows
+
+
+def count_time(app: Flask, path: str, passes: int) -> dict[str, Any]:
+    """The list's total alone, as the list page computes it: median ms, and
+    whether the count was exact (else the planner's estimate)."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    from werkzeug.datastructures import MultiDict
+
+    if not path.startswith("/admin/loops") or "/admin/loops/" in path:
+        return {}
+    search = filters.parse(MultiDict(parse_qsl(urlsplit(path).query)))
+    state = app.extensions["solidloop"]
+    session = state.db.session
+    times, total = [], None
+    for _ in range(passes):
+        started = time.perf_counter()
+        total = listing.count_or_estimate(session, search,
+                                          budget_seconds=state.config.admin_count_budget)
+        times.append((time.perf_counter() - started) * 1000)
+        session.rollback()
+    assert total is not None
+    return {"count_ms": statistics.median(times), "count": total.count, "exact": total.exact}
 
 
 def observers(app: Flask, conninfo: str, loop_id: int, shell: int, count: int,
@@ -251,12 +280,17 @@ def main(argv: list[str] | None = None) -> int:
             page2 = conn.execute("SELECT id FROM solidloop_loops WHERE status = 'failed' "
                                  "AND agent_name = 'support' ORDER BY id DESC OFFSET 50 "
                                  "LIMIT 1").fetchone()
+            page3 = conn.execute("SELECT id FROM solidloop_loops WHERE status = 'failed' "
+                                 "AND agent_name = 'support' ORDER BY id DESC OFFSET 100 "
+                                 "LIMIT 1").fetchone()
         pages = [
             ("dashboard", "/admin/"),
             ("list, unfiltered", "/admin/loops"),
             ("list, status=failed & agent", "/admin/loops?status=failed&agent=support"),
             ("list, failed: page 2 (keyset)",
              f"/admin/loops?status=failed&agent=support&before={page2[0] if page2 else 0}"),
+            ("list, failed: newer than page 3 (keyset)",
+             f"/admin/loops?status=failed&agent=support&after={page3[0] if page3 else 0}"),
             ("list, failure=infra:http", "/admin/loops?failure=infra%3Ahttp"),
             ("list, failure=agent", "/admin/loops?failure=agent"),
             ("list, subject", f"/admin/loops?subject_type={subject[0]}&subject_id={subject[1]}"
@@ -276,12 +310,14 @@ def main(argv: list[str] | None = None) -> int:
             drop_big_loop(conn)
     print(f"\nadmin bench: {args.loops:,} loops, {args.loops * args.messages_per_loop:,} "
           f"messages ({generation}); {reaper.server_info(args.url)}")
-    print(f"\n| page | median ms | p95 ms | KB | target {TARGET_MS:.0f} ms |")
-    print("|---|---:|---:|---:|---|")
+    print(f"\n| page | median ms | p95 ms | KB | count ms | total | target {TARGET_MS:.0f} ms |")
+    print("|---|---:|---:|---:|---:|---:|---|")
     for row in rows:
         verdict = "PASS" if row["median"] < TARGET_MS else "MISS"
+        count = (f"{row['count_ms']:.1f} | {'' if row['exact'] else 'about '}{row['count']:,}"
+                 if "count_ms" in row else "- | -")
         print(f"| {row['page']} | {row['median']:.1f} | {row['p95']:.1f} | "
-              f"{row['bytes'] / 1024:.0f} | {verdict} |")
+              f"{row['bytes'] / 1024:.0f} | {count} | {verdict} |")
     print("\n| live observers | partials | fan-out median ms | max ms | LISTEN connections |"
           " web pool connections (peak) |")
     print("|---:|---:|---:|---:|---:|---:|")
