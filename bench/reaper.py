@@ -62,7 +62,7 @@ from sqlalchemy.schema import CreateIndex
 
 from flask_solidloop import SolidLoop
 from flask_solidloop.database import ensure_database
-from flask_solidloop.loops import store as heal_sql
+from flask_solidloop.loops.sql import heals as heal_sql
 from flask_solidloop.maintenance.reaper import ReapReport, reap
 from flask_solidloop.migrations import VERSION_TABLE, head_revision, upgrade
 from flask_solidloop.models import metadata
@@ -86,11 +86,11 @@ TABLES = ("solidloop_loops", "solidloop_messages", "solidloop_tool_calls",
 QUERIES: list[tuple[str, str, dict[str, Any]]] = [
     ("recover_jobs", broker_module.RECOVER, {"max_deliveries": 5, "promote_after": None}),
     ("expired_llm", heal_sql.EXPIRED_LLM, {}),
-    ("stalled_tools", heal_sql.STALLED_TOOLS, {}),
+    ("stalled_tools", heal_sql.HEAL_STALLED_TOOLS, {}),
     ("dropped_tools", heal_sql.DROPPED_TOOLS, {"grace": GRACE}),
     ("stuck_tool_phase", heal_sql.STUCK_TOOL_PHASE, {"grace": GRACE}),
     ("stuck_queued", heal_sql.STUCK_QUEUED, {"grace": GRACE}),
-    ("orphan_shells", heal_sql.ORPHAN_SHELLS, {}),
+    ("orphan_shells", heal_sql.HEAL_ORPHAN_SHELLS, {}),
 ]
 DRIVER_SQL = {"recover_jobs"}  # psycopg %(name)s parameters, not SQLAlchemy :name
 
