@@ -250,7 +250,8 @@ def create_blueprint(*, authorize: security.Authorize | None,
         if search is not None and after is not None:
             # "newer": the page just above a loop, so both ways are keyset pages.
             rows = listing.search_loops_newer(session, search, limit=page_size + 1,
-                                              after_id=after)
+                                              after_id=after,
+                                              window=2000 if _unindexed(search) else None)
         elif search is not None and _unindexed(search):
             # No index serves these filters: scan newest first within a time
             # budget, and say how far the search went (never a 10 s page).

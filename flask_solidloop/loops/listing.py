@@ -73,8 +73,24 @@ def count_or_estimate(session: SessionLike, search: LoopSearch, *,
 
 
 def search_loops_newer(session: SessionLike, search: LoopSearch, *, limit: int,
-                       after_id: int) -> list[Loop]:
+                       after_id: int, window: int | None = None,
+                       budget_seconds: float = 0.15) -> list[Loop]:
     """The ``limit`` matching loops just newer than ``after_id``, newest first
-    (the page before a keyset page: the list's "newer" link)."""
-    query = _search_query(search).where(Loop.id > after_id).order_by(Loop.id.asc()).limit(limit)
-    return list(reversed(list(session.scalars(query))))
+    (the page before a keyset page: the list's "newer" link). With ``window``
+    (filters no index serves) the ids are walked upwards that many at a time
+    and the walk stops when the time budget is spent, as
+    ``queries.search_loops_bounded`` does downwards."""
+    import time
+
+    if window is None:
+        query = _search_query(search).where(Loop.id > after_id)
+        return list(reversed(list(session.scalars(query.order_by(Loop.id.asc()).limit(limit)))))
+    top = session.scalar(select(func.max(Loop.id))) or 0
+    rows: list[Loop] = []
+    low, started = after_id, time.monotonic()
+    while low < top and len(rows) < limit and time.monotonic() - started <= budget_seconds:
+        high = low + window
+        query = _search_query(search).where(Loop.id > low, Loop.id <= high)
+        rows += session.scalars(query.order_by(Loop.id.asc()).limit(limit - len(rows)))
+        low = high
+    return list(reversed(rows))

@@ -243,14 +243,16 @@ def test_the_list_counts_exactly_or_estimates(app, session, client, monkeypatch)
     session.commit()
 
 
-def test_newer_and_older_pages(app, session):
+@pytest.mark.parametrize("filters", ["status=paused", "status=paused&q=bulk"],
+                         ids=["indexed", "scanned"])
+def test_newer_and_older_pages(app, session, filters):
     app.register_blueprint(solidloop.admin_blueprint(authorize=lambda request: True,
                                                      page_size=3), url_prefix="/admin")
     c = app.test_client()
     ids = paused(8, session)  # newest first: ids[7] .. ids[0]
     def rows(html):
         return [int(i) for i in re.findall(r'<tr data-loop="(\d+)"', html)]
-    first = c.get("/admin/loops?status=paused").get_data(as_text=True)
+    first = c.get(f"/admin/loops?{filters}").get_data(as_text=True)
     assert rows(first) == ids[7:4:-1] and 'id="newer-page"' not in first
     older = re.search(r'id="next-page" href="([^"]+)"', first).group(1).replace("&amp;", "&")
     second = c.get(older).get_data(as_text=True)
