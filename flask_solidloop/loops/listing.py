@@ -1,10 +1,11 @@
 """The loop list's total and its pages newer than a loop (loops.queries pages
 older ones): what the admin's list shows above and below its rows.
 
-The total is exact when counting is cheap: the count runs in a savepoint under
-a ``statement_timeout`` (the admin's SOLIDLOOP_ADMIN_COUNT_BUDGET); past it the
-savepoint is rolled back and the planner's estimate of the same query's rows
-is given instead, marked as one (the page says "about N").
+The total is exact when counting is cheap: the count runs under a
+``statement_timeout`` local to its transaction (the admin's
+SOLIDLOOP_ADMIN_COUNT_BUDGET), on a pooled connection apart from the request's
+session; past it the planner's estimate of the same query's rows is given
+instead, marked as one (the page says "about N").
 """
 
 from __future__ import annotations
@@ -52,24 +53,36 @@ def count_or_estimate(session: SessionLike, search: LoopSearch, *,
     most ``budget_seconds``, else the planner's estimate."""
     query = _search_query(search, Loop.id)
     real = real_session(session)
-    savepoint = real.begin_nested()
-    counted = None
-    try:
-        real.execute(text("SELECT set_config('statement_timeout', :ms, true)"),
-                     {"ms": f"{max(1, int(budget_seconds * 1000))}ms"})
-        counted = real.scalar(select(func.count()).select_from(query.subquery()))
-    except DBAPIError as exc:
-        if not isinstance(exc.orig, pg_errors.QueryCanceled):
-            raise
-    finally:
-        # The savepoint's rollback ends the timeout with it (set_config is local to it).
-        savepoint.rollback()
+    counted = _count_within(real.get_bind(), query, budget_seconds)
     if counted is not None:
-        return Total(int(counted), True)
+        return Total(counted, True)
     plan = real.execute(_Explain(query)).scalar_one()
     if isinstance(plan, str):
         plan = json.loads(plan)
     return Total(int(plan[0]["Plan"]["Plan Rows"]), False)
+
+
+def _count_within(bind: Any, query: Any, budget_seconds: float) -> int | None:
+    """``count(*)`` of ``query`` under a ``statement_timeout``, on a pooled
+    connection of its own (None when cancelled). A timeout can fire just as a
+    statement ends and cancel the next one, the rollback included: a
+    connection whose rollback failed is discarded, never handed out again
+    with a timeout still set, and the request's own session never carries it."""
+    counted = None
+    with bind.connect() as connection:
+        try:
+            connection.execute(text("SELECT set_config('statement_timeout', :ms, true)"),
+                               {"ms": f"{max(1, int(budget_seconds * 1000))}ms"})
+            counted = connection.scalar(select(func.count()).select_from(query.subquery()))
+        except DBAPIError as exc:
+            if not isinstance(exc.orig, pg_errors.QueryCanceled):
+                raise
+        finally:
+            try:
+                connection.rollback()
+            except DBAPIError:
+                connection.invalidate()
+    return None if counted is None else int(counted)
 
 
 def search_loops_newer(session: SessionLike, search: LoopSearch, *, limit: int,

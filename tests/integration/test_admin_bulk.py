@@ -231,7 +231,7 @@ def test_the_list_counts_exactly_or_estimates(app, session, client, monkeypatch)
     search = queries.LoopSearch(statuses=("paused",))
     total = listing.count_or_estimate(session, search, budget_seconds=0.005)
     assert not total.exact and total.count >= 1
-    # the savepoint took the cancelled count and the timeout with it
+    # the cancelled count and its timeout stayed off the caller's session
     assert session.execute(text("SHOW statement_timeout")).scalar_one() == "0"
     assert listing.count_or_estimate(session, search, budget_seconds=5) == listing.Total(7, True)
     state = app.extensions["solidloop"]
