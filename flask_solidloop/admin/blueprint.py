@@ -260,7 +260,13 @@ def create_blueprint(*, authorize: security.Authorize | None,
         elif search is not None:
             rows = queries.search_loops(session, search, limit=page_size + 1,
                                         before_id=before)
-        if search is not None:
+        if search is not None and _unindexed(search):
+            # Counting what no index serves scans what the page could not: the
+            # estimate, unless the page's own scan reached the oldest loop.
+            whole = before is None and after is None and searched_to is None
+            total = (listing.Total(len(rows), True) if whole and len(rows) <= page_size
+                     else listing.estimate(session, search))
+        elif search is not None:
             total = listing.count_or_estimate(session, search,
                                               budget_seconds=state().config.admin_count_budget)
         if after is not None:

@@ -5,7 +5,8 @@ The total is exact when counting is cheap: the count runs under a
 ``statement_timeout`` local to its transaction (the admin's
 SOLIDLOOP_ADMIN_COUNT_BUDGET), on a pooled connection apart from the request's
 session; past it the planner's estimate of the same query's rows is given
-instead, marked as one (the page says "about N").
+instead, marked as one (the page says "about N"). A set the planner expects
+to be huge is not counted at all: its estimate is the total.
 """
 
 from __future__ import annotations
@@ -47,19 +48,31 @@ def _explain_sql(element: _Explain, compiler: Any, **kw: Any) -> str:
     return "EXPLAIN (FORMAT JSON) " + compiler.process(element.statement, **kw)
 
 
-def count_or_estimate(session: SessionLike, search: LoopSearch, *,
-                      budget_seconds: float) -> Total:
-    """The number of loops ``search`` matches: counted when the count takes at
-    most ``budget_seconds``, else the planner's estimate."""
-    query = _search_query(search, Loop.id)
-    real = real_session(session)
-    counted = _count_within(real.get_bind(), query, budget_seconds)
-    if counted is not None:
-        return Total(counted, True)
-    plan = real.execute(_Explain(query)).scalar_one()
+#: Past this many estimated rows the estimate is the total: an exact count
+#: of that many index entries would spend the whole budget, to print a number
+#: whose last digits no operator reads.
+ESTIMATE_IS_ENOUGH = 250_000
+
+
+def estimate(session: SessionLike, search: LoopSearch) -> Total:
+    """The planner's estimate of the loops ``search`` matches (``EXPLAIN``: no scan)."""
+    plan = real_session(session).execute(_Explain(_search_query(search, Loop.id))).scalar_one()
     if isinstance(plan, str):
         plan = json.loads(plan)
     return Total(int(plan[0]["Plan"]["Plan Rows"]), False)
+
+
+def count_or_estimate(session: SessionLike, search: LoopSearch, *,
+                      budget_seconds: float) -> Total:
+    """The number of loops ``search`` matches: counted when the planner
+    expects at most ESTIMATE_IS_ENOUGH rows and the count takes at most
+    ``budget_seconds``, else the planner's estimate."""
+    guess = estimate(session, search)
+    if guess.count > ESTIMATE_IS_ENOUGH:
+        return guess
+    counted = _count_within(real_session(session).get_bind(), _search_query(search, Loop.id),
+                            budget_seconds)
+    return guess if counted is None else Total(counted, True)
 
 
 def _count_within(bind: Any, query: Any, budget_seconds: float) -> int | None:

@@ -219,6 +219,14 @@ def test_the_list_counts_exactly_or_estimates(app, session, client, monkeypatch)
     paused(7, session)
     html = client.get("/admin/loops?status=paused").get_data(as_text=True)
     assert re.search(r'id="loop-total" data-count="7" data-exact="1">7 loop', html)
+    # a filter no index serves: exact when the page's own scan saw every loop
+    html = client.get("/admin/loops?status=paused&q=bulk").get_data(as_text=True)
+    assert re.search(r'id="loop-total" data-count="7" data-exact="1">7 loop', html)
+    # a set the planner expects to be huge is not counted
+    monkeypatch.setattr(listing, "ESTIMATE_IS_ENOUGH", 0)
+    assert not listing.count_or_estimate(session, queries.LoopSearch(statuses=("paused",)),
+                                         budget_seconds=5).exact
+    monkeypatch.undo()
     # A count that cannot finish within the budget (10 ms a row, a 5 ms budget):
     # the planner's estimate, labelled "about".
     session.execute(text(
