@@ -6,6 +6,7 @@ Run it from the project root with the project's virtualenv::
     python bench/admin.py            # builds the data once (minutes), then times
     python bench/admin.py --reuse    # keep the data when it matches (see bench/reaper.py)
     python bench/admin.py --loops 100000 --observers 20
+    python bench/admin.py --reuse --observers 0   # the pages only
 
 Data: bench/reaper.py's generator (set-based SQL, the migration's indexes, VACUUM
 ANALYZE), in its own database ``solidloop_bench_admin``: ``--loops`` finished
@@ -21,12 +22,15 @@ still matches).
    function, its backfill and a steady pass timed too), an agent page, the
    unfiltered list, lists filtered by status + agent, by failure class, by
    subject, by JSON containment on state, by text in messages, the second page
-   of a filtered list, and the loop page with 1,000 messages. The baseline:
-   the dashboard's queries as they were before the charts (a GROUP BY of every
-   loop's status, the last hour's and day's turns from the messages, the last
-   day's failures from the loops, the queues, the dead letters), without the
-   page around them; the dashboard with charts (the whole page) is printed as
-   a ratio of it.
+   of a filtered list (older, and newer: keyset both ways), and the loop page
+   with 1,000 messages. Each list page also counts its filtered loops (exact
+   within SOLIDLOOP_ADMIN_COUNT_BUDGET, else the planner's "about N"); that
+   count is timed on its own too (loops.listing.count_or_estimate), with
+   whether it was exact. The baseline: the dashboard's queries as they were
+   before the charts (a GROUP BY of every loop's status, the last hour's and
+   day's turns from the messages, the last day's failures from the loops, the
+   queues, the dead letters), without the page around them; the dashboard
+   with charts (the whole page) is printed as a ratio of it.
 2. Observers: a threaded WSGI server in this process serves the admin;
    ``--observers`` clients hold the big loop's live stream open while a writer
    records ``--partials`` partials (``loops.store.record_partial``, which
@@ -55,8 +59,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reaper
 
 from flask_solidloop import SolidLoop
+from flask_solidloop.admin import filters
 from flask_solidloop.database import ensure_database
-from flask_solidloop.loops import stats, store
+from flask_solidloop.loops import listing, stats, store
 from flask_solidloop.maintenance.rollup import rollup
 from flask_solidloop.streaming import LISTEN_APPLICATION_NAME
 
@@ -199,9 +204,35 @@ def time_pages(app: Flask, pages: list[tuple[str, str]], passes: int) -> list[di
             times.append((time.perf_counter() - started) * 1000)
             assert response.status_code == 200
         rows.append({"page": label, "path": path, "median": statistics.median(times),
-                     "p95": reaper.percentile(times, 95), "bytes": len(response.data)})
+                     "p95": reaper.percentile(times, 95), "bytes": len(response.data),
+                     **count_time(app, path, passes)})
         log(f"  {label}: median {rows[-1]['median']:.1f} ms")
     return rows
+
+
+def count_time(app: Flask, path: str, passes: int) -> dict[str, Any]:
+    """The list's total alone, as the list page computes it: median ms, and
+    whether the count was exact (else the planner's estimate)."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    from werkzeug.datastructures import MultiDict
+
+    if not path.startswith("/admin/loops") or "/admin/loops/" in path:
+        return {}
+    search = filters.parse(MultiDict(parse_qsl(urlsplit(path).query)))
+    state = app.extensions["solidloop"]
+    session = state.db.session
+    times, total = [], None
+    scanned = bool(search.text or search.state or search.failure or search.created_from
+                   or search.created_to)  # the list then estimates (or knows from its scan)
+    for _ in range(passes):
+        started = time.perf_counter()
+        total = (listing.estimate(session, search) if scanned else listing.count_or_estimate(
+            session, search, budget_seconds=state.config.admin_count_budget))
+        times.append((time.perf_counter() - started) * 1000)
+        session.rollback()
+    assert total is not None
+    return {"count_ms": statistics.median(times), "count": total.count, "exact": total.exact}
 
 
 def observers(app: Flask, conninfo: str, loop_id: int, shell: int, count: int,
@@ -312,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
             page2 = conn.execute("SELECT id FROM solidloop_loops WHERE status = 'failed' "
                                  "AND agent_name = 'support' ORDER BY id DESC OFFSET 50 "
                                  "LIMIT 1").fetchone()
+            page3 = conn.execute("SELECT id FROM solidloop_loops WHERE status = 'failed' "
+                                 "AND agent_name = 'support' ORDER BY id DESC OFFSET 100 "
+                                 "LIMIT 1").fetchone()
         with app.app_context():
             state = app.extensions["solidloop"]
             first_kind = ("catch-up (reused data, rolled up before)"
@@ -337,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
             ("list, status=failed & agent", "/admin/loops?status=failed&agent=support"),
             ("list, failed: page 2 (keyset)",
              f"/admin/loops?status=failed&agent=support&before={page2[0] if page2 else 0}"),
+            ("list, failed: newer than page 3 (keyset)",
+             f"/admin/loops?status=failed&agent=support&after={page3[0] if page3 else 0}"),
             ("list, failure=infra:http", "/admin/loops?failure=infra%3Ahttp"),
             ("list, failure=agent", "/admin/loops?failure=agent"),
             ("list, subject", f"/admin/loops?subject_type={subject[0]}&subject_id={subject[1]}"
@@ -361,13 +397,16 @@ def main(argv: list[str] | None = None) -> int:
           f"messages ({generation}); {reaper.server_info(args.url)}")
     print(f"\nrollup: first pass ({first_kind}) {backfill_s:.1f} s, "
           f"{backfill.minute_rows} minute rows; a steady pass {steady_ms:.0f} ms")
-    print(f"\n| page | median ms | p95 ms | KB | target {TARGET_MS:.0f} ms |")
-    print("|---|---:|---:|---:|---|")
-    print(f"| {baseline['page']} | {baseline['median']:.1f} | {baseline['p95']:.1f} | - | - |")
+    print(f"\n| page | median ms | p95 ms | KB | count ms | total | target {TARGET_MS:.0f} ms |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    print(f"| {baseline['page']} | {baseline['median']:.1f} | {baseline['p95']:.1f} "
+          "| - | - | - | - |")
     for row in rows:
         verdict = "PASS" if row["median"] < TARGET_MS else "MISS"
+        count = (f"{row['count_ms']:.1f} | {'' if row['exact'] else 'about '}{row['count']:,}"
+                 if "count_ms" in row else "- | -")
         print(f"| {row['page']} | {row['median']:.1f} | {row['p95']:.1f} | "
-              f"{row['bytes'] / 1024:.0f} | {verdict} |")
+              f"{row['bytes'] / 1024:.0f} | {count} | {verdict} |")
     charts = rows[0]
     print(f"\ndashboard with charts: median {charts['median']:.1f} ms, p95 {charts['p95']:.1f}"
           f" ms; {charts['median'] / baseline['median']:.2f}x the baseline's median "

@@ -88,9 +88,11 @@ TABLES = ("solidloop_loops", "solidloop_messages", "solidloop_tool_calls",
 QUERIES: list[tuple[str, str, dict[str, Any]]] = [
     ("recover_jobs", broker_module.RECOVER, {"max_deliveries": 5, "promote_after": None}),
     ("expired_llm", heal_sql.EXPIRED_LLM, {}),
+    ("stalled_tools", heal_sql.HEAL_STALLED_TOOLS, {}),
     ("dropped_tools", heal_sql.DROPPED_TOOLS, {"grace": GRACE}),
     ("stuck_tool_phase", heal_sql.STUCK_TOOL_PHASE, {"grace": GRACE}),
     ("stuck_queued", heal_sql.STUCK_QUEUED, {"grace": GRACE}),
+    ("orphan_shells", heal_sql.HEAL_ORPHAN_SHELLS, {}),
 ]
 DRIVER_SQL = {"recover_jobs"}  # psycopg %(name)s parameters, not SQLAlchemy :name
 

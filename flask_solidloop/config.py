@@ -489,6 +489,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Loops a bulk admin action changes per batch (each loop in its own transaction)."),
     Setting("SOLIDLOOP_ADMIN_BULK_LIMIT", 10000, _positive_int,
             "Most loops one bulk admin action may act on; a larger set must be narrowed."),
+    Setting("SOLIDLOOP_ADMIN_COUNT_BUDGET", 0.1, _positive_float,
+            "Seconds the admin's loop list may spend counting the filtered loops exactly; "
+            "past it the list shows the planner's estimate, as \"about N\"."),
     Setting("SOLIDLOOP_PRICES", None, _prices,
             "Price table: model -> {input, cached_input, output} per million tokens."),
     Setting("SOLIDLOOP_SUBJECT_BUDGET", None, _subject_budget,
@@ -652,6 +655,7 @@ class Config:
     admin_trusted_origins: tuple[str, ...]
     admin_bulk_batch: int
     admin_bulk_limit: int
+    admin_count_budget: float
     prices: dict[str, Any]
     subject_budget: Any
     spend_retention: int

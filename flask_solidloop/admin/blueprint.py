@@ -14,6 +14,7 @@ the CSRF check; every response gets the CSP.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,8 @@ from werkzeug.datastructures import MultiDict
 
 from ..errors import InvalidArgumentError, SolidLoopError
 from ..jobs import control as jobs_control
-from ..loops import control, pending, queries, stats, wire_reads
+from ..loops import bulk as bulk_jobs
+from ..loops import control, listing, pending, queries, stats, wire_reads
 from ..loops import export as exporting
 from ..loops.lineage import lineage
 from ..maintenance import runs as maintenance_runs
@@ -273,24 +275,48 @@ def create_blueprint(*, authorize: security.Authorize | None,
     def loops() -> Any:
         search, error = search_or_error(request.args)
         before = request.args.get("before", type=int)
+        after = request.args.get("after", type=int) if before is None else None
         rows: list[Loop] = []
         searched_to = None
-        if search is not None and _unindexed(search):
+        total = None
+        session = state().db.session
+        if search is not None and after is not None:
+            # "newer": the page just above a loop, so both ways are keyset pages.
+            rows = listing.search_loops_newer(session, search, limit=page_size + 1,
+                                              after_id=after,
+                                              window=2000 if _unindexed(search) else None)
+        elif search is not None and _unindexed(search):
             # No index serves these filters: scan newest first within a time
             # budget, and say how far the search went (never a 10 s page).
             rows, searched_to = queries.search_loops_bounded(
-                state().db.session, search, limit=page_size + 1, before_id=before)
+                session, search, limit=page_size + 1, before_id=before)
         elif search is not None:
-            rows = queries.search_loops(state().db.session, search, limit=page_size + 1,
+            rows = queries.search_loops(session, search, limit=page_size + 1,
                                         before_id=before)
-        more = len(rows) > page_size
-        rows = rows[:page_size]
+        if search is not None and _unindexed(search):
+            # Counting what no index serves scans what the page could not: the
+            # estimate, unless the page's own scan reached the oldest loop.
+            whole = before is None and after is None and searched_to is None
+            total = (listing.Total(len(rows), True) if whole and len(rows) <= page_size
+                     else listing.estimate(session, search))
+        elif search is not None:
+            total = listing.count_or_estimate(session, search,
+                                              budget_seconds=state().config.admin_count_budget)
+        if after is not None:
+            newer = len(rows) > page_size
+            rows = rows[-page_size:]
+            more = bool(rows)
+        else:
+            more = len(rows) > page_size
+            rows = rows[:page_size]
+            newer = before is not None and bool(rows)
         template = ("solidloop/admin/_loop_rows.html" if request.headers.get("HX-Request")
                     else "solidloop/admin/loops.html")
         return render_template(
-            template, rows=rows, error=error, search=search,
+            template, rows=rows, error=error, search=search, total=total,
             filter_items=filters.query_items(request.args),
             next_before=rows[-1].id if more and rows else searched_to,
+            next_after=rows[0].id if newer and rows else None,
             searched_to=searched_to if not more else None,
             qs=filters.query_string(request.args),
             agents=sorted(state().extension.agents),
@@ -405,11 +431,21 @@ def create_blueprint(*, authorize: security.Authorize | None,
 
     @bp.post("/loops/bulk")
     def bulk() -> Any:
+        """A bulk action: the confirmation page (a count, the set frozen, a
+        token), then, confirmed, its row and job (loops/bulk.py) and a 303 to
+        its progress page. The same token again goes to the same action."""
         form = request.form
-        action = form.get("action", "")
+        # The list's "… selected" buttons say selected_action; the confirmation, scope.
+        action = form.get("selected_action") or form.get("action", "")
         if action not in BULK_ACTIONS:
             return Response(f"bulk action {action!r} is unknown; use one of "
                             f"{', '.join(BULK_ACTIONS)}\n", status=400, mimetype="text/plain")
+        on_selected = "selected_action" in form or form.get("scope") == "selected"
+        selected = _selected(form) if on_selected else None
+        if selected == []:
+            return Response("bulk: no loop is selected; tick rows of the list, or act on "
+                            "every loop matching the filters\n", status=400,
+                            mimetype="text/plain")
         search, error = search_or_error(form)
         if search is None:
             return Response(f"{error}\n", status=400, mimetype="text/plain")
@@ -425,44 +461,45 @@ def create_blueprint(*, authorize: security.Authorize | None,
         qs = filters.query_string(form)
         if form.get("confirm") != "1":
             max_id = queries.newest_loop_id(session) or 0
-            frozen = _with_max(search, max_id)
-            count = queries.count_loops(session, frozen, cap=config.admin_bulk_limit)
+            count = (len(selected) if selected is not None else queries.count_loops(
+                session, _with_max(search, max_id), cap=config.admin_bulk_limit))
             return render_template("solidloop/admin/bulk_confirm.html", action=action,
                                    count=count, cap=config.admin_bulk_limit, max_id=max_id,
                                    filter_items=filters.query_items(form), qs=qs,
                                    from_=from_, message=form.get("message", ""),
-                                   unfiltered=search.empty)
+                                   unfiltered=search.empty and selected is None,
+                                   selected=selected, token=uuid.uuid4().hex)
         confirmed_max = form.get("max_id", type=int)
-        if confirmed_max is None:
+        if confirmed_max is None and selected is None:
             return Response("bulk: max_id missing; confirm from the confirmation page\n",
                             status=400, mimetype="text/plain")
-        report = run_bulk(action, _with_max(search, confirmed_max), from_=from_,
-                          message=(form.get("message") or "").strip() or None,
-                          batch=config.admin_bulk_batch, limit=config.admin_bulk_limit)
-        return render_template("solidloop/admin/bulk_done.html", action=action, qs=qs,
-                               **report)
+        options: dict[str, Any] = {"resume_from": list(from_),
+                                   "message": (form.get("message") or "").strip() or None,
+                                   "reason": STOP_REASON, "qs": qs}
+        try:
+            requested = bulk_jobs.request_bulk(
+                state(), token=form.get("token", ""), action=action, options=options,
+                limit=config.admin_bulk_limit, loop_ids=selected,
+                search=None if selected is not None else _with_max(search, confirmed_max or 0),
+                requested_by=who())
+        except InvalidArgumentError as exc:
+            return Response(f"bulk: {exc}\n", status=400, mimetype="text/plain")
+        return redirect(url_for(".bulk_action", bulk_id=requested.id), 303)
 
-    def run_bulk(action: str, search: queries.LoopSearch, *, from_: tuple[str, ...],
-                 message: str | None, batch: int, limit: int) -> dict[str, Any]:
-        session = state().db.session
-        changed: list[int] = []
-        unchanged: list[int] = []
-        batches = 0
-        before: int | None = None
-        while len(changed) + len(unchanged) < limit:
-            ids = queries.search_loop_ids(session, search, limit=min(
-                batch, limit - len(changed) - len(unchanged)), before_id=before)
-            session.rollback()  # each loop below is its own locked transaction
-            if not ids:
-                break
-            batches += 1
-            form = MultiDict([("resume_from", s) for s in from_] + ([("message", message)]
-                                                              if message else []))
-            for loop_id in ids:
-                (changed if apply(action, loop_id, form) else unchanged).append(loop_id)
-            before = ids[-1]
-        return {"changed": changed, "unchanged": unchanged, "batches": batches,
-                "hit_limit": len(changed) + len(unchanged) >= limit, "limit": limit}
+    @bp.get("/bulk/<int:bulk_id>")
+    def bulk_action(bulk_id: int) -> Any:
+        """A bulk action's progress; htmx polls its fragment until it ends."""
+        row = bulk_jobs.get_bulk(state().db.session, bulk_id)
+        if row is None:
+            abort(404)
+        state().db.session.rollback()
+        template = ("solidloop/admin/_bulk_progress.html" if request.headers.get("HX-Request")
+                    else "solidloop/admin/bulk_done.html")
+        return render_template(template, bulk=row, qs=row.options.get("qs") or "")
+
+    def who() -> str:
+        name = operator(request) if operator is not None else None
+        return str(name) if name else approvals.DEFAULT_OPERATOR
 
     approvals.add_views(bp, state=state, operator=operator, page_size=page_size)
 
@@ -530,6 +567,11 @@ def create_blueprint(*, authorize: security.Authorize | None,
                                next_before=reqs[-1].id if more and reqs else None)
 
     return bp
+
+
+def _selected(form: MultiDict[str, str]) -> list[int]:
+    """The loop ids the operator ticked (``loop`` fields), valid ones only."""
+    return sorted({int(v) for v in form.getlist("loop") if v.isdigit()})
 
 
 def _unindexed(search: queries.LoopSearch) -> bool:

@@ -7,6 +7,7 @@ them. The host's session still reads and writes them, in the host's transaction.
 """
 
 from .base import Base, metadata
+from .bulk_action import BULK_STATUSES, BulkAction
 from .event import Event
 from .host_job import HOST_JOB_STATUSES, HostJob, JobResult, PeriodicRun
 from .job import Job
@@ -24,10 +25,12 @@ from .turn_stats import RollupMark, TurnStat
 from .worker import Leader, Worker
 
 __all__ = [
+    "BULK_STATUSES",
     "HOST_JOB_STATUSES",
     "RESUMABLE_STATUSES",
     "TERMINAL_STATUSES",
     "Base",
+    "BulkAction",
     "Event",
     "HostJob",
     "Job",

@@ -83,3 +83,7 @@ class Dispatcher:
 
     def maintenance(self, session: SessionLike, task: str) -> None:
         self._send(session, self.actors["maintenance"], (task,), continuation=False)
+
+    def bulk_action(self, session: SessionLike, bulk_id: int) -> None:
+        """The next chunk of a bulk action's walk (loops/bulk.py)."""
+        self._send(session, self.actors["bulk_action"], (bulk_id,), continuation=False)

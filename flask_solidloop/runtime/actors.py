@@ -15,9 +15,11 @@ NO_TIME_LIMIT_MS = 30 * 24 * 3600 * 1000
 
 
 def declare_actors(state: SolidLoopState) -> dict[str, dramatiq.Actor]:
-    """Bind llm_turn, tool_call, wait_timeout and maintenance to ``state.broker``."""
+    """Bind llm_turn, tool_call, wait_timeout, maintenance and bulk_action to
+    ``state.broker``."""
     from ..maintenance import run_maintenance
     from ..pipeline import watch_arrivals
+    from .bulk import run_bulk_chunk
     from .inline import run_chain
     from .job_log import logged_job
     from .turns import llm_turn_job, run_adopted, tool_call_job, wait_timeout_job
@@ -52,6 +54,10 @@ def declare_actors(state: SolidLoopState) -> dict[str, dramatiq.Actor]:
         with logged_job(f"maintenance {task}"):
             run_maintenance(state, task)
 
+    def bulk_action(bulk_id: int) -> None:
+        with logged_job(f"bulk action {bulk_id}"):
+            run_bulk_chunk(state, bulk_id)
+
     broker = state.broker
     return {
         "llm_turn": dramatiq.Actor(llm_turn, broker=broker, actor_name="solidloop.llm_turn",
@@ -63,6 +69,10 @@ def declare_actors(state: SolidLoopState) -> dict[str, dramatiq.Actor]:
                                        queue_name=QUEUE_TOOL, priority=0, options=dict(common)),
         "maintenance": dramatiq.Actor(maintenance, broker=broker,
                                       actor_name="solidloop.maintenance",
+                                      queue_name=QUEUE_MAINTENANCE, priority=10,
+                                      options=dict(common)),
+        "bulk_action": dramatiq.Actor(bulk_action, broker=broker,
+                                      actor_name="solidloop.bulk_action",
                                       queue_name=QUEUE_MAINTENANCE, priority=10,
                                       options=dict(common)),
     }

@@ -293,6 +293,8 @@ def test_actions_bulk_resume_csrf_and_closed_mount(app, session, llm, stack, pag
     page.click('#bulk button[value="resume"]')
     assert page.locator("#bulk-count").get_attribute("data-count") == "4"
     page.click("#bulk-go")
+    page.wait_for_url(re.compile(r"/admin/bulk/\d+$"))  # a job walks them; its progress page
+    page.wait_for_selector('#bulk-progress[data-status="done"]', timeout=60_000)
     assert page.locator("#bulk-result").get_attribute("data-changed") == "4"
     for loop_id in failed:
         wait_status(session, loop_id, ("completed",))

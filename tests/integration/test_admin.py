@@ -307,10 +307,14 @@ def test_bulk_resume_acts_on_the_filtered_set_after_a_count(app, session):
     assert all(session.get(Loop, i).status == "failed" for i in failed)  # nothing yet
     late = Assistant.start(message="late").id
     store.stop(session, late, reason="ProviderHTTPError: HTTP 500")
-    done = c.post("/admin/loops/bulk", headers=SAME,
-                  data={**form, "confirm": "1", "max_id": str(max_id), "resume_from": "failed"})
-    page = done.get_data(as_text=True)
-    assert 'data-changed="5"' in page and "in 3 batch(es)" in page
+    token = re.search(r'name="token" value="(\w+)"', html).group(1)
+    posted = c.post("/admin/loops/bulk", headers=SAME,
+                    data={**form, "confirm": "1", "max_id": str(max_id),
+                          "resume_from": "failed", "token": token})
+    assert posted.status_code == 303
+    assert run(app, queues=("solidloop_maintenance",)) == 3  # chunks of 2: 2, 2, 1
+    page = c.get(posted.headers["Location"]).get_data(as_text=True)
+    assert 'data-changed="5"' in page and 'data-status="done"' in page
     assert 'href="/admin/loops?status=failed&amp;agent=assistant"' in page
     session.expire_all()
     assert [session.get(Loop, i).status for i in failed] == ["queued"] * 5

@@ -2,10 +2,15 @@
  *
  * 1. Live regions (class "live-region") refresh on a timer, but not while the
  *    user is editing a form on the page: the request is cancelled, so typed
- *    filters, ticked boxes and focus survive.
+ *    filters, ticked boxes and focus survive (a row's checkbox belongs to the
+ *    bulk form by its form attribute, outside the form element).
  *    The loop page's regions (its actions, decisions) are not refreshed
  *    while a confirmation there is open or one of their fields is edited.
- * 2. The SSE extension, when a stream is CLOSED (an HTTP error), opens a new
+ * 2. A form marked data-submit-once (a bulk action's confirmation) submits
+ *    once: its buttons disable themselves, and a second submit is dropped
+ *    (the server's idempotency token covers a reload or a replayed POST).
+ *    A page restored by the back button gets its buttons back.
+ * 3. The SSE extension, when a stream is CLOSED (an HTTP error), opens a new
  *    EventSource, which would forget Last-Event-ID; we carry it in the URL so
  *    the new stream still resumes with no gap and no duplicate. Reconnects of a
  *    stream that merely ended are the browser's own and send the header.
@@ -14,16 +19,16 @@
   "use strict";
   var editing = false;
   document.addEventListener("focusin", function (e) {
-    if (e.target.closest && e.target.closest("form")) { editing = true; }
+    if (e.target.form || (e.target.closest && e.target.closest("form"))) { editing = true; }
   });
   document.addEventListener("focusout", function () {
     window.setTimeout(function () {
       var a = document.activeElement;
-      editing = !!(a && a.closest && a.closest("form") && a !== document.body);
+      editing = !!(a && (a.form || (a.closest && a.closest("form"))) && a !== document.body);
     }, 0);
   });
   document.addEventListener("input", function (e) {
-    var form = e.target.closest && e.target.closest("form");
+    var form = e.target.form || (e.target.closest && e.target.closest("form"));
     if (form) { form.dataset.dirty = "1"; }
   });
   document.addEventListener("htmx:beforeRequest", function (e) {
@@ -44,6 +49,28 @@
     }
     if (!elt || !elt.classList || !elt.classList.contains("live-region")) { return; }
     if (editing || document.querySelector("form[data-dirty='1']")) { e.preventDefault(); }
+  });
+
+  document.addEventListener("submit", function (e) {
+    var form = e.target;
+    if (!form.hasAttribute || !form.hasAttribute("data-submit-once")) { return; }
+    if (form.dataset.submitted === "1") { e.preventDefault(); return; }
+    form.dataset.submitted = "1";
+    window.setTimeout(function () {  // after the browser took the submitter's value
+      form.querySelectorAll("button, input[type=submit]").forEach(function (b) {
+        b.disabled = true;
+      });
+      form.setAttribute("aria-busy", "true");
+    }, 0);
+  });
+  window.addEventListener("pageshow", function () {
+    document.querySelectorAll("form[data-submit-once]").forEach(function (form) {
+      delete form.dataset.submitted;
+      form.removeAttribute("aria-busy");
+      form.querySelectorAll("button, input[type=submit]").forEach(function (b) {
+        b.disabled = false;
+      });
+    });
   });
 
   var lastIds = {};

@@ -5,7 +5,7 @@ turns, tokens, cost, a latency histogram and failed loops by class;
 ``solidloop_rollup_marks``: up to which minute the rollup pass has gone.
 
 Revision ID: 0034
-Revises: 0032
+Revises: 0033
 Create Date: 2026-12-04 03:00:00
 
 """
@@ -17,7 +17,7 @@ from sqlalchemy.dialects import postgresql
 
 # revision identifiers, used by Alembic.
 revision: str = '0034'
-down_revision: str | Sequence[str] | None = '0032'
+down_revision: str | Sequence[str] | None = '0033'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
