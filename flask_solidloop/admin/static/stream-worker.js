@@ -55,8 +55,8 @@ function open() {
 
 function connect(url) {
   var source = new EventSource(url, { withCredentials: true });
+  source.onopen = function () { backoff = 500; };
   source.onmessage = function (e) {
-    backoff = 500;
     var message;
     try { message = JSON.parse(e.data); } catch (err) { return; }
     var loop = loops[message.loop];
