@@ -51,9 +51,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reaper
 
 from flask_solidloop import SolidLoop
-from flask_solidloop.streaming import LISTEN_APPLICATION_NAME
 from flask_solidloop.database import ensure_database
 from flask_solidloop.loops import store
+from flask_solidloop.streaming import LISTEN_APPLICATION_NAME
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/solidloop_bench_admin"
 TARGET_MS = 300.0

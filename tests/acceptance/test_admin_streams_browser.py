@@ -35,7 +35,7 @@ def text_of(page) -> str:
 
 @pytest.mark.timeout(600)
 def test_thirty_tabs_on_one_running_loop_all_stream_and_other_pages_still_load(
-        app, session, llm, stack, browser):
+        app, session, llm, stack, browser):  # noqa: F811 - the imported fixtures
     base, access = stack
     from ..support import admin_app  # noqa: F401  (registers the streaming agent here too)
     from ..support.admin_app import LiveAgent
