@@ -107,3 +107,30 @@ def test_thirty_tabs_on_one_running_loop_all_stream_and_other_pages_still_load(
     assert not [line for line in lines if f"/admin/loops/{live.id}/stream" in line]
     shared = [line for line in lines if "/admin/stream?" in line and f"loop={live.id}:" in line]
     assert shared and all(line.split("|")[2] == "200" for line in shared), shared[:5]
+
+
+def test_without_shared_worker_a_page_streams_on_its_own_and_resumes_by_last_event_id(
+        app, session, llm, stack, browser):  # noqa: F811 - the imported fixtures
+    base, access = stack
+    from ..support import admin_app  # noqa: F401  (registers the streaming agent here too)
+    from ..support.admin_app import LiveAgent
+
+    words = " ".join(f"w{i:03d}" for i in range(120))
+    llm.fault_next("slow_stream", seconds=0.1)
+    llm.script(lambda req: "talk" in str(req["messages"][-1].get("content")),
+               {"content": words})
+    live = LiveAgent.start(message="talk")
+    context = browser.new_context()
+    context.add_init_script("delete window.SharedWorker;")  # a browser without it
+    try:
+        page = context.new_page()
+        page.goto(f"{base}/admin/loops/{live.id}", timeout=120_000)
+        wait_text(page, "#live-tokens", "w119", timeout=180)
+        assert page.locator("#live-tokens").text_content() == words
+    finally:
+        context.close()
+    lines = [line.split("|") for line in access.read_text().splitlines()]
+    assert not [line for line in lines if "/admin/stream?" in line[0]]
+    own = [line for line in lines if f"/admin/loops/{live.id}/stream" in line[0]]
+    resumed = [line for line in own if line[1] != "-"]
+    assert resumed and all(line[1].isdigit() for line in resumed), own
