@@ -130,6 +130,7 @@ self.onconnect = function (e) {
     var data = m.data || {};
     page.seen = Date.now();
     if (data.type === "watch") {
+      if (pages.indexOf(page) === -1) { pages.push(page); }  // back from the page cache
       streamUrl = data.stream || streamUrl;
       watch(page, String(data.loop), +data.cursor || 0);
     } else if (data.type === "unwatch") {
