@@ -26,7 +26,7 @@ from ..dbapi import is_transient
 from ..loops import store
 from ..state import SolidLoopState
 from .events import StreamEvent
-from .follow import WATCH_SECONDS, _read, engine_of, hub_for
+from .follow import WATCH_SECONDS, engine_of, hub_for, read_page
 from .hub import CHANNEL, CLIENT_PREFIX
 
 logger = logging.getLogger("flask_solidloop.streaming")
@@ -170,7 +170,7 @@ def _step(state: SolidLoopState, follower: _Loop, reasoning: bool,
     status: str | None = None
     newest: int | None
     if batch is None:
-        page = _read(state, hub, loop_id, follower.cursor, wait)
+        page = read_page(state, hub, loop_id, follower.cursor, wait)
         follower.read_at = time.monotonic()
         if page is None:  # another stream's read filled the feed
             batch = hub.cached(loop_id, follower.cursor)
