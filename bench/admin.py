@@ -33,7 +33,7 @@ still matches).
    with charts (the whole page) is printed as a ratio of it.
 2. Observers: a threaded WSGI server in this process serves the admin;
    ``--observers`` clients hold the big loop's live stream open while a writer
-   records ``--partials`` partials (``loops.store.record_partial``, which
+   records ``--partials`` partials (``loops.store.record_delta``, which
    NOTIFYs on commit). Reports how long each partial took to reach every
    observer (median / max), and the database connections the web process held
    (sampled from pg_stat_activity: LISTEN connections by application_name, and
@@ -43,6 +43,9 @@ still matches).
 from __future__ import annotations
 
 import argparse
+import html
+import json
+import re
 import statistics
 import sys
 import threading
@@ -69,6 +72,8 @@ DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/solidloop_bench_admi
 TARGET_MS = 300.0
 BIG_AGENT = "bench_admin_big"
 WEB_APP_NAME = "solidloop-bench-admin-web"
+#: A token event's offset and text (admin/live.py's token_html).
+TOKEN = re.compile(r'data-o="(\d+)">([^<]*)</span>')
 
 
 def log(message: str) -> None:
@@ -242,18 +247,24 @@ def observers(app: Flask, conninfo: str, loop_id: int, shell: int, count: int,
     server = make_server("127.0.0.1", 0, app, threaded=True)
     port = server.server_port
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{port}/admin/loops/{loop_id}/stream?cursor={shell}:0"
+    # Each observer is a browser: the shared stream (admin/static/stream-worker.js),
+    # from where the loop's page would start, with a client id of its own.
+    url = f"http://127.0.0.1:{port}/admin/stream?loop={loop_id}&client=bench-{{}}"
     received: list[dict[int, float]] = [{} for _ in range(count)]
     ready = threading.Barrier(count + 1)
     stop = threading.Event()
 
     def observe(i: int) -> None:
-        with httpx.Client(timeout=30) as client, client.stream("GET", url) as response:
+        with httpx.Client(timeout=30) as client, \
+                client.stream("GET", url.format(i)) as response:
             ready.wait()
             for line in response.iter_lines():
-                if line.startswith("id: "):
-                    offset = int(line.split(":")[-1])
-                    received[i].setdefault(offset, time.perf_counter())
+                if line.startswith("data: {"):
+                    message = json.loads(line[6:])
+                    token = TOKEN.search(message["data"]) if message["event"] == "token" else None
+                    if token:  # the text's length once this piece is shown
+                        end = int(token.group(1)) + len(html.unescape(token.group(2)))
+                        received[i].setdefault(end, time.perf_counter())
                 if stop.is_set():
                     return
 
@@ -283,9 +294,10 @@ def observers(app: Flask, conninfo: str, loop_id: int, shell: int, count: int,
         engine = create_engine(reaper.sqlalchemy_url(app.config["SQLALCHEMY_DATABASE_URI"]))
         with Session(engine) as session:
             for n in range(partials):
-                text += f"token{n:03d} "
+                piece = f"token{n:03d} "
                 sent = time.perf_counter()
-                store.record_partial(session, shell, text, None)
+                store.record_delta(session, shell, piece, len(text))
+                text += piece
                 deadline = time.monotonic() + 10
                 while time.monotonic() < deadline and not all(
                         len(text) in r for r in received):

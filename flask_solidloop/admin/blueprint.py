@@ -332,7 +332,7 @@ def create_blueprint(*, authorize: security.Authorize | None,
         begin = live.start(session, loop_id)
         return render_template("solidloop/admin/loop.html", lp=row, cursor=begin.cursor,
                                tree=lineage(session, row),
-                               live_message=begin.message_id, live_text=begin.text,
+                               live_parts=begin.parts,
                                back=_back(), did=request.args.get("did"),
                                ok=request.args.get("ok"), results=RESULTS,
                                decided=request.args.get("decided", type=int),
@@ -381,6 +381,25 @@ def create_blueprint(*, authorize: security.Authorize | None,
                                heartbeat=config.admin_heartbeat)
         except InvalidArgumentError as exc:
             return Response(f"{exc}\n", status=400, mimetype="text/plain")
+        return Response(stream_with_context(body), mimetype="text/event-stream",
+                        headers=dict(HEADERS))
+
+    @bp.get("/stream")
+    def streams() -> Any:
+        """One browser's stream of many loops (static/stream-worker.js holds it):
+        ``?loop=ID:CURSOR&loop=...&client=ID`` (docs/decisions/0045-one-stream-per-browser.md)."""
+        config = state().config
+        try:
+            asked = live.parse_loops(request.args.getlist("loop"), request.args.get("client"))
+        except InvalidArgumentError as exc:
+            return Response(f"{exc}\n", status=400, mimetype="text/plain")
+        session = state().db.session
+        cursors = {loop_id: int(live.start(session, loop_id).cursor) if after is None else after
+                   for loop_id, after in asked.items()}
+        session.remove() if hasattr(session, "remove") else session.close()
+        body = live.stream_many(state(), cursors, request.args.get("client"),
+                                seconds=config.admin_stream_seconds,
+                                heartbeat=config.admin_heartbeat)
         return Response(stream_with_context(body), mimetype="text/event-stream",
                         headers=dict(HEADERS))
 

@@ -16,6 +16,7 @@ from .follow import (
     wait_settled,
 )
 from .hub import LISTEN_APPLICATION_NAME, LiveHub
+from .many import claim_client, follow_many, new_stream_token, release_client
 from .sse import HEADERS, RETRY_MS, frame, sse_response
 
 __all__ = [
@@ -27,12 +28,16 @@ __all__ = [
     "TERMINAL_KINDS",
     "LiveHub",
     "StreamEvent",
+    "claim_client",
     "follow",
+    "follow_many",
     "frame",
     "hub_for",
     "mark_watched",
+    "new_stream_token",
     "parse_after",
     "read_events",
+    "release_client",
     "require_loop",
     "sse_response",
     "wait_settled",

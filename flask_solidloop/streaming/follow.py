@@ -71,7 +71,7 @@ def mark_watched(state: SolidLoopState, loop_id: int, seconds: float = WATCH_SEC
         logger.warning("loop %s: could not mark it watched (%s)", loop_id, type(exc).__name__)
 
 
-def _read(state: SolidLoopState, hub: LiveHub, loop_id: int, after: int,
+def read_page(state: SolidLoopState, hub: LiveHub, loop_id: int, after: int,
           wait: float) -> Page | None:
     """The table's events after ``after`` (the hub's feed takes them when they
     reach the end); None when another stream's read served the feed meanwhile."""
@@ -113,7 +113,7 @@ def follow(state: SolidLoopState, loop_id: int, after: int, *, seconds: float | 
             newest: int | None
             if batch is None:
                 try:
-                    page = _read(state, hub, loop_id, cursor, heartbeat)
+                    page = read_page(state, hub, loop_id, cursor, heartbeat)
                 except Exception as exc:
                     if not is_transient(exc):
                         raise

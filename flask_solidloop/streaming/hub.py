@@ -10,7 +10,12 @@ leaves the feed *stale*: the next stream reads the table, once for every
 stream of that loop in the process, and hands the feed what it read.
 
 A stream waits on the hub's condition for its loop's version to move: it
-holds a thread and nothing else (no connection, no lease).
+holds a thread and nothing else (no connection, no lease). A browser's stream
+of many loops waits for any of theirs to move (:meth:`LiveHub.wait_any`).
+
+A notification ``client <id>`` with a token on its second line says that
+browser opened a newer stream: its older streams in every process end
+(:meth:`LiveHub.claim`), so reconnects never pile up.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import psycopg
@@ -34,6 +39,8 @@ logger = logging.getLogger("flask_solidloop.streaming")
 LISTEN_APPLICATION_NAME = "solidloop-live"
 #: The channel every event of a watched loop (and every status) is notified on.
 CHANNEL = "solidloop_live"
+#: A notification that a browser opened a newer stream: ``client <id>\n<token>``.
+CLIENT_PREFIX = "client "
 #: Seconds the LISTEN thread stays up with no stream watching; it closes its
 #: connection then, and the next stream starts it again.
 IDLE_SECONDS = 60.0
@@ -83,6 +90,9 @@ class LiveHub:
         self.pid = os.getpid()
         self._cond = threading.Condition()
         self._feeds: dict[int, Feed] = {}
+        #: Browser id -> the newest stream token heard, and the streams of it here.
+        self._clients: dict[str, str] = {}
+        self._client_streams: dict[str, int] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.connected = threading.Event()
@@ -158,6 +168,9 @@ class LiveHub:
         """One notification: extend the loop's feed with the event it carries,
         or leave the feed stale; wake the loop's streams either way."""
         head, _, body = payload.partition("\n")
+        if head.startswith(CLIENT_PREFIX):
+            self._newer_stream(head[len(CLIENT_PREFIX):], body)
+            return
         parts = head.split(":")
         try:
             loop_id = int(parts[0])
@@ -185,6 +198,47 @@ class LiveHub:
                 feed.last = None
             feed.version += 1
             self._cond.notify_all()
+
+    # -- browsers' streams of many loops -----------------------------------------
+
+    def claim(self, client: str, token: str) -> None:
+        """A stream of browser ``client`` starts with ``token`` (tokens grow
+        with time): this process's older streams of that browser end."""
+        with self._cond:
+            self._client_streams[client] = self._client_streams.get(client, 0) + 1
+            self._newer_stream(client, token)
+
+    def release(self, client: str) -> None:
+        with self._cond:
+            left = self._client_streams.get(client, 0) - 1
+            if left > 0:
+                self._client_streams[client] = left
+            else:
+                self._client_streams.pop(client, None)
+                self._clients.pop(client, None)
+
+    def _newer_stream(self, client: str, token: str) -> None:
+        # A client no stream here belongs to is ignored: the map stays as small
+        # as this process's streams.
+        with self._cond:
+            if client in self._client_streams and token > self._clients.get(client, ""):
+                self._clients[client] = token
+                self._cond.notify_all()
+
+    def superseded(self, client: str, token: str) -> bool:
+        """Whether the browser opened a newer stream than ``token``."""
+        with self._cond:
+            return self._clients.get(client, token) != token
+
+    def wait_any(self, seen: Mapping[int, int], timeout: float,
+                 stop: Callable[[], bool] | None = None) -> bool:
+        """Block until any of the loops' versions moves past ``seen`` (or
+        ``stop()`` says so, or ``timeout`` passes); True unless it timed out."""
+        def moved() -> bool:
+            return (stop is not None and stop()) or any(
+                self._version(loop_id) != version for loop_id, version in seen.items())
+        with self._cond:
+            return self._cond.wait_for(moved, timeout)
 
     # -- streams ----------------------------------------------------------------
 

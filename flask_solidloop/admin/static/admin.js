@@ -14,6 +14,11 @@
  *    EventSource, which would forget Last-Event-ID; we carry it in the URL so
  *    the new stream still resumes with no gap and no duplicate. Reconnects of a
  *    stream that merely ended are the browser's own and send the header.
+ * 4. Where the browser has SharedWorker, a loop page's stream is not its own
+ *    EventSource: the page hands its loop and cursor to static/stream-worker.js,
+ *    which holds one stream for every open loop page of the browser, and gets
+ *    its loop's messages back over a MessagePort. The htmx sse extension gets
+ *    an object that behaves as an EventSource for it (SharedSource below).
  */
 (function () {
   "use strict";
@@ -78,9 +83,80 @@
     var src = e.detail && e.detail.target;
     if (src && src.url && e.detail.lastEventId) { lastIds[src.url] = e.detail.lastEventId; }
   });
+  // -- one stream per browser (4.) -------------------------------------------
+  var shared = null;   // {port, sources: {loop: SharedSource}}
+  function sharedWorker(elt) {
+    if (shared !== null) { return shared || null; }
+    shared = false;
+    if (!window.SharedWorker || !elt.dataset.streamWorker) { return null; }
+    try {
+      var worker = new SharedWorker(elt.dataset.streamWorker, { name: "solidloop-admin-stream" });
+      shared = { port: worker.port, sources: {}, url: elt.dataset.streams };
+    } catch (err) { return null; }  // blocked (CSP, a private mode): a stream of its own
+    shared.port.onmessage = function (e) {
+      var source = shared.sources[e.data && e.data.loop];
+      if (source) { source.receive(e.data); }
+    };
+    shared.port.start();
+    window.addEventListener("pagehide", function () { shared.port.postMessage({ type: "bye" }); });
+    window.addEventListener("pageshow", function (e) {
+      if (!e.persisted) { return; }
+      Object.keys(shared.sources).forEach(function (k) { shared.sources[k].register(); });
+    });
+    window.setInterval(function () { shared.port.postMessage({ type: "ping" }); }, 30000);
+    return shared;
+  }
+  function SharedSource(hub, url, loop, cursor) {
+    var target = new EventTarget();
+    target.url = url;
+    target.readyState = 0;
+    target.onopen = null;
+    target.onerror = null;
+    target.last = +cursor || 0;
+    target.register = function () {
+      hub.port.postMessage({ type: "watch", loop: loop, cursor: target.last, stream: hub.url });
+    };
+    target.receive = function (m) {
+      if (target.readyState === 2) { return; }
+      if (m.id) {
+        if (+m.id <= target.last) { return; }  // shown already (a replay)
+        target.last = +m.id;
+      }
+      target.dispatchEvent(new MessageEvent(m.event, { data: m.data, lastEventId: m.id || "" }));
+    };
+    target.close = function () {
+      if (target.readyState === 2) { return; }
+      target.readyState = 2;
+      delete hub.sources[loop];
+      hub.port.postMessage({ type: "unwatch", loop: loop });
+    };
+    hub.sources[loop] = target;
+    target.register();
+    window.setTimeout(function () {
+      if (target.readyState !== 0) { return; }
+      target.readyState = 1;
+      if (target.onopen) { target.onopen(new Event("open")); }
+    }, 0);
+    return target;
+  }
+  function sharedSource(url) {
+    var elt = null;
+    document.querySelectorAll("[data-stream-loop]").forEach(function (e) {
+      if (e.getAttribute("sse-connect") === url) { elt = e; }
+    });
+    var hub = elt && sharedWorker(elt);
+    if (!hub) { return null; }
+    var old = hub.sources[elt.dataset.streamLoop];
+    var cursor = old ? old.last : elt.dataset.streamCursor;
+    if (old) { old.close(); }
+    return SharedSource(hub, url, elt.dataset.streamLoop, cursor);
+  }
+
   function install() {
     if (!window.htmx) { return; }
     htmx.createEventSource = function (url) {
+      var viaWorker = sharedSource(url);
+      if (viaWorker) { return viaWorker; }
       var base = url.split("#")[0];
       var known = null;
       Object.keys(lastIds).forEach(function (k) { if (k.indexOf(base.split("?")[0]) !== -1) { known = lastIds[k]; } });
