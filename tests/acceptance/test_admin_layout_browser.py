@@ -81,12 +81,23 @@ def test_axe_finds_no_serious_or_critical_violation_on_any_page(browser, loops, 
         for path in ("/admin/", "/admin/loops", f"/admin/loops/{ids['done']}",
                      f"/admin/loops/{ids['broken']}", f"/admin/loops/{ids['held']}",
                      "/admin/loops?status=failed&q=zzz", "/admin/jobs", "/admin/workers",
-                     "/admin/inbound", "/admin/limits", "/admin/approvals"):
+                     "/admin/inbound", "/admin/limits", "/admin/approvals",
+                     "/admin/?range=7d", "/admin/agents/assistant"):
             page.goto(base + path)
             page.wait_for_load_state("load")
             bad = _violations(page)
             if bad:
                 found[path] = bad
+        # a bulk action's confirmation and its progress page, reached as an operator does
+        page.goto(base + "/admin/loops")
+        page.locator(f'tr[data-loop="{ids["held"]}"] td.pick input').check()
+        page.locator('button[name="selected_action"][value="pause"]').click()
+        page.wait_for_selector("#bulk-confirm")
+        found.update({"bulk confirmation": bad} if (bad := _violations(page)) else {})
+        page.locator("#bulk-go").click()
+        page.wait_for_url(re.compile(r"/admin/bulk/\d+"))
+        page.wait_for_load_state("load")
+        found.update({"bulk progress": bad} if (bad := _violations(page)) else {})
         assert found == {}, found
     finally:
         context.close()
@@ -149,7 +160,12 @@ def test_the_keyboard_reaches_the_rows_and_the_actions_with_focus_visible(browse
         _focus_is_visible(page)
         page.keyboard.press("Enter")
         assert page.evaluate("() => document.activeElement.id") == "content"
-        _tab_until(page, "tr[data-loop]")
+        # a row's first stop is its checkbox: Space selects the row for a bulk action
+        _tab_until(page, "tr[data-loop] td.pick")
+        _focus_is_visible(page)
+        page.keyboard.press("Space")
+        assert page.evaluate("() => document.activeElement.checked") is True
+        _tab_until(page, "tr[data-loop] a", limit=3)
         _focus_is_visible(page)
         href = page.evaluate("() => document.activeElement.getAttribute('href')")
         assert re.search(r"/admin/loops/\d+", href)
