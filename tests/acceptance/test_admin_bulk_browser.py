@@ -18,6 +18,7 @@ from sqlalchemy import text
 
 from flask_solidloop.models import BulkAction
 
+from ..support.loop_writes import counted_loop_writes
 from ..support.support_app import Assistant
 from .test_admin_browser import (  # noqa: F401 - browser and page are fixtures
     APP_CONFIG,
@@ -67,25 +68,7 @@ def stack(app, llm, tmp_path, monkeypatch):
 def writes(session):
     """Every UPDATE of a loop row, counted per loop by a trigger that also takes
     3 ms (a slow disk): the walk lasts seconds, long enough to watch and to kill."""
-    session.execute(text(
-        "CREATE TABLE IF NOT EXISTS test_loop_writes (loop_id bigint, status text);"
-        "TRUNCATE test_loop_writes;"
-        "CREATE OR REPLACE FUNCTION test_count_loop_write() RETURNS trigger AS $$ BEGIN "
-        "INSERT INTO test_loop_writes VALUES (NEW.id, NEW.status); PERFORM pg_sleep(0.003); "
-        "RETURN NEW; END $$ LANGUAGE plpgsql;"
-        "CREATE TRIGGER test_count_loop_writes AFTER UPDATE ON solidloop_loops "
-        "FOR EACH ROW EXECUTE FUNCTION test_count_loop_write();"))
-    session.commit()
-
-    def counts() -> dict[int, int]:
-        session.rollback()
-        return dict(session.execute(text(
-            "SELECT loop_id, count(*) FROM test_loop_writes GROUP BY loop_id")).all())
-    yield counts
-    session.rollback()
-    session.execute(text("DROP TRIGGER IF EXISTS test_count_loop_writes ON solidloop_loops;"
-                         "DROP TABLE IF EXISTS test_loop_writes;"))
-    session.commit()
+    yield from counted_loop_writes(session, delay=0.003)
 
 
 def paused_loops(session, n: int) -> list[int]:

@@ -15,6 +15,7 @@ from flask_solidloop.loops import bulk, store
 from flask_solidloop.models import BulkAction, Job, Loop
 from flask_solidloop.testing import drain as run
 
+from ..support.loop_writes import counted_loop_writes
 from ..support.support_app import Assistant, solidloop
 
 SAME = {"Sec-Fetch-Site": "same-origin"}
@@ -32,25 +33,7 @@ def client(app):
 @pytest.fixture
 def writes(session):
     """Every UPDATE of a loop row, counted per loop by a PostgreSQL trigger."""
-    session.execute(text(
-        "CREATE TABLE IF NOT EXISTS test_loop_writes (loop_id bigint, status text);"
-        "TRUNCATE test_loop_writes;"
-        "CREATE OR REPLACE FUNCTION test_count_loop_write() RETURNS trigger AS $$ BEGIN "
-        "INSERT INTO test_loop_writes VALUES (NEW.id, NEW.status); RETURN NEW; END $$ "
-        "LANGUAGE plpgsql;"
-        "CREATE TRIGGER test_count_loop_writes AFTER UPDATE ON solidloop_loops "
-        "FOR EACH ROW EXECUTE FUNCTION test_count_loop_write();"))
-    session.commit()
-
-    def counts() -> dict[int, int]:
-        session.rollback()
-        return dict(session.execute(text(
-            "SELECT loop_id, count(*) FROM test_loop_writes GROUP BY loop_id")).all())
-    yield counts
-    session.rollback()
-    session.execute(text("DROP TRIGGER IF EXISTS test_count_loop_writes ON solidloop_loops;"
-                         "DROP TABLE IF EXISTS test_loop_writes;"))
-    session.commit()
+    yield from counted_loop_writes(session)
 
 
 def paused(n: int, session) -> list[int]:
